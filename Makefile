@@ -1,0 +1,35 @@
+# Set-up and everyday commands. Each target creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench samples clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@mkdir -p build/demo
+	$(BIN)/qtool quantize sample_weights/mlp.safetensors -o build/demo/mlp.int8.safetensors --force
+	$(BIN)/qtool dequantize build/demo/mlp.int8.safetensors -o build/demo/mlp.restored.safetensors --force
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py
+
+samples: $(STAMP)
+	$(BIN)/python scripts/make_sample_weights.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

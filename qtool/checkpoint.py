@@ -1,0 +1,318 @@
+"""Reading checkpoints one tensor at a time, and the streaming safetensors writer.
+
+.safetensors: the header is validated first (stformat), then the file is mapped privately and
+read-only in effect (ACCESS_COPY: nothing is ever written back); tensors are zero-copy views.
+Torch pickles (.pt/.pth/.bin): `torch.load(weights_only=True)` only, never a fallback, after a
+scan of the zip directory that refuses compressed members (zip bombs); only tensors are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from qtool.errors import InputError, UnsafeInputError
+from qtool.stformat import DTYPE_BITS, Header, HeaderError, TensorEntry, read_header
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+MIN_TORCH_FOR_PICKLES = (2, 10)  # weights_only had code-execution holes before 2.6 and 2.10
+STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module")
+
+TORCH_TO_ST: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+}
+ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
+
+
+@dataclass
+class Checkpoint:
+    """An open checkpoint: its tensors' entries in file order and lazy access to their data."""
+
+    path: Path
+    entries: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None
+    skipped: list[str] = field(default_factory=list)  # non-tensor entries of a pickle
+    _mm: mmap.mmap | None = None
+    _data_start: int = 0
+    _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    _stat: tuple[int, int] = (0, 0)
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {e.name: e for e in self.entries}
+
+    def tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """The tensor as a CPU torch tensor, zero-copy where the file allows."""
+        if entry.name in self._tensors:
+            return self._tensors[entry.name]
+        dtype = ST_TO_TORCH.get(entry.dtype)
+        if dtype is None:
+            raise InputError(
+                self.path, f"dtype {entry.dtype} is not supported by torch", entry.name
+            )
+        if entry.numel == 0 or self._mm is None:
+            return torch.empty(entry.shape, dtype=dtype)
+        flat = torch.frombuffer(
+            self._mm, dtype=dtype, count=entry.numel, offset=self._data_start + entry.begin
+        )
+        return flat.view(entry.shape)
+
+    def raw(self, entry: TensorEntry) -> memoryview:
+        """The tensor's bytes exactly as stored (little-endian, C order)."""
+        if entry.name in self._tensors:
+            return tensor_bytes(self._tensors[entry.name])
+        if self._mm is None:
+            return memoryview(b"")
+        start = self._data_start + entry.begin
+        return memoryview(self._mm)[start : start + entry.nbytes]
+
+    def check_unchanged(self) -> None:
+        """Fail if the file was modified while it was being read (its data may be torn)."""
+        st = os.stat(self.path)
+        if (st.st_size, st.st_mtime_ns) != self._stat:
+            raise InputError(self.path, "the file changed while qtool was reading it; run again")
+
+    def close(self) -> None:
+        self._tensors.clear()
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # a view is still alive; it keeps the map
+                self._mm.close()
+            self._mm = None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Bytes of a CPU tensor in C order (a zero-copy view when it is already contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.view(torch.uint8).numpy().data
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """Open a .safetensors file or a torch pickle state dict, validating before any data is read."""
+    _check_regular_file(path)
+    kind = sniff(path)
+    if kind == "safetensors":
+        return _open_safetensors(path)
+    if path.suffix not in PICKLE_SUFFIXES:
+        raise InputError(
+            path,
+            f"this is a torch pickle ({kind}) but is named {path.suffix or 'without a suffix'}; "
+            "pickles are only read from .pt/.pth/.bin files",
+        )
+    return _open_pickle(path, kind)
+
+
+def sniff(path: Path) -> str:
+    """'safetensors', 'zip' (modern torch.save) or 'pickle' (legacy), from the content."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    if head[:1] == b"\x80" and path.suffix in PICKLE_SUFFIXES:
+        return "pickle"
+    if path.suffix in PICKLE_SUFFIXES and head[:1] != b"\x80" and len(head) == 8:
+        # A .pt that is really safetensors is read as safetensors (the safe reading).
+        try:
+            read_header(path)
+            return "safetensors"
+        except HeaderError:
+            raise InputError(path, "not a torch checkpoint nor a safetensors file") from None
+    return "safetensors"
+
+
+def _check_regular_file(path: Path) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(path, "no such file; check the path") from None
+    except OSError as err:
+        raise InputError(path, f"cannot read: {err.strerror}") from None
+    if not os.path.isfile(path):
+        raise InputError(path, "not a regular file; give a checkpoint file")
+    if not os.access(path, os.R_OK) or st.st_mode & 0o444 == 0:
+        raise InputError(path, "permission denied; check the file's permissions")
+
+
+def _open_safetensors(path: Path) -> Checkpoint:
+    try:
+        header: Header = read_header(path)
+    except HeaderError as err:
+        raise InputError(path, f"not a valid safetensors file: {err}") from None
+    except OSError as err:
+        raise InputError(path, f"cannot read: {err.strerror}") from None
+    st = os.stat(path)
+    ckpt = Checkpoint(path, header.tensors, header.metadata, _stat=(st.st_size, st.st_mtime_ns))
+    if header.data_bytes:
+        with open(path, "rb") as f:
+            ckpt._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        ckpt._data_start = header.data_start
+    return ckpt
+
+
+def _open_pickle(path: Path, kind: str) -> Checkpoint:
+    if torch_version() < MIN_TORCH_FOR_PICKLES:
+        raise UnsafeInputError(
+            path,
+            f"reading torch pickles needs torch >= 2.10 (installed {torch.__version__}, whose "
+            "weights_only loader has known code-execution holes); upgrade torch or convert the "
+            "file to safetensors with a trusted tool",
+        )
+    if kind == "zip":
+        _check_zip(path)
+    loaded = _load_pickle(path, mmap_ok=kind == "zip")
+    state, skipped = _state_dict(path, loaded)
+    entries, offset = [], 0
+    for name, t in state.items():
+        dtype = TORCH_TO_ST.get(t.dtype)
+        if dtype is None:
+            raise InputError(path, f"dtype {t.dtype} cannot be stored in safetensors", name)
+        nbytes = t.numel() * DTYPE_BITS[dtype] // 8
+        entries.append(TensorEntry(name, dtype, tuple(t.shape), offset, offset + nbytes))
+        offset += nbytes
+    st = os.stat(path)
+    return Checkpoint(
+        path, tuple(entries), None, skipped, _tensors=state, _stat=(st.st_size, st.st_mtime_ns)
+    )
+
+
+def torch_version() -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _check_zip(path: Path) -> None:
+    """Refuse compressed or oversized members before torch decompresses anything."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise InputError(
+            path, f"corrupt or truncated torch archive ({err}); re-export it"
+        ) from None
+    if len(infos) > 1_000_000:
+        raise UnsafeInputError(path, f"archive has {len(infos)} members; refusing to read it")
+    size = os.path.getsize(path)
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise UnsafeInputError(
+                path,
+                f"archive member {info.filename!r} is compressed, which torch.save never does "
+                "(a zip-bomb pattern); refusing to read it",
+            )
+    if sum(i.file_size for i in infos) > size:
+        raise UnsafeInputError(path, "archive members claim more bytes than the file holds")
+
+
+_GLOBAL_RE = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+
+
+def _load_pickle(path: Path, mmap_ok: bool) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_ok)
+    except Exception as err:  # the unpickler raises anything on corrupt input (pytorch#127525)
+        text = str(err)
+        if "Weights only load failed" in text or "Unsupported" in text:
+            found = _GLOBAL_RE.search(text)
+            what = f" '{found.group(1)}'" if found else ""
+            raise UnsafeInputError(
+                path,
+                f"refused: the pickle asks for{what}, which a plain state dict never needs "
+                "(nothing was run); export the weights as safetensors with a trusted tool",
+            ) from None
+        if "TorchScript" in text:
+            raise InputError(
+                path, "TorchScript archives are not supported; save a state_dict"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        raise InputError(
+            path, f"corrupt checkpoint ({type(err).__name__}: {first[:200]}); re-export it"
+        ) from None
+
+
+def _state_dict(path: Path, loaded: object) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The flat name -> tensor dict inside a loaded pickle (also {"state_dict": {...}} wrappers)."""
+    if not isinstance(loaded, dict):
+        raise InputError(
+            path, f"expected a state dict (name -> tensor), found a {type(loaded).__name__}"
+        )
+    if not any(isinstance(v, torch.Tensor) for v in loaded.values()):
+        for key in STATE_DICT_KEYS:
+            if isinstance(loaded.get(key), dict):
+                return _state_dict(path, loaded[key])
+        raise InputError(
+            path,
+            "no tensors at the top level nor under "
+            + "/".join(repr(k) for k in STATE_DICT_KEYS)
+            + "; save the model's state_dict()",
+        )
+    state: dict[str, torch.Tensor] = {}
+    skipped = []
+    for key, value in loaded.items():
+        if not isinstance(value, torch.Tensor):
+            skipped.append(str(key))
+            continue
+        if not isinstance(key, str):
+            raise InputError(path, f"tensor key {key!r} is not a string")
+        _check_plain_tensor(path, key, value)
+        state[key] = value
+    return state, skipped
+
+
+def _check_plain_tensor(path: Path, name: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise InputError(path, f"unsupported tensor layout {t.layout}; densify it first", name)
+    if t.is_quantized or t.is_meta or t.device.type != "cpu":
+        raise InputError(path, "unsupported tensor (quantized, meta or not on CPU)", name)
+
+
+class StreamingWriter:
+    """Writes a safetensors file tensor by tensor, in the order its header lays them out."""
+
+    def __init__(self, f: BinaryIO, header_bytes: bytes, header: Header) -> None:
+        self._f = f
+        self._header_len = len(header_bytes)
+        self._pending: Iterator[TensorEntry] = iter(header.tensors)
+        self._left = len(header.tensors)
+        f.write(header_bytes)
+
+    def write(self, name: str, data: memoryview) -> None:
+        entry = next(self._pending)
+        if entry.name != name or data.nbytes != entry.nbytes:
+            raise AssertionError(f"writer expected {entry.name} ({entry.nbytes} B), got {name}")
+        self._f.write(data)
+        self._left -= 1
+
+    def finish(self, header_bytes: bytes | None = None) -> None:
+        """Check every tensor arrived; optionally rewrite the header (same length) in place."""
+        if self._left:
+            raise AssertionError(f"{self._left} tensors were never written")
+        if header_bytes is not None:
+            if len(header_bytes) != self._header_len:
+                raise AssertionError("a rewritten header must keep its length")
+            self._f.seek(0)
+            self._f.write(header_bytes)
+            self._f.seek(0, os.SEEK_END)

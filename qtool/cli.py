@@ -1,0 +1,286 @@
+"""The `qtool` command line: options -> pipeline -> report, and exit codes.
+
+The only module that imports typer. Exit codes: 0 success, 1 a clear error, 2 a usage error,
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Torch is imported only by the commands that
+need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, NoReturn
+
+import typer
+
+from qtool import __version__, report
+from qtool.errors import QtoolError
+from qtool.spec import QSpec, Scheme, StorageDtype
+
+app = typer.Typer(
+    name="qtool",
+    help="Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class Device(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class OutDtype(str, Enum):
+    ORIGINAL = "original"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace existing output files.")]
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is so that outputs are cleaned up on the way out."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
+    raise Terminated
+
+
+@contextmanager
+def user_errors(as_json: bool) -> Iterator[None]:
+    """Expected failures become one line on stderr and exit code 1, with no traceback."""
+    try:
+        yield
+    except QtoolError as err:
+        if os.environ.get("QTOOL_DEBUG") == "1":
+            raise
+        report.print_error(err, as_json)
+        raise typer.Exit(1) from None
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"qtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports."""
+
+
+@app.command(
+    epilog="Example: qtool quantize model.safetensors --scheme asym --per-channel "
+    "-o model.int8.safetensors"
+)
+def quantize(
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="Checkpoint: .safetensors, or a .pt/.pth/.bin state dict.", show_default=False
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output .safetensors [default: INPUT-STEM.DTYPE.safetensors beside the input].",
+            show_default=False,
+        ),
+    ] = None,
+    scheme: Annotated[
+        Scheme,
+        typer.Option(
+            help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."
+        ),
+    ] = Scheme.SYM,
+    dtype: Annotated[
+        StorageDtype, typer.Option(help="Integer type of the codes.")
+    ] = StorageDtype.INT8,
+    per_channel: Annotated[
+        bool,
+        typer.Option(
+            "--per-channel/--per-tensor",
+            help="One scale per channel along --axis, or one per tensor.",
+        ),
+    ] = True,
+    axis: Annotated[
+        int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
+    ] = 0,
+    include: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--include",
+            help="Glob of tensor names to quantize (repeatable); also selects 1-D tensors.",
+            show_default=False,
+        ),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--exclude",
+            help="Glob of tensor names to keep as they are (repeatable; wins over --include).",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[
+        Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
+    ] = Device.AUTO,
+    keep_nonfinite: Annotated[
+        bool,
+        typer.Option(
+            "--keep-nonfinite", help="Keep tensors holding NaN/Inf unquantized instead of failing."
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Print what would be done (from headers only) and write nothing."
+        ),
+    ] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option(help="CPU threads for torch [default: all cores].", min=1, show_default=False),
+    ] = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Quantize every selected float tensor of SRC; write the codes and a qparams sidecar."""
+    from qtool import pipeline
+    from qtool.plan import QuantizeOptions
+
+    spec = QSpec(scheme, dtype, axis if per_channel else None)
+    options = QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
+    with user_errors(as_json):
+        _set_threads(threads)
+        summary = pipeline.quantize_file(
+            src,
+            out,
+            options,
+            device=device.value,
+            force=force,
+            dry_run=dry_run,
+            progress=None,
+        )
+    if as_json:
+        report.print_json(report.quantize_json(summary))
+    else:
+        report.print_quantize(summary)
+
+
+@app.command(
+    epilog="Example: qtool dequantize model.int8.safetensors -o model.restored.safetensors"
+)
+def dequantize(
+    src: Annotated[
+        Path, typer.Argument(help="A file written by qtool quantize.", show_default=False)
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output .safetensors, or .pt [default: INPUT-STEM.dequantized.safetensors].",
+            show_default=False,
+        ),
+    ] = None,
+    qparams: Annotated[
+        Path | None,
+        typer.Option(
+            "--qparams",
+            help="Sidecar path [default: INPUT-STEM.qparams.safetensors beside the input].",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        OutDtype, typer.Option(help="dtype of the restored tensors.")
+    ] = OutDtype.ORIGINAL,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
+    from qtool import pipeline
+
+    with user_errors(as_json):
+        summary = pipeline.dequantize_file(
+            src, out, qparams=qparams, dtype=dtype.value, force=force
+        )
+    if as_json:
+        report.print_json(report.dequantize_json(summary))
+    else:
+        report.print_dequantize(summary)
+
+
+@app.command(epilog="Example: qtool inspect model.int8.safetensors --json | jq '.totals'")
+def inspect(
+    path: Annotated[
+        Path, typer.Argument(help="A checkpoint, quantized file or sidecar.", show_default=False)
+    ],
+    as_json: JsonOpt = False,
+) -> None:
+    """List the tensors of a file; for quantized files and sidecars, how each was quantized."""
+    from qtool.inspection import inspect_path
+
+    with user_errors(as_json):
+        summary = inspect_path(path)
+    if as_json:
+        report.print_json(report.inspect_json(summary))
+    else:
+        report.print_inspect(summary)
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def main() -> None:
+    """Entry point: maps interruptions and unexpected failures to exit codes, never a traceback."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        app(prog_name="qtool")
+    except Terminated:
+        report.print_error("terminated")
+        sys.exit(143)
+    except KeyboardInterrupt:
+        report.print_error("interrupted")
+        sys.exit(130)
+    except BrokenPipeError:
+        _silence_stdout()
+        sys.exit(1)
+    except Exception as err:  # a bug: one line, and the traceback only when asked for
+        if os.environ.get("QTOOL_DEBUG") == "1":
+            raise
+        report.print_error(
+            f"internal error: {type(err).__name__}: {err}; re-run with QTOOL_DEBUG=1 for the "
+            "traceback and report it"
+        )
+        sys.exit(1)
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -1,0 +1,59 @@
+"""Errors meant for users: each says what is wrong, where (file, tensor) and what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class QtoolError(Exception):
+    """An expected failure: the CLI prints one line and exits 1."""
+
+    code = "error"
+
+    def __init__(self, path: Path | str | None, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.path = str(path) if path is not None else None
+        self.tensor = tensor
+        self.message = message
+
+    def __str__(self) -> str:
+        where = [self.path] if self.path else []
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        return ": ".join([*where, self.message])
+
+
+class InputError(QtoolError):
+    """The input is missing, unreadable, malformed or unsafe."""
+
+    code = "bad_input"
+
+
+class UnsafeInputError(InputError):
+    """The input asks for something a weights file never needs (code in a pickle, a zip bomb)."""
+
+    code = "unsafe_input"
+
+
+class NumericError(InputError):
+    """A tensor cannot be quantized as asked (NaN/Inf, range beyond float32)."""
+
+    code = "numeric"
+
+
+class SidecarError(QtoolError):
+    """The qparams sidecar is missing, damaged or belongs to another file."""
+
+    code = "bad_sidecar"
+
+
+class OutputError(QtoolError):
+    """The output cannot be written (exists, no space, no permission, would overwrite input)."""
+
+    code = "output"
+
+
+class DeviceError(QtoolError):
+    """The requested device is not available."""
+
+    code = "device"

@@ -1,0 +1,108 @@
+"""What is inside a checkpoint, quantized file or sidecar, read from headers (torch-free for
+safetensors; a torch pickle has to be loaded, safely, to be listed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from qtool.errors import InputError
+from qtool.sidecar import (
+    DIGEST_KEY,
+    MANIFEST_KEY,
+    SIDECAR_KEY,
+    Manifest,
+    parse_manifest,
+    scale_name,
+)
+from qtool.stformat import Header, HeaderError, TensorEntry, read_header
+from qtool.summary import InspectRow, InspectSummary
+
+
+def inspect_path(path: Path) -> InspectSummary:
+    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar)."""
+    if not path.exists():
+        raise InputError(path, "no such file; check the path")
+    if not path.is_file():
+        raise InputError(path, "not a regular file; give a checkpoint file")
+    header = _try_header(path)
+    if header is None:
+        return _inspect_pickle(path)
+    metadata = header.metadata or {}
+    if MANIFEST_KEY in metadata:
+        parse_manifest(path, metadata)  # validates format and version
+        rows = [_row(e) for e in header.tensors]
+        doc = json.loads(metadata[MANIFEST_KEY])
+        return InspectSummary(str(path), "sidecar", rows, metadata=None, manifest=doc)
+    if DIGEST_KEY in metadata:
+        return _inspect_quantized(path, header)
+    return InspectSummary(str(path), "checkpoint", [_row(e) for e in header.tensors], metadata)
+
+
+def _try_header(path: Path) -> Header | None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head.startswith(b"PK") or head[:1] == b"\x80":
+        return None
+    try:
+        return read_header(path)
+    except HeaderError as err:
+        raise InputError(path, f"not a valid safetensors file: {err}") from None
+
+
+def _row(entry: TensorEntry, qinfo: dict[str, object] | None = None) -> InspectRow:
+    return InspectRow(entry.name, entry.dtype, entry.shape, entry.numel, entry.nbytes, qinfo)
+
+
+def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
+    metadata = header.metadata or {}
+    side = path.with_name(metadata.get(SIDECAR_KEY, f"{path.stem}.qparams.safetensors"))
+    notes: list[str] = []
+    qinfo: dict[str, dict[str, object]] = {}
+    if side.is_file():
+        try:
+            side_header = read_header(side)
+            manifest = parse_manifest(side, side_header.metadata)
+            qinfo = _qinfo(side, side_header, manifest)
+        except (HeaderError, InputError) as err:
+            notes.append(f"sidecar {side.name} unreadable: {err}")
+    else:
+        notes.append(f"sidecar {side.name} not found beside the file")
+    shown = {k: v for k, v in metadata.items() if not k.startswith("qtool.")}
+    rows = [_row(e, qinfo.get(e.name)) for e in header.tensors]
+    return InspectSummary(str(path), "quantized", rows, shown or None, notes=notes)
+
+
+def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str, object]]:
+    """Per quantized tensor: scheme, dtype, axis, original dtype and the range of its scales."""
+    entries = header.by_name()
+    out: dict[str, dict[str, object]] = {}
+    with open(side, "rb") as f:
+        for name, record in manifest.tensors.items():
+            entry = entries.get(scale_name(name))
+            info: dict[str, object] = {
+                "scheme": record.scheme,
+                "dtype": record.dtype,
+                "axis": record.axis,
+                "orig_dtype": record.orig_dtype,
+            }
+            if entry is not None and entry.dtype == "F32" and entry.numel:
+                f.seek(header.data_start + entry.begin)
+                scales = np.frombuffer(f.read(entry.nbytes), dtype="<f4")
+                info["scale_min"], info["scale_max"] = float(scales.min()), float(scales.max())
+            out[name] = info
+    return out
+
+
+def _inspect_pickle(path: Path) -> InspectSummary:
+    from qtool.checkpoint import open_checkpoint  # imports torch: only pickles pay for it
+
+    ckpt = open_checkpoint(path)
+    try:
+        rows = [_row(e) for e in ckpt.entries]
+        notes = [f"skipped non-tensor entries: {', '.join(ckpt.skipped)}"] if ckpt.skipped else []
+        return InspectSummary(str(path), "checkpoint", rows, None, notes=notes)
+    finally:
+        ckpt.close()

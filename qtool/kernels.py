@@ -1,0 +1,317 @@
+"""Quantization kernels: plain, device-agnostic torch. No files, no printing.
+
+Semantics (README "Numerical semantics"): statistics and qparams in float32; the range of every
+group includes 0.0; q = clamp(round(x / scale) + zero_point, qmin, qmax) with a float32
+division and round-half-to-even; x_hat = (q - zero_point) * scale in float32.
+
+A tensor is viewed as (pre, C, post) where C is the quantization axis (C = 1 per tensor), so
+scale and zero_point have shape (C,) per channel and () per tensor. Big tensors are processed
+in contiguous slabs of about `block_elems` elements: every elementwise step runs in place on a
+cache-sized float32 buffer, so a tensor crosses memory once (per channel, axis 0) or twice (per
+tensor: one pass for its range, one to quantize) and no full-size float temporary exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qtool.metrics import ErrorAccumulator
+from qtool.spec import QSpec, Scheme, StorageDtype
+from qtool.summary import ErrorStats
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TORCH_STORAGE = {StorageDtype.INT8: torch.int8, StorageDtype.UINT8: torch.uint8}
+SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+DEFAULT_BLOCK_ELEMS = 1 << 20  # 4 MiB of float32: fits L2+L3 comfortably, amortises op overhead
+
+Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pre, C, post) view
+
+
+class NonFiniteInput(ValueError):
+    """The tensor holds NaN or +-Inf, which have no integer code."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} NaN/Inf value(s)")
+        self.count = count
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Codes in the storage dtype (original shape) with their qparams and error figures."""
+
+    q: torch.Tensor
+    scale: torch.Tensor  # float32, (C,) or ()
+    zero_point: torch.Tensor  # storage dtype, same shape as scale
+    errors: ErrorStats | None
+
+
+def normalize_axis(axis: int | None, ndim: int) -> int | None:
+    """Map a possibly negative axis into [0, ndim); ValueError when out of range."""
+    if axis is None:
+        return None
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a {ndim}-D tensor")
+    return axis % ndim
+
+
+def group_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, int, int]:
+    """(pre, C, post): the tensor seen as C groups of pre*post elements each."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if axis is None:
+        return (1, 1, numel)
+    pre = post = 1
+    for d in shape[:axis]:
+        pre *= d
+    for d in shape[axis + 1 :]:
+        post *= d
+    return (pre, shape[axis], post)
+
+
+def qparams_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`.
+
+    zero_point is returned as float32 holding an integer (cast by the caller for storage).
+    """
+    lo = lo.float().clamp(max=0.0)
+    hi = hi.float().clamp(min=0.0)
+    if spec.scheme is Scheme.SYM:
+        span = torch.maximum(-lo, hi)
+        scale = span / ((spec.qmax - spec.qmin) / 2)  # amax / 127
+    else:
+        span = hi - lo
+        scale = span / (spec.qmax - spec.qmin)  # (hi - lo) / 255
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("value range overflows float32; use --scheme sym for such tensors")
+    # An all-zero group gets scale 1.0; no scale is ever 0 or subnormal (x / scale stays finite).
+    scale = torch.where(span == 0, torch.ones_like(scale), scale.clamp(min=SMALLEST_NORMAL))
+    if spec.scheme is Scheme.SYM:
+        zero_point = torch.full_like(scale, spec.symmetric_zero_point)
+    else:
+        zero_point = (spec.qmin - torch.round(lo / scale)).clamp_(spec.qmin, spec.qmax)
+    return scale, zero_point
+
+
+def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (min, max) in x's dtype: shape (C,) or (). One pass, no temporaries."""
+    axis = normalize_axis(spec.axis, x.ndim)
+    if x.numel() == 0:
+        raise ValueError("cannot quantize an empty tensor")
+    if axis is None:
+        return x.amin(), x.amax()
+    x3 = x.reshape(group_shape(tuple(x.shape), axis))
+    return x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
+
+
+def compute_qparams(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scale and storage-dtype zero_point of every group of x."""
+    _check_float(x)
+    lo, hi = channel_range(x, spec)
+    _check_finite(x, lo, hi)
+    scale, zero_point = qparams_from_range(lo, hi, spec)
+    return scale, zero_point.to(TORCH_STORAGE[spec.dtype])
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec
+) -> torch.Tensor:
+    """clamp(round(x / scale) + zero_point, qmin, qmax) in the storage dtype, x's shape."""
+    _check_float(x)
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
+    _quantize_slabs(x, scale.float(), zero_point.float(), spec, q, None, DEFAULT_BLOCK_ELEMS)
+    return q
+
+
+def quantize_tensor(
+    x: torch.Tensor,
+    spec: QSpec,
+    *,
+    with_errors: bool = True,
+    block_elems: int = DEFAULT_BLOCK_ELEMS,
+) -> QuantizedTensor:
+    """Compute qparams, quantize, and (optionally) measure the error, in as few passes as can be."""
+    _check_float(x)
+    x = x.contiguous()
+    axis = normalize_axis(spec.axis, x.ndim)
+    pre, channels, post = group_shape(tuple(x.shape), axis)
+    q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
+    acc = ErrorAccumulator(x.device) if with_errors else None
+    if pre == 1 and channels > 1 and 0 < post <= block_elems:
+        scale, zero_point = _quantize_rows(x.view(channels, post), spec, q, acc, block_elems)
+    else:
+        lo, hi = channel_range(x, spec)
+        _check_finite(x, lo, hi)
+        scale, zero_point = qparams_from_range(lo, hi, spec)
+        _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems)
+    return QuantizedTensor(
+        q=q,
+        scale=scale,
+        zero_point=zero_point.to(q.dtype),
+        errors=acc.result() if acc is not None else None,
+    )
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int | None,
+    dtype: torch.dtype = torch.float32,
+    block_elems: int = DEFAULT_BLOCK_ELEMS,
+) -> torch.Tensor:
+    """(q - zero_point) * scale in float32, stored as `dtype`; axis None means per tensor."""
+    if q.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"codes must be int8 or uint8, got {q.dtype}")
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    shape = group_shape(tuple(q.shape), normalize_axis(axis, q.ndim))
+    q3, out3 = q.view(shape), out.view(shape)
+    scale3, zp3 = scale.float().reshape(1, -1, 1), zero_point.float().reshape(1, -1, 1)
+    buf = torch.empty(min(q.numel(), block_elems), dtype=torch.float32, device=q.device)
+    for box in _slabs(shape, block_elems):
+        i0, i1, c0, c1, p0, p1 = box
+        src = q3[i0:i1, c0:c1, p0:p1]
+        b = buf[: src.numel()].view(src.shape)
+        torch.sub(src, zp3[:, c0:c1], out=b)
+        b.mul_(scale3[:, c0:c1])
+        out3[i0:i1, c0:c1, p0:p1].copy_(b)
+    return out
+
+
+def _quantize_rows(
+    x2: torch.Tensor,
+    spec: QSpec,
+    q: torch.Tensor,
+    acc: ErrorAccumulator | None,
+    block_elems: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, each channel one contiguous row of x2 (C, post): range and codes from the
+    same cache-resident slab, so the tensor crosses memory once."""
+    channels, post = x2.shape
+    q2 = q.view(channels, post)
+    rows = max(1, block_elems // post)
+    scale = torch.empty(channels, dtype=torch.float32, device=x2.device)
+    zero_point = torch.empty_like(scale)
+    bufs = _Buffers(min(rows, channels) * post, x2.dtype, x2.device)
+    for r0 in range(0, channels, rows):
+        block = x2[r0 : r0 + rows]
+        lo, hi = block.amin(dim=1), block.amax(dim=1)
+        _check_finite(block, lo, hi)
+        s, z = qparams_from_range(lo, hi, spec)
+        scale[r0 : r0 + rows], zero_point[r0 : r0 + rows] = s, z
+        _quantize_block(block, s[:, None], z[:, None], spec, q2[r0 : r0 + rows], bufs, acc)
+    return scale, zero_point
+
+
+def _quantize_slabs(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    spec: QSpec,
+    q: torch.Tensor,
+    acc: ErrorAccumulator | None,
+    block_elems: int,
+) -> None:
+    """Quantize x slab by slab with qparams already known for every group."""
+    shape = group_shape(tuple(x.shape), normalize_axis(spec.axis, x.ndim))
+    x3, q3 = x.view(shape), q.view(shape)
+    scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
+    bufs = _Buffers(min(x.numel(), block_elems), x.dtype, x.device)
+    for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
+        _quantize_block(
+            x3[i0:i1, c0:c1, p0:p1],
+            scale3[:, c0:c1],
+            zp3[:, c0:c1],
+            spec,
+            q3[i0:i1, c0:c1, p0:p1],
+            bufs,
+            acc,
+        )
+
+
+class _Buffers:
+    """Preallocated float32 scratch space reused by every slab of one tensor."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.work = torch.empty(numel, dtype=torch.float32, device=device)
+        # Non-float32 inputs are upcast once per slab into `upcast` (exact for f16/bf16).
+        needs_upcast = dtype != torch.float32
+        self.upcast = torch.empty(numel if needs_upcast else 0, dtype=torch.float32, device=device)
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = like.numel()
+        work = self.work[:n].view(like.shape)
+        if like.dtype == torch.float32:
+            return like, work
+        xf = self.upcast[:n].view(like.shape)
+        xf.copy_(like)
+        return xf, work
+
+
+def _quantize_block(
+    block: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    spec: QSpec,
+    q_out: torch.Tensor,
+    bufs: _Buffers,
+    acc: ErrorAccumulator | None,
+) -> None:
+    """One cache-resident slab: codes into q_out, error sums into acc. All steps in place."""
+    xf, work = bufs.take(block)
+    torch.div(xf, scale, out=work)  # a division, not * (1/scale): bit-identical on CPU and CUDA
+    work.round_()  # half to even
+    if spec.scheme is Scheme.ASYM:
+        work.add_(zero_point).clamp_(spec.qmin, spec.qmax)
+        q_out.copy_(work)
+    elif spec.dtype is StorageDtype.INT8:
+        # |x| <= amax, so |x / scale| <= 127 * (1 + 2^-23): no clamp needed after rounding.
+        q_out.copy_(work)
+    else:
+        # Symmetric uint8: q = v + 128 for v in [-127, 127], i.e. the int8 code with its top bit
+        # flipped; one byte-wide pass instead of a float add.
+        q_out.view(torch.int8).copy_(work)
+        q_out.bitwise_xor_(0x80)
+    if acc is None:
+        return
+    if spec.scheme is Scheme.ASYM:
+        work.sub_(zero_point)  # q - zero_point, exact in float32
+    torch.addcmul(xf, work, scale, value=-1.0, out=work)  # error = x - (q - zp) * scale
+    acc.add(xf, work)
+
+
+def _slabs(shape: tuple[int, int, int], block_elems: int) -> Iterator[Box]:
+    """Contiguous boxes of about block_elems elements covering (pre, C, post) in memory order."""
+    pre, channels, post = shape
+    if channels * post <= block_elems:
+        step = max(1, block_elems // max(1, channels * post))
+        for i in range(0, pre, step):
+            yield (i, min(i + step, pre), 0, channels, 0, post)
+    elif post <= block_elems:
+        step = block_elems // post
+        for i in range(pre):
+            for c in range(0, channels, step):
+                yield (i, i + 1, c, min(c + step, channels), 0, post)
+    else:
+        for i in range(pre):
+            for c in range(channels):
+                for p in range(0, post, block_elems):
+                    yield (i, i + 1, c, c + 1, p, min(p + block_elems, post))
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"can only quantize float16/bfloat16/float32/float64, got {x.dtype}")
+
+
+def _check_finite(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """NaN propagates through amin/amax and Inf lands in them: no extra pass over x is needed."""
+    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        raise NonFiniteInput(int((~torch.isfinite(x)).sum()))

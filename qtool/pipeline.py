@@ -1,0 +1,440 @@
+"""quantize / dequantize a checkpoint file: loops over tensors, returns summaries.
+
+One tensor at a time: read (zero-copy) -> quantize and measure -> write, then the next; nothing
+holds the whole checkpoint. Everything is validated before the first output byte is written, and
+outputs appear only complete (atomic.OutputSet). Knows nothing of Rich or Typer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from qtool import kernels
+from qtool.atomic import OutputSet, remove_stale_temps
+from qtool.checkpoint import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    Checkpoint,
+    StreamingWriter,
+    open_checkpoint,
+    tensor_bytes,
+)
+from qtool.errors import DeviceError, NumericError, OutputError, SidecarError
+from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors
+from qtool.sidecar import (
+    DIGEST_KEY,
+    SIDECAR_KEY,
+    Manifest,
+    Record,
+    data_digest,
+    manifest_metadata,
+    parse_manifest,
+    scale_name,
+    sidecar_path,
+    validate_qparams,
+    zero_point_name,
+)
+from qtool.stformat import build_header, read_header
+from qtool.summary import DequantizedRow, DequantizeSummary, QuantizeSummary, TensorRow
+
+ProgressFn = Callable[[str, int], None]  # (tensor name, input bytes done) after each tensor
+OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_PLACEHOLDER_DIGEST = "0" * 64
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(
+            None, "--device cuda: no CUDA device is available here; use --device cpu or auto"
+        )
+    return torch.device(name)
+
+
+def default_quantized_path(src: Path, dtype: str) -> Path:
+    """`model.safetensors` -> `model.int8.safetensors` beside it."""
+    return src.with_name(f"{src.stem}.{dtype}.safetensors")
+
+
+def default_dequantized_path(src: Path) -> Path:
+    """`model.int8.safetensors` -> `model.int8.dequantized.safetensors` beside it."""
+    return src.with_name(f"{src.stem}.dequantized.safetensors")
+
+
+def check_output(out: Path, inputs: list[Path], force: bool) -> None:
+    """Refuse an output that would overwrite an input or an existing file (without --force)."""
+    if not out.parent.is_dir():
+        raise OutputError(out, f"directory {out.parent} does not exist; create it first")
+    if out.is_dir():
+        raise OutputError(out, "is a directory; give a file name with -o")
+    for src in inputs:
+        if out.exists() and src.exists() and out.samefile(src):
+            raise OutputError(out, "would overwrite the input; choose another -o")
+    if out.exists() and not force:
+        raise OutputError(out, "already exists; pass --force to replace it")
+
+
+def quantize_file(
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    *,
+    device: str = "auto",
+    force: bool = False,
+    dry_run: bool = False,
+    progress: ProgressFn | None = None,
+) -> QuantizeSummary:
+    """Quantize the checkpoint `src` into `out` plus its sidecar."""
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    out = out or default_quantized_path(src, options.spec.dtype.value)
+    ckpt = open_checkpoint(src)
+    try:
+        plans = plan_tensors(src, ckpt.entries, options)
+        side = sidecar_path(out)
+        if dry_run:
+            rows = [_planned_row(p) for p in plans]
+            return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
+        for target in (out, side):
+            check_output(target, [src], force)
+        stale = remove_stale_temps(out.parent)
+        if options.keep_nonfinite:
+            plans = _keep_nonfinite(ckpt, plans)
+        with OutputSet() as outputs:
+            rows = write_quantized(ckpt, plans, out, outputs, dev, progress)
+            outputs.commit()
+        return _summary(src, [out, side], rows, options, dev, ckpt, stale, started)
+    finally:
+        ckpt.close()
+
+
+def _summary(
+    src: Path,
+    outs: list[Path],
+    rows: list[TensorRow],
+    options: QuantizeOptions,
+    dev: torch.device,
+    ckpt: Checkpoint,
+    stale: int,
+    started: float,
+    dry_run: bool = False,
+) -> QuantizeSummary:
+    return QuantizeSummary(
+        inputs=[str(src)],
+        outputs=[str(p) for p in outs],
+        rows=rows,
+        spec=options.spec.describe(),
+        device=str(dev),
+        dry_run=dry_run,
+        skipped=list(ckpt.skipped),
+        stale_temps_removed=stale,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def write_quantized(
+    ckpt: Checkpoint,
+    plans: list[TensorPlan],
+    out: Path,
+    outputs: OutputSet,
+    dev: torch.device,
+    progress: ProgressFn | None = None,
+) -> list[TensorRow]:
+    """Stream the quantized file and then its sidecar into `outputs`; rows in file order."""
+    side = sidecar_path(out)
+    metadata = _carried_metadata(ckpt.metadata)
+    metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
+    specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
+    header_bytes, header = build_header(specs, metadata)
+    writer = StreamingWriter(outputs.create(out), header_bytes, header)
+    by_name = {p.entry.name: p for p in plans}
+    rows: dict[str, TensorRow] = {}
+    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for entry in header.tensors:
+        plan = by_name[entry.name]
+        if plan.spec is None:
+            writer.write(entry.name, ckpt.raw(plan.entry))
+            rows[entry.name] = _planned_row(plan)
+        else:
+            result = _quantize_one(ckpt, plan, dev)
+            writer.write(entry.name, tensor_bytes(result.q.cpu()))
+            qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
+            rows[entry.name] = _quantized_row(plan, result)
+        if progress is not None:
+            progress(entry.name, plan.entry.nbytes)
+    ckpt.check_unchanged()
+    digest = _write_sidecar(outputs, side, out.name, by_name, qparams)
+    final_header, _ = build_header(specs, metadata | {DIGEST_KEY: digest})
+    writer.finish(final_header)
+    return [rows[p.entry.name] for p in plans]
+
+
+def _quantize_one(ckpt: Checkpoint, plan: TensorPlan, dev: torch.device) -> kernels.QuantizedTensor:
+    assert plan.spec is not None
+    x = ckpt.tensor(plan.entry).to(dev)
+    try:
+        return kernels.quantize_tensor(x, plan.spec)
+    except kernels.NonFiniteInput as err:
+        raise NumericError(
+            ckpt.path,
+            f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "
+            "--exclude this tensor, or pass --keep-nonfinite to keep such tensors as they are",
+            plan.entry.name,
+        ) from None
+    except ValueError as err:
+        raise NumericError(ckpt.path, str(err), plan.entry.name) from None
+
+
+def _keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
+    """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each)."""
+    out = []
+    for plan in plans:
+        if plan.spec is not None:
+            x = ckpt.tensor(plan.entry)
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                plan = plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)")
+        out.append(plan)
+    return out
+
+
+def _write_sidecar(
+    outputs: OutputSet,
+    side: Path,
+    quantized_name: str,
+    plans: dict[str, TensorPlan],
+    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> str:
+    """Write the sidecar; return the SHA-256 of its data section."""
+    records = {name: _record(plans[name]) for name in sorted(qparams)}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (scale, zero_point) in qparams.items():
+        tensors[scale_name(name)] = scale
+        tensors[zero_point_name(name)] = zero_point
+    metadata = manifest_metadata(Manifest(quantized_name, records))
+    specs = [(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors.items()]
+    header_bytes, header = build_header(specs, metadata)
+    writer = StreamingWriter(outputs.create(side), header_bytes, header)
+    digest = hashlib.sha256()
+    for entry in header.tensors:
+        data = tensor_bytes(tensors[entry.name])
+        digest.update(data)
+        writer.write(entry.name, data)
+    writer.finish()
+    return digest.hexdigest()
+
+
+def _record(plan: TensorPlan) -> Record:
+    spec = plan.spec
+    assert spec is not None
+    return Record(
+        scheme=spec.scheme.value,
+        dtype=spec.dtype.value,
+        axis=spec.axis,
+        qmin=spec.qmin,
+        qmax=spec.qmax,
+        orig_dtype=plan.entry.dtype,
+        shape=plan.entry.shape,
+    )
+
+
+def _st_dtype(t: torch.Tensor) -> str:
+    return {torch.float32: "F32", torch.int8: "I8", torch.uint8: "U8"}[t.dtype]
+
+
+def _carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
+    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
+
+
+def _planned_row(plan: TensorPlan) -> TensorRow:
+    e = plan.entry
+    detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    return TensorRow(
+        e.name,
+        e.shape,
+        e.dtype,
+        plan.out_dtype,
+        plan.spec is not None,
+        detail,
+        e.nbytes,
+        plan.out_nbytes,
+    )
+
+
+def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
+    scale_range = (float(result.scale.min()), float(result.scale.max()))
+    return replace(_planned_row(plan), errors=result.errors, scale_range=scale_range)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A quantized file opened together with its validated sidecar."""
+
+    ckpt: Checkpoint
+    sidecar: Checkpoint
+    manifest: Manifest
+
+
+def open_quantized(src: Path, qparams: Path | None = None) -> _Pair:
+    """Open a quantized file and its sidecar; refuse a pair that does not belong together."""
+    ckpt = open_checkpoint(src)
+    side_path = qparams or sidecar_path(src)
+    if not side_path.exists():
+        ckpt.close()
+        raise SidecarError(
+            side_path, f"no qparams sidecar for {src.name}; pass --qparams PATH if it was moved"
+        )
+    sidecar = open_checkpoint(side_path)
+    try:
+        manifest = parse_manifest(side_path, sidecar.metadata)
+        _check_binding(src, ckpt, side_path, sidecar)
+        _check_pair(src, ckpt, side_path, sidecar, manifest)
+    except Exception:
+        ckpt.close()
+        sidecar.close()
+        raise
+    return _Pair(ckpt, sidecar, manifest)
+
+
+def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint) -> None:
+    expected = (ckpt.metadata or {}).get(DIGEST_KEY)
+    if expected is None:
+        raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
+    if data_digest(side_path, read_header(side_path)) != expected:
+        raise SidecarError(
+            side_path,
+            f"does not belong to {src.name} (digest mismatch: from another run or file); "
+            "re-run quantize to produce a matching pair",
+        )
+
+
+def _check_pair(
+    src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint, manifest: Manifest
+) -> None:
+    entries, side_entries = ckpt.by_name(), sidecar.by_name()
+    for name, record in manifest.tensors.items():
+        entry = entries.get(name)
+        if entry is None:
+            raise SidecarError(side_path, f"describes a tensor missing from {src.name}", name)
+        if entry.dtype != record.spec.dtype.safetensors_dtype or entry.shape != record.shape:
+            raise SidecarError(
+                side_path,
+                f"says {record.dtype} {list(record.shape)} but {src.name} holds "
+                f"{entry.dtype} {list(entry.shape)}",
+                name,
+            )
+        if record.orig_dtype not in OUTPUT_DTYPES.values() and record.orig_dtype != "F64":
+            raise SidecarError(side_path, f"unknown original dtype {record.orig_dtype}", name)
+        for key in (scale_name(name), zero_point_name(name)):
+            if key not in side_entries:
+                raise SidecarError(side_path, f"tensor {key!r} is missing", name)
+        validate_qparams(
+            side_path,
+            name,
+            record,
+            sidecar.tensor(side_entries[scale_name(name)]),
+            sidecar.tensor(side_entries[zero_point_name(name)]),
+        )
+
+
+def dequantize_file(
+    src: Path,
+    out: Path | None,
+    *,
+    qparams: Path | None = None,
+    dtype: str = "original",
+    force: bool = False,
+) -> DequantizeSummary:
+    """Rebuild a float checkpoint: original names, shapes, dtypes; pass-throughs byte-identical."""
+    out = out or default_dequantized_path(src)
+    pair = open_quantized(src, qparams)
+    try:
+        check_output(out, [src, qparams or sidecar_path(src)], force)
+        remove_stale_temps(out.parent)
+        with OutputSet() as outputs:
+            if out.suffix in (".pt", ".pth", ".bin"):
+                rows = _write_dequantized_pt(pair, out, outputs, dtype)
+            else:
+                rows = _write_dequantized(pair, out, outputs, dtype)
+            outputs.commit()
+    finally:
+        pair.ckpt.close()
+        pair.sidecar.close()
+    return DequantizeSummary(
+        inputs=[str(src)],
+        sidecars=[str(qparams or sidecar_path(src))],
+        outputs=[str(out)],
+        rows=rows,
+    )
+
+
+def _restored_dtype(record: Record, dtype: str) -> str:
+    return record.orig_dtype if dtype == "original" else OUTPUT_DTYPES[dtype]
+
+
+def _dequantize_one(pair: _Pair, name: str, dtype: str) -> torch.Tensor:
+    record = pair.manifest.tensors[name]
+    side = pair.sidecar.by_name()
+    return kernels.dequantize(
+        pair.ckpt.tensor(pair.ckpt.by_name()[name]),
+        pair.sidecar.tensor(side[scale_name(name)]),
+        pair.sidecar.tensor(side[zero_point_name(name)]),
+        record.axis,
+        ST_TO_TORCH[_restored_dtype(record, dtype)],
+    )
+
+
+def _write_dequantized(
+    pair: _Pair, out: Path, outputs: OutputSet, dtype: str
+) -> list[DequantizedRow]:
+    records = pair.manifest.tensors
+    specs = []
+    for e in pair.ckpt.entries:
+        out_dtype = _restored_dtype(records[e.name], dtype) if e.name in records else e.dtype
+        specs.append((e.name, out_dtype, e.shape))
+    header_bytes, header = build_header(specs, _carried_metadata(pair.ckpt.metadata) or None)
+    writer = StreamingWriter(outputs.create(out), header_bytes, header)
+    entries = pair.ckpt.by_name()
+    rows: dict[str, DequantizedRow] = {}
+    for entry in header.tensors:
+        if entry.name in records:
+            data = tensor_bytes(_dequantize_one(pair, entry.name, dtype))
+        else:
+            data = pair.ckpt.raw(entries[entry.name])
+        writer.write(entry.name, data)
+        rows[entry.name] = DequantizedRow(
+            entry.name, entry.shape, entry.dtype, entry.name in records, entry.nbytes
+        )
+    writer.finish()
+    pair.ckpt.check_unchanged()
+    return [rows[e.name] for e in pair.ckpt.entries]
+
+
+def _write_dequantized_pt(
+    pair: _Pair, out: Path, outputs: OutputSet, dtype: str
+) -> list[DequantizedRow]:
+    """torch.save needs the whole state dict in memory; .safetensors output streams instead."""
+    records = pair.manifest.tensors
+    state: dict[str, torch.Tensor] = {}
+    rows = []
+    for e in pair.ckpt.entries:
+        if e.name in records:
+            t = _dequantize_one(pair, e.name, dtype)
+        else:
+            t = pair.ckpt.tensor(e).clone()
+        state[e.name] = t
+        rows.append(
+            DequantizedRow(e.name, e.shape, TORCH_TO_ST[t.dtype], e.name in records, t.nbytes)
+        )
+    f = outputs.create(out)
+    torch.save(state, f)
+    return rows

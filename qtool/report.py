@@ -1,0 +1,401 @@
+"""Rendering: Rich tables for people, JSON for machines, one-line errors, a progress bar.
+
+The only module that imports rich. Data goes to stdout, messages and progress to stderr. No
+colour or escape codes unless the stream is a terminal (whatever FORCE_COLOR or CI variables
+say), none at all with NO_COLOR, and names from files are shown with control characters escaped
+so a tensor name cannot drive the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from qtool.errors import QtoolError
+from qtool.summary import (
+    DequantizeSummary,
+    ErrorStats,
+    InspectSummary,
+    QuantizeSummary,
+    TensorRow,
+)
+
+SCHEMA_VERSION = 1
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def console(stream: IO[str]) -> Console:
+    """A console that emits escape codes only to a real terminal, and no colour under NO_COLOR."""
+    tty = stream.isatty()
+    no_color = bool(os.environ.get("NO_COLOR"))
+    return Console(
+        file=stream,
+        force_terminal=tty,
+        force_interactive=tty and os.environ.get("TERM") not in ("dumb", "unknown"),
+        color_system="auto" if tty and not no_color else None,
+        no_color=no_color,
+        # Pipes and CI logs get a fixed width, so their output is the same everywhere.
+        width=None if tty else _env_int("COLUMNS", 120),
+        highlight=False,
+        emoji=False,
+        soft_wrap=False,
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(40, int(os.environ.get(name, "")))
+    except ValueError:
+        return default
+
+
+def emit(stream: IO[str], *renderables: Any) -> None:
+    """Print to a stream; off a terminal, without the padding Rich adds at line ends."""
+    con = console(stream)
+    if con.is_terminal:
+        for r in renderables:
+            con.print(r)
+        return
+    with con.capture() as captured:
+        for r in renderables:
+            con.print(r)
+    stream.write("\n".join(line.rstrip() for line in captured.get().splitlines()) + "\n")
+    stream.flush()
+
+
+def safe(text: str) -> str:
+    """Show control and format characters (ESC, BEL, RTL overrides, ...) as escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def print_json(doc: dict[str, Any]) -> None:
+    """One JSON document on stdout, UTF-8 whatever the locale, no NaN/Infinity."""
+    data = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    sys.stdout.buffer.write(data.encode("utf-8"))
+    sys.stdout.flush()
+
+
+def print_error(err: QtoolError | str, as_json: bool = False) -> None:
+    """The one line (or JSON object) a failure prints, on stderr."""
+    message = safe(str(err))
+    if as_json:
+        detail: dict[str, str | None] = {"message": message}
+        if isinstance(err, QtoolError):
+            detail |= {"code": err.code, "path": err.path, "tensor": err.tensor}
+        doc = {"ok": False, "error": detail}
+        sys.stderr.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        return
+    line = Text.assemble(("qtool: error: ", "bold red"), message)
+    console(sys.stderr).print(line, soft_wrap=True)
+
+
+def print_warning(message: str) -> None:
+    line = Text.assemble(("qtool: warning: ", "yellow"), safe(message))
+    console(sys.stderr).print(line, soft_wrap=True)
+
+
+# ---- numbers -----------------------------------------------------------------------------------
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _fmt_sqnr(value: float) -> str:
+    return "exact" if value == math.inf else f"{value:.1f}"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _spark(sqnr: float, lo: float = 0.0, hi: float = 60.0) -> str:
+    """A bar of 8 levels: higher SQNR, taller bar; the worst layers stand out."""
+    if not math.isfinite(sqnr):
+        return _SPARK[-1]
+    level = (min(max(sqnr, lo), hi) - lo) / (hi - lo)
+    return _SPARK[min(len(_SPARK) - 1, int(level * len(_SPARK)))]
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+# ---- quantize ----------------------------------------------------------------------------------
+
+
+def error_json(stats: ErrorStats | None) -> dict[str, float | None]:
+    if stats is None:
+        return {"mse": None, "max_abs_error": None, "sqnr_db": None}
+    return {
+        "mse": stats.mse,
+        "max_abs_error": stats.max_abs,
+        "sqnr_db": _finite_or_none(stats.sqnr_db),
+    }
+
+
+def quantize_json(summary: QuantizeSummary) -> dict[str, Any]:
+    tensors = []
+    for r in summary.rows:
+        item: dict[str, Any] = {
+            "name": r.name,
+            "shape": list(r.shape),
+            "dtype": r.dtype,
+            "out_dtype": r.out_dtype,
+            "quantized": r.quantized,
+            "detail": r.detail,
+            "bytes_in": r.bytes_in,
+            "bytes_out": r.bytes_out,
+            **error_json(r.errors),
+        }
+        if r.scale_range is not None:
+            item["scale_min"], item["scale_max"] = r.scale_range
+        tensors.append(item)
+    quantized = summary.quantized
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "quantize",
+        "dry_run": summary.dry_run,
+        "inputs": summary.inputs,
+        "outputs": summary.outputs,
+        "spec": summary.spec,
+        "device": summary.device,
+        "tensors": tensors,
+        "totals": {
+            "tensors": len(summary.rows),
+            "quantized": len(quantized),
+            "kept": len(summary.rows) - len(quantized),
+            "bytes_in": summary.bytes_in,
+            "bytes_out": summary.bytes_out,
+            "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,
+            **error_json(summary.overall),
+        },
+        "skipped_non_tensors": summary.skipped,
+    }
+
+
+def quantize_table(rows: list[TensorRow], title: str) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("tensor", overflow="fold", min_width=12)
+    table.add_column("shape", overflow="fold")
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("quantization", overflow="fold")
+    table.add_column("MSE", justify="right", no_wrap=True)
+    table.add_column("max err", justify="right", no_wrap=True)
+    table.add_column("SQNR dB", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    for r in rows:
+        dtype = f"{r.dtype}→{r.out_dtype}" if r.dtype != r.out_dtype else r.dtype
+        if r.errors is None:
+            errs = ["", "", "", ""]
+        else:
+            s = r.errors
+            errs = [f"{s.mse:.3g}", f"{s.max_abs:.3g}", _fmt_sqnr(s.sqnr_db), _spark(s.sqnr_db)]
+        action = Text(r.detail, style="" if r.quantized else "dim")
+        table.add_row(Text(safe(r.name)), _shape(r.shape), dtype, action, *errs)
+    return table
+
+
+def print_quantize(summary: QuantizeSummary) -> None:
+    title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
+    lines = [quantize_table(summary.rows, title), Text(_quantize_totals(summary))]
+    verb = "would write " if summary.dry_run else "wrote "
+    lines.append(Text(verb + ", ".join(safe(p) for p in summary.outputs)))
+    emit(sys.stdout, *lines)
+    for name in summary.skipped[:1]:
+        print_warning(f"skipped {len(summary.skipped)} non-tensor entries (e.g. {name!r})")
+
+
+def _quantize_totals(summary: QuantizeSummary) -> str:
+    n, q = len(summary.rows), len(summary.quantized)
+    ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
+    parts = [
+        f"{q} of {n} tensors quantized ({summary.spec}), {n - q} kept",
+        f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",
+    ]
+    overall = summary.overall
+    if overall is not None:
+        parts.append(f"overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB")
+    return " · ".join(parts)
+
+
+# ---- dequantize --------------------------------------------------------------------------------
+
+
+def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "dequantize",
+        "inputs": summary.inputs,
+        "sidecars": summary.sidecars,
+        "outputs": summary.outputs,
+        "tensors": [
+            {
+                "name": r.name,
+                "shape": list(r.shape),
+                "dtype": r.dtype,
+                "restored": r.restored,
+                "bytes": r.bytes_out,
+            }
+            for r in summary.rows
+        ],
+    }
+
+
+def print_dequantize(summary: DequantizeSummary) -> None:
+    restored = sum(r.restored for r in summary.rows)
+    total = sum(r.bytes_out for r in summary.rows)
+    emit(
+        sys.stdout,
+        Text(
+            f"dequantized {restored} of {len(summary.rows)} tensors "
+            f"({len(summary.rows) - restored} copied byte for byte), {_fmt_bytes(total)}; "
+            "wrote " + ", ".join(safe(p) for p in summary.outputs)
+        ),
+    )
+
+
+# ---- inspect -----------------------------------------------------------------------------------
+
+
+def inspect_json(summary: InspectSummary) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "inspect",
+        "path": summary.path,
+        "kind": summary.kind,
+        "tensors": [
+            {
+                "name": r.name,
+                "dtype": r.dtype,
+                "shape": list(r.shape),
+                "numel": r.numel,
+                "bytes": r.nbytes,
+                **({"quantization": r.qinfo} if r.qinfo else {}),
+            }
+            for r in summary.rows
+        ],
+        "totals": {
+            "tensors": len(summary.rows),
+            "numel": summary.total_numel,
+            "bytes": summary.total_bytes,
+        },
+        "metadata": summary.metadata,
+        "manifest": summary.manifest,
+        "notes": summary.notes,
+    }
+
+
+def print_inspect(summary: InspectSummary) -> None:
+    quantized = any(r.qinfo for r in summary.rows)
+    title = f"{safe(summary.path)} ({summary.kind})"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("tensor", overflow="fold", min_width=12)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", overflow="fold")
+    table.add_column("elements", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    if quantized:
+        table.add_column("quantization", overflow="fold")
+    for r in summary.rows:
+        cells: list[str | Text] = [
+            Text(safe(r.name)),
+            r.dtype,
+            _shape(r.shape),
+            f"{r.numel:,}",
+            _fmt_bytes(r.nbytes),
+        ]
+        if quantized:
+            cells.append(_qinfo_text(r.qinfo))
+        table.add_row(*cells)
+    lines: list[Any] = [
+        table,
+        Text(
+            f"{len(summary.rows)} tensors, {summary.total_numel:,} elements, "
+            f"{_fmt_bytes(summary.total_bytes)}"
+        ),
+    ]
+    if summary.metadata:
+        lines.append(Text("metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))))
+    if summary.manifest:
+        lines.append(Text(_manifest_text(summary.manifest)))
+    emit(sys.stdout, *lines)
+    for note in summary.notes:
+        print_warning(note)
+
+
+def _qinfo_text(qinfo: dict[str, object] | None) -> str:
+    if not qinfo:
+        return ""
+    where = "tensor" if qinfo["axis"] is None else f"axis {qinfo['axis']}"
+    text = f"{qinfo['scheme']} {qinfo['dtype']} {where} ({qinfo['orig_dtype']})"
+    if "scale_min" in qinfo:
+        lo, hi = qinfo["scale_min"], qinfo["scale_max"]
+        text += f" scale {lo:.2g}" if lo == hi else f" scale {lo:.2g}..{hi:.2g}"
+    return text
+
+
+def _manifest_text(manifest: dict[str, object]) -> str:
+    tensors = manifest.get("tensors", {})
+    count = len(tensors) if isinstance(tensors, dict) else 0
+    return (
+        f"manifest: {manifest.get('format')} v{manifest.get('format_version')}, "
+        f"semantics {manifest.get('semantics')!r}, qtool {manifest.get('qtool_version')}, "
+        f"for {safe(str(manifest.get('quantized_file')))}, {count} quantized tensors"
+    )
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+
+class _BarProgress:
+    def __init__(self, progress: Progress, task: Any) -> None:
+        self._progress, self._task = progress, task
+
+    def __call__(self, name: str, nbytes: int) -> None:
+        self._progress.update(self._task, advance=nbytes, description=safe(name)[:40])
+
+
+@contextmanager
+def progress_bar(total_bytes: int) -> Iterator[_BarProgress | None]:
+    """A transient bar on stderr while it is an interactive terminal; None otherwise."""
+    err = console(sys.stderr)
+    if not err.is_interactive or total_bytes <= 0:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}", style="dim"),
+        BarColumn(),
+        TaskProgressColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("", total=total_bytes)
+        yield _BarProgress(progress, task)

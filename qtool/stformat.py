@@ -1,0 +1,244 @@
+"""The safetensors container: parse and validate a header, build one for a streaming writer.
+
+Pure Python (no torch): `inspect` and `--dry-run` answer from headers alone. The checks match
+the reference parser (safetensors' tensor.rs) and are stricter where Python's json module is
+laxer than serde_json: duplicate keys, NaN literals, lone surrogates and absurd nesting are
+refused. Nothing is allocated from a size the file declares before that size is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MAX_HEADER_BYTES = 100_000_000  # the reference's cap (decimal MB)
+
+# Reference Dtype enum in declaration order: the writer sorts by it, descending.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+_DTYPE_RANK = {name: rank for rank, name in enumerate(DTYPE_BITS)}
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+class HeaderError(ValueError):
+    """The bytes are not a valid safetensors file; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a header: offsets are relative to the start of the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header: tensors in data order, string metadata, where the data starts."""
+
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None
+    data_start: int  # 8 + header length
+
+    def by_name(self) -> dict[str, TensorEntry]:
+        return {t.name: t for t in self.tensors}
+
+    @property
+    def data_bytes(self) -> int:
+        return self.tensors[-1].end if self.tensors else 0
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of the safetensors file at `path` (HeaderError if bad)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        header_len = _header_length(prefix, size)
+        raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise HeaderError("file changed while being read")
+    return parse_header(raw, size)
+
+
+def _header_length(prefix: bytes, file_size: int) -> int:
+    if len(prefix) < 8:
+        raise HeaderError(
+            f"not a safetensors file: {file_size} bytes, shorter than the 8-byte header length"
+        )
+    n: int = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > file_size:
+        raise HeaderError(f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def parse_header(raw: bytes, file_size: int) -> Header:
+    """Validate header bytes `raw` (without the 8-byte length) of a file of `file_size` bytes."""
+    doc = _strict_json(raw)
+    if not isinstance(doc, dict):
+        raise HeaderError("header is not a JSON object")
+    metadata = _parse_metadata(doc.pop("__metadata__", None))
+    tensors = sorted(
+        (_parse_entry(name, info) for name, info in doc.items()),
+        key=lambda t: (t.begin, t.end),
+    )
+    expected = 0
+    for t in tensors:
+        if t.begin != expected:
+            what = "overlaps another tensor" if t.begin < expected else "leaves a gap before it"
+            raise HeaderError(f"tensor {t.name!r}: data_offsets [{t.begin}, {t.end}] {what}")
+        expected = t.end
+    data_start = 8 + len(raw)
+    if data_start + expected != file_size:
+        have = file_size - data_start
+        if have < expected:
+            raise HeaderError(f"truncated: header declares {expected} data bytes, file has {have}")
+        raise HeaderError(f"{have - expected} trailing bytes not covered by the header")
+    return Header(tuple(tensors), metadata, data_start)
+
+
+def _strict_json(raw: bytes) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise HeaderError(f"header is not UTF-8 (byte {err.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except HeaderError:
+        raise
+    except RecursionError:
+        raise HeaderError("header JSON is nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError and the int digit limit
+        raise HeaderError(f"header is not valid JSON: {err}") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        _check_text(key)
+        if key in out:
+            raise HeaderError(f"duplicate key {key!r} in header")
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> object:
+    raise HeaderError(f"header JSON contains {name}, which is not JSON")
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HeaderError(f"header string {s!r} holds a lone surrogate") from None
+
+
+def _parse_metadata(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise HeaderError("__metadata__ must map strings to strings")
+    for v in value.values():
+        _check_text(v)
+    return dict(value)
+
+
+def _parse_entry(name: str, info: object) -> TensorEntry:
+    if not isinstance(info, dict):
+        raise HeaderError(f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not _is_int_list(shape):
+        raise HeaderError(f"tensor {name!r}: shape must be a list of non-negative integers")
+    if not _is_int_list(offsets) or len(offsets) != 2:  # type: ignore[arg-type]
+        raise HeaderError(f"tensor {name!r}: data_offsets must be two non-negative integers")
+    begin, end = offsets  # type: ignore[misc]
+    if end < begin:
+        raise HeaderError(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
+    entry = TensorEntry(name, dtype, tuple(shape), begin, end)  # type: ignore[arg-type]
+    bits = entry.numel * DTYPE_BITS[dtype]  # Python ints: no overflow to hide a bad shape
+    if bits % 8:
+        raise HeaderError(f"tensor {name!r}: {dtype} x {entry.numel} does not fill whole bytes")
+    if bits // 8 != entry.nbytes:
+        raise HeaderError(
+            f"tensor {name!r}: shape {list(entry.shape)} of {dtype} needs {bits // 8} bytes, "
+            f"data_offsets give {entry.nbytes}"
+        )
+    return entry
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int and 0 <= v < 2**64 for v in value)
+
+
+def build_header(
+    specs: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, Header]:
+    """Header bytes (8-byte length + JSON padded to 8) for tensors given as (name, dtype, shape).
+
+    Layout as the reference writer's: sorted by dtype (descending enum order) then name, so every
+    tensor starts at a multiple of its element size; the result is byte-identical to
+    safetensors.torch.save_file for the same tensors and metadata of at most one key.
+    """
+    ordered = sorted(specs, key=lambda s: (-_DTYPE_RANK[s[1]], s[0]))
+    doc: dict[str, object] = {}
+    if metadata is not None:
+        doc["__metadata__"] = metadata
+    entries, offset = [], 0
+    for name, dtype, shape in ordered:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * DTYPE_BITS[dtype] // 8
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, offset + nbytes))
+        doc[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise HeaderError(f"header would be {len(text)} bytes, over the reader limit")
+    header = Header(tuple(entries), metadata, 8 + len(text))
+    return struct.pack("<Q", len(text)) + text, header

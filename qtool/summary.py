@@ -1,0 +1,134 @@
+"""Result value objects the pipeline returns and the report renders (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Error of a reconstruction, kept as sums so that tensors combine exactly."""
+
+    numel: int
+    sq_error: float  # sum (x - x_hat)^2
+    sq_signal: float  # sum x^2
+    max_abs: float
+
+    @property
+    def mse(self) -> float:
+        return self.sq_error / self.numel if self.numel else 0.0
+
+    @property
+    def sqnr_db(self) -> float:
+        """10 log10(sum x^2 / sum (x - x_hat)^2); +inf for an exact reconstruction."""
+        return sqnr_db(self.sq_signal, self.sq_error)
+
+
+def sqnr_db(sq_signal: float, sq_error: float) -> float:
+    if sq_error == 0.0:
+        return math.inf
+    if sq_signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(sq_signal / sq_error)
+
+
+def combine(stats: list[ErrorStats]) -> ErrorStats:
+    """The figures of several tensors taken together (a checkpoint's overall SQNR)."""
+    return ErrorStats(
+        numel=sum(s.numel for s in stats),
+        sq_error=sum(s.sq_error for s in stats),
+        sq_signal=sum(s.sq_signal for s in stats),
+        max_abs=max((s.max_abs for s in stats), default=0.0),
+    )
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor of a quantize run: what was done and what it cost."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype in the input
+    out_dtype: str
+    quantized: bool
+    detail: str  # e.g. "sym int8 per-channel(axis 0)", or why it was kept
+    bytes_in: int
+    bytes_out: int
+    errors: ErrorStats | None = None
+    scale_range: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class QuantizeSummary:
+    inputs: list[str]
+    outputs: list[str]
+    rows: list[TensorRow]
+    spec: str
+    device: str
+    dry_run: bool = False
+    skipped: list[str] = field(default_factory=list)  # non-tensor pickle entries
+    stale_temps_removed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def quantized(self) -> list[TensorRow]:
+        return [r for r in self.rows if r.quantized]
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(r.bytes_in for r in self.rows)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(r.bytes_out for r in self.rows)
+
+    @property
+    def overall(self) -> ErrorStats | None:
+        stats = [r.errors for r in self.rows if r.errors is not None]
+        return combine(stats) if stats else None
+
+
+@dataclass(frozen=True)
+class DequantizedRow:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # as written
+    restored: bool  # True: dequantized from codes; False: copied byte for byte
+    bytes_out: int
+
+
+@dataclass(frozen=True)
+class DequantizeSummary:
+    inputs: list[str]
+    sidecars: list[str]
+    outputs: list[str]
+    rows: list[DequantizedRow]
+
+
+@dataclass(frozen=True)
+class InspectRow:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    qinfo: dict[str, object] | None = None  # scheme, dtype, axis, scale range, orig dtype
+
+
+@dataclass(frozen=True)
+class InspectSummary:
+    path: str
+    kind: str  # "checkpoint", "quantized", "sidecar", "sharded"
+    rows: list[InspectRow]
+    metadata: dict[str, str] | None = None
+    manifest: dict[str, object] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(r.numel for r in self.rows)

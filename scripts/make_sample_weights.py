@@ -1,0 +1,75 @@
+"""Regenerate sample_weights/ byte for byte (seeded): small, real-looking checkpoints.
+
+    python scripts/make_sample_weights.py [OUTDIR]
+
+mlp:      embedding, two Linear layers with biases, a LayerNorm, a head with one outlier
+          channel (so per-tensor vs per-channel shows), an int64 buffer and a 0-d counter.
+convnet:  two Conv2d layers with BatchNorm (running stats, int64 num_batches_tracked), a Linear.
+mlp-bf16: the mlp in bfloat16, as most LLM checkpoints ship.
+The .pt files are torch.save state dicts; convnet.pt is wrapped as {"state_dict": ..., "epoch": 7}.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def _linear(gen: torch.Generator, out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    bound = in_f**-0.5
+    weight = (torch.rand(out_f, in_f, generator=gen) * 2 - 1) * bound
+    bias = (torch.rand(out_f, generator=gen) * 2 - 1) * bound
+    return weight, bias
+
+
+def mlp() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    sd: dict[str, torch.Tensor] = {"embed.weight": torch.randn(256, 64, generator=gen) * 0.02}
+    sd["layers.0.fc1.weight"], sd["layers.0.fc1.bias"] = _linear(gen, 128, 64)
+    sd["layers.0.norm.weight"] = 1.0 + 0.1 * torch.randn(128, generator=gen)
+    sd["layers.0.norm.bias"] = 0.01 * torch.randn(128, generator=gen)
+    sd["layers.0.fc2.weight"], sd["layers.0.fc2.bias"] = _linear(gen, 64, 128)
+    head_w, head_b = _linear(gen, 10, 64)
+    head_w[3] *= 40.0  # one outlier channel: per-tensor quantization suffers, per-channel not
+    sd["head.weight"], sd["head.bias"] = head_w, head_b
+    sd["position_ids"] = torch.arange(16, dtype=torch.int64).unsqueeze(0)
+    sd["step"] = torch.tensor(1000, dtype=torch.int64)
+    return sd
+
+
+def convnet() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5678)
+    sd: dict[str, torch.Tensor] = {}
+    for name, (c_out, c_in) in {"conv1": (16, 3), "conv2": (32, 16)}.items():
+        fan_in = c_in * 9
+        sd[f"{name}.weight"] = torch.randn(c_out, c_in, 3, 3, generator=gen) * (2 / fan_in) ** 0.5
+        sd[f"{name}.bias"] = torch.zeros(c_out)
+        bn = name.replace("conv", "bn")
+        sd[f"{bn}.weight"] = 1.0 + 0.05 * torch.randn(c_out, generator=gen)
+        sd[f"{bn}.bias"] = 0.05 * torch.randn(c_out, generator=gen)
+        sd[f"{bn}.running_mean"] = 0.1 * torch.randn(c_out, generator=gen)
+        sd[f"{bn}.running_var"] = 1.0 + 0.1 * torch.rand(c_out, generator=gen)
+        sd[f"{bn}.num_batches_tracked"] = torch.tensor(500, dtype=torch.int64)
+    sd["fc.weight"], sd["fc.bias"] = _linear(gen, 10, 512)
+    return sd
+
+
+def main(outdir: Path) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    models = {"mlp": mlp(), "convnet": convnet()}
+    models["mlp-bf16"] = {
+        k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in models["mlp"].items()
+    }
+    for name, sd in models.items():
+        save_file(sd, outdir / f"{name}.safetensors", metadata={"format": "pt"})
+    torch.save(models["mlp"], outdir / "mlp.pt")
+    torch.save({"state_dict": models["convnet"], "epoch": 7}, outdir / "convnet.pt")
+
+
+if __name__ == "__main__":
+    main(
+        Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent.parent / "sample_weights"
+    )

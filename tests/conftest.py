@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+
+SAMPLES = Path(__file__).parent.parent / "sample_weights"
+
+settings.register_profile("ci", max_examples=200, deadline=None)
+settings.register_profile("exhaustive", max_examples=5000, deadline=None)
+settings.load_profile("exhaustive" if os.environ.get("QTOOL_EXHAUSTIVE") == "1" else "ci")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Every available device: CPU always, CUDA when there is one."""
+    return str(request.param)
+
+
+@pytest.fixture
+def samples(tmp_path: Path) -> Path:
+    """A private copy of sample_weights/, so tests can write beside the inputs."""
+    dest = tmp_path / "samples"
+    shutil.copytree(SAMPLES, dest)
+    return dest

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qtool import __version__
+from qtool.cli import app
+
+README = Path(__file__).parent.parent / "README.md"
+COMMANDS = ["quantize", "dequantize", "inspect"]
+ERROR_LINE = re.compile(r"^qtool: error: .+\n$")
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def qtool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real entry point in a subprocess: exit codes and streams exactly as a shell sees them."""
+    return subprocess.run(
+        [sys.executable, "-m", "qtool", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_an_example_and_a_readme_mention(command: str) -> None:
+    code, out, _ = invoke(command, "--help")
+    assert code == 0
+    assert "Example: qtool " + command in out
+    assert f"qtool {command}" in README.read_text()
+
+
+def test_version() -> None:
+    assert invoke("--version")[1].strip() == f"qtool {__version__}"
+
+
+def test_quantize_json_is_the_only_stdout(samples: Path) -> None:
+    out = samples / "m.int8.safetensors"
+    code, stdout, stderr = invoke(
+        "quantize", str(samples / "mlp.safetensors"), "-o", str(out), "--json"
+    )
+    assert code == 0, stderr
+    doc = json.loads(stdout)
+    assert doc["schema_version"] == 1 and doc["command"] == "quantize"
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["head.weight"]["out_dtype"] == "I8"
+    assert isinstance(tensors["head.weight"]["sqnr_db"], float)
+    assert tensors["step"]["mse"] is None
+    assert doc["totals"]["quantized"] == 4 and doc["totals"]["kept"] == 7
+    assert doc["outputs"] == [str(out), str(samples / "m.int8.qparams.safetensors")]
+
+
+def test_quantize_default_output_name_and_table(samples: Path) -> None:
+    code, stdout, _ = invoke("quantize", str(samples / "convnet.safetensors"), "--scheme", "asym")
+    assert code == 0
+    assert (samples / "convnet.int8.safetensors").is_file()
+    assert (samples / "convnet.int8.qparams.safetensors").is_file()
+    assert "conv2.weight" in stdout and "asym int8 axis 0" in stdout
+    assert "\x1b" not in stdout
+
+
+def test_dequantize_and_inspect_json(samples: Path) -> None:
+    q = samples / "q.safetensors"
+    assert invoke("quantize", str(samples / "mlp.pt"), "-o", str(q))[0] == 0
+    code, stdout, _ = invoke("dequantize", str(q), "--json")
+    assert code == 0
+    assert json.loads(stdout)["outputs"] == [str(samples / "q.dequantized.safetensors")]
+    doc = json.loads(invoke("inspect", str(q), "--json")[1])
+    assert doc["kind"] == "quantized"
+    head = next(t for t in doc["tensors"] if t["name"] == "head.weight")
+    assert head["quantization"]["scheme"] == "sym" and head["quantization"]["axis"] == 0
+    side = json.loads(invoke("inspect", str(samples / "q.qparams.safetensors"), "--json")[1])
+    assert side["kind"] == "sidecar" and side["manifest"]["format_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["quantize", "missing.safetensors"], "no such file"),
+        (["quantize", "{samples}/notes.txt"], "not a valid safetensors file"),
+        (["quantize", "{samples}"], "not a regular file"),
+        (["quantize", "{samples}/mlp.safetensors", "--device", "cuda"], "no CUDA device"),
+        (["quantize", "{samples}/mlp.safetensors", "--axis", "5"], "out of range"),
+        (["dequantize", "{samples}/mlp.safetensors"], "no qparams sidecar"),
+        (["inspect", "{samples}/notes.txt"], "not a valid safetensors file"),
+    ],
+)
+def test_bad_input_is_one_line_exit_1_and_empty_stdout(
+    samples: Path, args: list[str], message: str
+) -> None:
+    (samples / "notes.txt").write_text("hello, not a checkpoint")
+    args = [a.format(samples=samples) for a in args]
+    if "cuda" in args:
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is present")
+    code, stdout, stderr = invoke(*args)
+    assert code == 1
+    assert stdout == ""
+    assert ERROR_LINE.match(stderr), stderr
+    assert message in stderr
+
+
+def test_existing_output_without_force(samples: Path) -> None:
+    src = str(samples / "mlp.safetensors")
+    assert invoke("quantize", src)[0] == 0
+    code, stdout, stderr = invoke("quantize", src)
+    assert code == 1 and stdout == "" and "--force" in stderr
+    assert invoke("quantize", src, "--force")[0] == 0
+
+
+def test_json_errors_are_json_on_stderr(samples: Path) -> None:
+    code, stdout, stderr = invoke("inspect", str(samples / "nope.safetensors"), "--json")
+    assert code == 1 and stdout == ""
+    err = json.loads(stderr)
+    assert err["ok"] is False and err["error"]["code"] == "bad_input"
+
+
+def test_real_process_exit_codes_and_streams(samples: Path) -> None:
+    ok = qtool("inspect", str(samples / "mlp.safetensors"), env={"FORCE_COLOR": "1"})
+    assert ok.returncode == 0 and "embed.weight" in ok.stdout
+    assert "\x1b" not in ok.stdout + ok.stderr  # piped: no escapes even when colour is forced
+    bad = qtool("quantize", str(samples / "missing.safetensors"))
+    assert bad.returncode == 1 and bad.stdout == "" and ERROR_LINE.match(bad.stderr)
+    assert "Traceback" not in bad.stderr
+    usage = qtool("quantize", "--scheme", "wrong", str(samples / "mlp.safetensors"))
+    assert usage.returncode == 2 and usage.stdout == ""
+    assert qtool("--version").stdout.strip() == f"qtool {__version__}"

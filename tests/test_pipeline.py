@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from qtool import pipeline
+from qtool.errors import NumericError, OutputError, SidecarError
+from qtool.plan import QuantizeOptions
+from qtool.sidecar import sidecar_path
+from qtool.spec import QSpec, Scheme, StorageDtype
+from tests import reference
+
+SAMPLE_FILES = [
+    "mlp.safetensors",
+    "mlp-bf16.safetensors",
+    "convnet.safetensors",
+    "mlp.pt",
+    "convnet.pt",
+]
+SPECS = [QSpec(s, d, a) for s, d, a in itertools.product(Scheme, StorageDtype, (None, 0, -1))]
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    loaded = torch.load(path, weights_only=True)
+    return loaded.get("state_dict", loaded)
+
+
+def _spec_id(spec: QSpec) -> str:
+    return spec.describe().replace(" ", "-")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_spec_id)
+@pytest.mark.parametrize("name", SAMPLE_FILES)
+def test_round_trip_preserves_names_shapes_dtypes_and_bounds(
+    samples: Path, name: str, spec: QSpec
+) -> None:
+    src = samples / name
+    original = _load(src)
+    qfile = samples / "q.safetensors"
+    summary = pipeline.quantize_file(src, qfile, QuantizeOptions(spec), device="cpu")
+    restored_path = samples / "restored.safetensors"
+    pipeline.dequantize_file(qfile, restored_path)
+    restored = load_file(restored_path)
+    assert list(restored) == sorted(restored, key=list(restored).index)  # loadable
+    assert set(restored) == set(original)
+    quantized = {r.name for r in summary.rows if r.quantized}
+    assert quantized == {n for n, t in original.items() if t.is_floating_point() and t.ndim >= 2}
+    codes = load_file(qfile)
+    with safe_open(sidecar_path(qfile), "pt") as side:
+        for tname, x in original.items():
+            y = restored[tname]
+            assert (y.dtype, y.shape) == (x.dtype, x.shape), tname
+            if tname not in quantized:
+                assert torch.equal(y, x), tname  # byte for byte
+                continue
+            axis = None if spec.axis is None else spec.axis % x.ndim
+            ref_q, ref_scale, ref_zp = reference.quantize(
+                x.float().numpy(), spec.scheme.value, spec.dtype.value, axis
+            )
+            np.testing.assert_array_equal(codes[tname].numpy(), ref_q)
+            np.testing.assert_array_equal(side.get_tensor(f"{tname}.scale").numpy(), ref_scale)
+            bound = _half_step(ref_scale, axis, x.ndim)
+            err = (x.float() - y.float()).abs().numpy()
+            slack = np.abs(x.float().numpy()) * (2**-8 if x.dtype == torch.bfloat16 else 1e-6)
+            assert bool(np.all(err <= bound * (1 + 1e-5) + slack)), tname
+
+
+def _half_step(scale: np.ndarray, axis: int | None, ndim: int) -> np.ndarray:
+    shape = [1] * ndim
+    if axis is not None:
+        shape[axis] = -1
+    return 0.5 * scale.reshape(shape)
+
+
+def test_report_rows_follow_the_file_and_say_why(samples: Path) -> None:
+    summary = pipeline.quantize_file(
+        samples / "mlp.safetensors", samples / "o.safetensors", QuantizeOptions(), device="cpu"
+    )
+    rows = {r.name: r for r in summary.rows}
+    assert rows["position_ids"].detail == "kept: integer tensor"
+    assert rows["head.bias"].detail == "kept: 1-D (bias/norm)"
+    assert rows["head.weight"].detail == "sym int8 axis 0"
+    assert rows["head.weight"].errors is not None
+    assert summary.bytes_out < summary.bytes_in / 3
+    assert summary.overall is not None and summary.overall.sqnr_db > 40
+
+
+def test_per_channel_beats_per_tensor_on_an_outlier_channel(samples: Path) -> None:
+    src = samples / "mlp.safetensors"
+    sqnr = {}
+    for axis in (None, 0):
+        s = pipeline.quantize_file(
+            src, samples / f"o{axis}.safetensors", QuantizeOptions(QSpec(axis=axis)), device="cpu"
+        )
+        sqnr[axis] = next(r for r in s.rows if r.name == "head.weight").errors.sqnr_db
+    assert sqnr[0] > sqnr[None] + 5
+
+
+def test_include_exclude_globs(samples: Path) -> None:
+    options = QuantizeOptions(include=("layers.*", "head.*"), exclude=("*.fc2.*",))
+    summary = pipeline.quantize_file(
+        samples / "mlp.safetensors", samples / "o.safetensors", options, device="cpu"
+    )
+    rows = {r.name: r for r in summary.rows}
+    assert rows["embed.weight"].detail == "kept: not matched by --include"
+    assert rows["layers.0.fc2.weight"].detail == "kept: excluded by --exclude '*.fc2.*'"
+    assert rows["layers.0.fc1.weight"].quantized
+    assert rows["head.bias"].quantized and rows["head.bias"].detail == "sym int8 tensor"
+
+
+def test_dequantize_to_other_dtypes_and_pt(samples: Path) -> None:
+    q = samples / "q.safetensors"
+    pipeline.quantize_file(samples / "mlp-bf16.safetensors", q, QuantizeOptions(), device="cpu")
+    pipeline.dequantize_file(q, samples / "f32.safetensors", dtype="float32")
+    out = load_file(samples / "f32.safetensors")
+    assert out["head.weight"].dtype == torch.float32
+    assert out["head.bias"].dtype == torch.bfloat16  # unquantized: untouched
+    pipeline.dequantize_file(q, samples / "restored.pt")
+    pt = torch.load(samples / "restored.pt", weights_only=True)
+    assert pt["head.weight"].dtype == torch.bfloat16
+
+
+def test_existing_output_needs_force_and_input_is_never_overwritten(samples: Path) -> None:
+    src = samples / "mlp.safetensors"
+    before = src.read_bytes()
+    out = samples / "o.safetensors"
+    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    with pytest.raises(OutputError, match="--force"):
+        pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu", force=True)
+    with pytest.raises(OutputError, match="overwrite the input"):
+        pipeline.quantize_file(src, src, QuantizeOptions(), device="cpu", force=True)
+    (samples / "link.safetensors").symlink_to(src)
+    with pytest.raises(OutputError, match="overwrite the input"):
+        pipeline.quantize_file(
+            src, samples / "link.safetensors", QuantizeOptions(), device="cpu", force=True
+        )
+    assert src.read_bytes() == before
+
+
+def test_nan_is_an_error_unless_kept(tmp_path: Path) -> None:
+    w = torch.randn(4, 4)
+    w[1, 1] = float("nan")
+    save_file({"bad.weight": w, "good.weight": torch.randn(4, 4)}, tmp_path / "m.safetensors")
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(NumericError, match="1 NaN/Inf") as info:
+        pipeline.quantize_file(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
+    assert info.value.tensor == "bad.weight"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    options = QuantizeOptions(keep_nonfinite=True)
+    summary = pipeline.quantize_file(tmp_path / "m.safetensors", out, options, device="cpu")
+    rows = {r.name: r for r in summary.rows}
+    assert not rows["bad.weight"].quantized and rows["good.weight"].quantized
+    assert torch.equal(load_file(out)["bad.weight"], w) is False  # NaN != NaN
+    assert load_file(out)["bad.weight"].isnan().sum() == 1
+
+
+def test_sidecar_from_another_run_is_refused(samples: Path) -> None:
+    src = samples / "mlp.safetensors"
+    a, b = samples / "a.safetensors", samples / "b.safetensors"
+    pipeline.quantize_file(src, a, QuantizeOptions(), device="cpu")
+    pipeline.quantize_file(src, b, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
+    with pytest.raises(SidecarError, match="does not belong"):
+        pipeline.dequantize_file(a, samples / "r.safetensors", qparams=sidecar_path(b))
+    sidecar_path(a).unlink()
+    with pytest.raises(SidecarError, match="no qparams sidecar"):
+        pipeline.dequantize_file(a, samples / "r.safetensors")
+    assert not (samples / "r.safetensors").exists()
+
+
+def test_output_is_deterministic(samples: Path) -> None:
+    src = samples / "convnet.safetensors"
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for i in (1, 2):
+            torch.set_num_threads(i)
+            (samples / str(i)).mkdir()
+            out = samples / str(i) / "d.safetensors"
+            pipeline.quantize_file(src, out, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
+            outs.append((out.read_bytes(), sidecar_path(out).read_bytes()))
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0] == outs[1]
+
+
+def test_dry_run_writes_nothing(samples: Path) -> None:
+    out = samples / "never.safetensors"
+    summary = pipeline.quantize_file(
+        samples / "mlp.safetensors", out, QuantizeOptions(), device="cpu", dry_run=True
+    )
+    assert summary.dry_run and len(summary.quantized) == 4
+    assert not out.exists() and not sidecar_path(out).exists()

@@ -89,6 +89,16 @@ class Checkpoint:
         start = self._data_start + entry.begin
         return memoryview(self._mm)[start : start + entry.nbytes]
 
+    def release(self, entry: TensorEntry) -> None:
+        """Drop the mapped pages of a tensor already written, so resident memory stays flat
+        however big the file (the pages are clean: the kernel re-reads them if needed)."""
+        if self._mm is None or entry.nbytes == 0:
+            return
+        start = self._data_start + entry.begin
+        aligned = start - start % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            self._mm.madvise(mmap.MADV_DONTNEED, aligned, start + entry.nbytes - aligned)
+
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn)."""
         st = os.stat(self.path)
@@ -227,7 +237,7 @@ def _check_zip(path: Path) -> None:
         raise UnsafeInputError(path, "archive members claim more bytes than the file holds")
 
 
-_GLOBAL_RE = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def _load_pickle(path: Path, mmap_ok: bool) -> object:

@@ -172,16 +172,16 @@ def quantize(
 
     spec = QSpec(scheme, dtype, axis if per_channel else None)
     options = QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
-    with user_errors(as_json):
+    with user_errors(as_json), report.progress_bar() as progress:
         _set_threads(threads)
-        summary = pipeline.quantize_file(
+        summary = pipeline.quantize_path(
             src,
             out,
             options,
             device=device.value,
             force=force,
             dry_run=dry_run,
-            progress=None,
+            progress=progress,
         )
     if as_json:
         report.print_json(report.quantize_json(summary))
@@ -223,7 +223,7 @@ def dequantize(
     from qtool import pipeline
 
     with user_errors(as_json):
-        summary = pipeline.dequantize_file(
+        summary = pipeline.dequantize_path(
             src, out, qparams=qparams, dtype=dtype.value, force=force
         )
     if as_json:

@@ -4,11 +4,12 @@ safetensors; a torch pickle has to be loaded, safely, to be listed)."""
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from pathlib import Path
 
-import numpy as np
-
 from qtool.errors import InputError
+from qtool.index import INDEX_SUFFIX, load_index
 from qtool.sidecar import (
     DIGEST_KEY,
     MANIFEST_KEY,
@@ -22,7 +23,9 @@ from qtool.summary import InspectRow, InspectSummary
 
 
 def inspect_path(path: Path) -> InspectSummary:
-    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar)."""
+    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar, a sharded set)."""
+    if path.is_dir() or path.name.endswith(INDEX_SUFFIX):
+        return _inspect_sharded(path)
     if not path.exists():
         raise InputError(path, "no such file; check the path")
     if not path.is_file():
@@ -90,10 +93,28 @@ def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str
             }
             if entry is not None and entry.dtype == "F32" and entry.numel:
                 f.seek(header.data_start + entry.begin)
-                scales = np.frombuffer(f.read(entry.nbytes), dtype="<f4")
-                info["scale_min"], info["scale_max"] = float(scales.min()), float(scales.max())
+                scales = array("f", f.read(entry.nbytes))  # numpy would cost start-up time
+                if sys.byteorder == "big":
+                    scales.byteswap()
+                info["scale_min"], info["scale_max"] = min(scales), max(scales)
             out[name] = info
     return out
+
+
+def _inspect_sharded(path: Path) -> InspectSummary:
+    sharded = load_index(path)
+    rows: list[InspectRow] = []
+    notes: list[str] = []
+    quantized = False
+    for shard in sharded.shards:
+        part = inspect_path(sharded.directory / shard)
+        quantized |= part.kind == "quantized"
+        rows += part.rows
+        notes += [f"{shard}: {note}" for note in part.notes]
+    kind = "sharded quantized" if quantized else "sharded"
+    return InspectSummary(
+        str(sharded.index), kind, rows, None, notes=notes, shards=len(sharded.shards)
+    )
 
 
 def _inspect_pickle(path: Path) -> InspectSummary:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from qtool.checkpoint import (
     tensor_bytes,
 )
 from qtool.errors import DeviceError, NumericError, OutputError, SidecarError
+from qtool.index import is_sharded
 from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors
 from qtool.sidecar import (
     DIGEST_KEY,
@@ -41,9 +41,8 @@ from qtool.sidecar import (
     zero_point_name,
 )
 from qtool.stformat import build_header, read_header
-from qtool.summary import DequantizedRow, DequantizeSummary, QuantizeSummary, TensorRow
+from qtool.summary import DequantizedRow, DequantizeSummary, Progress, QuantizeSummary, TensorRow
 
-ProgressFn = Callable[[str, int], None]  # (tensor name, input bytes done) after each tensor
 OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _PLACEHOLDER_DIGEST = "0" * 64
 
@@ -82,6 +81,44 @@ def check_output(out: Path, inputs: list[Path], force: bool) -> None:
         raise OutputError(out, "already exists; pass --force to replace it")
 
 
+def quantize_path(
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    *,
+    device: str = "auto",
+    force: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> QuantizeSummary:
+    """Quantize a checkpoint file, or a sharded checkpoint (index file or its directory)."""
+    from qtool import sharded
+
+    if is_sharded(src):
+        return sharded.quantize_sharded(
+            src, out, options, device=device, force=force, dry_run=dry_run, progress=progress
+        )
+    return quantize_file(
+        src, out, options, device=device, force=force, dry_run=dry_run, progress=progress
+    )
+
+
+def dequantize_path(
+    src: Path,
+    out: Path | None,
+    *,
+    qparams: Path | None = None,
+    dtype: str = "original",
+    force: bool = False,
+) -> DequantizeSummary:
+    """Dequantize a quantized file, or a quantized sharded checkpoint."""
+    from qtool import sharded
+
+    if is_sharded(src):
+        return sharded.dequantize_sharded(src, out, dtype=dtype, force=force)
+    return dequantize_file(src, out, qparams=qparams, dtype=dtype, force=force)
+
+
 def quantize_file(
     src: Path,
     out: Path | None,
@@ -90,7 +127,7 @@ def quantize_file(
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> QuantizeSummary:
     """Quantize the checkpoint `src` into `out` plus its sidecar."""
     started = time.perf_counter()
@@ -101,13 +138,15 @@ def quantize_file(
         plans = plan_tensors(src, ckpt.entries, options)
         side = sidecar_path(out)
         if dry_run:
-            rows = [_planned_row(p) for p in plans]
+            rows = [planned_row(p) for p in plans]
             return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
         for target in (out, side):
             check_output(target, [src], force)
         stale = remove_stale_temps(out.parent)
         if options.keep_nonfinite:
-            plans = _keep_nonfinite(ckpt, plans)
+            plans = keep_nonfinite(ckpt, plans)
+        if progress is not None:
+            progress.start(sum(p.entry.nbytes for p in plans))
         with OutputSet() as outputs:
             rows = write_quantized(ckpt, plans, out, outputs, dev, progress)
             outputs.commit()
@@ -146,7 +185,7 @@ def write_quantized(
     out: Path,
     outputs: OutputSet,
     dev: torch.device,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> list[TensorRow]:
     """Stream the quantized file and then its sidecar into `outputs`; rows in file order."""
     side = sidecar_path(out)
@@ -162,14 +201,15 @@ def write_quantized(
         plan = by_name[entry.name]
         if plan.spec is None:
             writer.write(entry.name, ckpt.raw(plan.entry))
-            rows[entry.name] = _planned_row(plan)
+            rows[entry.name] = planned_row(plan)
         else:
             result = _quantize_one(ckpt, plan, dev)
             writer.write(entry.name, tensor_bytes(result.q.cpu()))
             qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
             rows[entry.name] = _quantized_row(plan, result)
+        ckpt.release(plan.entry)
         if progress is not None:
-            progress(entry.name, plan.entry.nbytes)
+            progress.advance(entry.name, plan.entry.nbytes)
     ckpt.check_unchanged()
     digest = _write_sidecar(outputs, side, out.name, by_name, qparams)
     final_header, _ = build_header(specs, metadata | {DIGEST_KEY: digest})
@@ -193,7 +233,7 @@ def _quantize_one(ckpt: Checkpoint, plan: TensorPlan, dev: torch.device) -> kern
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
 
 
-def _keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
+def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
     """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each)."""
     out = []
     for plan in plans:
@@ -255,7 +295,7 @@ def _carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
 
 
-def _planned_row(plan: TensorPlan) -> TensorRow:
+def planned_row(plan: TensorPlan) -> TensorRow:
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
     return TensorRow(
@@ -272,7 +312,7 @@ def _planned_row(plan: TensorPlan) -> TensorRow:
 
 def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
     scale_range = (float(result.scale.min()), float(result.scale.max()))
-    return replace(_planned_row(plan), errors=result.errors, scale_range=scale_range)
+    return replace(planned_row(plan), errors=result.errors, scale_range=scale_range)
 
 
 @dataclass(frozen=True)
@@ -282,6 +322,10 @@ class _Pair:
     ckpt: Checkpoint
     sidecar: Checkpoint
     manifest: Manifest
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.sidecar.close()
 
 
 def open_quantized(src: Path, qparams: Path | None = None) -> _Pair:
@@ -364,11 +408,10 @@ def dequantize_file(
             if out.suffix in (".pt", ".pth", ".bin"):
                 rows = _write_dequantized_pt(pair, out, outputs, dtype)
             else:
-                rows = _write_dequantized(pair, out, outputs, dtype)
+                rows = write_dequantized(pair, out, outputs, dtype)
             outputs.commit()
     finally:
-        pair.ckpt.close()
-        pair.sidecar.close()
+        pair.close()
     return DequantizeSummary(
         inputs=[str(src)],
         sidecars=[str(qparams or sidecar_path(src))],
@@ -393,7 +436,7 @@ def _dequantize_one(pair: _Pair, name: str, dtype: str) -> torch.Tensor:
     )
 
 
-def _write_dequantized(
+def write_dequantized(
     pair: _Pair, out: Path, outputs: OutputSet, dtype: str
 ) -> list[DequantizedRow]:
     records = pair.manifest.tensors

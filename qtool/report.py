@@ -289,6 +289,7 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
         "command": "inspect",
         "path": summary.path,
         "kind": summary.kind,
+        "shards": summary.shards,
         "tensors": [
             {
                 "name": r.name,
@@ -313,7 +314,8 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
 
 def print_inspect(summary: InspectSummary) -> None:
     quantized = any(r.qinfo for r in summary.rows)
-    title = f"{safe(summary.path)} ({summary.kind})"
+    kind = f"{summary.kind}, {summary.shards} shards" if summary.shards else summary.kind
+    title = f"{safe(summary.path)} ({kind})"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=12)
     table.add_column("dtype", no_wrap=True)
@@ -374,18 +376,24 @@ def _manifest_text(manifest: dict[str, object]) -> str:
 
 
 class _BarProgress:
-    def __init__(self, progress: Progress, task: Any) -> None:
-        self._progress, self._task = progress, task
+    """Tensors and bytes done, throughput and time left, on stderr."""
 
-    def __call__(self, name: str, nbytes: int) -> None:
-        self._progress.update(self._task, advance=nbytes, description=safe(name)[:40])
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task = progress.add_task("", total=None)
+
+    def start(self, total_bytes: int) -> None:
+        self._progress.update(self._task, total=total_bytes)
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self._progress.update(self._task, advance=nbytes, description=safe(name)[-40:])
 
 
 @contextmanager
-def progress_bar(total_bytes: int) -> Iterator[_BarProgress | None]:
-    """A transient bar on stderr while it is an interactive terminal; None otherwise."""
+def progress_bar() -> Iterator[_BarProgress | None]:
+    """A transient bar while stderr is an interactive terminal; None (nothing at all) otherwise."""
     err = console(sys.stderr)
-    if not err.is_interactive or total_bytes <= 0:
+    if not err.is_interactive:
         yield None
         return
     columns = (
@@ -397,5 +405,4 @@ def progress_bar(total_bytes: int) -> Iterator[_BarProgress | None]:
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=err, transient=True) as progress:
-        task = progress.add_task("", total=total_bytes)
-        yield _BarProgress(progress, task)
+        yield _BarProgress(progress)

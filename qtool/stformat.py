@@ -112,7 +112,7 @@ def _header_length(prefix: bytes, file_size: int) -> int:
 
 def parse_header(raw: bytes, file_size: int) -> Header:
     """Validate header bytes `raw` (without the 8-byte length) of a file of `file_size` bytes."""
-    doc = _strict_json(raw)
+    doc = strict_json(raw)
     if not isinstance(doc, dict):
         raise HeaderError("header is not a JSON object")
     metadata = _parse_metadata(doc.pop("__metadata__", None))
@@ -135,7 +135,8 @@ def parse_header(raw: bytes, file_size: int) -> Header:
     return Header(tuple(tensors), metadata, data_start)
 
 
-def _strict_json(raw: bytes) -> object:
+def strict_json(raw: bytes) -> object:
+    """json.loads that refuses what serde_json refuses (and duplicate keys): HeaderError."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

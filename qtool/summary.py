@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Progress(Protocol):
+    """Receives the input bytes to process, then each tensor as it is done."""
+
+    def start(self, total_bytes: int) -> None: ...
+
+    def advance(self, name: str, nbytes: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -123,7 +132,8 @@ class InspectSummary:
     rows: list[InspectRow]
     metadata: dict[str, str] | None = None
     manifest: dict[str, object] | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # warnings: a missing sidecar, ...
+    shards: int = 0
 
     @property
     def total_bytes(self) -> int:

@@ -1,0 +1,108 @@
+"""The index of a sharded safetensors checkpoint (`*.safetensors.index.json`): strict parsing and
+validation of every shard it names, from headers alone (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+from qtool.errors import InputError
+from qtool.stformat import HeaderError, read_header, strict_json
+
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 100_000_000
+MAX_INDEX_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class ShardedInput:
+    index: Path
+    weight_map: dict[str, str]  # tensor name -> shard file name
+    metadata: dict[str, object]
+    raw: dict[str, object]  # the whole index document, for keys we carry along
+
+    @property
+    def directory(self) -> Path:
+        return self.index.parent
+
+    @property
+    def shards(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() or path.name.endswith(INDEX_SUFFIX)
+
+
+def find_index(path: Path) -> Path:
+    """The index file named by `path`, or the single one inside the directory `path`."""
+    if not path.is_dir():
+        if not path.is_file():
+            raise InputError(path, "no such file or directory; check the path")
+        return path
+    found = sorted(p for p in path.iterdir() if p.name.endswith(INDEX_SUFFIX))
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise InputError(
+            path, f"{what} *{INDEX_SUFFIX} files in this directory; give the index file itself"
+        )
+    return found[0]
+
+
+def load_index(path: Path) -> ShardedInput:
+    """Parse and validate an index and every shard header it names (no tensor data is read)."""
+    index = find_index(path)
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise InputError(index, "index file is over 100 MB; refusing to parse it")
+    try:
+        doc = strict_json(index.read_bytes())
+    except HeaderError as err:
+        raise InputError(index, f"not a valid index: {err}") from None
+    if not isinstance(doc, dict):
+        raise InputError(index, "not a valid index: expected a JSON object")
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise InputError(index, "not a valid index: 'weight_map' must map tensor names to files")
+    metadata = doc.get("metadata")
+    if not isinstance(metadata, dict):
+        metadata = {}
+    sharded = ShardedInput(index, dict(weight_map), dict(metadata), dict(doc))
+    for shard in sharded.shards:
+        _check_shard_name(index, shard)
+    _check_shards_agree(sharded)
+    return sharded
+
+
+def _check_shard_name(index: Path, shard: str) -> None:
+    """Shards are plain file names beside the index: no paths, no escapes, no pickles."""
+    for flavour in (PurePosixPath, PureWindowsPath):
+        p = flavour(shard)
+        if p.is_absolute() or p.drive or len(p.parts) != 1 or shard in (".", ".."):
+            raise InputError(index, f"shard path {shard!r} escapes the checkpoint directory")
+    if not shard.endswith(".safetensors"):
+        raise InputError(
+            index,
+            f"shard {shard!r} is not a .safetensors file; a safetensors index never names pickles",
+        )
+
+
+def _check_shards_agree(sharded: ShardedInput) -> None:
+    for shard in sharded.shards:
+        shard_path = sharded.directory / shard
+        if not shard_path.is_file():
+            raise InputError(shard_path, "shard named by the index is missing")
+        try:
+            header = read_header(shard_path)
+        except HeaderError as err:
+            raise InputError(shard_path, f"not a valid safetensors file: {err}") from None
+        in_shard = {t.name for t in header.tensors}
+        listed = {n for n, s in sharded.weight_map.items() if s == shard}
+        _complain(shard_path, "listed in the index but missing from the shard", listed - in_shard)
+        _complain(shard_path, "in the shard but not listed for it in the index", in_shard - listed)
+
+
+def _complain(path: Path, what: str, names: set[str]) -> None:
+    if names:
+        shown = ", ".join(repr(n) for n in sorted(names)[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        raise InputError(path, f"tensors {what}: {shown}{more}")

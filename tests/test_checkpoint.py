@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save, save_file
+
+from qtool.checkpoint import (
+    TORCH_TO_ST,
+    StreamingWriter,
+    open_checkpoint,
+    tensor_bytes,
+)
+from qtool.errors import InputError, UnsafeInputError
+from qtool.stformat import build_header
+
+
+def test_streaming_writer_output_is_byte_identical_to_save_file() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "b.weight": torch.randn(33, 7, generator=gen),
+        "a.bias": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "codes": torch.randint(-128, 127, (5, 5), generator=gen, dtype=torch.int8),
+        "ids": torch.arange(9),
+        "flag": torch.tensor(True),
+        "empty": torch.zeros(0, 3),
+    }
+    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    header_bytes, header = build_header(specs, {"format": "pt"})
+    buf = io.BytesIO()
+    writer = StreamingWriter(buf, header_bytes, header)
+    for entry in header.tensors:
+        writer.write(entry.name, tensor_bytes(tensors[entry.name]))
+    writer.finish()
+    assert buf.getvalue() == save(tensors, metadata={"format": "pt"})
+
+
+def test_streaming_writer_refuses_out_of_order_or_missing_tensors() -> None:
+    header_bytes, header = build_header([("a", "F32", (2,)), ("b", "F32", (2,))])
+    writer = StreamingWriter(io.BytesIO(), header_bytes, header)
+    with pytest.raises(AssertionError):
+        writer.write("b", memoryview(b"\0" * 8))
+    writer = StreamingWriter(io.BytesIO(), header_bytes, header)
+    writer.write("a", memoryview(b"\0" * 8))
+    with pytest.raises(AssertionError):
+        writer.finish()
+
+
+def test_safetensors_tensors_are_zero_copy_views(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, path)
+    ckpt = open_checkpoint(path)
+    t = ckpt.tensor(ckpt.entries[0])
+    assert t.tolist() == torch.arange(12.0).reshape(3, 4).tolist()
+    assert bytes(ckpt.raw(ckpt.entries[0])) == t.numpy().tobytes()
+    ckpt.close()
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda sd: sd, lambda sd: {"state_dict": sd, "epoch": 3}, lambda sd: {"model": sd}],
+    ids=["flat", "state_dict", "model"],
+)
+def test_pickle_state_dicts_and_wrappers(tmp_path: Path, wrap: object) -> None:
+    sd = {"w": torch.randn(3, 3), "b": torch.randn(3)}
+    path = tmp_path / "m.pt"
+    torch.save(wrap(sd), path)  # type: ignore[operator]
+    ckpt = open_checkpoint(path)
+    assert {e.name for e in ckpt.entries} == {"w", "b"}
+    assert torch.equal(ckpt.tensor(ckpt.by_name()["w"]), sd["w"])
+
+
+def test_non_tensor_entries_are_skipped_and_reported(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2, 2), "note": "hello", "step": 5}, path)
+    ckpt = open_checkpoint(path)
+    assert [e.name for e in ckpt.entries] == ["w"]
+    assert ckpt.skipped == ["note", "step"]
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Exploit(marker)}, path)
+    with pytest.raises(UnsafeInputError, match="refused.*system"):
+        open_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_legacy_pickle_with_code_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.bin"
+    path.write_bytes(pickle.dumps({"x": _Exploit(marker)}, protocol=2))
+    with pytest.raises(InputError):
+        open_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_compressed_archive_member_is_refused_as_a_zip_bomb(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.zeros(1000)}, src)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    with pytest.raises(UnsafeInputError, match="compressed"):
+        open_checkpoint(bomb)
+
+
+def test_pickle_named_safetensors_is_never_unpickled(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    torch.save({"w": torch.ones(2)}, path)
+    with pytest.raises(InputError, match="pickle"):
+        open_checkpoint(path)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torchscript_and_truncated_archives(tmp_path: Path) -> None:
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.randn(100)}, src)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(src.read_bytes()[:-200])
+    with pytest.raises(InputError, match="corrupt|truncated"):
+        open_checkpoint(cut)
+    script = tmp_path / "script.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), script)
+    with pytest.raises(InputError):
+        open_checkpoint(script)

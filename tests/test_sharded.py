@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qtool import pipeline
+from qtool.errors import InputError, OutputError
+from qtool.inspection import inspect_path
+from qtool.plan import QuantizeOptions
+from qtool.spec import QSpec, Scheme
+
+
+def make_sharded(directory: Path, shards: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small HF-style sharded checkpoint with a config file; returns all its tensors."""
+    directory.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    everything: dict[str, torch.Tensor] = {}
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        sd = {
+            f"layers.{i}.proj.weight": torch.randn(48, 32, generator=gen).to(torch.bfloat16),
+            f"layers.{i}.norm.weight": torch.ones(48, dtype=torch.bfloat16),
+            f"layers.{i}.ids": torch.arange(5),
+        }
+        save_file(sd, directory / name, metadata={"format": "pt"})
+        weight_map |= {k: name for k in sd}
+        everything |= sd
+    index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text('{"hidden_size": 48}')
+    (directory / "tokenizer.json").write_text("{}")
+    return everything
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("via", ["directory", "index"])
+def test_sharded_round_trip_keeps_sharding_and_companions(
+    tmp_path: Path, scheme: Scheme, via: str
+) -> None:
+    original = make_sharded(tmp_path / "model")
+    src = (
+        tmp_path / "model"
+        if via == "directory"
+        else tmp_path / "model/model.safetensors.index.json"
+    )
+    summary = pipeline.quantize_path(src, None, QuantizeOptions(QSpec(scheme)), device="cpu")
+    out = tmp_path / "model.int8"
+    assert summary.outputs == [str(out)]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(
+        [f"model-0000{i}-of-00003{suffix}" for i in (1, 2, 3)
+         for suffix in (".safetensors", ".qparams.safetensors")]
+        + ["model.safetensors.index.json", "config.json", "tokenizer.json"]
+    )  # fmt: skip
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert (
+        index["weight_map"]
+        == json.loads((tmp_path / "model/model.safetensors.index.json").read_text())["weight_map"]
+    )
+    shard_bytes = sum(p.stat().st_size for p in out.glob("model-*-of-00003.safetensors"))
+    assert index["metadata"]["total_size"] < shard_bytes
+    assert (out / "config.json").read_text() == '{"hidden_size": 48}'
+    assert len(summary.quantized) == 3
+
+    pipeline.dequantize_path(out, None)
+    restored_dir = tmp_path / "model.int8.dequantized"
+    restored: dict[str, torch.Tensor] = {}
+    for shard in restored_dir.glob("model-*.safetensors"):
+        restored |= load_file(shard)
+    assert set(restored) == set(original)
+    for name, x in original.items():
+        y = restored[name]
+        assert (y.dtype, y.shape) == (x.dtype, x.shape)
+        if "proj" not in name:
+            assert torch.equal(x, y)
+        else:
+            assert (x.float() - y.float()).abs().max() < 0.05
+
+
+def test_inspect_sharded(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    summary = inspect_path(tmp_path / "m")
+    assert summary.kind == "sharded" and summary.shards == 3 and len(summary.rows) == 9
+    pipeline.quantize_path(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
+    quantized = inspect_path(tmp_path / "q")
+    assert quantized.kind == "sharded quantized"
+    assert sum(1 for r in quantized.rows if r.qinfo) == 3
+
+
+def _index(directory: Path) -> Path:
+    return directory / "model.safetensors.index.json"
+
+
+def _edit_index(directory: Path, edit: object) -> None:
+    doc = json.loads(_index(directory).read_text())
+    edit(doc)  # type: ignore[operator]
+    _index(directory).write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["weight_map"].update({"x": "../evil.safetensors"}), "escapes"),
+        (lambda d: d["weight_map"].update({"x": "/abs/evil.safetensors"}), "escapes"),
+        (lambda d: d["weight_map"].update({"x": "C:evil.safetensors"}), "escapes"),
+        (lambda d: d["weight_map"].update({"x": "pytorch_model.bin"}), "never names pickles"),
+        (lambda d: d["weight_map"].update({"x": "missing.safetensors"}), "missing"),
+        (lambda d: d["weight_map"].update({"ghost": "model-00001-of-00003.safetensors"}),
+         "missing from the shard"),
+        (lambda d: d["weight_map"].pop("layers.0.ids"), "not listed"),
+        (lambda d: d.pop("weight_map"), "weight_map"),
+    ],
+)  # fmt: skip
+def test_bad_indexes_fail_before_anything_is_written(
+    tmp_path: Path, edit: object, message: str
+) -> None:
+    make_sharded(tmp_path / "m")
+    _edit_index(tmp_path / "m", edit)
+    with pytest.raises(InputError, match=message):
+        pipeline.quantize_path(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_last_shard_fails_before_the_first_is_written(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    last = tmp_path / "m/model-00003-of-00003.safetensors"
+    last.write_bytes(last.read_bytes()[:-3])
+    with pytest.raises(InputError, match="truncated"):
+        pipeline.quantize_path(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_directory_rules(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    with pytest.raises(OutputError, match="input directory"):
+        pipeline.quantize_path(tmp_path / "m", tmp_path / "m", QuantizeOptions(), device="cpu")
+    pipeline.quantize_path(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
+    with pytest.raises(OutputError, match="--force"):
+        pipeline.quantize_path(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
+    pipeline.quantize_path(
+        tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu", force=True
+    )

@@ -28,7 +28,7 @@ def make_sharded(directory: Path, shards: int = 3, seed: int = 0) -> dict[str, t
             f"layers.{i}.ids": torch.arange(5),
         }
         save_file(sd, directory / name, metadata={"format": "pt"})
-        weight_map |= {k: name for k in sd}
+        weight_map |= dict.fromkeys(sd, name)
         everything |= sd
     index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))

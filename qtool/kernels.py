@@ -13,6 +13,7 @@ tensor: one pass for its range, one to quantize) and no full-size float temporar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from qtool.summary import ErrorStats
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TORCH_STORAGE = {StorageDtype.INT8: torch.int8, StorageDtype.UINT8: torch.uint8}
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
-DEFAULT_BLOCK_ELEMS = 1 << 20  # 4 MiB of float32: fits L2+L3 comfortably, amortises op overhead
+DEFAULT_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32: stays in L3 and amortises per-op overhead
 
 Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pre, C, post) view
 
@@ -125,7 +126,8 @@ def quantize(
     _check_float(x)
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
-    _quantize_slabs(x, scale.float(), zero_point.float(), spec, q, None, DEFAULT_BLOCK_ELEMS)
+    ws = Workspace(x.device)
+    _quantize_slabs(x, scale.float(), zero_point.float(), spec, q, None, DEFAULT_BLOCK_ELEMS, ws)
     return q
 
 
@@ -135,21 +137,27 @@ def quantize_tensor(
     *,
     with_errors: bool = True,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
+    workspace: Workspace | None = None,
 ) -> QuantizedTensor:
-    """Compute qparams, quantize, and (optionally) measure the error, in as few passes as can be."""
+    """Compute qparams, quantize, and (optionally) measure the error, in as few passes as can be.
+
+    With a `workspace`, the codes live in its reused memory: consume them (write them out)
+    before the next call with the same workspace.
+    """
     _check_float(x)
     x = x.contiguous()
     axis = normalize_axis(spec.axis, x.ndim)
     pre, channels, post = group_shape(tuple(x.shape), axis)
-    q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
+    ws = workspace or Workspace(x.device)
+    q = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
     acc = ErrorAccumulator(x.device) if with_errors else None
     if pre == 1 and channels > 1 and 0 < post <= block_elems:
-        scale, zero_point = _quantize_rows(x.view(channels, post), spec, q, acc, block_elems)
+        scale, zero_point = _quantize_rows(x.view(channels, post), spec, q, acc, block_elems, ws)
     else:
         lo, hi = channel_range(x, spec)
         _check_finite(x, lo, hi)
         scale, zero_point = qparams_from_range(lo, hi, spec)
-        _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems)
+        _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems, ws)
     return QuantizedTensor(
         q=q,
         scale=scale,
@@ -191,6 +199,7 @@ def _quantize_rows(
     q: torch.Tensor,
     acc: ErrorAccumulator | None,
     block_elems: int,
+    ws: Workspace,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel, each channel one contiguous row of x2 (C, post): range and codes from the
     same cache-resident slab, so the tensor crosses memory once."""
@@ -199,7 +208,7 @@ def _quantize_rows(
     rows = max(1, block_elems // post)
     scale = torch.empty(channels, dtype=torch.float32, device=x2.device)
     zero_point = torch.empty_like(scale)
-    bufs = _Buffers(min(rows, channels) * post, x2.dtype, x2.device)
+    bufs = ws.scratch(min(rows, channels) * post, x2.dtype)
     for r0 in range(0, channels, rows):
         block = x2[r0 : r0 + rows]
         lo, hi = block.amin(dim=1), block.amax(dim=1)
@@ -218,12 +227,13 @@ def _quantize_slabs(
     q: torch.Tensor,
     acc: ErrorAccumulator | None,
     block_elems: int,
+    ws: Workspace,
 ) -> None:
     """Quantize x slab by slab with qparams already known for every group."""
     shape = group_shape(tuple(x.shape), normalize_axis(spec.axis, x.ndim))
     x3, q3 = x.view(shape), q.view(shape)
     scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
-    bufs = _Buffers(min(x.numel(), block_elems), x.dtype, x.device)
+    bufs = ws.scratch(min(x.numel(), block_elems), x.dtype)
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
         _quantize_block(
             x3[i0:i1, c0:c1, p0:p1],
@@ -236,14 +246,36 @@ def _quantize_slabs(
         )
 
 
-class _Buffers:
-    """Preallocated float32 scratch space reused by every slab of one tensor."""
+class Workspace:
+    """Memory reused across slabs and tensors: a fresh allocation costs page faults on first
+    touch, which for a cache-sized slab cost as much as the arithmetic itself."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.work = torch.empty(numel, dtype=torch.float32, device=device)
-        # Non-float32 inputs are upcast once per slab into `upcast` (exact for f16/bf16).
-        needs_upcast = dtype != torch.float32
-        self.upcast = torch.empty(numel if needs_upcast else 0, dtype=torch.float32, device=device)
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._codes = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._floats = torch.empty(0, dtype=torch.float32, device=self.device)
+
+    def codes(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-byte tensor of `shape`, valid until the next call."""
+        numel = math.prod(shape)
+        if self._codes.numel() < numel:
+            self._codes = torch.empty(numel, dtype=torch.uint8, device=self.device)
+        return self._codes[:numel].view(dtype).view(shape)
+
+    def scratch(self, numel: int, dtype: torch.dtype) -> _Buffers:
+        # Non-float32 inputs are upcast once per slab into a second buffer (exact for f16/bf16).
+        need = numel * (1 if dtype == torch.float32 else 2)
+        if self._floats.numel() < need:
+            self._floats = torch.empty(need, dtype=torch.float32, device=self.device)
+        return _Buffers(self._floats[:numel], self._floats[numel:need])
+
+
+class _Buffers:
+    """Float32 scratch for one slab: `work` always, `upcast` for non-float32 inputs."""
+
+    def __init__(self, work: torch.Tensor, upcast: torch.Tensor) -> None:
+        self.work = work
+        self.upcast = upcast
 
     def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = like.numel()
@@ -266,23 +298,22 @@ def _quantize_block(
 ) -> None:
     """One cache-resident slab: codes into q_out, error sums into acc. All steps in place."""
     xf, work = bufs.take(block)
+    # uint8 codes are built as int8 values q - 128 whose top bit is then flipped (q - 128 + 256
+    # mod 256 = q): torch's float->uint8 cast runs ~3x slower than float->int8 on CPU.
+    shift = 128 if spec.dtype is StorageDtype.UINT8 else 0
     torch.div(xf, scale, out=work)  # a division, not * (1/scale): bit-identical on CPU and CUDA
     work.round_()  # half to even
     if spec.scheme is Scheme.ASYM:
-        work.add_(zero_point).clamp_(spec.qmin, spec.qmax)
-        q_out.copy_(work)
-    elif spec.dtype is StorageDtype.INT8:
-        # |x| <= amax, so |x / scale| <= 127 * (1 + 2^-23): no clamp needed after rounding.
-        q_out.copy_(work)
-    else:
-        # Symmetric uint8: q = v + 128 for v in [-127, 127], i.e. the int8 code with its top bit
-        # flipped; one byte-wide pass instead of a float add.
-        q_out.view(torch.int8).copy_(work)
-        q_out.bitwise_xor_(0x80)
+        work.add_(zero_point - shift).clamp_(spec.qmin - shift, spec.qmax - shift)
+    # Symmetric: |x| <= amax, so |x / scale| <= 127 (1 + 2^-23) and no clamp is needed; the
+    # rounded value already is q - zero_point = q - shift.
+    q_out.view(torch.int8).copy_(work)
+    if shift:
+        q_out.view(torch.uint8).bitwise_xor_(0x80)
     if acc is None:
         return
     if spec.scheme is Scheme.ASYM:
-        work.sub_(zero_point)  # q - zero_point, exact in float32
+        work.sub_(zero_point - shift)  # q - zero_point, exact in float32
     torch.addcmul(xf, work, scale, value=-1.0, out=work)  # error = x - (q - zp) * scale
     acc.add(xf, work)
 

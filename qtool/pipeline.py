@@ -197,13 +197,14 @@ def write_quantized(
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
     qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    workspace = kernels.Workspace(dev)  # codes are written out before the next tensor reuses it
     for entry in header.tensors:
         plan = by_name[entry.name]
         if plan.spec is None:
             writer.write(entry.name, ckpt.raw(plan.entry))
             rows[entry.name] = planned_row(plan)
         else:
-            result = _quantize_one(ckpt, plan, dev)
+            result = _quantize_one(ckpt, plan, workspace)
             writer.write(entry.name, tensor_bytes(result.q.cpu()))
             qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
             rows[entry.name] = _quantized_row(plan, result)
@@ -217,11 +218,13 @@ def write_quantized(
     return [rows[p.entry.name] for p in plans]
 
 
-def _quantize_one(ckpt: Checkpoint, plan: TensorPlan, dev: torch.device) -> kernels.QuantizedTensor:
+def _quantize_one(
+    ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace
+) -> kernels.QuantizedTensor:
     assert plan.spec is not None
-    x = ckpt.tensor(plan.entry).to(dev)
+    x = ckpt.tensor(plan.entry).to(workspace.device)
     try:
-        return kernels.quantize_tensor(x, plan.spec)
+        return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
     except kernels.NonFiniteInput as err:
         raise NumericError(
             ckpt.path,

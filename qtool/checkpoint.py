@@ -20,7 +20,8 @@ from typing import BinaryIO
 
 import torch
 
-from qtool.errors import InputError, UnsafeInputError
+from qtool.atomic import describe_os_error
+from qtool.errors import InputError, OutputError, UnsafeInputError
 from qtool.stformat import DTYPE_BITS, Header, HeaderError, TensorEntry, read_header
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -300,20 +301,32 @@ def _check_plain_tensor(path: Path, name: str, t: torch.Tensor) -> None:
 
 
 class StreamingWriter:
-    """Writes a safetensors file tensor by tensor, in the order its header lays them out."""
+    """Writes a safetensors file tensor by tensor, in the order its header lays them out.
 
-    def __init__(self, f: BinaryIO, header_bytes: bytes, header: Header) -> None:
+    `path` names the file in errors (a disk-full error names the output, not a temp file).
+    """
+
+    def __init__(
+        self, f: BinaryIO, header_bytes: bytes, header: Header, path: Path | None = None
+    ) -> None:
         self._f = f
+        self._path = path
         self._header_len = len(header_bytes)
         self._pending: Iterator[TensorEntry] = iter(header.tensors)
         self._left = len(header.tensors)
-        f.write(header_bytes)
+        self._put(header_bytes)
+
+    def _put(self, data: bytes | memoryview) -> None:
+        try:
+            self._f.write(data)
+        except OSError as err:
+            raise OutputError(self._path, f"cannot write: {describe_os_error(err)}") from None
 
     def write(self, name: str, data: memoryview) -> None:
         entry = next(self._pending)
         if entry.name != name or data.nbytes != entry.nbytes:
             raise AssertionError(f"writer expected {entry.name} ({entry.nbytes} B), got {name}")
-        self._f.write(data)
+        self._put(data)
         self._left -= 1
 
     def finish(self, header_bytes: bytes | None = None) -> None:
@@ -324,5 +337,5 @@ class StreamingWriter:
             if len(header_bytes) != self._header_len:
                 raise AssertionError("a rewritten header must keep its length")
             self._f.seek(0)
-            self._f.write(header_bytes)
+            self._put(header_bytes)
             self._f.seek(0, os.SEEK_END)

@@ -71,6 +71,12 @@ def user_errors(as_json: bool) -> Iterator[None]:
             raise
         report.print_error(err, as_json)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        report.print_error("interrupted; no output was written", as_json)
+        raise typer.Exit(130) from None
+    except Terminated:
+        report.print_error("terminated; no output was written", as_json)
+        raise typer.Exit(143) from None
 
 
 def _version(value: bool) -> None:

@@ -105,7 +105,7 @@ def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Ten
     if x.numel() == 0:
         raise ValueError("cannot quantize an empty tensor")
     if axis is None:
-        return x.amin(), x.amax()
+        return torch.aminmax(x)  # full reductions: aminmax is one pass and ~1.7x faster
     x3 = x.reshape(group_shape(tuple(x.shape), axis))
     return x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
 
@@ -210,12 +210,12 @@ def _quantize_rows(
     zero_point = torch.empty_like(scale)
     bufs = ws.scratch(min(rows, channels) * post, x2.dtype)
     for r0 in range(0, channels, rows):
-        block = x2[r0 : r0 + rows]
-        lo, hi = block.amin(dim=1), block.amax(dim=1)
-        _check_finite(block, lo, hi)
+        xf, work = bufs.take(x2[r0 : r0 + rows])  # upcast first: f32 reductions run ~2x faster
+        lo, hi = xf.amin(dim=1), xf.amax(dim=1)  # (aminmax with dim= is ~10x slower)
+        _check_finite(xf, lo, hi)
         s, z = qparams_from_range(lo, hi, spec)
         scale[r0 : r0 + rows], zero_point[r0 : r0 + rows] = s, z
-        _quantize_block(block, s[:, None], z[:, None], spec, q2[r0 : r0 + rows], bufs, acc)
+        _quantize_block(xf, work, s[:, None], z[:, None], spec, q2[r0 : r0 + rows], acc)
     return scale, zero_point
 
 
@@ -235,14 +235,9 @@ def _quantize_slabs(
     scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
     bufs = ws.scratch(min(x.numel(), block_elems), x.dtype)
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
+        xf, work = bufs.take(x3[i0:i1, c0:c1, p0:p1])
         _quantize_block(
-            x3[i0:i1, c0:c1, p0:p1],
-            scale3[:, c0:c1],
-            zp3[:, c0:c1],
-            spec,
-            q3[i0:i1, c0:c1, p0:p1],
-            bufs,
-            acc,
+            xf, work, scale3[:, c0:c1], zp3[:, c0:c1], spec, q3[i0:i1, c0:c1, p0:p1], acc
         )
 
 
@@ -288,16 +283,16 @@ class _Buffers:
 
 
 def _quantize_block(
-    block: torch.Tensor,
+    xf: torch.Tensor,
+    work: torch.Tensor,
     scale: torch.Tensor,
     zero_point: torch.Tensor,
     spec: QSpec,
     q_out: torch.Tensor,
-    bufs: _Buffers,
     acc: ErrorAccumulator | None,
 ) -> None:
-    """One cache-resident slab: codes into q_out, error sums into acc. All steps in place."""
-    xf, work = bufs.take(block)
+    """One cache-resident slab (xf: float32 values, work: scratch of its shape): codes into
+    q_out, error sums into acc. Every step runs in place."""
     # uint8 codes are built as int8 values q - 128 whose top bit is then flipped (q - 128 + 256
     # mod 256 = q): torch's float->uint8 cast runs ~3x slower than float->int8 on CPU.
     shift = 128 if spec.dtype is StorageDtype.UINT8 else 0

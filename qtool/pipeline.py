@@ -8,6 +8,8 @@ outputs appear only complete (atomic.OutputSet). Knows nothing of Rich or Typer.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qtool import kernels
-from qtool.atomic import OutputSet, remove_stale_temps
+from qtool.atomic import OutputSet, describe_os_error, remove_stale_temps
 from qtool.checkpoint import (
     ST_TO_TORCH,
     TORCH_TO_ST,
@@ -68,12 +70,22 @@ def default_dequantized_path(src: Path) -> Path:
     return src.with_name(f"{src.stem}.dequantized.safetensors")
 
 
-def check_output(out: Path, inputs: list[Path], force: bool) -> None:
-    """Refuse an output that would overwrite an input or an existing file (without --force)."""
+def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
+    """Before any data is read: refuse an output that would overwrite an input or an existing
+    file (without --force), or that cannot be written (missing, read-only, full directory)."""
     if not out.parent.is_dir():
         raise OutputError(out, f"directory {out.parent} does not exist; create it first")
     if out.is_dir():
         raise OutputError(out, "is a directory; give a file name with -o")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise OutputError(out, f"directory {out.parent} is not writable; choose another -o")
+    free = shutil.disk_usage(out.parent).free
+    if needed_bytes > free:
+        raise OutputError(
+            out,
+            f"needs about {needed_bytes:,} bytes but {out.parent} has {free:,} free; "
+            "free some space or write elsewhere with -o",
+        )
     for src in inputs:
         if out.exists() and src.exists() and out.samefile(src):
             raise OutputError(out, "would overwrite the input; choose another -o")
@@ -140,8 +152,9 @@ def quantize_file(
         if dry_run:
             rows = [planned_row(p) for p in plans]
             return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
+        needed = sum(p.out_nbytes for p in plans)
         for target in (out, side):
-            check_output(target, [src], force)
+            check_output(target, [src], force, needed if target == out else 0)
         stale = remove_stale_temps(out.parent)
         if options.keep_nonfinite:
             plans = keep_nonfinite(ckpt, plans)
@@ -193,7 +206,7 @@ def write_quantized(
     metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
     specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
     header_bytes, header = build_header(specs, metadata)
-    writer = StreamingWriter(outputs.create(out), header_bytes, header)
+    writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
     qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -265,7 +278,7 @@ def _write_sidecar(
     metadata = manifest_metadata(Manifest(quantized_name, records))
     specs = [(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors.items()]
     header_bytes, header = build_header(specs, metadata)
-    writer = StreamingWriter(outputs.create(side), header_bytes, header)
+    writer = StreamingWriter(outputs.create(side), header_bytes, header, side)
     digest = hashlib.sha256()
     for entry in header.tensors:
         data = tensor_bytes(tensors[entry.name])
@@ -448,7 +461,7 @@ def write_dequantized(
         out_dtype = _restored_dtype(records[e.name], dtype) if e.name in records else e.dtype
         specs.append((e.name, out_dtype, e.shape))
     header_bytes, header = build_header(specs, _carried_metadata(pair.ckpt.metadata) or None)
-    writer = StreamingWriter(outputs.create(out), header_bytes, header)
+    writer = StreamingWriter(outputs.create(out), header_bytes, header, out)
     entries = pair.ckpt.by_name()
     rows: dict[str, DequantizedRow] = {}
     for entry in header.tensors:
@@ -481,6 +494,8 @@ def _write_dequantized_pt(
         rows.append(
             DequantizedRow(e.name, e.shape, TORCH_TO_ST[t.dtype], e.name in records, t.nbytes)
         )
-    f = outputs.create(out)
-    torch.save(state, f)
+    try:
+        torch.save(state, outputs.create(out))
+    except OSError as err:
+        raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
     return rows

@@ -79,7 +79,8 @@ def _write_index(
     if qtool:
         doc["qtool"] = qtool
     doc["weight_map"] = dict(sorted(sharded.weight_map.items()))
-    outputs.create(dest).write(json.dumps(doc, indent=2, ensure_ascii=False).encode() + b"\n")
+    data = json.dumps(doc, indent=2, ensure_ascii=False).encode() + b"\n"
+    outputs.create(dest, last=True).write(data)
 
 
 def quantize_sharded(

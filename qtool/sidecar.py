@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from qtool import __version__
 from qtool.errors import SidecarError
 from qtool.spec import SEMANTICS, QSpec, Scheme, StorageDtype
-from qtool.stformat import Header
+from qtool.stformat import Header, HeaderError, strict_json
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +92,9 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
     if text is None:
         raise SidecarError(path, "not a qtool sidecar (no qtool.qparams manifest)")
     try:
-        doc = json.loads(text, parse_constant=_reject_constant)
+        doc = strict_json(text.encode("utf-8"))
+        if not isinstance(doc, dict):
+            raise SidecarError(path, "damaged manifest (not a JSON object)")
         if doc.get("format") != FORMAT:
             raise SidecarError(path, f"unknown sidecar format {doc.get('format')!r}")
         version = doc.get("format_version")
@@ -108,12 +110,8 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
         return Manifest(str(doc["quantized_file"]), tensors, doc["semantics"], doc["qtool_version"])
     except SidecarError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+    except (HeaderError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise SidecarError(path, f"damaged manifest ({type(err).__name__}: {err})") from None
-
-
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _parse_record(path: Path, name: str, r: dict[str, object]) -> Record:

@@ -1,0 +1,309 @@
+"""Benchmark qtool against the textbook kernel, torch's own quantizer and the memory/disk limits.
+
+    python scripts/bench.py [--gib 1] [--repeat 5] [--json bench.json] [--skip-e2e]
+
+Kernel section (in memory, fp32 and bf16 weights of 4096x4096 and 4096x11008 up to --gib GiB):
+throughput in GB/s of input, median of --repeat runs, every method measured in the same run,
+against the memory limit (a cast into a preallocated int8 buffer: read the input once, write
+one byte per element).
+
+End-to-end section: a deterministic --gib GiB fp32 safetensors checkpoint on disk; wall time of
+`qtool quantize` against the bare `import torch, safetensors` floor and `cp` of the file, peak
+memory (ru_maxrss, and the peak anonymous RSS sampled every 5 ms), a naive load-all/save-all
+quantizer for comparison, and a checkpoint twice as large with the same largest tensor to show
+that memory does not grow with checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from qtool import kernels
+from qtool.spec import QSpec, Scheme, StorageDtype
+
+SHAPES = [(4096, 4096), (4096, 11008)]
+GiB = 1 << 30
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def weights(gib: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out, total, i = [], 0, 0
+    while total < gib * GiB or not out:
+        shape = SHAPES[i % len(SHAPES)]
+        out.append((torch.randn(shape, generator=gen) * 0.02).to(dtype))
+        total += out[-1].numel() * 4
+        i += 1
+    return out
+
+
+def median_seconds(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: first touch of buffers, lazy initialisation
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def textbook(x: torch.Tensor) -> torch.Tensor:
+    """What most code does: whole-tensor temporaries, one op at a time."""
+    scale = x.float().abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+
+
+def torch_per_channel(x: torch.Tensor) -> torch.Tensor:
+    scale = (x.float().abs().amax(dim=1) / 127).double()
+    zero = torch.zeros(x.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_channel(x.float(), scale, zero, 0, torch.qint8).int_repr()
+
+
+LIMIT = "memory limit (cast into int8 buffer)"
+
+
+def kernel_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """Every contender, each a closure over the same weights."""
+    outs = [torch.empty(x.shape, dtype=torch.int8) for x in xs]
+    ws = kernels.Workspace()
+
+    def limit() -> None:
+        for x, o in zip(xs, outs, strict=True):
+            o.copy_(x)
+
+    def qtool_run(spec: QSpec, errors: bool) -> Callable[[], object]:
+        return lambda: [
+            kernels.quantize_tensor(x, spec, with_errors=errors, workspace=ws) for x in xs
+        ]
+
+    methods: dict[str, Callable[[], object]] = {
+        LIMIT: limit,
+        "textbook per-channel": lambda: [textbook(x) for x in xs],
+        "torch.quantize_per_channel": lambda: [torch_per_channel(x) for x in xs],
+    }
+    for scheme in Scheme:
+        for axis in (0, None):
+            spec = QSpec(scheme, StorageDtype.INT8, axis)
+            for errors in (False, True):
+                label = f"qtool {spec.describe()}" + (" + error stats" if errors else "")
+                methods[label] = qtool_run(spec, errors)
+    return methods
+
+
+def bench_kernels(gib: float, repeat: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = weights(gib, dtype)
+        name = str(dtype).removeprefix("torch.")
+        nbytes = sum(x.numel() * x.element_size() for x in xs)
+        results = {m: median_seconds(fn, repeat) for m, fn in kernel_methods(xs).items()}
+        limit_gbs = nbytes / results[LIMIT] / 1e9
+        for method, seconds in results.items():
+            gbs = nbytes / seconds / 1e9
+            rows.append(
+                {
+                    "input": name,
+                    "method": method,
+                    "seconds": round(seconds, 4),
+                    "gb_per_s": round(gbs, 2),
+                    "fraction_of_limit": round(gbs / limit_gbs, 3),
+                }
+            )
+        ref = [textbook(x) for x in xs]
+        ours = [kernels.quantize_tensor(x, QSpec(), with_errors=False).q for x in xs]
+        identical = all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
+        rows.append({"input": name, "codes_match_textbook": identical})
+    return rows
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+
+def write_checkpoint(path: Path, gib: float) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"layers.{i}.weight": x for i, x in enumerate(weights(gib, torch.float32))}
+    for i in range(len(tensors)):
+        tensors[f"layers.{i}.bias"] = torch.zeros(4096)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def run_measured(cmd: list[str]) -> tuple[float, float, float]:
+    """(seconds, peak RSS MiB, peak anonymous RSS MiB) of one child process, sampled every 5 ms
+    from /proc (ru_maxrss would report this benchmark's own size: it survives fork and exec)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peaks = {"VmHWM:": 0, "RssAnon:": 0}
+
+    def sample() -> None:
+        status = Path(f"/proc/{proc.pid}/status")
+        while proc.poll() is None:
+            try:
+                for line in status.read_text().splitlines():
+                    key = line.split(maxsplit=1)[0] if line else ""
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(line.split()[1]))
+            except (OSError, ValueError, IndexError):
+                pass
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, stderr = proc.communicate()
+    seconds = time.perf_counter() - start
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {stderr.decode()}")
+    return seconds, peaks["VmHWM:"] / 1024, peaks["RssAnon:"] / 1024
+
+
+NAIVE = """
+import sys, torch
+from safetensors.torch import load_file, save_file
+sd = load_file(sys.argv[1])
+out = {}
+for name, x in sd.items():
+    if x.ndim >= 2:
+        s = x.abs().amax(dim=1, keepdim=True) / 127
+        out[name] = torch.round(x / s).clamp(-127, 127).to(torch.int8)
+        out[name + ".scale"] = s.squeeze(1)
+    else:
+        out[name] = x
+save_file(out, sys.argv[2])
+"""
+
+
+def bench_end_to_end(workdir: Path, gib: float, repeat: int) -> dict[str, object]:
+    src = workdir / "model.safetensors"
+    big = workdir / "model-2x.safetensors"
+    write_checkpoint(src, gib)
+    write_checkpoint(big, 2 * gib)
+    py = sys.executable
+    size = src.stat().st_size
+
+    def median(cmd: list[str]) -> tuple[float, float, float]:
+        runs = [run_measured(cmd) for _ in range(repeat)]
+        return (
+            statistics.median(r[0] for r in runs),
+            max(r[1] for r in runs),
+            max(r[2] for r in runs),
+        )
+
+    quantize = [py, "-m", "qtool", "quantize", "--force", "-o"]
+    results = {
+        "import floor": median([py, "-c", "import torch, safetensors"]),
+        "cp": median(["cp", str(src), str(workdir / "copy.safetensors")]),
+        "qtool quantize": median([*quantize, str(workdir / "q.safetensors"), str(src)]),
+        "qtool quantize (2x checkpoint)": median(
+            [*quantize, str(workdir / "q2.safetensors"), str(big)]
+        ),
+        "naive load-all/save_file": median(
+            [py, "-c", NAIVE, str(src), str(workdir / "naive.safetensors")]
+        ),
+    }
+    floor = results["import floor"][0]
+    rows = {}
+    for name, (seconds, rss, anon) in results.items():
+        nbytes = 2 * size if "2x" in name else size
+        above = seconds - floor if name not in ("cp",) else seconds
+        rows[name] = {
+            "seconds": round(seconds, 3),
+            "seconds_above_import_floor": round(seconds - floor, 3),
+            "gb_per_s_above_floor": round(nbytes / above / 1e9, 2) if above > 0 else None,
+            "peak_rss_mib": round(rss),
+            "peak_anon_rss_mib": round(anon),
+        }
+    largest = 4096 * 11008 * 4 / (1 << 20)
+    return {"checkpoint_bytes": size, "largest_tensor_mib": largest, "runs": rows}
+
+
+def print_tables(report: dict[str, object]) -> None:
+    print(f"machine: {json.dumps(report['machine'])}")
+    print(f"\nkernels, in memory ({report['kernel_gib']} GiB of fp32 weights, bf16 half that)")
+    print(f"{'input':<9} {'method':<48} {'GB/s':>7} {'x limit':>8}")
+    for row in report["kernels"]:  # type: ignore[attr-defined]
+        if "method" in row:
+            print(
+                f"{row['input']:<9} {row['method']:<48} {row['gb_per_s']:>7} "
+                f"{row['fraction_of_limit']:>8}"
+            )
+        else:
+            print(f"{row['input']:<9} codes identical to the textbook kernel: "
+                  f"{row['codes_match_textbook']}")  # fmt: skip
+    e2e = report.get("end_to_end")
+    if not e2e:
+        return
+    print(f"\nend to end, {e2e['checkpoint_bytes'] / GiB:.2f} GiB fp32 safetensors "  # type: ignore[index]
+          f"(largest tensor {e2e['largest_tensor_mib']:.0f} MiB)")  # type: ignore[index]  # fmt: skip
+    print(
+        f"{'command':<34} {'s':>7} {'s above floor':>14} {'peak RSS MiB':>13} {'peak anon MiB':>14}"
+    )
+    for name, r in e2e["runs"].items():  # type: ignore[index]
+        print(
+            f"{name:<34} {r['seconds']:>7} {r['seconds_above_import_floor']:>14} "
+            f"{r['peak_rss_mib']:>13} {r['peak_anon_rss_mib']:>14}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="size of the fp32 weights")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
+    parser.add_argument("--workdir", type=Path, help="where to write the checkpoints")
+    args = parser.parse_args()
+    report: dict[str, object] = {
+        "machine": machine(),
+        "kernel_gib": args.gib,
+        "kernels": bench_kernels(args.gib, args.repeat),
+    }
+    if not args.skip_e2e:
+        workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
+        try:
+            report["end_to_end"] = bench_end_to_end(workdir, args.gib, min(args.repeat, 3))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_tables(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -107,11 +107,11 @@ class Checkpoint:
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:
+        """Let go of the file. The mapping is not unmapped here: torch.frombuffer views hold a
+        reference to it (but no buffer export), so an explicit mmap.close() would leave live
+        tensors pointing at unmapped memory. It is unmapped when its last view is gone."""
         self._tensors.clear()
-        if self._mm is not None:
-            with contextlib.suppress(BufferError):  # a view is still alive; it keeps the map
-                self._mm.close()
-            self._mm = None
+        self._mm = None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -1,7 +1,8 @@
 """The `qtool` command line: options -> pipeline -> report, and exit codes.
 
 The only module that imports typer. Exit codes: 0 success, 1 a clear error, 2 a usage error,
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Torch is imported only by the commands that
+3 a quality gate failed (outputs are still written), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM). Torch is imported only by the commands that
 need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
 """
 
@@ -15,13 +16,17 @@ from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 from qtool import __version__, report
 from qtool.errors import QtoolError
 from qtool.spec import QSpec, Scheme, StorageDtype
+
+if TYPE_CHECKING:
+    from qtool.plan import QuantizeOptions
+    from qtool.summary import QuantizeSummary
 
 app = typer.Typer(
     name="qtool",
@@ -47,10 +52,55 @@ class OutDtype(str, Enum):
     BFLOAT16 = "bfloat16"
 
 
+class SortKey(str, Enum):
+    NAME = "name"
+    MSE = "mse"
+    SQNR = "sqnr"
+    SIZE = "size"
+
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace existing output files.")]
+MaxMseOpt = Annotated[
+    float | None,
+    typer.Option(help="Gate: fail (exit 3) if any tensor's MSE is above this.", show_default=False),
+]
+MinSqnrOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Gate: fail (exit 3) if any tensor's SQNR (dB) is below this.", show_default=False
+    ),
+]
+MinOverallOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.", show_default=False
+    ),
+]
+SortOpt = Annotated[
+    SortKey | None,
+    typer.Option(
+        help="Order rows: name, mse/sqnr (worst first), size (largest first) "
+        "[default: file order].",
+        show_default=False,
+    ),
+]
+TopOpt = Annotated[
+    int | None,
+    typer.Option(help="Show only the first N rows (after --sort).", min=1, show_default=False),
+]
+PlotOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        help="Also draw per-layer SQNR and the worst layers' error histograms to this PNG "
+        "(needs qtool[plot]).",
+        show_default=False,
+    ),
+]
+GATE_FAILED = 3
 
 
 class Terminated(BaseException):
@@ -103,7 +153,9 @@ def quantize(
     src: Annotated[
         Path,
         typer.Argument(
-            help="Checkpoint: .safetensors, or a .pt/.pth/.bin state dict.", show_default=False
+            help="Checkpoint: .safetensors, a .pt/.pth/.bin state dict, "
+            "or a sharded checkpoint (its *.safetensors.index.json or directory).",
+            show_default=False,
         ),
     ],
     out: Annotated[
@@ -111,7 +163,8 @@ def quantize(
         typer.Option(
             "--out",
             "-o",
-            help="Output .safetensors [default: INPUT-STEM.DTYPE.safetensors beside the input].",
+            help="Output .safetensors (a directory for sharded input) "
+            "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
             show_default=False,
         ),
     ] = None,
@@ -165,34 +218,121 @@ def quantize(
             "--dry-run", help="Print what would be done (from headers only) and write nothing."
         ),
     ] = False,
+    estimate: Annotated[
+        bool,
+        typer.Option(
+            "--estimate",
+            help="With --dry-run: also compute the error figures (reads the data, writes nothing).",
+        ),
+    ] = False,
     threads: Annotated[
         int | None,
         typer.Option(help="CPU threads for torch [default: all cores].", min=1, show_default=False),
     ] = None,
+    max_mse: MaxMseOpt = None,
+    min_sqnr: MinSqnrOpt = None,
+    min_overall_sqnr: MinOverallOpt = None,
+    sort: SortOpt = None,
+    top: TopOpt = None,
+    plot: PlotOpt = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
     """Quantize every selected float tensor of SRC; write the codes and a qparams sidecar."""
-    from qtool import pipeline
-    from qtool.plan import QuantizeOptions
+    from qtool import plan
+    from qtool.gates import Gate, evaluate
 
+    if estimate and not dry_run:
+        raise typer.BadParameter("--estimate goes with --dry-run", param_hint="--estimate")
     spec = QSpec(scheme, dtype, axis if per_channel else None)
-    options = QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
-    with user_errors(as_json), report.progress_bar() as progress:
-        _set_threads(threads)
-        summary = pipeline.quantize_path(
+    options = plan.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
+    with user_errors(as_json):
+        summary = plan.dry_run(src, out, options) if dry_run and not estimate else None
+        if summary is None:
+            summary = _run_quantize(src, out, options, device, threads, force, dry_run, estimate)
+        if plot is not None:
+            from qtool import plots
+
+            plots.plot_quantize(summary, options, plot)
+    gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
+    rows = report.arrange(summary.rows, sort.value if sort else None, top)
+    if as_json:
+        report.print_json(report.quantize_json(summary, rows, gate))
+    else:
+        report.print_quantize(summary, rows, gate)
+    if not gate.passed:
+        raise typer.Exit(GATE_FAILED)
+
+
+def _run_quantize(
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    device: Device,
+    threads: int | None,
+    force: bool,
+    dry_run: bool,
+    estimate: bool,
+) -> QuantizeSummary:
+    from qtool import pipeline
+
+    _set_threads(threads)
+    with report.progress_bar() as progress:
+        return pipeline.quantize_path(
             src,
             out,
             options,
             device=device.value,
             force=force,
             dry_run=dry_run,
+            estimate=estimate,
             progress=progress,
         )
+
+
+@app.command(epilog="Example: qtool compare model.safetensors model.int8.safetensors --min-sqnr 35")
+def compare(
+    a: Annotated[
+        Path,
+        typer.Argument(
+            help="Reference checkpoint (float, or a qtool-quantized file).", show_default=False
+        ),
+    ],
+    b: Annotated[
+        Path,
+        typer.Argument(
+            help="Checkpoint compared with A (float, or a qtool-quantized file).",
+            show_default=False,
+        ),
+    ],
+    max_mse: MaxMseOpt = None,
+    min_sqnr: MinSqnrOpt = None,
+    min_overall_sqnr: MinOverallOpt = None,
+    sort: SortOpt = None,
+    top: TopOpt = None,
+    plot: PlotOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Per-tensor error between two checkpoints sharing tensor names (quantized files are
+    dequantized through their sidecars on the fly)."""
+    from qtool.compare import compare_files
+    from qtool.gates import Gate, evaluate
+
+    with user_errors(as_json):
+        summary = compare_files(a, b)
+        if plot is not None:
+            from qtool import plots
+
+            plots.plot_compare(summary, plot)
+    bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
+    gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
+    rows = report.arrange(summary.rows, sort.value if sort else None, top)
     if as_json:
-        report.print_json(report.quantize_json(summary))
+        report.print_json(report.compare_json(summary, rows, gate))
     else:
-        report.print_quantize(summary)
+        report.print_compare(summary, rows, gate)
+    if not gate.passed:
+        raise typer.Exit(GATE_FAILED)
 
 
 @app.command(
@@ -236,6 +376,51 @@ def dequantize(
         report.print_json(report.dequantize_json(summary))
     else:
         report.print_dequantize(summary)
+
+
+@app.command(epilog="Example: qtool plot model.safetensors --tensor layers.0.fc1.weight -o fc1.png")
+def plot(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A float checkpoint (.safetensors or .pt).", show_default=False)
+    ],
+    tensor: Annotated[
+        str, typer.Option("--tensor", "-t", help="Name of the tensor to draw.", show_default=False)
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="PNG path [default: CHECKPOINT-STEM.TENSOR.png beside the checkpoint].",
+            show_default=False,
+        ),
+    ] = None,
+    scheme: Annotated[Scheme, typer.Option(help="Scheme to quantize with.")] = Scheme.SYM,
+    dtype: Annotated[
+        StorageDtype, typer.Option(help="Integer type of the codes.")
+    ] = StorageDtype.INT8,
+    per_channel: Annotated[
+        bool,
+        typer.Option(
+            "--per-channel/--per-tensor",
+            help="One scale per channel along --axis, or one per tensor.",
+        ),
+    ] = True,
+    axis: Annotated[int, typer.Option(help="Channel axis for --per-channel.")] = 0,
+    force: ForceOpt = False,
+) -> None:
+    """Draw one tensor: original, integer codes, reconstruction and error heatmaps, and a
+    histogram of its values with the quantization grid's range marked."""
+    from qtool import plots
+
+    with user_errors(False):
+        target = out or plots.default_tensor_plot_path(checkpoint, tensor)
+        if target.exists() and not force:
+            raise QtoolError(target, "already exists; pass --force to replace it")
+        info = plots.plot_tensor(
+            checkpoint, tensor, QSpec(scheme, dtype, axis if per_channel else None), target
+        )
+    report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 
 
 @app.command(epilog="Example: qtool inspect model.int8.safetensors --json | jq '.totals'")

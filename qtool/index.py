@@ -106,3 +106,9 @@ def _complain(path: Path, what: str, names: set[str]) -> None:
         shown = ", ".join(repr(n) for n in sorted(names)[:5])
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         raise InputError(path, f"tensors {what}: {shown}{more}")
+
+
+def default_output_dir(index: Path, suffix: str) -> Path:
+    """`models/llama/` -> `models/llama.int8/` beside it."""
+    directory = index.parent.resolve()
+    return directory.with_name(f"{directory.name}.{suffix}")

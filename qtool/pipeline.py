@@ -28,7 +28,13 @@ from qtool.checkpoint import (
 )
 from qtool.errors import DeviceError, NumericError, OutputError, SidecarError
 from qtool.index import is_sharded
-from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors
+from qtool.plan import (
+    QuantizeOptions,
+    TensorPlan,
+    default_quantized_path,
+    plan_tensors,
+    planned_row,
+)
 from qtool.sidecar import (
     DIGEST_KEY,
     SIDECAR_KEY,
@@ -58,11 +64,6 @@ def resolve_device(name: str) -> torch.device:
             None, "--device cuda: no CUDA device is available here; use --device cpu or auto"
         )
     return torch.device(name)
-
-
-def default_quantized_path(src: Path, dtype: str) -> Path:
-    """`model.safetensors` -> `model.int8.safetensors` beside it."""
-    return src.with_name(f"{src.stem}.{dtype}.safetensors")
 
 
 def default_dequantized_path(src: Path) -> Path:
@@ -101,17 +102,22 @@ def quantize_path(
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
+    estimate: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, or a sharded checkpoint (index file or its directory)."""
     from qtool import sharded
 
-    if is_sharded(src):
-        return sharded.quantize_sharded(
-            src, out, options, device=device, force=force, dry_run=dry_run, progress=progress
-        )
-    return quantize_file(
-        src, out, options, device=device, force=force, dry_run=dry_run, progress=progress
+    run = sharded.quantize_sharded if is_sharded(src) else quantize_file
+    return run(
+        src,
+        out,
+        options,
+        device=device,
+        force=force,
+        dry_run=dry_run,
+        estimate=estimate,
+        progress=progress,
     )
 
 
@@ -139,9 +145,11 @@ def quantize_file(
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
+    estimate: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeSummary:
-    """Quantize the checkpoint `src` into `out` plus its sidecar."""
+    """Quantize the checkpoint `src` into `out` plus its sidecar. A dry run only plans (from
+    the header); with `estimate` it also measures the error, and writes nothing either way."""
     started = time.perf_counter()
     dev = resolve_device(device)
     out = out or default_quantized_path(src, options.spec.dtype.value)
@@ -150,7 +158,9 @@ def quantize_file(
         plans = plan_tensors(src, ckpt.entries, options)
         side = sidecar_path(out)
         if dry_run:
-            rows = [planned_row(p) for p in plans]
+            if options.keep_nonfinite and estimate:
+                plans = keep_nonfinite(ckpt, plans)
+            rows = estimate_rows(ckpt, plans, dev) if estimate else [planned_row(p) for p in plans]
             return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
         needed = sum(p.out_nbytes for p in plans)
         for target in (out, side):
@@ -231,6 +241,19 @@ def write_quantized(
     return [rows[p.entry.name] for p in plans]
 
 
+def estimate_rows(ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device) -> list[TensorRow]:
+    """The rows a real run would report, error figures included, without writing anything."""
+    workspace = kernels.Workspace(dev)
+    rows = []
+    for plan in plans:
+        if plan.spec is None:
+            rows.append(planned_row(plan))
+            continue
+        rows.append(_quantized_row(plan, _quantize_one(ckpt, plan, workspace)))
+        ckpt.release(plan.entry)
+    return rows
+
+
 def _quantize_one(
     ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace
 ) -> kernels.QuantizedTensor:
@@ -309,21 +332,6 @@ def _st_dtype(t: torch.Tensor) -> str:
 def _carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
     return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
-
-
-def planned_row(plan: TensorPlan) -> TensorRow:
-    e = plan.entry
-    detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
-    return TensorRow(
-        e.name,
-        e.shape,
-        e.dtype,
-        plan.out_dtype,
-        plan.spec is not None,
-        detail,
-        e.nbytes,
-        plan.out_nbytes,
-    )
 
 
 def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:

@@ -13,8 +13,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qtool.errors import InputError
+from qtool.index import default_output_dir, is_sharded, load_index
+from qtool.sidecar import sidecar_path
 from qtool.spec import QSpec
-from qtool.stformat import DTYPE_BITS, FLOAT_DTYPES, TensorEntry
+from qtool.stformat import DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorEntry, read_header
+from qtool.summary import QuantizeSummary, TensorRow
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,58 @@ def _non_float_reason(dtype: str) -> str:
     if dtype.startswith("F8") or dtype.startswith(("F4", "F6")):
         return f"already low-precision ({dtype})"
     return f"not a real float tensor ({dtype})"
+
+
+def default_quantized_path(src: Path, dtype: str) -> Path:
+    """`model.safetensors` -> `model.int8.safetensors` beside it."""
+    return src.with_name(f"{src.stem}.{dtype}.safetensors")
+
+
+def planned_row(plan: TensorPlan) -> TensorRow:
+    e = plan.entry
+    detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    return TensorRow(
+        e.name,
+        e.shape,
+        e.dtype,
+        plan.out_dtype,
+        plan.spec is not None,
+        detail,
+        e.nbytes,
+        plan.out_nbytes,
+    )
+
+
+def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
+    """The plan of a safetensors or sharded input from its headers alone (no torch import);
+    None for a torch pickle, which has to be loaded to be planned."""
+    if is_sharded(src):
+        sharded = load_index(src)
+        directory = out or default_output_dir(sharded.index, options.spec.dtype.value)
+        rows = []
+        for shard in sharded.shards:
+            path = sharded.directory / shard
+            rows += [planned_row(p) for p in plan_tensors(path, read_header(path).tensors, options)]
+        return _dry_summary([sharded.index], [directory], rows, options)
+    if not src.is_file():
+        return None
+    try:
+        header = read_header(src)
+    except HeaderError:
+        return None  # a pickle, or a broken file: the full path reports it properly
+    out = out or default_quantized_path(src, options.spec.dtype.value)
+    rows = [planned_row(p) for p in plan_tensors(src, header.tensors, options)]
+    return _dry_summary([src], [out, sidecar_path(out)], rows, options)
+
+
+def _dry_summary(
+    inputs: list[Path], outputs: list[Path], rows: list[TensorRow], options: QuantizeOptions
+) -> QuantizeSummary:
+    return QuantizeSummary(
+        inputs=[str(p) for p in inputs],
+        outputs=[str(p) for p in outputs],
+        rows=rows,
+        spec=options.spec.describe(),
+        device="none",
+        dry_run=True,
+    )

@@ -31,7 +31,9 @@ from rich.table import Table
 from rich.text import Text
 
 from qtool.errors import QtoolError
+from qtool.gates import GateResult
 from qtool.summary import (
+    CompareSummary,
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
@@ -110,6 +112,11 @@ def print_error(err: QtoolError | str, as_json: bool = False) -> None:
     console(sys.stderr).print(line, soft_wrap=True)
 
 
+def print_line(message: str) -> None:
+    """One plain line of output on stdout (control characters escaped)."""
+    emit(sys.stdout, Text(safe(message)))
+
+
 def print_warning(message: str) -> None:
     line = Text.assemble(("qtool: warning: ", "yellow"), safe(message))
     console(sys.stderr).print(line, soft_wrap=True)
@@ -146,6 +153,62 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+# ---- ordering and gates ------------------------------------------------------------------------
+
+SORT_KEYS = ("name", "mse", "sqnr", "size")
+
+
+def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
+    """File order unless asked: name ascending, worst first for mse/sqnr, largest first for size.
+    Rows without error figures sort after those with them."""
+    if sort == "name":
+        rows = sorted(rows, key=lambda r: r.name)
+    elif sort == "mse":
+        rows = sorted(rows, key=lambda r: -r.errors.mse if r.errors else math.inf)
+    elif sort == "sqnr":
+        rows = sorted(rows, key=lambda r: r.errors.sqnr_db if r.errors else math.inf)
+    elif sort == "size":
+        rows = sorted(rows, key=lambda r: -r.bytes_in)
+    return rows[:top] if top is not None else rows
+
+
+def gate_json(result: GateResult | None) -> dict[str, Any] | None:
+    if result is None or not result.gate.active:
+        return None
+    g = result.gate
+    return {
+        "passed": result.passed,
+        "bounds": {
+            "max_mse": g.max_mse,
+            "min_sqnr_db": g.min_sqnr,
+            "min_overall_sqnr_db": g.min_overall_sqnr,
+        },
+        "violations": [
+            {
+                "tensor": v.tensor,
+                "metric": v.metric,
+                "value": None if v.value is None else _finite_or_none(v.value),
+                "bound": v.bound,
+                "detail": v.detail,
+            }
+            for v in result.violations
+        ],
+    }
+
+
+def _gate_text(result: GateResult | None) -> Text | None:
+    if result is None or not result.gate.active:
+        return None
+    if result.passed:
+        return Text("gate: passed", style="green")
+    tensors = sorted(result.failed_tensors())
+    shown = ", ".join(safe(t) for t in tensors[:5]) + (" ..." if len(tensors) > 5 else "")
+    parts = [f"{len(tensors)} tensor(s) out of bounds: {shown}"] if tensors else []
+    if any(v.tensor is None for v in result.violations):
+        parts.append(f"overall SQNR below {result.gate.min_overall_sqnr} dB")
+    return Text("gate: FAILED (" + "; ".join(parts) + ")", style="bold red")
+
+
 # ---- quantize ----------------------------------------------------------------------------------
 
 
@@ -159,9 +222,13 @@ def error_json(stats: ErrorStats | None) -> dict[str, float | None]:
     }
 
 
-def quantize_json(summary: QuantizeSummary) -> dict[str, Any]:
+def quantize_json(
+    summary: QuantizeSummary,
+    rows: list[TensorRow] | None = None,
+    gate: GateResult | None = None,
+) -> dict[str, Any]:
     tensors = []
-    for r in summary.rows:
+    for r in summary.rows if rows is None else rows:
         item: dict[str, Any] = {
             "name": r.name,
             "shape": list(r.shape),
@@ -196,11 +263,12 @@ def quantize_json(summary: QuantizeSummary) -> dict[str, Any]:
             **error_json(summary.overall),
         },
         "skipped_non_tensors": summary.skipped,
+        "gate": gate_json(gate),
     }
 
 
-def quantize_table(rows: list[TensorRow], title: str) -> Table:
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+def quantize_table(rows: list[TensorRow], title: str, failed: set[str] | None = None) -> Table:
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=12)
     table.add_column("shape", overflow="fold")
     table.add_column("dtype", no_wrap=True)
@@ -209,6 +277,8 @@ def quantize_table(rows: list[TensorRow], title: str) -> Table:
     table.add_column("max err", justify="right", no_wrap=True)
     table.add_column("SQNR dB", justify="right", no_wrap=True)
     table.add_column("", no_wrap=True)
+    if failed is not None:
+        table.add_column("gate", no_wrap=True)
     for r in rows:
         dtype = f"{r.dtype}→{r.out_dtype}" if r.dtype != r.out_dtype else r.dtype
         if r.errors is None:
@@ -216,16 +286,29 @@ def quantize_table(rows: list[TensorRow], title: str) -> Table:
         else:
             s = r.errors
             errs = [f"{s.mse:.3g}", f"{s.max_abs:.3g}", _fmt_sqnr(s.sqnr_db), _spark(s.sqnr_db)]
-        action = Text(r.detail, style="" if r.quantized else "dim")
-        table.add_row(Text(safe(r.name)), _shape(r.shape), dtype, action, *errs)
+        action = Text(safe(r.detail), style="" if r.quantized else "dim")
+        cells: list[str | Text] = [Text(safe(r.name)), _shape(r.shape), dtype, action, *errs]
+        if failed is not None:
+            bad = r.name in failed
+            cells.append(Text("FAIL", "bold red") if bad else ("ok" if r.errors else ""))
+        table.add_row(*cells)
     return table
 
 
-def print_quantize(summary: QuantizeSummary) -> None:
+def print_quantize(
+    summary: QuantizeSummary, rows: list[TensorRow] | None = None, gate: GateResult | None = None
+) -> None:
     title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
-    lines = [quantize_table(summary.rows, title), Text(_quantize_totals(summary))]
+    failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
+    shown = summary.rows if rows is None else rows
+    lines: list[Any] = [quantize_table(shown, title, failed), Text(_quantize_totals(summary))]
+    if len(shown) < len(summary.rows):
+        lines.append(Text(f"(showing {len(shown)} of {len(summary.rows)} tensors)", style="dim"))
     verb = "would write " if summary.dry_run else "wrote "
     lines.append(Text(verb + ", ".join(safe(p) for p in summary.outputs)))
+    gate_line = _gate_text(gate)
+    if gate_line is not None:
+        lines.append(gate_line)
     emit(sys.stdout, *lines)
     for name in summary.skipped[:1]:
         print_warning(f"skipped {len(summary.skipped)} non-tensor entries (e.g. {name!r})")
@@ -242,6 +325,59 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     if overall is not None:
         parts.append(f"overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB")
     return " · ".join(parts)
+
+
+# ---- compare -----------------------------------------------------------------------------------
+
+
+def compare_json(
+    summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "compare",
+        "inputs": summary.inputs,
+        "tensors": [
+            {
+                "name": r.name,
+                "shape": list(r.shape),
+                "dtype_a": r.dtype,
+                "dtype_b": r.out_dtype,
+                "compared": r.errors is not None,
+                "mismatch": r.mismatch,
+                "detail": r.detail,
+                **error_json(r.errors),
+            }
+            for r in rows
+        ],
+        "totals": {
+            "tensors": len(summary.rows),
+            "compared": len(summary.compared),
+            "mismatches": len(summary.mismatches),
+            **error_json(summary.overall),
+        },
+        "gate": gate_json(gate),
+    }
+
+
+def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None) -> None:
+    failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
+    title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
+    table = quantize_table(rows, title, failed)
+    table.columns[2].header = "dtype A→B"
+    table.columns[3].header = "compared"
+    overall = summary.overall
+    totals = (
+        f"{len(summary.compared)} of {len(summary.rows)} tensors compared, "
+        f"{len(summary.mismatches)} mismatched"
+    )
+    if overall is not None:
+        totals += f" · overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB"
+    lines: list[Any] = [table, Text(totals)]
+    gate_line = _gate_text(gate)
+    if gate_line is not None:
+        lines.append(gate_line)
+    emit(sys.stdout, *lines)
 
 
 # ---- dequantize --------------------------------------------------------------------------------
@@ -316,7 +452,7 @@ def print_inspect(summary: InspectSummary) -> None:
     quantized = any(r.qinfo for r in summary.rows)
     kind = f"{summary.kind}, {summary.shards} shards" if summary.shards else summary.kind
     title = f"{safe(summary.path)} ({kind})"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=12)
     table.add_column("dtype", no_wrap=True)
     table.add_column("shape", overflow="fold")

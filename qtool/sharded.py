@@ -23,19 +23,13 @@ from qtool import pipeline
 from qtool.atomic import OutputSet, remove_stale_temps
 from qtool.checkpoint import open_checkpoint
 from qtool.errors import OutputError
-from qtool.index import INDEX_SUFFIX, ShardedInput, load_index
-from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors
+from qtool.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
+from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
 from qtool.sidecar import sidecar_path
 from qtool.stformat import read_header
 from qtool.summary import DequantizeSummary, Progress, QuantizeSummary, TensorRow
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
-
-
-def default_output_dir(index: Path, suffix: str) -> Path:
-    """`models/llama/` -> `models/llama.int8/` beside it."""
-    directory = index.parent.resolve()
-    return directory.with_name(f"{directory.name}.{suffix}")
 
 
 def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
@@ -91,6 +85,7 @@ def quantize_sharded(
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
+    estimate: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeSummary:
     """Quantize every shard of a sharded checkpoint into `outdir`, keeping the sharding."""
@@ -99,9 +94,11 @@ def quantize_sharded(
     sharded = load_index(path)
     outdir = outdir or default_output_dir(sharded.index, options.spec.dtype.value)
     plans = _plan_shards(sharded, options)
-    rows = [pipeline.planned_row(p) for shard in sharded.shards for p in plans[shard]]
+    rows = [planned_row(p) for shard in sharded.shards for p in plans[shard]]
     outputs_named = [str(outdir)]
     if dry_run:
+        if estimate:
+            rows = _estimate_shards(sharded, plans, dev, options.keep_nonfinite)
         return _summary(sharded, outputs_named, rows, options, dev, started, dry_run=True)
     created = _prepare_outdir(outdir, sharded.directory, force)
     try:
@@ -124,6 +121,25 @@ def quantize_sharded(
         raise
     summary = _summary(sharded, outputs_named, rows, options, dev, started)
     return replace(summary, stale_temps_removed=stale)
+
+
+def _estimate_shards(
+    sharded: ShardedInput,
+    plans: dict[str, list[TensorPlan]],
+    dev: torch.device,
+    keep_nonfinite: bool,
+) -> list[TensorRow]:
+    rows: list[TensorRow] = []
+    for shard in sharded.shards:
+        ckpt = open_checkpoint(sharded.directory / shard)
+        try:
+            shard_plans = plans[shard]
+            if keep_nonfinite:
+                shard_plans = pipeline.keep_nonfinite(ckpt, shard_plans)
+            rows += pipeline.estimate_rows(ckpt, shard_plans, dev)
+        finally:
+            ckpt.close()
+    return rows
 
 
 def _plan_shards(sharded: ShardedInput, options: QuantizeOptions) -> dict[str, list[TensorPlan]]:

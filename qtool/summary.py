@@ -66,6 +66,7 @@ class TensorRow:
     bytes_out: int
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
+    mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,25 @@ class QuantizeSummary:
     @property
     def bytes_out(self) -> int:
         return sum(r.bytes_out for r in self.rows)
+
+    @property
+    def overall(self) -> ErrorStats | None:
+        stats = [r.errors for r in self.rows if r.errors is not None]
+        return combine(stats) if stats else None
+
+
+@dataclass(frozen=True)
+class CompareSummary:
+    inputs: list[str]  # [A, B]; A is the reference
+    rows: list[TensorRow]
+
+    @property
+    def compared(self) -> list[TensorRow]:
+        return [r for r in self.rows if r.errors is not None]
+
+    @property
+    def mismatches(self) -> list[TensorRow]:
+        return [r for r in self.rows if r.mismatch]
 
     @property
     def overall(self) -> ErrorStats | None:

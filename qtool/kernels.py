@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,9 @@ Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pr
 
 
 class NonFiniteInput(ValueError):
-    """The tensor holds NaN or +-Inf, which have no integer code."""
+    """The tensor holds NaN or +-Inf, which have no integer code (count None: not yet counted)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int | None = None) -> None:
         super().__init__(f"{count} NaN/Inf value(s)")
         self.count = count
 
@@ -79,19 +80,22 @@ def qparams_from_range(
     """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`.
 
     zero_point is returned as float32 holding an integer (cast by the caller for storage).
+    Runs once per slab, so it is kept to a handful of small in-place ops.
     """
-    lo = lo.float().clamp(max=0.0)
-    hi = hi.float().clamp(min=0.0)
+    lo, hi = lo.float(), hi.float()
     if spec.scheme is Scheme.SYM:
-        span = torch.maximum(-lo, hi)
+        span = torch.maximum(hi, lo.neg()).clamp_(min=0.0)  # amax over a range holding 0
         scale = span / ((spec.qmax - spec.qmin) / 2)  # amax / 127
     else:
+        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
         span = hi - lo
         scale = span / (spec.qmax - spec.qmin)  # (hi - lo) / 255
-    if not bool(torch.isfinite(scale).all()):
+    if not math.isfinite(float(scale.amax())):  # amax propagates NaN; cheaper than isfinite().all()
+        if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+            raise NonFiniteInput()  # NaN propagates through amin/amax; Inf lands in them
         raise ValueError("value range overflows float32; use --scheme sym for such tensors")
     # An all-zero group gets scale 1.0; no scale is ever 0 or subnormal (x / scale stays finite).
-    scale = torch.where(span == 0, torch.ones_like(scale), scale.clamp(min=SMALLEST_NORMAL))
+    scale.clamp_(min=SMALLEST_NORMAL).masked_fill_(span == 0, 1.0)
     if spec.scheme is Scheme.SYM:
         zero_point = torch.full_like(scale, spec.symmetric_zero_point)
     else:
@@ -114,8 +118,8 @@ def compute_qparams(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.T
     """float32 scale and storage-dtype zero_point of every group of x."""
     _check_float(x)
     lo, hi = channel_range(x, spec)
-    _check_finite(x, lo, hi)
-    scale, zero_point = qparams_from_range(lo, hi, spec)
+    with _counting_nonfinite(x):
+        scale, zero_point = qparams_from_range(lo, hi, spec)
     return scale, zero_point.to(TORCH_STORAGE[spec.dtype])
 
 
@@ -150,14 +154,15 @@ def quantize_tensor(
     pre, channels, post = group_shape(tuple(x.shape), axis)
     ws = workspace or Workspace(x.device)
     q = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
-    acc = ErrorAccumulator(x.device) if with_errors else None
-    if pre == 1 and channels > 1 and 0 < post <= block_elems:
-        scale, zero_point = _quantize_rows(x.view(channels, post), spec, q, acc, block_elems, ws)
-    else:
-        lo, hi = channel_range(x, spec)
-        _check_finite(x, lo, hi)
-        scale, zero_point = qparams_from_range(lo, hi, spec)
-        _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems, ws)
+    acc = ErrorAccumulator() if with_errors else None
+    with _counting_nonfinite(x):
+        if pre == 1 and channels > 1 and 0 < post <= block_elems:
+            x2 = x.view(channels, post)
+            scale, zero_point = _quantize_rows(x2, spec, q, acc, block_elems, ws)
+        else:
+            lo, hi = channel_range(x, spec)
+            scale, zero_point = qparams_from_range(lo, hi, spec)
+            _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems, ws)
     return QuantizedTensor(
         q=q,
         scale=scale,
@@ -212,7 +217,6 @@ def _quantize_rows(
     for r0 in range(0, channels, rows):
         xf, work = bufs.take(x2[r0 : r0 + rows])  # upcast first: f32 reductions run ~2x faster
         lo, hi = xf.amin(dim=1), xf.amax(dim=1)  # (aminmax with dim= is ~10x slower)
-        _check_finite(xf, lo, hi)
         s, z = qparams_from_range(lo, hi, spec)
         scale[r0 : r0 + rows], zero_point[r0 : r0 + rows] = s, z
         _quantize_block(xf, work, s[:, None], z[:, None], spec, q2[r0 : r0 + rows], acc)
@@ -337,7 +341,12 @@ def _check_float(x: torch.Tensor) -> None:
         raise ValueError(f"can only quantize float16/bfloat16/float32/float64, got {x.dtype}")
 
 
-def _check_finite(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-    """NaN propagates through amin/amax and Inf lands in them: no extra pass over x is needed."""
-    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-        raise NonFiniteInput(int((~torch.isfinite(x)).sum()))
+@contextmanager
+def _counting_nonfinite(x: torch.Tensor) -> Iterator[None]:
+    """Give a NonFiniteInput raised while processing x its count (one extra pass, on failure)."""
+    try:
+        yield
+    except NonFiniteInput as err:
+        if err.count is not None:
+            raise
+        raise NonFiniteInput(int((~torch.isfinite(x)).sum())) from None

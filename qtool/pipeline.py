@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from qtool.sidecar import (
     validate_qparams,
     zero_point_name,
 )
-from qtool.stformat import build_header, read_header
+from qtool.stformat import TensorEntry, build_header, read_header
 from qtool.summary import DequantizedRow, DequantizeSummary, Progress, QuantizeSummary, TensorRow
 
 OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -220,25 +221,61 @@ def write_quantized(
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
     qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    workspace = kernels.Workspace(dev)  # codes are written out before the next tensor reuses it
-    for entry in header.tensors:
-        plan = by_name[entry.name]
-        if plan.spec is None:
-            writer.write(entry.name, ckpt.raw(plan.entry))
-            rows[entry.name] = planned_row(plan)
-        else:
-            result = _quantize_one(ckpt, plan, workspace)
-            writer.write(entry.name, tensor_bytes(result.q.cpu()))
-            qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
-            rows[entry.name] = _quantized_row(plan, result)
-        ckpt.release(plan.entry)
-        if progress is not None:
-            progress.advance(entry.name, plan.entry.nbytes)
+    # Tensor k is written by a background thread while tensor k+1 is quantized (the write
+    # syscalls and the torch kernels both release the GIL). Two workspaces alternate, so the
+    # codes being written are never the ones being computed.
+    workspaces = (kernels.Workspace(dev), kernels.Workspace(dev))
+    with _BackgroundWriter(writer, ckpt) as background:
+        for k, entry in enumerate(header.tensors):
+            plan = by_name[entry.name]
+            if plan.spec is None:
+                data = ckpt.raw(plan.entry)
+                rows[entry.name] = planned_row(plan)
+            else:
+                result = _quantize_one(ckpt, plan, workspaces[k % 2])
+                data = tensor_bytes(result.q.cpu())
+                qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
+                rows[entry.name] = _quantized_row(plan, result)
+            background.write(plan.entry, data)
+            if progress is not None:
+                progress.advance(entry.name, plan.entry.nbytes)
     ckpt.check_unchanged()
     digest = _write_sidecar(outputs, side, out.name, by_name, qparams)
     final_header, _ = build_header(specs, metadata | {DIGEST_KEY: digest})
     writer.finish(final_header)
     return [rows[p.entry.name] for p in plans]
+
+
+class _BackgroundWriter:
+    """At most one write in flight: `write` waits for the previous one, then hands this one to
+    a worker thread; leaving the context waits for the last (and re-raises its error)."""
+
+    def __init__(self, writer: StreamingWriter, ckpt: Checkpoint) -> None:
+        self._writer, self._ckpt = writer, ckpt
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-write")
+        self._pending: Future[None] | None = None
+
+    def __enter__(self) -> _BackgroundWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def write(self, entry: TensorEntry, data: memoryview) -> None:
+        self._wait()
+        self._pending = self._pool.submit(self._write, entry, data)
+
+    def _write(self, entry: TensorEntry, data: memoryview) -> None:
+        self._writer.write(entry.name, data)
+        self._ckpt.release(entry)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
 
 def estimate_rows(ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device) -> list[TensorRow]:

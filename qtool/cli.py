@@ -100,6 +100,20 @@ PlotOpt = Annotated[
         show_default=False,
     ),
 ]
+SchemeOpt = Annotated[
+    Scheme,
+    typer.Option(help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."),
+]
+DtypeOpt = Annotated[StorageDtype, typer.Option(help="Integer type of the codes.")]
+PerChannelOpt = Annotated[
+    bool,
+    typer.Option(
+        "--per-channel/--per-tensor", help="One scale per channel along --axis, or one per tensor."
+    ),
+]
+AxisOpt = Annotated[
+    int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
+]
 GATE_FAILED = 3
 
 
@@ -168,25 +182,10 @@ def quantize(
             show_default=False,
         ),
     ] = None,
-    scheme: Annotated[
-        Scheme,
-        typer.Option(
-            help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."
-        ),
-    ] = Scheme.SYM,
-    dtype: Annotated[
-        StorageDtype, typer.Option(help="Integer type of the codes.")
-    ] = StorageDtype.INT8,
-    per_channel: Annotated[
-        bool,
-        typer.Option(
-            "--per-channel/--per-tensor",
-            help="One scale per channel along --axis, or one per tensor.",
-        ),
-    ] = True,
-    axis: Annotated[
-        int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
-    ] = 0,
+    scheme: SchemeOpt = Scheme.SYM,
+    dtype: DtypeOpt = StorageDtype.INT8,
+    per_channel: PerChannelOpt = True,
+    axis: AxisOpt = 0,
     include: Annotated[
         list[str] | None,
         typer.Option(
@@ -395,18 +394,10 @@ def plot(
             show_default=False,
         ),
     ] = None,
-    scheme: Annotated[Scheme, typer.Option(help="Scheme to quantize with.")] = Scheme.SYM,
-    dtype: Annotated[
-        StorageDtype, typer.Option(help="Integer type of the codes.")
-    ] = StorageDtype.INT8,
-    per_channel: Annotated[
-        bool,
-        typer.Option(
-            "--per-channel/--per-tensor",
-            help="One scale per channel along --axis, or one per tensor.",
-        ),
-    ] = True,
-    axis: Annotated[int, typer.Option(help="Channel axis for --per-channel.")] = 0,
+    scheme: SchemeOpt = Scheme.SYM,
+    dtype: DtypeOpt = StorageDtype.INT8,
+    per_channel: PerChannelOpt = True,
+    axis: AxisOpt = 0,
     force: ForceOpt = False,
 ) -> None:
     """Draw one tensor: original, integer codes, reconstruction and error heatmaps, and a

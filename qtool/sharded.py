@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from qtool import pipeline
 from qtool.atomic import OutputSet, remove_stale_temps
-from qtool.checkpoint import open_checkpoint
+from qtool.checkpoint import Checkpoint, open_checkpoint
 from qtool.errors import OutputError
 from qtool.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
 from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
@@ -98,7 +99,12 @@ def quantize_sharded(
     outputs_named = [str(outdir)]
     if dry_run:
         if estimate:
-            rows = _estimate_shards(sharded, plans, dev, options.keep_nonfinite)
+            rows = _each_shard(
+                sharded,
+                plans,
+                options.keep_nonfinite,
+                lambda ckpt, shard_plans, _: pipeline.estimate_rows(ckpt, shard_plans, dev),
+            )
         return _summary(sharded, outputs_named, rows, options, dev, started, dry_run=True)
     created = _prepare_outdir(outdir, sharded.directory, force)
     try:
@@ -106,9 +112,15 @@ def quantize_sharded(
         if progress is not None:
             progress.start(sum(p.entry.nbytes for ps in plans.values() for p in ps))
         with OutputSet() as outputs:
-            rows, total = _write_shards(
-                sharded, plans, outdir, outputs, dev, progress, options.keep_nonfinite
+            rows = _each_shard(
+                sharded,
+                plans,
+                options.keep_nonfinite,
+                lambda ckpt, shard_plans, shard: pipeline.write_quantized(
+                    ckpt, shard_plans, outdir / shard, outputs, dev, progress
+                ),
             )
+            total = sum(r.bytes_out for r in rows)
             for companion in _companion_files(sharded):
                 _copy_into(outputs, companion, outdir / companion.name)
             sidecars = {s: sidecar_path(outdir / s).name for s in sharded.shards}
@@ -123,25 +135,6 @@ def quantize_sharded(
     return replace(summary, stale_temps_removed=stale)
 
 
-def _estimate_shards(
-    sharded: ShardedInput,
-    plans: dict[str, list[TensorPlan]],
-    dev: torch.device,
-    keep_nonfinite: bool,
-) -> list[TensorRow]:
-    rows: list[TensorRow] = []
-    for shard in sharded.shards:
-        ckpt = open_checkpoint(sharded.directory / shard)
-        try:
-            shard_plans = plans[shard]
-            if keep_nonfinite:
-                shard_plans = pipeline.keep_nonfinite(ckpt, shard_plans)
-            rows += pipeline.estimate_rows(ckpt, shard_plans, dev)
-        finally:
-            ckpt.close()
-    return rows
-
-
 def _plan_shards(sharded: ShardedInput, options: QuantizeOptions) -> dict[str, list[TensorPlan]]:
     plans = {}
     for shard in sharded.shards:
@@ -150,15 +143,13 @@ def _plan_shards(sharded: ShardedInput, options: QuantizeOptions) -> dict[str, l
     return plans
 
 
-def _write_shards(
+def _each_shard(
     sharded: ShardedInput,
     plans: dict[str, list[TensorPlan]],
-    outdir: Path,
-    outputs: OutputSet,
-    dev: torch.device,
-    progress: Progress | None,
     keep_nonfinite: bool,
-) -> tuple[list[TensorRow], int]:
+    work: Callable[[Checkpoint, list[TensorPlan], str], list[TensorRow]],
+) -> list[TensorRow]:
+    """Open the shards one at a time and collect what `work` makes of each."""
     rows: list[TensorRow] = []
     for shard in sharded.shards:
         ckpt = open_checkpoint(sharded.directory / shard)
@@ -166,12 +157,10 @@ def _write_shards(
             shard_plans = plans[shard]
             if keep_nonfinite:
                 shard_plans = pipeline.keep_nonfinite(ckpt, shard_plans)
-            rows += pipeline.write_quantized(
-                ckpt, shard_plans, outdir / shard, outputs, dev, progress
-            )
+            rows += work(ckpt, shard_plans, shard)
         finally:
             ckpt.close()
-    return rows, sum(r.bytes_out for r in rows)
+    return rows
 
 
 def _summary(

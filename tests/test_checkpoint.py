@@ -139,3 +139,62 @@ def test_torchscript_and_truncated_archives(tmp_path: Path) -> None:
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), script)
     with pytest.raises(InputError):
         open_checkpoint(script)
+
+
+def test_tied_tensors_are_read_under_both_names(tmp_path: Path) -> None:
+    embed = torch.randn(8, 4)
+    torch.save({"embed.weight": embed, "lm_head.weight": embed}, tmp_path / "tied.pt")
+    ckpt = open_checkpoint(tmp_path / "tied.pt")
+    a, b = (ckpt.tensor(ckpt.by_name()[n]) for n in ("embed.weight", "lm_head.weight"))
+    assert torch.equal(a, b) and torch.equal(a, embed)
+
+
+def test_views_of_a_larger_storage_write_only_their_elements(tmp_path: Path) -> None:
+    big = torch.arange(100, dtype=torch.float32)
+    torch.save({"w": big[10:16].view(2, 3)}, tmp_path / "view.pt")
+    ckpt = open_checkpoint(tmp_path / "view.pt")
+    entry = ckpt.entries[0]
+    assert entry.nbytes == 24 and bytes(ckpt.raw(entry)) == big[10:16].numpy().tobytes()
+
+
+def test_old_torch_is_refused_for_pickles_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qtool.checkpoint as checkpoint
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    called = []
+    monkeypatch.setattr(checkpoint, "torch_version", lambda: (2, 9))
+    monkeypatch.setattr(torch, "load", lambda *a, **k: called.append(1))
+    with pytest.raises(UnsafeInputError, match="torch >= 2.10"):
+        open_checkpoint(tmp_path / "m.pt")
+    assert called == []
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    assert open_checkpoint(tmp_path / "m.safetensors").entries  # safetensors unaffected
+
+
+def test_env_cannot_turn_off_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    marker = tmp_path / "pwned"
+    torch.save({"x": _Exploit(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeInputError):
+        open_checkpoint(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+def test_every_torch_load_passes_weights_only_true_literally() -> None:
+    """A static guard: no code path may ever load a pickle without weights_only=True."""
+    import ast
+
+    package = Path(__file__).parent.parent / "qtool"
+    calls = 0
+    for source in package.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.load", "load"):
+                kw = {k.arg: k.value for k in node.keywords}
+                assert isinstance(kw.get("weights_only"), ast.Constant), source
+                assert kw["weights_only"].value is True, source  # type: ignore[attr-defined]
+                calls += 1
+        assert "pickle.load" not in source.read_text()
+        assert "add_safe_globals" not in source.read_text()
+    assert calls == 1

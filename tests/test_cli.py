@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from qtool import __version__
@@ -140,3 +142,63 @@ def test_real_process_exit_codes_and_streams(samples: Path) -> None:
     usage = qtool("quantize", "--scheme", "wrong", str(samples / "mlp.safetensors"))
     assert usage.returncode == 2 and usage.stdout == ""
     assert qtool("--version").stdout.strip() == f"qtool {__version__}"
+
+
+HOSTILE = {
+    "esc\x1b[31mred\x1b[0m.weight": torch.randn(4, 4),
+    "osc\x1b]8;;http://x\x07link.weight": torch.randn(4, 4),
+    "[bold]markup[/bold].weight": torch.randn(4, 4),
+    "[/].weight": torch.randn(4, 4),
+    "rtl\u202eoverride.weight": torch.randn(4, 4),
+    "long." + "x" * 10_000: torch.randn(4, 4),
+}
+
+
+def test_hostile_tensor_names_cannot_drive_the_terminal(tmp_path: Path) -> None:
+    save_file(HOSTILE, tmp_path / "h.safetensors")
+    for args in (
+        ["quantize", str(tmp_path / "h.safetensors")],
+        ["inspect", str(tmp_path / "h.int8.safetensors")],
+    ):
+        code, stdout, stderr = invoke(*args)
+        assert code == 0, stderr
+        assert "\x1b" not in stdout and "\u202e" not in stdout and "\x07" not in stdout
+        assert "\\x1b[31mred" in stdout and "[bold]markup[/bold].weight" in stdout
+    code, stdout, _ = invoke("inspect", str(tmp_path / "h.int8.safetensors"), "--json")
+    assert {t["name"] for t in json.loads(stdout)["tensors"]} == set(HOSTILE)  # exact in JSON
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"NO_COLOR": "1"},
+        {"TERM": "dumb"},
+        {"GITHUB_ACTIONS": "true"},
+        {"FORCE_COLOR": "1", "NO_COLOR": "1"},
+        {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "PY_COLORS": "1"},
+        {"COLUMNS": "20"},
+    ],
+    ids=lambda e: ",".join(e),
+)
+def test_no_escape_codes_off_a_terminal(samples: Path, env: dict[str, str]) -> None:
+    result = qtool("quantize", str(samples / "mlp.safetensors"), "--min-sqnr", "99", env=env)
+    assert result.returncode == 3
+    assert "\x1b" not in result.stdout + result.stderr
+    bad = qtool("inspect", str(samples / "missing.safetensors"), env=env)
+    assert "\x1b" not in bad.stdout + bad.stderr and bad.returncode == 1
+
+
+def test_broken_pipe_is_quiet(samples: Path) -> None:
+    cmd = f"{sys.executable} -m qtool inspect --json {samples / 'mlp.safetensors'} | head -c1"
+    result = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+def test_piped_output_is_stable_and_has_no_trailing_spaces(samples: Path) -> None:
+    first = qtool("quantize", str(samples / "mlp.safetensors"), "--dry-run").stdout
+    second = qtool(
+        "quantize", str(samples / "mlp.safetensors"), "--dry-run", env={"COLUMNS": "200"}
+    )
+    assert all(line == line.rstrip() for line in first.splitlines())
+    assert "embed.weight" in second.stdout
+    assert first == qtool("quantize", str(samples / "mlp.safetensors"), "--dry-run").stdout

@@ -6,11 +6,13 @@ mlp:      embedding, two Linear layers with biases, a LayerNorm, a head with one
           channel (so per-tensor vs per-channel shows), an int64 buffer and a 0-d counter.
 convnet:  two Conv2d layers with BatchNorm (running stats, int64 num_batches_tracked), a Linear.
 mlp-bf16: the mlp in bfloat16, as most LLM checkpoints ship.
+sharded-mlp/: the bf16 mlp split in two shards with an HF-style index and a config.json.
 The .pt files are torch.save state dicts; convnet.pt is wrapped as {"state_dict": ..., "epoch": 7}.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -67,6 +69,24 @@ def main(outdir: Path) -> None:
         save_file(sd, outdir / f"{name}.safetensors", metadata={"format": "pt"})
     torch.save(models["mlp"], outdir / "mlp.pt")
     torch.save({"state_dict": models["convnet"], "epoch": 7}, outdir / "convnet.pt")
+    write_sharded(models["mlp-bf16"], outdir / "sharded-mlp")
+
+
+def write_sharded(sd: dict[str, torch.Tensor], directory: Path) -> None:
+    """Two shards: the embedding and head in the first, the layers in the second."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    parts: list[dict[str, torch.Tensor]] = [{}, {}]
+    for key, tensor in sd.items():
+        parts[1 if key.startswith("layers.") else 0][key] = tensor
+    weight_map = {}
+    for name, part in zip(names, parts, strict=True):
+        save_file(part, directory / name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, name)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (directory / "config.json").write_text('{"model_type": "tiny-mlp", "hidden_size": 64}\n')
 
 
 if __name__ == "__main__":

@@ -202,3 +202,40 @@ def test_piped_output_is_stable_and_has_no_trailing_spaces(samples: Path) -> Non
     assert all(line == line.rstrip() for line in first.splitlines())
     assert "embed.weight" in second.stdout
     assert first == qtool("quantize", str(samples / "mlp.safetensors"), "--dry-run").stdout
+
+
+def _readme_commands() -> list[str]:
+    """Every qtool command line in the README's code blocks (the `$ ` prompt stripped)."""
+    commands, in_block = [], False
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_block = not in_block
+            continue
+        text = line.removeprefix("$ ").split("  #")[0].strip()
+        if in_block and text.startswith("qtool "):
+            commands.append(text)
+    return commands
+
+
+def test_every_readme_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A README command that fails is a bug: run them all, in order, as a new user would."""
+    import shlex
+    import shutil
+
+    shutil.copytree(README.parent / "sample_weights", tmp_path / "sample_weights")
+    (tmp_path / "build" / "demo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    commands = _readme_commands()
+    assert len(commands) >= 10
+    for command in commands:
+        code, _, stderr = invoke(*shlex.split(command)[1:])
+        assert code in (0, 3), f"{command}: {stderr}"  # 3: the gate example fails on purpose
+
+
+def test_sample_weights_regenerate_byte_for_byte(tmp_path: Path) -> None:
+    script = README.parent / "scripts" / "make_sample_weights.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=120)
+    shipped = README.parent / "sample_weights"
+    for path in shipped.rglob("*"):
+        if path.is_file():
+            assert (tmp_path / path.relative_to(shipped)).read_bytes() == path.read_bytes(), path

@@ -365,12 +365,10 @@ def dequantize(
     force: ForceOpt = False,
 ) -> None:
     """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
-    from qtool import pipeline
+    from qtool import restore
 
     with user_errors(as_json):
-        summary = pipeline.dequantize_path(
-            src, out, qparams=qparams, dtype=dtype.value, force=force
-        )
+        summary = restore.dequantize_path(src, out, qparams=qparams, dtype=dtype.value, force=force)
     if as_json:
         report.print_json(report.dequantize_json(summary))
     else:

@@ -16,7 +16,7 @@ from qtool import kernels
 from qtool.checkpoint import open_checkpoint
 from qtool.errors import InputError
 from qtool.metrics import error_stats
-from qtool.pipeline import open_quantized
+from qtool.restore import open_quantized
 from qtool.sidecar import DIGEST_KEY, scale_name, zero_point_name
 from qtool.stformat import FLOAT_DTYPES, TensorEntry
 from qtool.summary import CompareSummary, TensorRow

@@ -1,4 +1,4 @@
-"""quantize / dequantize a checkpoint file: loops over tensors, returns summaries.
+"""Quantize a checkpoint file: the per-tensor loop, returning a summary.
 
 One tensor at a time: read (zero-copy) -> quantize and measure -> write, then the next; nothing
 holds the whole checkpoint. Everything is validated before the first output byte is written, and
@@ -12,22 +12,20 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from qtool import kernels
-from qtool.atomic import OutputSet, describe_os_error, remove_stale_temps
+from qtool.atomic import OutputSet, remove_stale_temps
 from qtool.checkpoint import (
-    ST_TO_TORCH,
-    TORCH_TO_ST,
     Checkpoint,
     StreamingWriter,
     open_checkpoint,
     tensor_bytes,
 )
-from qtool.errors import DeviceError, NumericError, OutputError, SidecarError
+from qtool.errors import DeviceError, NumericError, OutputError
 from qtool.index import is_sharded
 from qtool.plan import (
     QuantizeOptions,
@@ -41,18 +39,14 @@ from qtool.sidecar import (
     SIDECAR_KEY,
     Manifest,
     Record,
-    data_digest,
     manifest_metadata,
-    parse_manifest,
     scale_name,
     sidecar_path,
-    validate_qparams,
     zero_point_name,
 )
-from qtool.stformat import TensorEntry, build_header, read_header
-from qtool.summary import DequantizedRow, DequantizeSummary, Progress, QuantizeSummary, TensorRow
+from qtool.stformat import TensorEntry, build_header
+from qtool.summary import Progress, QuantizeSummary, TensorRow
 
-OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _PLACEHOLDER_DIGEST = "0" * 64
 
 
@@ -65,11 +59,6 @@ def resolve_device(name: str) -> torch.device:
             None, "--device cuda: no CUDA device is available here; use --device cpu or auto"
         )
     return torch.device(name)
-
-
-def default_dequantized_path(src: Path) -> Path:
-    """`model.int8.safetensors` -> `model.int8.dequantized.safetensors` beside it."""
-    return src.with_name(f"{src.stem}.dequantized.safetensors")
 
 
 def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
@@ -120,22 +109,6 @@ def quantize_path(
         estimate=estimate,
         progress=progress,
     )
-
-
-def dequantize_path(
-    src: Path,
-    out: Path | None,
-    *,
-    qparams: Path | None = None,
-    dtype: str = "original",
-    force: bool = False,
-) -> DequantizeSummary:
-    """Dequantize a quantized file, or a quantized sharded checkpoint."""
-    from qtool import sharded
-
-    if is_sharded(src):
-        return sharded.dequantize_sharded(src, out, dtype=dtype, force=force)
-    return dequantize_file(src, out, qparams=qparams, dtype=dtype, force=force)
 
 
 def quantize_file(
@@ -213,7 +186,7 @@ def write_quantized(
 ) -> list[TensorRow]:
     """Stream the quantized file and then its sidecar into `outputs`; rows in file order."""
     side = sidecar_path(out)
-    metadata = _carried_metadata(ckpt.metadata)
+    metadata = carried_metadata(ckpt.metadata)
     metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
     specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
     header_bytes, header = build_header(specs, metadata)
@@ -366,7 +339,7 @@ def _st_dtype(t: torch.Tensor) -> str:
     return {torch.float32: "F32", torch.int8: "I8", torch.uint8: "U8"}[t.dtype]
 
 
-def _carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
     return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
 
@@ -374,173 +347,3 @@ def _carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
 def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
     scale_range = (float(result.scale.min()), float(result.scale.max()))
     return replace(planned_row(plan), errors=result.errors, scale_range=scale_range)
-
-
-@dataclass(frozen=True)
-class _Pair:
-    """A quantized file opened together with its validated sidecar."""
-
-    ckpt: Checkpoint
-    sidecar: Checkpoint
-    manifest: Manifest
-
-    def close(self) -> None:
-        self.ckpt.close()
-        self.sidecar.close()
-
-
-def open_quantized(src: Path, qparams: Path | None = None) -> _Pair:
-    """Open a quantized file and its sidecar; refuse a pair that does not belong together."""
-    ckpt = open_checkpoint(src)
-    side_path = qparams or sidecar_path(src)
-    if not side_path.exists():
-        ckpt.close()
-        raise SidecarError(
-            side_path, f"no qparams sidecar for {src.name}; pass --qparams PATH if it was moved"
-        )
-    sidecar = open_checkpoint(side_path)
-    try:
-        manifest = parse_manifest(side_path, sidecar.metadata)
-        _check_binding(src, ckpt, side_path, sidecar)
-        _check_pair(src, ckpt, side_path, sidecar, manifest)
-    except Exception:
-        ckpt.close()
-        sidecar.close()
-        raise
-    return _Pair(ckpt, sidecar, manifest)
-
-
-def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint) -> None:
-    expected = (ckpt.metadata or {}).get(DIGEST_KEY)
-    if expected is None:
-        raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
-    if data_digest(side_path, read_header(side_path)) != expected:
-        raise SidecarError(
-            side_path,
-            f"does not belong to {src.name} (digest mismatch: from another run or file); "
-            "re-run quantize to produce a matching pair",
-        )
-
-
-def _check_pair(
-    src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint, manifest: Manifest
-) -> None:
-    entries, side_entries = ckpt.by_name(), sidecar.by_name()
-    for name, record in manifest.tensors.items():
-        entry = entries.get(name)
-        if entry is None:
-            raise SidecarError(side_path, f"describes a tensor missing from {src.name}", name)
-        if entry.dtype != record.spec.dtype.safetensors_dtype or entry.shape != record.shape:
-            raise SidecarError(
-                side_path,
-                f"says {record.dtype} {list(record.shape)} but {src.name} holds "
-                f"{entry.dtype} {list(entry.shape)}",
-                name,
-            )
-        if record.orig_dtype not in OUTPUT_DTYPES.values() and record.orig_dtype != "F64":
-            raise SidecarError(side_path, f"unknown original dtype {record.orig_dtype}", name)
-        for key in (scale_name(name), zero_point_name(name)):
-            if key not in side_entries:
-                raise SidecarError(side_path, f"tensor {key!r} is missing", name)
-        validate_qparams(
-            side_path,
-            name,
-            record,
-            sidecar.tensor(side_entries[scale_name(name)]),
-            sidecar.tensor(side_entries[zero_point_name(name)]),
-        )
-
-
-def dequantize_file(
-    src: Path,
-    out: Path | None,
-    *,
-    qparams: Path | None = None,
-    dtype: str = "original",
-    force: bool = False,
-) -> DequantizeSummary:
-    """Rebuild a float checkpoint: original names, shapes, dtypes; pass-throughs byte-identical."""
-    out = out or default_dequantized_path(src)
-    pair = open_quantized(src, qparams)
-    try:
-        check_output(out, [src, qparams or sidecar_path(src)], force)
-        remove_stale_temps(out.parent)
-        with OutputSet() as outputs:
-            if out.suffix in (".pt", ".pth", ".bin"):
-                rows = _write_dequantized_pt(pair, out, outputs, dtype)
-            else:
-                rows = write_dequantized(pair, out, outputs, dtype)
-            outputs.commit()
-    finally:
-        pair.close()
-    return DequantizeSummary(
-        inputs=[str(src)],
-        sidecars=[str(qparams or sidecar_path(src))],
-        outputs=[str(out)],
-        rows=rows,
-    )
-
-
-def _restored_dtype(record: Record, dtype: str) -> str:
-    return record.orig_dtype if dtype == "original" else OUTPUT_DTYPES[dtype]
-
-
-def _dequantize_one(pair: _Pair, name: str, dtype: str) -> torch.Tensor:
-    record = pair.manifest.tensors[name]
-    side = pair.sidecar.by_name()
-    return kernels.dequantize(
-        pair.ckpt.tensor(pair.ckpt.by_name()[name]),
-        pair.sidecar.tensor(side[scale_name(name)]),
-        pair.sidecar.tensor(side[zero_point_name(name)]),
-        record.axis,
-        ST_TO_TORCH[_restored_dtype(record, dtype)],
-    )
-
-
-def write_dequantized(
-    pair: _Pair, out: Path, outputs: OutputSet, dtype: str
-) -> list[DequantizedRow]:
-    records = pair.manifest.tensors
-    specs = []
-    for e in pair.ckpt.entries:
-        out_dtype = _restored_dtype(records[e.name], dtype) if e.name in records else e.dtype
-        specs.append((e.name, out_dtype, e.shape))
-    header_bytes, header = build_header(specs, _carried_metadata(pair.ckpt.metadata) or None)
-    writer = StreamingWriter(outputs.create(out), header_bytes, header, out)
-    entries = pair.ckpt.by_name()
-    rows: dict[str, DequantizedRow] = {}
-    for entry in header.tensors:
-        if entry.name in records:
-            data = tensor_bytes(_dequantize_one(pair, entry.name, dtype))
-        else:
-            data = pair.ckpt.raw(entries[entry.name])
-        writer.write(entry.name, data)
-        rows[entry.name] = DequantizedRow(
-            entry.name, entry.shape, entry.dtype, entry.name in records, entry.nbytes
-        )
-    writer.finish()
-    pair.ckpt.check_unchanged()
-    return [rows[e.name] for e in pair.ckpt.entries]
-
-
-def _write_dequantized_pt(
-    pair: _Pair, out: Path, outputs: OutputSet, dtype: str
-) -> list[DequantizedRow]:
-    """torch.save needs the whole state dict in memory; .safetensors output streams instead."""
-    records = pair.manifest.tensors
-    state: dict[str, torch.Tensor] = {}
-    rows = []
-    for e in pair.ckpt.entries:
-        if e.name in records:
-            t = _dequantize_one(pair, e.name, dtype)
-        else:
-            t = pair.ckpt.tensor(e).clone()
-        state[e.name] = t
-        rows.append(
-            DequantizedRow(e.name, e.shape, TORCH_TO_ST[t.dtype], e.name in records, t.nbytes)
-        )
-    try:
-        torch.save(state, outputs.create(out))
-    except OSError as err:
-        raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
-    return rows

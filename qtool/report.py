@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -267,32 +267,56 @@ def quantize_json(
     }
 
 
-def quantize_table(rows: list[TensorRow], title: str, failed: set[str] | None = None) -> Table:
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("tensor", overflow="fold", min_width=12)
-    table.add_column("shape", overflow="fold")
-    table.add_column("dtype", no_wrap=True)
-    table.add_column("quantization", overflow="fold")
-    table.add_column("MSE", justify="right", no_wrap=True)
-    table.add_column("max err", justify="right", no_wrap=True)
-    table.add_column("SQNR dB", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True)
+NARROW = 110  # below this terminal width, the shape and max-error columns are left out
+
+Cell = Callable[[TensorRow], "str | Text"]
+
+
+def quantize_table(
+    rows: list[TensorRow],
+    title: str,
+    failed: set[str] | None = None,
+    *,
+    width: int | None = None,
+    headers: tuple[str, str] = ("dtype", "quantization"),
+) -> Table:
+    """One row per tensor; `failed` (when a gate is set) adds a gate column."""
+    wide = width is None or width >= NARROW
+    right = {"justify": "right", "no_wrap": True}
+    columns: list[tuple[str, dict[str, Any], Cell]] = [
+        ("tensor", {"overflow": "fold", "min_width": 12}, lambda r: Text(safe(r.name))),
+        ("shape", {"no_wrap": True}, lambda r: _shape(r.shape)),
+        (headers[0], {"no_wrap": True}, _dtype_cell),
+        (headers[1], {"no_wrap": wide, "overflow": "fold"}, _action_cell),
+        ("MSE", right, lambda r: f"{r.errors.mse:.3g}" if r.errors else ""),
+        ("max err", right, lambda r: f"{r.errors.max_abs:.3g}" if r.errors else ""),
+        ("SQNR dB", right, lambda r: _fmt_sqnr(r.errors.sqnr_db) if r.errors else ""),
+        ("", {"no_wrap": True}, lambda r: _spark(r.errors.sqnr_db) if r.errors else ""),
+    ]
+    if not wide:
+        columns = [c for c in columns if c[0] not in ("shape", "max err")]
     if failed is not None:
-        table.add_column("gate", no_wrap=True)
+        columns.append(("gate", {"no_wrap": True}, lambda r: _gate_cell(r, failed)))
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for header, options, _ in columns:
+        table.add_column(header, **options)
     for r in rows:
-        dtype = f"{r.dtype}→{r.out_dtype}" if r.dtype != r.out_dtype else r.dtype
-        if r.errors is None:
-            errs = ["", "", "", ""]
-        else:
-            s = r.errors
-            errs = [f"{s.mse:.3g}", f"{s.max_abs:.3g}", _fmt_sqnr(s.sqnr_db), _spark(s.sqnr_db)]
-        action = Text(safe(r.detail), style="" if r.quantized else "dim")
-        cells: list[str | Text] = [Text(safe(r.name)), _shape(r.shape), dtype, action, *errs]
-        if failed is not None:
-            bad = r.name in failed
-            cells.append(Text("FAIL", "bold red") if bad else ("ok" if r.errors else ""))
-        table.add_row(*cells)
+        table.add_row(*(cell(r) for _, _, cell in columns))
     return table
+
+
+def _dtype_cell(r: TensorRow) -> str:
+    return f"{r.dtype}→{r.out_dtype}" if r.dtype != r.out_dtype else r.dtype
+
+
+def _action_cell(r: TensorRow) -> Text:
+    return Text(safe(r.detail), style="" if r.quantized else "dim")
+
+
+def _gate_cell(r: TensorRow, failed: set[str]) -> str | Text:
+    if r.name in failed:
+        return Text("FAIL", "bold red")
+    return "ok" if r.errors else ""
 
 
 def print_quantize(
@@ -301,7 +325,8 @@ def print_quantize(
     title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
-    lines: list[Any] = [quantize_table(shown, title, failed), Text(_quantize_totals(summary))]
+    table = quantize_table(shown, title, failed, width=console(sys.stdout).width)
+    lines: list[Any] = [table, Text(_quantize_totals(summary))]
     if len(shown) < len(summary.rows):
         lines.append(Text(f"(showing {len(shown)} of {len(summary.rows)} tensors)", style="dim"))
     verb = "would write " if summary.dry_run else "wrote "
@@ -363,9 +388,8 @@ def compare_json(
 def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
-    table = quantize_table(rows, title, failed)
-    table.columns[2].header = "dtype A→B"
-    table.columns[3].header = "compared"
+    width = console(sys.stdout).width
+    table = quantize_table(rows, title, failed, width=width, headers=("dtype A→B", "compared"))
     overall = summary.overall
     totals = (
         f"{len(summary.compared)} of {len(summary.rows)} tensors compared, "

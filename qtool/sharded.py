@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from qtool import pipeline
+from qtool import pipeline, restore
 from qtool.atomic import OutputSet, remove_stale_temps
 from qtool.checkpoint import Checkpoint, open_checkpoint
 from qtool.errors import OutputError
@@ -194,14 +194,14 @@ def dequantize_sharded(
     """Dequantize every shard of a quantized sharded checkpoint into `outdir`."""
     sharded = load_index(path)
     outdir = outdir or default_output_dir(sharded.index, "dequantized")
-    pairs = [pipeline.open_quantized(sharded.directory / s) for s in sharded.shards]
+    pairs = [restore.open_quantized(sharded.directory / s) for s in sharded.shards]
     created = False
     try:
         created = _prepare_outdir(outdir, sharded.directory, force)
         rows = []
         with OutputSet() as outputs:
             for shard, pair in zip(sharded.shards, pairs, strict=True):
-                rows += pipeline.write_dequantized(pair, outdir / shard, outputs, dtype)
+                rows += restore.write_dequantized(pair, outdir / shard, outputs, dtype)
             for companion in _companion_files(sharded):
                 _copy_into(outputs, companion, outdir / companion.name)
             total = sum(r.bytes_out for r in rows)

@@ -79,7 +79,7 @@ def write_sharded(sd: dict[str, torch.Tensor], directory: Path) -> None:
     parts: list[dict[str, torch.Tensor]] = [{}, {}]
     for key, tensor in sd.items():
         parts[1 if key.startswith("layers.") else 0][key] = tensor
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for name, part in zip(names, parts, strict=True):
         save_file(part, directory / name, metadata={"format": "pt"})
         weight_map |= dict.fromkeys(part, name)

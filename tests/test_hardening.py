@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from qtool import pipeline
+from qtool import pipeline, restore
 from qtool.checkpoint import open_checkpoint
 from qtool.cli import app
 from qtool.errors import OutputError, QtoolError, SidecarError
@@ -328,7 +328,7 @@ def _check_final_names(directory: Path, out: Path, previous: bytes | None) -> st
         return "nothing"
     read_header(out)  # the quantized file is never partial
     try:
-        pipeline.open_quantized(out).close()
+        restore.open_quantized(out).close()
         return "pair"
     except SidecarError as err:
         # Only an old quantized file beside a new sidecar, between the renames of a --force run.

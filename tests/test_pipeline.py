@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qtool import pipeline
+from qtool import pipeline, restore
 from qtool.errors import NumericError, OutputError, SidecarError
 from qtool.plan import QuantizeOptions
 from qtool.sidecar import sidecar_path
@@ -47,7 +47,7 @@ def test_round_trip_preserves_names_shapes_dtypes_and_bounds(
     qfile = samples / "q.safetensors"
     summary = pipeline.quantize_file(src, qfile, QuantizeOptions(spec), device="cpu")
     restored_path = samples / "restored.safetensors"
-    pipeline.dequantize_file(qfile, restored_path)
+    restore.dequantize_file(qfile, restored_path)
     restored = load_file(restored_path)
     assert list(restored) == sorted(restored, key=list(restored).index)  # loadable
     assert set(restored) == set(original)
@@ -119,11 +119,11 @@ def test_include_exclude_globs(samples: Path) -> None:
 def test_dequantize_to_other_dtypes_and_pt(samples: Path) -> None:
     q = samples / "q.safetensors"
     pipeline.quantize_file(samples / "mlp-bf16.safetensors", q, QuantizeOptions(), device="cpu")
-    pipeline.dequantize_file(q, samples / "f32.safetensors", dtype="float32")
+    restore.dequantize_file(q, samples / "f32.safetensors", dtype="float32")
     out = load_file(samples / "f32.safetensors")
     assert out["head.weight"].dtype == torch.float32
     assert out["head.bias"].dtype == torch.bfloat16  # unquantized: untouched
-    pipeline.dequantize_file(q, samples / "restored.pt")
+    restore.dequantize_file(q, samples / "restored.pt")
     pt = torch.load(samples / "restored.pt", weights_only=True)
     assert pt["head.weight"].dtype == torch.bfloat16
 
@@ -169,10 +169,10 @@ def test_sidecar_from_another_run_is_refused(samples: Path) -> None:
     pipeline.quantize_file(src, a, QuantizeOptions(), device="cpu")
     pipeline.quantize_file(src, b, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
     with pytest.raises(SidecarError, match="does not belong"):
-        pipeline.dequantize_file(a, samples / "r.safetensors", qparams=sidecar_path(b))
+        restore.dequantize_file(a, samples / "r.safetensors", qparams=sidecar_path(b))
     sidecar_path(a).unlink()
     with pytest.raises(SidecarError, match="no qparams sidecar"):
-        pipeline.dequantize_file(a, samples / "r.safetensors")
+        restore.dequantize_file(a, samples / "r.safetensors")
     assert not (samples / "r.safetensors").exists()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qtool import pipeline
+from qtool import pipeline, restore
 from qtool.errors import InputError, OutputError
 from qtool.inspection import inspect_path
 from qtool.plan import QuantizeOptions
@@ -67,7 +67,7 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
     assert (out / "config.json").read_text() == '{"hidden_size": 48}'
     assert len(summary.quantized) == 3
 
-    pipeline.dequantize_path(out, None)
+    restore.dequantize_path(out, None)
     restored_dir = tmp_path / "model.int8.dequantized"
     restored: dict[str, torch.Tensor] = {}
     for shard in restored_dir.glob("model-*.safetensors"):

@@ -61,17 +61,9 @@ def normalize_axis(axis: int | None, ndim: int) -> int | None:
 
 def group_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, int, int]:
     """(pre, C, post): the tensor seen as C groups of pre*post elements each."""
-    numel = 1
-    for d in shape:
-        numel *= d
     if axis is None:
-        return (1, 1, numel)
-    pre = post = 1
-    for d in shape[:axis]:
-        pre *= d
-    for d in shape[axis + 1 :]:
-        post *= d
-    return (pre, shape[axis], post)
+        return (1, 1, math.prod(shape))
+    return (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
 
 
 def qparams_from_range(
@@ -131,7 +123,8 @@ def quantize(
     x = x.contiguous()
     q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
     ws = Workspace(x.device)
-    _quantize_slabs(x, scale.float(), zero_point.float(), spec, q, None, DEFAULT_BLOCK_ELEMS, ws)
+    zp = zero_point.float()
+    _quantize_slabs(x, scale.float(), zp, spec, q, None, DEFAULT_BLOCK_ELEMS, ws, own_qparams=False)
     return q
 
 
@@ -232,17 +225,18 @@ def _quantize_slabs(
     acc: ErrorAccumulator | None,
     block_elems: int,
     ws: Workspace,
+    own_qparams: bool = True,
 ) -> None:
-    """Quantize x slab by slab with qparams already known for every group."""
+    """Quantize x slab by slab with qparams already known for every group (`own_qparams`:
+    they were derived from x itself, so every value lies inside the range)."""
     shape = group_shape(tuple(x.shape), normalize_axis(spec.axis, x.ndim))
     x3, q3 = x.view(shape), q.view(shape)
     scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
     bufs = ws.scratch(min(x.numel(), block_elems), x.dtype)
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
         xf, work = bufs.take(x3[i0:i1, c0:c1, p0:p1])
-        _quantize_block(
-            xf, work, scale3[:, c0:c1], zp3[:, c0:c1], spec, q3[i0:i1, c0:c1, p0:p1], acc
-        )
+        q_slab = q3[i0:i1, c0:c1, p0:p1]
+        _quantize_block(xf, work, scale3[:, c0:c1], zp3[:, c0:c1], spec, q_slab, acc, own_qparams)
 
 
 class Workspace:
@@ -294,6 +288,7 @@ def _quantize_block(
     spec: QSpec,
     q_out: torch.Tensor,
     acc: ErrorAccumulator | None,
+    own_qparams: bool = True,
 ) -> None:
     """One cache-resident slab (xf: float32 values, work: scratch of its shape): codes into
     q_out, error sums into acc. Every step runs in place."""
@@ -302,16 +297,17 @@ def _quantize_block(
     shift = 128 if spec.dtype is StorageDtype.UINT8 else 0
     torch.div(xf, scale, out=work)  # a division, not * (1/scale): bit-identical on CPU and CUDA
     work.round_()  # half to even
-    if spec.scheme is Scheme.ASYM:
+    general = spec.scheme is Scheme.ASYM or not own_qparams
+    if general:
         work.add_(zero_point - shift).clamp_(spec.qmin - shift, spec.qmax - shift)
-    # Symmetric: |x| <= amax, so |x / scale| <= 127 (1 + 2^-23) and no clamp is needed; the
-    # rounded value already is q - zero_point = q - shift.
+    # Symmetric with its own qparams: |x| <= amax, so |x / scale| <= 127 (1 + 2^-23) and no
+    # clamp is needed; the rounded value already is q - zero_point = q - shift.
     q_out.view(torch.int8).copy_(work)
     if shift:
         q_out.view(torch.uint8).bitwise_xor_(0x80)
     if acc is None:
         return
-    if spec.scheme is Scheme.ASYM:
+    if general:
         work.sub_(zero_point - shift)  # q - zero_point, exact in float32
     torch.addcmul(xf, work, scale, value=-1.0, out=work)  # error = x - (q - zp) * scale
     acc.add(xf, work)

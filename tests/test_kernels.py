@@ -268,3 +268,17 @@ def test_dequantize_restores_requested_dtype() -> None:
         assert (
             kernels.dequantize(result.q, result.scale, result.zero_point, 0, dtype).dtype == dtype
         )
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_quantize_with_foreign_qparams_clamps_to_the_range(spec: QSpec) -> None:
+    """quantize() takes any qparams: values beyond their range saturate at qmin/qmax."""
+    x = torch.tensor([[-5.0, -0.01, 0.0, 0.02, 7.0], [3.0, -3.0, 1.0, 0.5, -0.25]])
+    axis = None if spec.axis is None else spec.axis % 2
+    shape = () if axis is None else (x.shape[axis],)
+    scale = torch.full(shape, 0.01)
+    zero_point = torch.full(shape, 3 if spec.dtype is StorageDtype.INT8 else 130)
+    q = kernels.quantize(x, scale, zero_point.to(kernels.TORCH_STORAGE[spec.dtype]), spec)
+    ref = np.clip(np.round(x.numpy() / np.float32(0.01)) + int(zero_point.flatten()[0]),
+                  spec.qmin, spec.qmax)  # fmt: skip
+    np.testing.assert_array_equal(q.numpy(), ref)

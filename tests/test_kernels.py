@@ -282,3 +282,21 @@ def test_quantize_with_foreign_qparams_clamps_to_the_range(spec: QSpec) -> None:
     ref = np.clip(np.round(x.numpy() / np.float32(0.01)) + int(zero_point.flatten()[0]),
                   spec.qmin, spec.qmax)  # fmt: skip
     np.testing.assert_array_equal(q.numpy(), ref)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1, 2**31 + 17), (3, 2**20 + 1, 5), (2, 7, 2**22 + 3), (1000, 3, 2)],
+    ids=["over-2^31-per-tensor", "many-channels", "huge-rows", "small"],
+)
+def test_slabs_cover_every_element_once_in_memory_order(shape: tuple[int, int, int]) -> None:
+    """The slab walk (pure index arithmetic, Python ints) is exact beyond 2^31 elements."""
+    pre, channels, post = shape
+    position = 0
+    for i0, i1, c0, c1, p0, p1 in kernels._slabs(shape, 1 << 21):
+        start = (i0 * channels + c0) * post + p0
+        assert start == position
+        size = (i1 - i0) * (c1 - c0) * (p1 - p0)
+        assert size <= max(1 << 21, channels * post if c1 - c0 == channels else post)
+        position += size
+    assert position == pre * channels * post

@@ -199,3 +199,51 @@ def test_dry_run_writes_nothing(samples: Path) -> None:
     )
     assert summary.dry_run and len(summary.quantized) == 4
     assert not out.exists() and not sidecar_path(out).exists()
+
+
+def _peak_anon_mib(args: list[str]) -> float:
+    """Peak resident anonymous memory of a child process, sampled from /proc every 2 ms."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
+    peak = 0
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    peak = max(peak, int(line.split()[1]))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.002)
+    assert proc.returncode == 0
+    return peak / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path) -> None:
+    """16 tensors of 32 MiB (512 MiB) quantized under a cap of 1.5x the largest tensor plus
+    32 MiB of slabs and slack, on top of what importing torch costs."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.weight": torch.randn(2048, 4096, generator=gen) for i in range(16)}
+    save_file(tensors, tmp_path / "big.safetensors")
+    del tensors
+    largest_mib = 32
+    cap_mib = 1.5 * largest_mib + 32
+    checkpoint_mib = (tmp_path / "big.safetensors").stat().st_size / 2**20
+    assert checkpoint_mib > 6 * cap_mib
+    baseline = _peak_anon_mib(["-c", "import qtool.pipeline, qtool.cli"])
+    peak = _peak_anon_mib(
+        [
+            "-m",
+            "qtool",
+            "quantize",
+            str(tmp_path / "big.safetensors"),
+            "-o",
+            str(tmp_path / "q.safetensors"),
+        ]
+    )
+    print(f"peak anon {peak:.0f} MiB, baseline {baseline:.0f} MiB, cap {cap_mib:.0f} MiB above it")
+    assert peak - baseline < cap_mib, (peak, baseline)

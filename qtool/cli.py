@@ -167,6 +167,7 @@ def quantize(
     src: Annotated[
         Path,
         typer.Argument(
+            metavar="INPUT",
             help="Checkpoint: .safetensors, a .pt/.pth/.bin state dict, "
             "or a sharded checkpoint (its *.safetensors.index.json or directory).",
             show_default=False,
@@ -294,12 +295,15 @@ def compare(
     a: Annotated[
         Path,
         typer.Argument(
-            help="Reference checkpoint (float, or a qtool-quantized file).", show_default=False
+            metavar="A",
+            help="Reference checkpoint (float, or a qtool-quantized file).",
+            show_default=False,
         ),
     ],
     b: Annotated[
         Path,
         typer.Argument(
+            metavar="B",
             help="Checkpoint compared with A (float, or a qtool-quantized file).",
             show_default=False,
         ),
@@ -339,7 +343,10 @@ def compare(
 )
 def dequantize(
     src: Annotated[
-        Path, typer.Argument(help="A file written by qtool quantize.", show_default=False)
+        Path,
+        typer.Argument(
+            metavar="QUANTIZED", help="A file written by qtool quantize.", show_default=False
+        ),
     ],
     out: Annotated[
         Path | None,
@@ -378,7 +385,12 @@ def dequantize(
 @app.command(epilog="Example: qtool plot model.safetensors --tensor layers.0.fc1.weight -o fc1.png")
 def plot(
     checkpoint: Annotated[
-        Path, typer.Argument(help="A float checkpoint (.safetensors or .pt).", show_default=False)
+        Path,
+        typer.Argument(
+            metavar="CHECKPOINT",
+            help="A float checkpoint (.safetensors or .pt).",
+            show_default=False,
+        ),
     ],
     tensor: Annotated[
         str, typer.Option("--tensor", "-t", help="Name of the tensor to draw.", show_default=False)
@@ -415,7 +427,10 @@ def plot(
 @app.command(epilog="Example: qtool inspect model.int8.safetensors --json | jq '.totals'")
 def inspect(
     path: Annotated[
-        Path, typer.Argument(help="A checkpoint, quantized file or sidecar.", show_default=False)
+        Path,
+        typer.Argument(
+            metavar="FILE", help="A checkpoint, quantized file or sidecar.", show_default=False
+        ),
     ],
     as_json: JsonOpt = False,
 ) -> None:

@@ -96,7 +96,7 @@ def quantize_path(
     progress: Progress | None = None,
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, or a sharded checkpoint (index file or its directory)."""
-    from qtool import sharded
+    from qtool import sharded  # imported here: sharded builds on this module
 
     run = sharded.quantize_sharded if is_sharded(src) else quantize_file
     return run(

@@ -155,10 +155,10 @@ def test_fuzz_sidecar_manifest_raises_only_sidecar_errors(text: str) -> None:
 # ---- filesystem faults ----------------------------------------------------------------------
 
 
-def _checkpoint(path: Path, tensors: int = 8, rows: int = 256) -> None:
+def _checkpoint(path: Path, tensors: int = 8, rows: int = 256, cols: int = 128) -> None:
     gen = torch.Generator().manual_seed(1)
     save_file(
-        {f"layer.{i}.weight": torch.randn(rows, 128, generator=gen) for i in range(tensors)}
+        {f"layer.{i}.weight": torch.randn(rows, cols, generator=gen) for i in range(tensors)}
         | {f"layer.{i}.bias": torch.randn(rows, generator=gen) for i in range(tensors)},
         path,
     )
@@ -299,19 +299,21 @@ def _wait_for_temp(directory: Path, proc: subprocess.Popen[bytes], timeout: floa
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupt_mid_write_cleans_up(tmp_path: Path, sig: signal.Signals, code: int) -> None:
-    _checkpoint(tmp_path / "m.safetensors", tensors=96, rows=2048)
+    # 384 MiB: a write window of a second or more, so the signal lands inside it.
+    _checkpoint(tmp_path / "m.safetensors", tensors=96, rows=2048, cols=512)
     out = tmp_path / "q.safetensors"
+    seen = []
     for _attempt in range(5):  # the signal must land while outputs are being written
         proc = _spawn(["quantize", str(tmp_path / "m.safetensors"), "-o", str(out)])
-        _wait_for_temp(tmp_path, proc)
+        seen.append(_wait_for_temp(tmp_path, proc))
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
         if proc.returncode != 0:
             break
         for p in (out, sidecar_path(out)):
-            p.unlink()
+            p.unlink(missing_ok=True)
     else:
-        pytest.skip("every run finished before the signal arrived")
+        pytest.skip(f"every run finished before the signal arrived (temp seen: {seen})")
     assert proc.returncode == code
     assert stdout == b""
     assert ERROR_LINE.match(stderr.decode()), stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -25,8 +25,9 @@ from qtool.errors import QtoolError
 from qtool.spec import QSpec, Scheme, StorageDtype
 
 if TYPE_CHECKING:
+    from qtool.gates import GateResult
     from qtool.plan import QuantizeOptions
-    from qtool.summary import QuantizeSummary
+    from qtool.summary import QuantizeSummary, TensorRow
 
 app = typer.Typer(
     name="qtool",
@@ -255,11 +256,24 @@ def quantize(
 
             plots.plot_quantize(summary, options, plot)
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
-    rows = report.arrange(summary.rows, sort.value if sort else None, top)
-    if as_json:
-        report.print_json(report.quantize_json(summary, rows, gate))
-    else:
-        report.print_quantize(summary, rows, gate)
+    _show_and_gate(
+        report.arrange(summary.rows, sort.value if sort else None, top),
+        gate,
+        as_json,
+        lambda rows: report.print_json(report.quantize_json(summary, rows, gate)),
+        lambda rows: report.print_quantize(summary, rows, gate),
+    )
+
+
+def _show_and_gate(
+    rows: list[TensorRow],
+    gate: GateResult,
+    as_json: bool,
+    as_json_doc: Callable[[list[TensorRow]], None],
+    as_table: Callable[[list[TensorRow]], None],
+) -> None:
+    """Render the (sorted, trimmed) rows, then exit 3 if a quality gate failed."""
+    (as_json_doc if as_json else as_table)(rows)
     if not gate.passed:
         raise typer.Exit(GATE_FAILED)
 
@@ -329,13 +343,13 @@ def compare(
             plots.plot_compare(summary, plot)
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
-    rows = report.arrange(summary.rows, sort.value if sort else None, top)
-    if as_json:
-        report.print_json(report.compare_json(summary, rows, gate))
-    else:
-        report.print_compare(summary, rows, gate)
-    if not gate.passed:
-        raise typer.Exit(GATE_FAILED)
+    _show_and_gate(
+        report.arrange(summary.rows, sort.value if sort else None, top),
+        gate,
+        as_json,
+        lambda rows: report.print_json(report.compare_json(summary, rows, gate)),
+        lambda rows: report.print_compare(summary, rows, gate),
+    )
 
 
 @app.command(

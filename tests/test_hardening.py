@@ -283,9 +283,20 @@ def test_stale_temps_of_dead_runs_are_removed(tmp_path: Path) -> None:
 # ---- signals and kills ----------------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored, and Python keeps it ignored (as a
+    # well-behaved tool should); restore the default so that the run reacts like one at a prompt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(args: list[str], capture: bool = True) -> subprocess.Popen[bytes]:
     stream = subprocess.PIPE if capture else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "qtool", *args], stdout=stream, stderr=stream)
+    return subprocess.Popen(
+        [sys.executable, "-m", "qtool", *args],
+        stdout=stream,
+        stderr=stream,
+        preexec_fn=_default_sigint,
+    )
 
 
 def _wait_for_temp(directory: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> bool:

@@ -61,9 +61,13 @@ class Checkpoint:
     _data_start: int = 0
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _stat: tuple[int, int] = (0, 0)
+    _by_name: dict[str, TensorEntry] = field(default_factory=dict)
 
     def by_name(self) -> dict[str, TensorEntry]:
-        return {e.name: e for e in self.entries}
+        """Entries by tensor name (built once: callers look tensors up one by one)."""
+        if len(self._by_name) != len(self.entries):
+            self._by_name = {e.name: e for e in self.entries}
+        return self._by_name
 
     def tensor(self, entry: TensorEntry) -> torch.Tensor:
         """The tensor as a CPU torch tensor, zero-copy where the file allows."""

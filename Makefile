@@ -13,9 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	@mkdir -p build/demo
-	$(BIN)/qtool quantize sample_weights/mlp.safetensors -o build/demo/mlp.int8.safetensors --force
-	$(BIN)/qtool dequantize build/demo/mlp.int8.safetensors -o build/demo/mlp.restored.safetensors --force
+	@mkdir -p build/make-demo
+	$(BIN)/qtool quantize sample_weights/mlp.safetensors -o build/make-demo/mlp.int8.safetensors --force
+	$(BIN)/qtool dequantize build/make-demo/mlp.int8.safetensors -o build/make-demo/mlp.restored.safetensors --force
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

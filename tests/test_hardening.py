@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from qtool import pipeline, restore
-from qtool.checkpoint import open_checkpoint
+from qtool import api
 from qtool.cli import app
+from qtool.engine import restore
+from qtool.engine.plan import QuantizeOptions
 from qtool.errors import OutputError, QtoolError, SidecarError
-from qtool.plan import QuantizeOptions
-from qtool.sidecar import parse_manifest, sidecar_path
-from qtool.stformat import HeaderError, parse_header, read_header
+from qtool.formats.qtool import parse_manifest, sidecar_path
+from qtool.io.checkpoint import open_checkpoint
+from qtool.io.stformat import HeaderError, parse_header, read_header
 from tests.corpus import CASES, Case, raw_safetensors
 
 EXHAUSTIVE = os.environ.get("QTOOL_EXHAUSTIVE") == "1"
@@ -183,7 +184,7 @@ class _FaultyFile:
 
 
 def _run_with_faults(mp: pytest.MonkeyPatch, src: Path, out: Path, fail_at: int, code: int) -> None:
-    from qtool.atomic import OutputSet
+    from qtool.io.atomic import OutputSet
 
     create = OutputSet.create
     _FaultyFile.calls = 0
@@ -192,7 +193,7 @@ def _run_with_faults(mp: pytest.MonkeyPatch, src: Path, out: Path, fail_at: int,
         return _FaultyFile(create(self, final, last=last), fail_at, code)
 
     mp.setattr(OutputSet, "create", faulty)
-    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    api.quantize(src, out, QuantizeOptions(), device="cpu")
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
@@ -224,7 +225,7 @@ def test_fsync_failure_leaves_nothing(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "fsync", failing)
         with pytest.raises(OutputError, match="cannot write"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -236,7 +237,7 @@ def test_preflight_refuses_before_reading(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
         with pytest.raises(OutputError, match="not writable"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -245,7 +246,7 @@ def test_preflight_refuses_before_reading(tmp_path: Path) -> None:
 
         mp.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 10))  # type: ignore[attr-defined]
         with pytest.raises(OutputError, match="has 10 free"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -258,7 +259,7 @@ def test_output_mode_follows_umask(tmp_path: Path) -> None:
         old = os.umask(umask)
         try:
             out = tmp_path / f"q{umask}.safetensors"
-            pipeline.quantize_file(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
+            api.quantize(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
         finally:
             os.umask(old)
         assert out.stat().st_mode & 0o777 == 0o666 & ~umask
@@ -273,7 +274,7 @@ def test_stale_temps_of_dead_runs_are_removed(tmp_path: Path) -> None:
     stale.write_bytes(b"half a file")
     alive = tmp_path / f".q.safetensors.qtool-tmp-{os.getpid()}-abcd1234"
     alive.write_bytes(b"another run, still going")
-    summary = pipeline.quantize_file(
+    summary = api.quantize(
         tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(), device="cpu"
     )
     assert summary.stale_temps_removed == 1

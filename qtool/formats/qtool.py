@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
+from qtool.io.stformat import Header, HeaderError, strict_json
 from qtool.spec import SEMANTICS, QSpec, Scheme, StorageDtype
-from qtool.stformat import Header, HeaderError, strict_json
 
 if TYPE_CHECKING:
     import torch
@@ -26,7 +26,7 @@ FORMAT = "qtool.qparams"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "qtool.qparams"
 DIGEST_KEY = "qtool.qparams_sha256"
-SIDECAR_KEY = "qtool.sidecar"
+SIDECAR_KEY = "qtool.formats.qtool"
 SMALLEST_NORMAL = 1.1754943508222875e-38
 
 

@@ -9,8 +9,7 @@ from array import array
 from pathlib import Path
 
 from qtool.errors import InputError
-from qtool.index import INDEX_SUFFIX, load_index
-from qtool.sidecar import (
+from qtool.formats.qtool import (
     DIGEST_KEY,
     MANIFEST_KEY,
     SIDECAR_KEY,
@@ -18,8 +17,9 @@ from qtool.sidecar import (
     parse_manifest,
     scale_name,
 )
-from qtool.stformat import Header, HeaderError, TensorEntry, read_header
-from qtool.summary import InspectRow, InspectSummary
+from qtool.io.index import INDEX_SUFFIX, load_index
+from qtool.io.stformat import Header, HeaderError, TensorEntry, read_header
+from qtool.results import InspectRow, InspectSummary
 
 
 def inspect_path(path: Path) -> InspectSummary:
@@ -118,7 +118,7 @@ def _inspect_sharded(path: Path) -> InspectSummary:
 
 
 def _inspect_pickle(path: Path) -> InspectSummary:
-    from qtool.checkpoint import open_checkpoint  # imports torch: only pickles pay for it
+    from qtool.io.checkpoint import open_checkpoint  # imports torch: only pickles pay for it
 
     ckpt = open_checkpoint(path)
     try:

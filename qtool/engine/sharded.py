@@ -125,7 +125,7 @@ def quantize_sharded(
             for companion in _companion_files(sharded):
                 _copy_into(outputs, companion, outdir / companion.name)
             sidecars = {s: sidecar_path(outdir / s).name for s in sharded.shards}
-            qtool = {"format": "qtool.engine.sharded", "format_version": 1, "sidecars": sidecars}
+            qtool = {"format": "qtool.sharded", "format_version": 1, "sidecars": sidecars}
             _write_index(outputs, sharded, outdir / sharded.index.name, total, qtool)
             outputs.commit()
     except BaseException:

@@ -26,7 +26,7 @@ FORMAT = "qtool.qparams"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "qtool.qparams"
 DIGEST_KEY = "qtool.qparams_sha256"
-SIDECAR_KEY = "qtool.formats.qtool"
+SIDECAR_KEY = "qtool.sidecar"
 SMALLEST_NORMAL = 1.1754943508222875e-38
 
 

@@ -250,11 +250,16 @@ def quantize(
     with user_errors(as_json):
         summary = plan.dry_run(src, out, options) if dry_run and not estimate else None
         if summary is None:
-            summary = _run_quantize(src, out, options, device, threads, force, dry_run, estimate)
+            also = [plot] if plot is not None else []
+            summary = _run_quantize(
+                src, out, options, device, threads, force, dry_run, estimate, also
+            )
+        _print_notes(summary.notes)
         if plot is not None:
             from qtool import plots
 
-            plots.plot_quantize(summary, options, plot)
+            plots.plot_quantize(summary, options, plot, force=force)
+            report.print_note(f"wrote {plot}")
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
     _show_and_gate(
         report.arrange(summary.rows, sort.value if sort else None, top),
@@ -287,6 +292,7 @@ def _run_quantize(
     force: bool,
     dry_run: bool,
     estimate: bool,
+    also: list[Path],
 ) -> QuantizeSummary:
     from qtool import pipeline
 
@@ -301,7 +307,13 @@ def _run_quantize(
             dry_run=dry_run,
             estimate=estimate,
             progress=progress,
+            also=also,
         )
+
+
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        report.print_warning(note)
 
 
 @app.command(epilog="Example: qtool compare model.safetensors model.int8.safetensors --min-sqnr 35")
@@ -329,6 +341,9 @@ def compare(
     top: TopOpt = None,
     plot: PlotOpt = None,
     as_json: JsonOpt = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing --plot file.")
+    ] = False,
 ) -> None:
     """Per-tensor error between two checkpoints sharing tensor names (quantized files are
     dequantized through their sidecars on the fly)."""
@@ -336,11 +351,16 @@ def compare(
     from qtool.gates import Gate, evaluate
 
     with user_errors(as_json):
+        if plot is not None:
+            from qtool.pipeline import check_output
+
+            check_output(plot, [a, b], force)
         summary = compare_files(a, b)
         if plot is not None:
             from qtool import plots
 
-            plots.plot_compare(summary, plot)
+            plots.plot_compare(summary, plot, force=force)
+            report.print_note(f"wrote {plot}")
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
     _show_and_gate(
@@ -390,6 +410,7 @@ def dequantize(
 
     with user_errors(as_json):
         summary = restore.dequantize_path(src, out, qparams=qparams, dtype=dtype.value, force=force)
+        _print_notes(summary.notes)
     if as_json:
         report.print_json(report.dequantize_json(summary))
     else:
@@ -430,11 +451,8 @@ def plot(
 
     with user_errors(False):
         target = out or plots.default_tensor_plot_path(checkpoint, tensor)
-        if target.exists() and not force:
-            raise QtoolError(target, "already exists; pass --force to replace it")
-        info = plots.plot_tensor(
-            checkpoint, tensor, QSpec(scheme, dtype, axis if per_channel else None), target
-        )
+        spec = QSpec(scheme, dtype, axis if per_channel else None)
+        info = plots.plot_tensor(checkpoint, tensor, spec, target, force=force)
     report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 
 

@@ -347,6 +347,57 @@ def test_lock_probe_sees_enforced_locks_here(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
+# Names in a scratch directory: the input and its sidecar, other spellings of them, special
+# files, and names that do not exist yet.
+_SPELLINGS = ["m", "./m", "dir-link/m", "hard", "sym", "side", "side-hard", "fifo", "sym-fifo",
+              "plain", "new1", "new2", "dangling", "sub/new"]  # fmt: skip
+
+
+def _layout(d: Path) -> None:
+    (d / "m").write_bytes(b"input")
+    (d / "m.qparams.safetensors").write_bytes(b"sidecar")
+    (d / "plain").write_bytes(b"an old output")
+    os.link(d / "m", d / "hard")
+    os.link(d / "m.qparams.safetensors", d / "side-hard")
+    (d / "sym").symlink_to(d / "m")
+    (d / "side").symlink_to(d / "m.qparams.safetensors")
+    (d / "dir-link").symlink_to(d)
+    (d / "dangling").symlink_to(d / "nowhere")
+    os.mkfifo(d / "fifo")
+    (d / "sym-fifo").symlink_to(d / "fifo")
+
+
+@settings(max_examples=300 if not EXHAUSTIVE else 5_000, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    names=st.lists(st.sampled_from(_SPELLINGS), min_size=1, max_size=4),
+    force=st.booleans(),
+)
+def test_fuzz_preflight_then_write_never_loses_anything(
+    tmp_path_factory: pytest.TempPathFactory, names: list[str], force: bool
+) -> None:
+    """Whatever outputs a run names: if the preflight passes, writing them all replaces no
+    input, sidecar or special file, and no two outputs land on one file."""
+    from qtool.atomic import OutputSet, preflight
+
+    d = tmp_path_factory.mktemp("pre")
+    _layout(d)
+    outputs = [d / n for n in names]
+    try:
+        preflight(outputs, [d / "m", d / "m.qparams.safetensors"], force=force)
+    except OutputError:
+        return
+    with OutputSet() as out:
+        for i, path in enumerate(outputs):
+            out.create(path).write(b"output %d" % i)
+        out.commit()
+    assert (d / "m").read_bytes() == b"input"
+    assert (d / "m.qparams.safetensors").read_bytes() == b"sidecar"
+    assert stat.S_ISFIFO(os.lstat(d / "fifo").st_mode)
+    assert len({os.stat(p).st_ino for p in outputs}) == len(outputs)
+    assert force or not {"plain", "dangling"} & set(names)
+
+
 def _special_node(path: Path, kind: str) -> None:
     if kind == "fifo":
         os.mkfifo(path)

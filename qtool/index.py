@@ -61,7 +61,7 @@ def companion_problem(directory: Path, path: Path) -> str | None:
         if stat.S_ISLNK(st.st_mode):
             target = os.path.realpath(path)
             if not Path(target).is_relative_to(os.path.realpath(directory)):
-                return f"a symlink to {target}, outside the checkpoint directory"
+                return f"a symlink to {os.readlink(path)}, outside the checkpoint directory"
             st = os.stat(target)
     except OSError as err:
         return f"cannot read: {err.strerror}"

@@ -41,6 +41,7 @@ class OutputSet:
 
     def __init__(self) -> None:
         self._files: list[tuple[Path, Path, BinaryIO, bool]] = []  # (temp, final, handle, last)
+        self._temps: list[Path] = []  # every temp name, listed before it is created
         self._committed = False
 
     def __enter__(self) -> OutputSet:
@@ -60,14 +61,17 @@ class OutputSet:
         last)."""
         while True:
             temp = final.parent / f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self._temps.append(temp)  # first: a signal right after the open still removes it
             try:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             except OSError as err:
+                self._temps.pop()
                 raise OutputError(
                     final, f"cannot create a file in {final.parent}: {describe_os_error(err)}"
                 ) from err
             if _lock_own_temp(fd, temp):
                 break
+            self._temps.pop()  # a cleanup took it before the lock: the name is gone, retry
         handle = os.fdopen(fd, "wb")
         self._files.append((temp, final, handle, last))
         return handle
@@ -99,12 +103,14 @@ class OutputSet:
             _fsync_dir(directory)
 
     def abort(self) -> None:
-        for temp, _, handle, _ in self._files:
+        for temp in self._temps:
             with contextlib.suppress(OSError):
                 temp.unlink()
+        for _, _, handle, _ in self._files:
             with contextlib.suppress(OSError):
                 handle.close()
         self._files.clear()
+        self._temps.clear()
 
 
 def _lock_own_temp(fd: int, temp: Path) -> bool:
@@ -176,22 +182,19 @@ def _try_lock(fd: int) -> bool:
 def _locks_enforced(directory: Path) -> bool:
     """Whether two opens of one file in `directory` exclude each other's flock here."""
     probe = directory / f".lockprobe.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fds: list[int] = []
     try:
-        first = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError:
-        return False
-    try:
-        second = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            return _try_lock(first) and not _try_lock(second)
-        finally:
-            os.close(second)
+        fds.append(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        fds.append(os.open(probe, os.O_RDONLY | os.O_NOFOLLOW))
+        return _try_lock(fds[0]) and not _try_lock(fds[1])
     except OSError:
         return False
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-        os.close(first)
+        if fds:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        for fd in fds:
+            os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -324,6 +324,20 @@ def test_cleanup_by_another_run_never_breaks_a_commit(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
 
 
+def test_a_signal_between_creating_and_locking_a_temp_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qtool import atomic
+
+    def interrupted(fd: int, temp: Path) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "_lock_own_temp", interrupted)
+    with pytest.raises(KeyboardInterrupt), atomic.OutputSet() as outputs:
+        outputs.create(tmp_path / "a.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_where_locks_are_not_enforced_only_old_temps_are_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

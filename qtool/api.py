@@ -7,6 +7,7 @@ each other in a circle. Engine modules that import torch are imported inside the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ __all__ = [
     "plan",
     "plot_compare",
     "plot_quantize",
+    "check_outputs",
     "plot_tensor",
     "quantize",
 ]
@@ -53,8 +55,10 @@ def quantize(
     dry_run: bool = False,
     estimate: bool = False,
     progress: Progress | None = None,
+    also: Sequence[Path] = (),
 ) -> QuantizeSummary:
-    """Quantize a checkpoint file, or a sharded checkpoint (its index file or directory)."""
+    """Quantize a checkpoint file, or a sharded checkpoint (its index file or directory).
+    `also`: files the caller writes afterwards (a plot), checked with the run's outputs."""
     if is_sharded(src):
         from qtool.engine.sharded import quantize_sharded
 
@@ -72,6 +76,7 @@ def quantize(
         dry_run=dry_run,
         estimate=estimate,
         progress=progress,
+        also=also,
     )
 
 
@@ -108,16 +113,27 @@ def inspect(path: Path) -> InspectSummary:
     return inspect_path(path)
 
 
-def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path) -> None:
+def plot_quantize(
+    summary: QuantizeSummary, options: QuantizeOptions, path: Path, *, force: bool = False
+) -> None:
     from qtool.engine import plots
 
-    plots.plot_quantize(summary, options, path)
+    plots.plot_quantize(summary, options, path, force=force)
 
 
-def plot_compare(summary: CompareSummary, path: Path) -> None:
+def plot_compare(summary: CompareSummary, path: Path, *, force: bool = False) -> None:
     from qtool.engine import plots
 
-    plots.plot_compare(summary, path)
+    plots.plot_compare(summary, path, force=force)
+
+
+def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:
+    """Refuse, before anything is read, outputs that would replace an input (or its sidecar),
+    an existing file without `force`, or anything but a regular file."""
+    from qtool.engine.run import check_output
+
+    for out in outputs:
+        check_output(out, inputs, force)
 
 
 def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
@@ -126,7 +142,9 @@ def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
     return default(checkpoint, tensor)
 
 
-def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[str, object]:
+def plot_tensor(
+    checkpoint: Path, tensor: str, spec: QSpec, path: Path, *, force: bool = False
+) -> dict[str, object]:
     from qtool.engine import plots
 
-    return plots.plot_tensor(checkpoint, tensor, spec, path)
+    return plots.plot_tensor(checkpoint, tensor, spec, path, force=force)

@@ -80,6 +80,7 @@ class QuantizeSummary:
     skipped: list[str] = field(default_factory=list)  # non-tensor pickle entries
     stale_temps_removed: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # files not copied along, and why
 
     @property
     def quantized(self) -> list[TensorRow]:
@@ -133,6 +134,7 @@ class DequantizeSummary:
     sidecars: list[str]
     outputs: list[str]
     rows: list[DequantizedRow]
+    notes: list[str] = field(default_factory=list)  # files not copied along, and why
 
 
 @dataclass(frozen=True)

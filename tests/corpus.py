@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 import struct
 import zipfile
 from collections.abc import Callable
@@ -197,7 +198,89 @@ def _output_setup(kind: str) -> Setup:
         if kind == "is-dir":
             (d / "out" / "q.safetensors").mkdir()
             return ["quantize", src, "-o", str(d / "out" / "q.safetensors")]
+        return _special_output(d, src, kind)
+
+    return setup
+
+
+def _special_output(d: Path, src: str, kind: str) -> list[str]:
+    """-o naming something that is not a regular file, with --force: never replaced."""
+    node = d / "out" / "node.safetensors"
+    if kind == "fifo":
+        os.mkfifo(node)
+    elif kind == "socket":
+        os.mknod(node, stat.S_IFSOCK | 0o600)
+    elif kind == "link-to-fifo":
+        os.mkfifo(d / "fifo")
+        node.symlink_to(d / "fifo")
+    else:
         raise AssertionError(kind)
+    return ["quantize", src, "-o", str(node), "--force"]
+
+
+def _plot_setup(kind: str) -> Setup:
+    """--plot and `qtool plot -o` pass the same output checks as every other output."""
+
+    def setup(d: Path) -> list[str]:
+        q = _quantized_pair(d)
+        m, out = str(d / "m.safetensors"), str(d / "out" / "q.safetensors")
+        (d / "old.png").write_bytes(b"an older plot")
+        args = {
+            "quantize-plot-is-input": ["quantize", m, "-o", out, "--plot", m],
+            "quantize-plot-is-output": ["quantize", m, "-o", out, "--plot", out],
+            "quantize-plot-is-sidecar": [
+                "quantize", m, "-o", out, "--plot", str(d / "out" / "q.qparams.safetensors")
+            ],
+            "quantize-plot-exists": ["quantize", m, "-o", out, "--plot", str(d / "old.png")],
+            "quantize-plot-dir-missing": ["quantize", m, "-o", out, "--plot", str(d / "no/p.png")],
+            "compare-plot-is-sidecar": ["compare", m, str(q), "--plot", str(side(q)), "--force"],
+            "compare-plot-exists": ["compare", m, str(q), "--plot", str(d / "old.png")],
+            "plot-is-input": ["plot", m, "-t", "w", "-o", m, "--force"],
+            "plot-is-sidecar": ["plot", str(q), "-t", "w", "-o", str(side(q)), "--force"],
+            "plot-exists": ["plot", m, "-t", "w", "-o", str(d / "old.png")],
+            "plot-fifo": ["plot", m, "-t", "w", "-o", _mkfifo(d / "out" / "p.png"), "--force"],
+        }  # fmt: skip
+        return args[kind]
+
+    return setup
+
+
+def side(q: Path) -> Path:
+    return q.with_name(f"{q.stem}.qparams.safetensors")
+
+
+def _mkfifo(path: Path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
+def _sharded_setup(kind: str) -> Setup:
+    """A sharded checkpoint whose output names collide, or whose shards or index are symlinks
+    leading out of the checkpoint directory."""
+
+    def setup(d: Path) -> list[str]:
+        model = d / "model"
+        model.mkdir()
+        names = ["a.safetensors", "a.qparams.safetensors" if kind == "collide" else "b.safetensors"]
+        weight_map = {}
+        for i, name in enumerate(names):
+            save_file({f"w{i}": torch.randn(4, 4)}, model / name)
+            weight_map[f"w{i}"] = name
+        index = model / "model.safetensors.index.json"
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        elsewhere = d / "elsewhere"
+        elsewhere.mkdir()
+        if kind == "shard-link-out":
+            (model / "b.safetensors").rename(elsewhere / "b.safetensors")
+            (model / "b.safetensors").symlink_to(elsewhere / "b.safetensors")
+        if kind == "index-link-out":
+            index.rename(elsewhere / "index.json")
+            index.symlink_to(elsewhere / "index.json")
+        if kind == "shard-hardlink-force":
+            (d / "out" / "o").mkdir()
+            os.link(model / "a.safetensors", d / "out" / "o" / "a.safetensors")
+            return ["quantize", str(model), "-o", str(d / "out" / "o"), "--force"]
+        return ["quantize", str(model), "-o", str(d / "out" / "o")]
 
     return setup
 
@@ -381,6 +464,33 @@ CASES: list[Case] = [
     Case("O02-output-exists", _output_setup("exists"), "pass --force"),
     Case("O03-output-dir-missing", _output_setup("missing-dir"), "does not exist"),
     Case("O03-output-is-directory", _output_setup("is-dir"), "is a directory"),
+    Case("O04-output-fifo-force", _output_setup("fifo"), "is a FIFO, not a regular file"),
+    Case("O04-output-socket-force", _output_setup("socket"), "is a socket, not a regular file"),
+    Case("O04-output-link-to-fifo-force", _output_setup("link-to-fifo"), "is a FIFO"),
+    *[
+        Case(f"O05-{kind}", _plot_setup(kind), expect)
+        for kind, expect in [
+            ("quantize-plot-is-input", "would overwrite the input"),
+            ("quantize-plot-is-output", "two outputs of this run"),
+            ("quantize-plot-is-sidecar", "two outputs of this run"),
+            ("quantize-plot-exists", "pass --force"),
+            ("quantize-plot-dir-missing", "does not exist"),
+            ("compare-plot-is-sidecar", "would overwrite the input"),
+            ("compare-plot-exists", "pass --force"),
+            ("plot-is-input", "would overwrite the input"),
+            ("plot-is-sidecar", "would overwrite the input"),
+            ("plot-exists", "pass --force"),
+            ("plot-fifo", "is a FIFO"),
+        ]
+    ],
+    Case("O06-sharded-names-collide", _sharded_setup("collide"), "two outputs of this run"),
+    Case(
+        "O07-sharded-output-hardlinks-input",
+        _sharded_setup("shard-hardlink-force"),
+        "would overwrite the input",
+    ),  # fmt: skip
+    Case("I08-shard-symlink-out", _sharded_setup("shard-link-out"), "outside the checkpoint"),
+    Case("I08-index-symlink-out", _sharded_setup("index-link-out"), "outside the checkpoint"),
     # --- sharded indexes ---------------------------------------------------------------------
     Case("I01-index-not-json", _index("{nope"), "not a valid index"),
     Case("I01-index-nan", _index('{"weight_map": {"w": NaN}}'), "not a valid index"),

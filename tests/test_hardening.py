@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from qtool.engine import restore
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import OutputError, QtoolError, SidecarError
 from qtool.formats.qtool import parse_manifest, sidecar_path
+from qtool.io.atomic import remove_stale_temps
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.stformat import HeaderError, parse_header, read_header
 from tests.corpus import CASES, Case, raw_safetensors
@@ -266,19 +268,236 @@ def test_output_mode_follows_umask(tmp_path: Path) -> None:
         assert sidecar_path(out).stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def _hold_temp(directory: Path) -> subprocess.Popen[str]:
+    """Another live run: a process holding an OutputSet temp in `directory` until killed."""
+    code = (
+        "import sys, time; from pathlib import Path; from qtool.io.atomic import OutputSet; "
+        "o = OutputSet(); o.create(Path(sys.argv[1]) / 'q.safetensors'); "
+        "print('ready', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def _dead_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+
 def test_stale_temps_of_dead_runs_are_removed(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "m.safetensors", tensors=1)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    stale = tmp_path / f".q.safetensors.qtool-tmp-{dead}-abcd1234"
+    stale = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-abcd1234"
     stale.write_bytes(b"half a file")
-    alive = tmp_path / f".q.safetensors.qtool-tmp-{os.getpid()}-abcd1234"
-    alive.write_bytes(b"another run, still going")
-    summary = api.quantize(
-        tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(), device="cpu"
+    live = _hold_temp(tmp_path)
+    try:
+        held = [p for p in tmp_path.iterdir() if p.name.startswith(".q.safetensors.qtool-tmp")]
+        held.remove(stale)
+        # A live run in another PID namespace: its PID means nothing here. Rename its temp to a
+        # PID that is gone; only its lock says it is alive.
+        other_ns = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-0123abcd"
+        held[0].rename(other_ns)
+        summary = api.quantize(
+            tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(), device="cpu"
+        )
+        assert summary.stale_temps_removed == 1
+        assert not stale.exists() and other_ns.exists()
+    finally:
+        live.kill()
+        live.communicate()
+    assert remove_stale_temps(tmp_path) == 1  # its process is gone: the lock went with it
+    assert not other_ns.exists()
+
+
+def test_cleanup_by_another_run_never_breaks_a_commit(tmp_path: Path) -> None:
+    from qtool.io.atomic import OutputSet
+
+    with OutputSet() as outputs:
+        outputs.create(tmp_path / "a.bin").write(b"a")
+        outputs.create(tmp_path / "b.bin", last=True).write(b"b")
+        code = (
+            "import sys; from pathlib import Path; "
+            "from qtool.io.atomic import remove_stale_temps as r; print(r(Path(sys.argv[1])))"
+        )
+        cleanup = [sys.executable, "-c", code, str(tmp_path)]
+        assert subprocess.run(cleanup, capture_output=True, text=True).stdout == "0\n"
+        outputs.commit()
+    assert (tmp_path / "a.bin").read_bytes() == b"a" and (tmp_path / "b.bin").read_bytes() == b"b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
+
+
+def test_a_signal_between_creating_and_locking_a_temp_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qtool.io import atomic
+
+    def interrupted(fd: int, temp: Path) -> bool:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "_lock_own_temp", interrupted)
+    with pytest.raises(KeyboardInterrupt), atomic.OutputSet() as outputs:
+        outputs.create(tmp_path / "a.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_where_locks_are_not_enforced_only_old_temps_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qtool.io import atomic
+
+    monkeypatch.setattr(atomic, "_locks_enforced", lambda directory: False)
+    young = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-00000001"
+    old = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-00000002"
+    for p in (young, old):
+        p.write_bytes(b"x")
+    past = time.time() - atomic.STALE_AGE_S - 60
+    os.utime(old, (past, past))
+    assert remove_stale_temps(tmp_path) == 1
+    assert young.exists() and not old.exists()
+
+
+def test_lock_probe_sees_enforced_locks_here(tmp_path: Path) -> None:
+    from qtool.io.atomic import _locks_enforced
+
+    assert _locks_enforced(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+# Names in a scratch directory: the input and its sidecar, other spellings of them, special
+# files, and names that do not exist yet.
+_SPELLINGS = ["m", "./m", "dir-link/m", "hard", "sym", "side", "side-hard", "fifo", "sym-fifo",
+              "plain", "new1", "new2", "dangling", "sub/new"]  # fmt: skip
+
+
+def _layout(d: Path) -> None:
+    (d / "m").write_bytes(b"input")
+    (d / "m.qparams.safetensors").write_bytes(b"sidecar")
+    (d / "plain").write_bytes(b"an old output")
+    os.link(d / "m", d / "hard")
+    os.link(d / "m.qparams.safetensors", d / "side-hard")
+    (d / "sym").symlink_to(d / "m")
+    (d / "side").symlink_to(d / "m.qparams.safetensors")
+    (d / "dir-link").symlink_to(d)
+    (d / "dangling").symlink_to(d / "nowhere")
+    os.mkfifo(d / "fifo")
+    (d / "sym-fifo").symlink_to(d / "fifo")
+
+
+@settings(max_examples=300 if not EXHAUSTIVE else 5_000, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    names=st.lists(st.sampled_from(_SPELLINGS), min_size=1, max_size=4),
+    force=st.booleans(),
+)
+def test_fuzz_preflight_then_write_never_loses_anything(
+    tmp_path_factory: pytest.TempPathFactory, names: list[str], force: bool
+) -> None:
+    """Whatever outputs a run names: if the preflight passes, writing them all replaces no
+    input, sidecar or special file, and no two outputs land on one file."""
+    from qtool.io.atomic import OutputSet, preflight
+
+    d = tmp_path_factory.mktemp("pre")
+    _layout(d)
+    outputs = [d / n for n in names]
+    try:
+        preflight(outputs, [d / "m", d / "m.qparams.safetensors"], force=force)
+    except OutputError:
+        return
+    with OutputSet() as out:
+        for i, path in enumerate(outputs):
+            out.create(path).write(b"output %d" % i)
+        out.commit()
+    assert (d / "m").read_bytes() == b"input"
+    assert (d / "m.qparams.safetensors").read_bytes() == b"sidecar"
+    assert stat.S_ISFIFO(os.lstat(d / "fifo").st_mode)
+    assert len({os.stat(p).st_ino for p in outputs}) == len(outputs)
+    assert force or not {"plain", "dangling"} & set(names)
+
+
+def _special_node(path: Path, kind: str) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        os.mknod(path, stat.S_IFSOCK | 0o600)
+    elif kind == "char-device":  # a private copy of /dev/null (needs root)
+        if os.geteuid() != 0:
+            pytest.skip("creating a device node needs root")
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "char-device"])
+@pytest.mark.parametrize(
+    "command", ["quantize", "quantize-plot", "dequantize", "compare-plot", "plot", "sharded"]
+)
+def test_no_command_replaces_a_special_file_even_with_force(
+    tmp_path: Path, kind: str, command: str
+) -> None:
+    m = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(8, 4)}, m)
+    q = tmp_path / "q.safetensors"
+    api.quantize(m, q, QuantizeOptions(), device="cpu")
+    node = tmp_path / "node"
+    if command == "sharded":
+        (tmp_path / "model").mkdir()
+        save_file({"w": torch.randn(8, 4)}, tmp_path / "model/a.safetensors")
+        (tmp_path / "model/x.safetensors.index.json").write_text(
+            '{"weight_map": {"w": "a.safetensors"}}'
+        )
+        (tmp_path / "o").mkdir()
+        node = tmp_path / "o" / "a.safetensors"
+    _special_node(node, kind)
+    args = {
+        "quantize": ["quantize", str(m), "-o", str(node)],
+        "quantize-plot": [
+            "quantize",
+            str(m),
+            "-o",
+            str(tmp_path / "q2.safetensors"),
+            "--plot",
+            str(node),
+        ],
+        "dequantize": ["dequantize", str(q), "-o", str(node)],
+        "compare-plot": ["compare", str(m), str(q), "--plot", str(node)],
+        "plot": ["plot", str(m), "-t", "w", "-o", str(node)],
+        "sharded": ["quantize", str(tmp_path / "model"), "-o", str(tmp_path / "o")],
+    }[command]
+    before = os.lstat(node)
+    result = CliRunner().invoke(app, [*args, "--force"])
+    assert result.exit_code == 1, result.stderr
+    assert "not a regular file; qtool replaces only regular files" in result.stderr
+    after = os.lstat(node)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert not (tmp_path / "q2.safetensors").exists()
+    assert not [p for p in tmp_path.rglob("*") if ".qtool-tmp-" in p.name]
+
+
+def test_commit_refuses_a_special_file_that_appeared_after_the_preflight(tmp_path: Path) -> None:
+    from qtool.io.atomic import OutputSet
+
+    with pytest.raises(OutputError, match="is a FIFO"), OutputSet() as outputs:
+        outputs.create(tmp_path / "a.bin").write(b"a")
+        os.mkfifo(tmp_path / "a.bin")
+        outputs.commit()
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "a.bin").st_mode)
+
+
+def test_plot_outputs_say_what_was_written(samples: Path) -> None:
+    pytest.importorskip("matplotlib")
+    m, q, png = samples / "mlp.safetensors", samples / "q.safetensors", samples / "r.png"
+    result = CliRunner().invoke(
+        app, ["quantize", str(m), "-o", str(q), "--plot", str(png), "--json"]
     )
-    assert summary.stale_temps_removed == 1
-    assert not stale.exists() and alive.exists()
+    assert result.exit_code == 0, result.stderr
+    __import__("json").loads(result.stdout)  # stdout stays one JSON document
+    assert result.stderr == f"qtool: wrote {png}\n"
+    result = CliRunner().invoke(app, ["compare", str(m), str(q), "--plot", str(png)])
+    assert result.exit_code == 1 and "pass --force" in result.stderr
+    result = CliRunner().invoke(app, ["compare", str(m), str(q), "--plot", str(png), "--force"])
+    assert result.exit_code == 0 and result.stderr == f"qtool: wrote {png}\n"
 
 
 # ---- signals and kills ----------------------------------------------------------------------

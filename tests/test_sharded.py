@@ -1,13 +1,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
 from qtool import api
+from qtool.cli import app
+from qtool.engine.inspect import inspect_path
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import InputError, OutputError
 from qtool.spec import QSpec, Scheme
@@ -83,10 +89,10 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
 
 def test_inspect_sharded(tmp_path: Path) -> None:
     make_sharded(tmp_path / "m")
-    summary = api.inspect(tmp_path / "m")
+    summary = inspect_path(tmp_path / "m")
     assert summary.kind == "sharded" and summary.shards == 3 and len(summary.rows) == 9
     api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
-    quantized = api.inspect(tmp_path / "q")
+    quantized = inspect_path(tmp_path / "q")
     assert quantized.kind == "sharded quantized"
     assert sum(1 for r in quantized.rows if r.qinfo) == 3
 
@@ -142,3 +148,94 @@ def test_output_directory_rules(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="--force"):
         api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
     api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu", force=True)
+
+
+# ---- identity by device and inode, symlinks out of the directory, name collisions -----------
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_output_dir_that_is_the_input_through_a_symlinked_parent_is_refused(
+    tmp_path: Path,
+) -> None:
+    make_sharded(tmp_path / "m")
+    (tmp_path / "alias").symlink_to(tmp_path)
+    before = _snapshot(tmp_path / "m")
+    with pytest.raises(OutputError, match="input directory"):
+        api.quantize(
+            tmp_path / "m", tmp_path / "alias" / "m", QuantizeOptions(), device="cpu", force=True
+        )
+    assert _snapshot(tmp_path / "m") == before
+
+
+def test_output_dir_that_is_the_input_through_a_bind_mount_is_refused(tmp_path: Path) -> None:
+    """A bind mount has its own path string (resolve() cannot see through it) but the same
+    device and inode; run in a private mount namespace so nothing leaks out of the test."""
+    make_sharded(tmp_path / "m")
+    (tmp_path / "view").mkdir()
+    before = _snapshot(tmp_path / "m")
+    script = (
+        f"mount --bind {tmp_path / 'm'} {tmp_path / 'view'} && "
+        f"{sys.executable} -m qtool quantize {tmp_path / 'm'} -o {tmp_path / 'view'} --force"
+    )
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    probe = subprocess.run([*unshare, "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no private mount namespaces here (unshare failed)")
+    result = subprocess.run([*unshare, script], capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    assert "is the input directory" in result.stderr
+    assert _snapshot(tmp_path / "m") == before
+
+
+def test_companions_are_regular_files_inside_the_directory(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("API_KEY=hunter2")
+    (tmp_path / "m/tokenizer.json").unlink()
+    (tmp_path / "m/tokenizer.json").symlink_to(secret)
+    (tmp_path / "m/generation_config.json").symlink_to("/proc/self/environ")
+    (tmp_path / "m/vocab.txt").write_text("a b c")
+    (tmp_path / "m/merges.txt").symlink_to("vocab.txt")  # stays inside: copied
+    os.mkfifo(tmp_path / "m/pipe.json")
+    summary = api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
+    copied = sorted(p.name for p in (tmp_path / "q").iterdir() if not p.name.endswith("tensors"))
+    assert copied == ["config.json", "merges.txt", "model.safetensors.index.json", "vocab.txt"]
+    assert not (tmp_path / "q/merges.txt").is_symlink()
+    assert (tmp_path / "q/merges.txt").read_text() == "a b c"
+    assert len(summary.notes) == 3
+    assert any("tokenizer.json: not copied: a symlink to" in n for n in summary.notes)
+    assert any("generation_config.json: not copied" in n for n in summary.notes)
+    assert any("pipe.json: not copied: not a regular file" in n for n in summary.notes)
+    # the same policy when dequantizing, and each skip is one warning line on stderr
+    result = CliRunner().invoke(app, ["dequantize", str(tmp_path / "q"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    json.loads(result.stdout)
+    assert result.stderr == ""  # q/ holds only regular files: nothing skipped
+    (tmp_path / "q/tokenizer.json").symlink_to(secret)
+    result = CliRunner().invoke(app, ["dequantize", str(tmp_path / "q"), "-o", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("\n") == 1 and "tokenizer.json: not copied" in result.stderr
+    assert not (tmp_path / "r/tokenizer.json").exists()
+
+
+def test_sidecar_of_a_shard_linked_from_outside_is_refused(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
+    side = tmp_path / "q/model-00001-of-00003.qparams.safetensors"
+    side.rename(tmp_path / "moved.safetensors")
+    side.symlink_to(tmp_path / "moved.safetensors")
+    with pytest.raises(InputError, match="outside the checkpoint directory"):
+        api.dequantize(tmp_path / "q", tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+def test_plot_into_a_sharded_run_is_checked_with_its_outputs(tmp_path: Path) -> None:
+    make_sharded(tmp_path / "m")
+    (tmp_path / "q").mkdir()
+    clash = tmp_path / "q" / "config.json"
+    with pytest.raises(OutputError, match="two outputs of this run"):
+        api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu", also=[clash])
+    assert list((tmp_path / "q").iterdir()) == []

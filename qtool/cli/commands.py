@@ -250,9 +250,14 @@ def quantize(
     with user_errors(as_json):
         summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
-            summary = _run_quantize(src, out, options, device, threads, force, dry_run, estimate)
+            also = [plot] if plot is not None else []
+            summary = _run_quantize(
+                src, out, options, device, threads, force, dry_run, estimate, also
+            )
+        _print_notes(summary.notes)
         if plot is not None:
-            api.plot_quantize(summary, options, plot)
+            api.plot_quantize(summary, options, plot, force=force)
+            report.print_note(f"wrote {plot}")
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
     _show_and_gate(
         report.arrange(summary.rows, sort.value if sort else None, top),
@@ -285,6 +290,7 @@ def _run_quantize(
     force: bool,
     dry_run: bool,
     estimate: bool,
+    also: list[Path],
 ) -> QuantizeSummary:
     _set_threads(threads)
     with report.progress_bar() as progress:
@@ -297,7 +303,13 @@ def _run_quantize(
             dry_run=dry_run,
             estimate=estimate,
             progress=progress,
+            also=also,
         )
+
+
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        report.print_warning(note)
 
 
 @app.command(epilog="Example: qtool compare model.safetensors model.int8.safetensors --min-sqnr 35")
@@ -325,15 +337,21 @@ def compare(
     top: TopOpt = None,
     plot: PlotOpt = None,
     as_json: JsonOpt = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing --plot file.")
+    ] = False,
 ) -> None:
     """Per-tensor error between two checkpoints sharing tensor names (quantized files are
     dequantized through their sidecars on the fly)."""
     from qtool.gates import Gate, evaluate
 
     with user_errors(as_json):
+        if plot is not None:
+            api.check_outputs([plot], [a, b], force)
         summary = api.compare(a, b)
         if plot is not None:
-            api.plot_compare(summary, plot)
+            api.plot_compare(summary, plot, force=force)
+            report.print_note(f"wrote {plot}")
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
     _show_and_gate(
@@ -381,6 +399,7 @@ def dequantize(
     """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
     with user_errors(as_json):
         summary = api.dequantize(src, out, qparams=qparams, dtype=dtype.value, force=force)
+        _print_notes(summary.notes)
     if as_json:
         report.print_json(report.dequantize_json(summary))
     else:
@@ -419,11 +438,8 @@ def plot(
     histogram of its values with the quantization grid's range marked."""
     with user_errors(False):
         target = out or api.default_tensor_plot_path(checkpoint, tensor)
-        if target.exists() and not force:
-            raise QtoolError(target, "already exists; pass --force to replace it")
-        info = api.plot_tensor(
-            checkpoint, tensor, QSpec(scheme, dtype, axis if per_channel else None), target
-        )
+        spec = QSpec(scheme, dtype, axis if per_channel else None)
+        info = api.plot_tensor(checkpoint, tensor, spec, target, force=force)
     report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 
 

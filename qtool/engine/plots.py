@@ -4,7 +4,9 @@
   histograms of the worst layers, recomputed for those few tensors only.
 - plot_tensor: one tensor's original, codes, reconstruction and error as heatmaps, with a
   histogram of its values and the representable range of the quantization grid marked.
-Every PNG is FIGURE_PX pixels and written atomically.
+Every PNG is FIGURE_PX pixels, passes the same output checks as any output (atomic.preflight:
+never an input, its sidecar or the run's own outputs; --force to replace) and is written
+atomically.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qtool.engine.plan import QuantizeOptions, plan_tensors
-from qtool.errors import OutputError, QtoolError
-from qtool.io.atomic import OutputSet
+from qtool.engine.run import protected_paths
+from qtool.errors import QtoolError
+from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
@@ -45,15 +49,19 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> None:
-    """Render to memory, then write atomically (never a half-written PNG)."""
-    if not path.parent.is_dir():
-        raise OutputError(path, f"directory {path.parent} does not exist; create it first")
+def _save(fig: Any, path: Path, protected: Iterable[Path], force: bool) -> None:
+    """Render to memory, check the output again, then write atomically (never half a PNG)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
-    with OutputSet() as outputs:
-        outputs.create(path).write(buf.getvalue())
-        outputs.commit()
+    preflight([path], protected, force=force)
+    write_file(path, buf.getvalue())
+
+
+def _run_files(paths: Iterable[str]) -> list[Path]:
+    """The files a run read or wrote: its inputs with their sidecars, its outputs, and the
+    contents of a directory among them (a sharded checkpoint)."""
+    files = protected_paths(Path(p) for p in paths)
+    return files + [f for p in files if p.is_dir() for f in p.iterdir()]
 
 
 def _figure(plt: Any, rows: int, cols: int) -> tuple[Any, Any]:
@@ -95,7 +103,9 @@ def _error_histograms(axes: list[Any], pairs: dict[str, tuple[torch.Tensor, torc
         ax.axis("off")
 
 
-def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path) -> None:
+def plot_quantize(
+    summary: QuantizeSummary, options: QuantizeOptions, path: Path, *, force: bool = False
+) -> None:
     """SQNR of every quantized layer and the error histograms of the worst ones."""
     plt = _pyplot()
     worst = _worst(summary.rows)
@@ -109,11 +119,11 @@ def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path
     _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, f"{summary.spec}: SQNR per layer")
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
-    _save(fig, path)
+    _save(fig, path, _run_files([*summary.inputs, *summary.outputs]), force)
     plt.close(fig)
 
 
-def plot_compare(summary: CompareSummary, path: Path) -> None:
+def plot_compare(summary: CompareSummary, path: Path, *, force: bool = False) -> None:
     from qtool.engine.compare import FloatSource
 
     plt = _pyplot()
@@ -133,7 +143,7 @@ def plot_compare(summary: CompareSummary, path: Path) -> None:
     _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, "A vs B: SQNR per tensor")
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
-    _save(fig, path)
+    _save(fig, path, _run_files(summary.inputs), force)
     plt.close(fig)
 
 
@@ -170,8 +180,12 @@ def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
     return checkpoint.with_name(f"{checkpoint.stem}.{safe}.png")
 
 
-def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[str, object]:
+def plot_tensor(
+    checkpoint: Path, tensor: str, spec: QSpec, path: Path, *, force: bool = False
+) -> dict[str, object]:
     """Heatmaps and a value histogram of one tensor; returns what was drawn (for reports)."""
+    protected = protected_paths([checkpoint])
+    preflight([path], protected, force=force)
     plt = _pyplot()
     ckpt = open_checkpoint(checkpoint)
     try:
@@ -210,7 +224,7 @@ def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[
     )
     axes[1, 2].text(0.0, 1.0, text, va="top", family="monospace", fontsize=10)
     fig.tight_layout()
-    _save(fig, path)
+    _save(fig, path, protected, force)
     plt.close(fig)
     return {"tensor": tensor, "spec": spec.describe(), "sqnr_db": stats.sqnr_db}
 

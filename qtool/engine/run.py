@@ -8,9 +8,8 @@ outputs appear only complete (atomic.OutputSet). Knows nothing of Rich or Typer.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +23,7 @@ from qtool.engine.plan import (
     plan_tensors,
     planned_row,
 )
-from qtool.errors import DeviceError, NumericError, OutputError
+from qtool.errors import DeviceError, NumericError
 from qtool.formats.qtool import (
     DIGEST_KEY,
     SIDECAR_KEY,
@@ -35,7 +34,7 @@ from qtool.formats.qtool import (
     sidecar_path,
     zero_point_name,
 )
-from qtool.io.atomic import OutputSet, remove_stale_temps
+from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
 from qtool.io.checkpoint import (
     Checkpoint,
     StreamingWriter,
@@ -60,27 +59,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def protected_paths(inputs: Iterable[Path]) -> list[Path]:
+    """The inputs and the qparams sidecar beside each: no output may replace any of them."""
+    return [q for p in inputs for q in (p, sidecar_path(p))]
+
+
 def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
-    """Before any data is read: refuse an output that would overwrite an input or an existing
-    file (without --force), or that cannot be written (missing, read-only, full directory)."""
-    if not out.parent.is_dir():
-        raise OutputError(out, f"directory {out.parent} does not exist; create it first")
-    if out.is_dir():
-        raise OutputError(out, "is a directory; give a file name with -o")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise OutputError(out, f"directory {out.parent} is not writable; choose another -o")
-    free = shutil.disk_usage(out.parent).free
-    if needed_bytes > free:
-        raise OutputError(
-            out,
-            f"needs about {needed_bytes:,} bytes but {out.parent} has {free:,} free; "
-            "free some space or write elsewhere with -o",
-        )
-    for src in inputs:
-        if out.exists() and src.exists() and out.samefile(src):
-            raise OutputError(out, "would overwrite the input; choose another -o")
-    if out.exists() and not force:
-        raise OutputError(out, "already exists; pass --force to replace it")
+    """Before any data is read: refuse an output that would overwrite an input (or its
+    sidecar), an existing file (without --force) or anything but a regular file, or that cannot
+    be written (missing, read-only, full directory). One output; see atomic.preflight."""
+    preflight([out], protected_paths(inputs), force=force, needed_bytes=needed_bytes)
 
 
 def quantize_file(
@@ -93,6 +81,7 @@ def quantize_file(
     dry_run: bool = False,
     estimate: bool = False,
     progress: Progress | None = None,
+    also: Sequence[Path] = (),
 ) -> QuantizeSummary:
     """Quantize the checkpoint `src` into `out` plus its sidecar. A dry run only plans (from
     the header); with `estimate` it also measures the error, and writes nothing either way."""
@@ -104,13 +93,13 @@ def quantize_file(
         plans = plan_tensors(src, ckpt.entries, options)
         side = sidecar_path(out)
         if dry_run:
+            preflight(also, protected_paths([src]), force=force)
             if options.keep_nonfinite and estimate:
                 plans = keep_nonfinite(ckpt, plans)
             rows = estimate_rows(ckpt, plans, dev) if estimate else [planned_row(p) for p in plans]
             return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
         needed = sum(p.out_nbytes for p in plans)
-        for target in (out, side):
-            check_output(target, [src], force, needed if target == out else 0)
+        preflight([out, side, *also], protected_paths([src]), force=force, needed_bytes=needed)
         stale = remove_stale_temps(out.parent)
         if options.keep_nonfinite:
             plans = keep_nonfinite(ckpt, plans)

@@ -13,8 +13,9 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,11 +24,18 @@ import torch
 from qtool.engine import restore
 from qtool.engine import run as pipeline
 from qtool.engine.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
-from qtool.errors import OutputError
+from qtool.errors import InputError, OutputError
 from qtool.formats.qtool import sidecar_path
-from qtool.io.atomic import OutputSet, remove_stale_temps
+from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
-from qtool.io.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
+from qtool.io.index import (
+    INDEX_SUFFIX,
+    ShardedInput,
+    check_inside,
+    companion_problem,
+    default_output_dir,
+    load_index,
+)
 from qtool.io.stformat import read_header
 from qtool.results import DequantizeSummary, Progress, QuantizeSummary, TensorRow
 
@@ -36,7 +44,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     """Check the output directory; create it if needed. True when this run created it."""
-    if outdir.exists() and outdir.resolve() == src_dir.resolve():
+    if outdir.exists() and os.path.samefile(outdir, src_dir):  # any spelling, link or mount
         raise OutputError(outdir, "is the input directory; choose another -o")
     if outdir.exists() and not outdir.is_dir():
         raise OutputError(outdir, "exists and is not a directory")
@@ -49,21 +57,57 @@ def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     return created
 
 
-def _companion_files(sharded: ShardedInput) -> list[Path]:
-    """Files to copy along (config, tokenizer, ...): not weights, not the index, not hidden."""
-    return sorted(
-        p
-        for p in sharded.directory.iterdir()
-        if p.is_file()
-        and not p.name.startswith(".")
-        and p != sharded.index
-        and not p.name.endswith(WEIGHT_SUFFIXES)
-        and not p.name.endswith(INDEX_SUFFIX)
-    )
+def _start_outputs(
+    sharded: ShardedInput, outdir: Path, names: list[str], force: bool, also: Sequence[Path]
+) -> bool:
+    """Prepare `outdir` and preflight every output of the run (all names planned first, so
+    collisions are refused before writing). True when this run created `outdir`."""
+    created = _prepare_outdir(outdir, sharded.directory, force)
+    try:
+        outputs = [outdir / name for name in names] + list(also)
+        preflight(outputs, _protected(sharded), force=force)
+    except BaseException:
+        if created:
+            _remove_if_empty(outdir)
+        raise
+    return created
+
+
+def _protected(sharded: ShardedInput) -> list[Path]:
+    """Everything in the input directory (shards, sidecars, companions) and the index."""
+    return [*sharded.directory.iterdir(), *pipeline.protected_paths([sharded.index])]
+
+
+def _companion_files(sharded: ShardedInput) -> tuple[list[Path], list[str]]:
+    """Files to copy along (config, tokenizer, ...): not weights, not the index, not hidden;
+    only regular files inside the directory. Returns them and a note per file skipped."""
+    files, notes = [], []
+    for p in sorted(sharded.directory.iterdir()):
+        if (
+            p.name.startswith(".")
+            or p == sharded.index
+            or p.name.endswith(WEIGHT_SUFFIXES)
+            or p.name.endswith(INDEX_SUFFIX)
+            or (p.is_dir() and not p.is_symlink())
+        ):
+            continue
+        why = companion_problem(sharded.directory, p)
+        if why is None:
+            files.append(p)
+        else:
+            notes.append(f"{p}: not copied: {why}")
+    return files, notes
 
 
 def _copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
-    with open(src, "rb") as fin:
+    """Copy a companion: the resolved file, opened without following links, if regular."""
+    try:
+        fd = os.open(os.path.realpath(src), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        raise InputError(src, f"cannot read: {err.strerror}") from None
+    with os.fdopen(fd, "rb") as fin:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(src, "changed while reading: no longer a regular file")
         shutil.copyfileobj(fin, outputs.create(dest), 1 << 20)
 
 
@@ -89,6 +133,7 @@ def quantize_sharded(
     dry_run: bool = False,
     estimate: bool = False,
     progress: Progress | None = None,
+    also: Sequence[Path] = (),
 ) -> QuantizeSummary:
     """Quantize every shard of a sharded checkpoint into `outdir`, keeping the sharding."""
     started = time.perf_counter()
@@ -99,6 +144,7 @@ def quantize_sharded(
     rows = [planned_row(p) for shard in sharded.shards for p in plans[shard]]
     outputs_named = [str(outdir)]
     if dry_run:
+        preflight(also, _protected(sharded), force=force)
         if estimate:
             rows = _each_shard(
                 sharded,
@@ -107,7 +153,10 @@ def quantize_sharded(
                 lambda ckpt, shard_plans, _: pipeline.estimate_rows(ckpt, shard_plans, dev),
             )
         return _summary(sharded, outputs_named, rows, options, dev, started, dry_run=True)
-    created = _prepare_outdir(outdir, sharded.directory, force)
+    companions, notes = _companion_files(sharded)
+    sidecars = {s: sidecar_path(outdir / s).name for s in sharded.shards}
+    names = [*sharded.shards, *sidecars.values(), *(c.name for c in companions)]
+    created = _start_outputs(sharded, outdir, [*names, sharded.index.name], force, also)
     try:
         stale = remove_stale_temps(outdir)
         if progress is not None:
@@ -122,9 +171,8 @@ def quantize_sharded(
                 ),
             )
             total = sum(r.bytes_out for r in rows)
-            for companion in _companion_files(sharded):
+            for companion in companions:
                 _copy_into(outputs, companion, outdir / companion.name)
-            sidecars = {s: sidecar_path(outdir / s).name for s in sharded.shards}
             qtool = {"format": "qtool.sharded", "format_version": 1, "sidecars": sidecars}
             _write_index(outputs, sharded, outdir / sharded.index.name, total, qtool)
             outputs.commit()
@@ -133,7 +181,7 @@ def quantize_sharded(
             _remove_if_empty(outdir)
         raise
     summary = _summary(sharded, outputs_named, rows, options, dev, started)
-    return replace(summary, stale_temps_removed=stale)
+    return replace(summary, stale_temps_removed=stale, notes=notes)
 
 
 def _plan_shards(sharded: ShardedInput, options: QuantizeOptions) -> dict[str, list[TensorPlan]]:
@@ -195,15 +243,19 @@ def dequantize_sharded(
     """Dequantize every shard of a quantized sharded checkpoint into `outdir`."""
     sharded = load_index(path)
     outdir = outdir or default_output_dir(sharded.index, "dequantized")
+    for shard in sharded.shards:
+        check_inside(sharded.directory, sidecar_path(sharded.directory / shard))
+    companions, notes = _companion_files(sharded)
     pairs = [restore.open_quantized(sharded.directory / s) for s in sharded.shards]
     created = False
     try:
-        created = _prepare_outdir(outdir, sharded.directory, force)
+        names = [*sharded.shards, *(c.name for c in companions), sharded.index.name]
+        created = _start_outputs(sharded, outdir, names, force, ())
         rows = []
         with OutputSet() as outputs:
             for shard, pair in zip(sharded.shards, pairs, strict=True):
                 rows += restore.write_dequantized(pair, outdir / shard, outputs, dtype)
-            for companion in _companion_files(sharded):
+            for companion in companions:
                 _copy_into(outputs, companion, outdir / companion.name)
             total = sum(r.bytes_out for r in rows)
             _write_index(outputs, sharded, outdir / sharded.index.name, total, {})
@@ -220,4 +272,5 @@ def dequantize_sharded(
         sidecars=[str(sidecar_path(sharded.directory / s)) for s in sharded.shards],
         outputs=[str(outdir)],
         rows=rows,
+        notes=notes,
     )

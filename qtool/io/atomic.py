@@ -6,16 +6,24 @@ fsynced. Files created with `last=True` (the file a user opens: the quantized fi
 are renamed after all the others, so whenever one exists under its final name, everything it
 refers to is already in place. On any exception every temp file is removed and no final name is
 touched. A SIGKILL can leave temp files; they never look like output, and the next run in that
-directory removes those whose process is gone.
+directory removes those that no live run holds: every temp is locked (flock) from its creation
+until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
+
+`preflight` is the one check every output of every command passes before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -23,6 +31,9 @@ from typing import BinaryIO
 from qtool.errors import OutputError
 
 _TEMP_RE = re.compile(r"^\..+\.qtool-tmp-(\d+)-[0-9a-f]+$")
+STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are removed
+
+FileId = tuple[int, int]  # (st_dev, st_ino): what a file is, whatever path names it
 
 
 class OutputSet:
@@ -30,6 +41,7 @@ class OutputSet:
 
     def __init__(self) -> None:
         self._files: list[tuple[Path, Path, BinaryIO, bool]] = []  # (temp, final, handle, last)
+        self._temps: list[Path] = []  # every temp name, listed before it is created
         self._committed = False
 
     def __enter__(self) -> OutputSet:
@@ -45,28 +57,37 @@ class OutputSet:
             self.abort()
 
     def create(self, final: Path, *, last: bool = False) -> BinaryIO:
-        """Open a new temp file that will become `final` on commit (after the others if last)."""
-        temp = final.parent / f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except OSError as err:
-            raise OutputError(
-                final, f"cannot create a file in {final.parent}: {describe_os_error(err)}"
-            ) from err
+        """Open a new locked temp file that will become `final` on commit (after the others if
+        last)."""
+        while True:
+            temp = final.parent / f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            self._temps.append(temp)  # first: a signal right after the open still removes it
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+            except OSError as err:
+                self._temps.pop()
+                raise OutputError(
+                    final, f"cannot create a file in {final.parent}: {describe_os_error(err)}"
+                ) from err
+            if _lock_own_temp(fd, temp):
+                break
+            self._temps.pop()  # a cleanup took it before the lock: the name is gone, retry
         handle = os.fdopen(fd, "wb")
         self._files.append((temp, final, handle, last))
         return handle
 
     def commit(self) -> None:
-        """fsync every file, rename each into place in order, fsync the directories."""
+        """fsync every file, rename each into place in order, fsync the directories. Each temp
+        stays locked until it is renamed, so no other run's cleanup can take it."""
         for _temp, final, handle, _last in self._files:
             try:
                 handle.flush()
                 os.fsync(handle.fileno())
-                handle.close()
             except OSError as err:
                 raise OutputError(final, f"cannot write: {describe_os_error(err)}") from err
         ordered = sorted(self._files, key=lambda f: f[3])  # stable: creation order, last ones last
+        for _, final, _, _ in ordered:
+            _refuse_special(final)  # appeared since the preflight: replace nothing but files
         for temp, final, _, _ in ordered:
             try:
                 os.replace(temp, final)
@@ -75,41 +96,105 @@ class OutputSet:
                     final, f"cannot rename into place: {describe_os_error(err)}"
                 ) from err
         self._committed = True
+        for _, _, handle, _ in self._files:
+            with contextlib.suppress(OSError):
+                handle.close()
         for directory in {final.parent for _, final, _, _ in self._files}:
             _fsync_dir(directory)
 
     def abort(self) -> None:
-        for temp, _, handle, _ in self._files:
-            with contextlib.suppress(OSError):
-                handle.close()
+        for temp in self._temps:
             with contextlib.suppress(OSError):
                 temp.unlink()
+        for _, _, handle, _ in self._files:
+            with contextlib.suppress(OSError):
+                handle.close()
         self._files.clear()
+        self._temps.clear()
+
+
+def _lock_own_temp(fd: int, temp: Path) -> bool:
+    """Lock a fresh temp; False (and the fd closed) if a cleanup removed it before the lock."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a cleanup that is unlinking it
+    try:
+        same = os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False))
+    except OSError:
+        same = False
+    if not same:
+        os.close(fd)
+    return same
+
+
+def write_file(final: Path, data: bytes) -> None:
+    """Write one small output atomically (temp in the target directory, fsync, rename)."""
+    with OutputSet() as outputs:
+        outputs.create(final).write(data)
+        outputs.commit()
 
 
 def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files left in `directory` by qtool runs that were killed; return the count."""
+    """Delete temp files left in `directory` by qtool runs that were killed; return the count.
+
+    A temp is stale when its lock can be taken: a live run, in any PID namespace, holds the lock
+    of each of its temps until the commit. Where locks are not enforced (some network
+    filesystems), only temps untouched for STALE_AGE_S are removed."""
+    locks_work = _locks_enforced(directory)
     removed = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(directory):
-            match = _TEMP_RE.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    removed += 1
+            if _TEMP_RE.match(entry.name) and _remove_if_stale(Path(entry.path), locks_work):
+                removed += 1
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _remove_if_stale(path: Path, locks_work: bool) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        if not locks_work and time.time() - st.st_mtime < STALE_AGE_S:
+            return False
+        if locks_work and not _try_lock(fd):
+            return False  # held by a live run
+        if not os.path.samestat(st, os.stat(path, follow_symlinks=False)):
+            return False
+        os.unlink(path)  # before the lock is dropped: a racing creator sees its temp gone
         return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
     return True
+
+
+def _locks_enforced(directory: Path) -> bool:
+    """Whether two opens of one file in `directory` exclude each other's flock here."""
+    probe = directory / f".lockprobe.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fds: list[int] = []
+    try:
+        fds.append(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        fds.append(os.open(probe, os.O_RDONLY | os.O_NOFOLLOW))
+        return _try_lock(fds[0]) and not _try_lock(fds[1])
+    except OSError:
+        return False
+    finally:
+        if fds:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        for fd in fds:
+            os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -130,3 +215,111 @@ def describe_os_error(err: OSError) -> str:
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return "permission denied; choose a writable location with -o"
     return f"{err.strerror or err}; check the output location"
+
+
+def file_id(path: Path) -> FileId | None:
+    """(device, inode) of what `path` names after symlinks; None if it names nothing."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def preflight(
+    outputs: Sequence[Path],
+    protected: Iterable[Path],
+    *,
+    force: bool,
+    needed_bytes: int = 0,
+) -> None:
+    """Before anything is written: refuse outputs that collide with each other, that are a
+    protected file (an input, its sidecar or a companion: compared by device and inode), that
+    exist without `force`, that are anything but a regular file, or whose directory is missing,
+    read-only or (for the first output) short of `needed_bytes`."""
+    guarded = {i: p for p in protected if (i := file_id(p)) is not None}
+    _refuse_collisions(outputs)
+    for out in outputs:
+        _check_output(out, guarded, force)
+    if outputs and needed_bytes:
+        _check_space(outputs[0], needed_bytes)
+
+
+def _check_output(out: Path, guarded: dict[FileId, Path], force: bool) -> None:
+    if not out.parent.is_dir():
+        raise OutputError(out, f"directory {out.parent} does not exist; create it first")
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
+    except OSError as err:
+        raise OutputError(out, f"cannot check this output: {describe_os_error(err)}") from err
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise OutputError(out, "is a directory; give a file name")
+    target = file_id(out)
+    if target is not None and target in guarded:
+        raise OutputError(
+            out, f"would overwrite the input {guarded[target]}; choose another output path"
+        )
+    if st is not None:
+        _refuse_special(out)
+        if not force:
+            raise OutputError(out, "already exists; pass --force to replace it")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise OutputError(out, f"directory {out.parent} is not writable; choose another location")
+
+
+def _refuse_special(out: Path) -> None:
+    """Only a regular file (or a symlink to one, which is replaced, not followed) or nothing
+    may stand where an output goes: never a device, FIFO, socket or directory."""
+    try:
+        st = os.lstat(out)
+    except OSError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(out)
+        except OSError:
+            return  # a dangling link: replacing it loses nothing
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(
+            out, f"is {_kind(st.st_mode)}, not a regular file; qtool replaces only regular files"
+        )
+
+
+def _kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _refuse_collisions(outputs: Sequence[Path]) -> None:
+    """Two outputs of one run must never land on the same name (or the same existing file)."""
+    seen: dict[object, Path] = {}
+    for out in outputs:
+        keys: list[object] = [(file_id(out.parent) or os.path.abspath(out.parent), out.name)]
+        if (existing := file_id(out)) is not None:
+            keys.append(existing)
+        for key in keys:
+            if key in seen:
+                raise OutputError(
+                    out,
+                    f"two outputs of this run would both be written here (also {seen[key]}); "
+                    "rename an input or choose other output paths",
+                )
+            seen[key] = out
+
+
+def _check_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out.parent).free
+    if needed > free:
+        raise OutputError(
+            out,
+            f"needs about {needed:,} bytes but {out.parent} has {free:,} free; "
+            "free some space or write elsewhere with -o",
+        )

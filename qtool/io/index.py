@@ -3,6 +3,8 @@ validation of every shard it names, from headers alone (torch-free)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -46,7 +48,40 @@ def find_index(path: Path) -> Path:
         raise InputError(
             path, f"{what} *{INDEX_SUFFIX} files in this directory; give the index file itself"
         )
+    check_inside(path, found[0])
     return found[0]
+
+
+def companion_problem(directory: Path, path: Path) -> str | None:
+    """Why a file found in a checkpoint directory must not be read or copied, or None: it must
+    be a regular file, and a symlink must not lead out of the directory (a link to a secret or
+    to /proc would otherwise be copied into the output)."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.path.realpath(path)
+            if not Path(target).is_relative_to(os.path.realpath(directory)):
+                return f"a symlink to {os.readlink(path)}, outside the checkpoint directory"
+            st = os.stat(target)
+    except OSError as err:
+        return f"cannot read: {err.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    return None
+
+
+def check_inside(directory: Path, path: Path) -> None:
+    """Refuse a shard, index or sidecar of a checkpoint directory that is a symlink leading
+    out of it, or not a regular file (a missing one is left to the caller to report)."""
+    if not os.path.lexists(path):
+        return
+    why = companion_problem(directory, path)
+    if why is not None:
+        raise InputError(
+            path,
+            f"{why}; qtool reads only regular files inside the checkpoint directory "
+            "(copy the file in, e.g. cp -L, instead of linking it)",
+        )
 
 
 def load_index(path: Path) -> ShardedInput:
@@ -89,6 +124,7 @@ def _check_shard_name(index: Path, shard: str) -> None:
 def _check_shards_agree(sharded: ShardedInput) -> None:
     for shard in sharded.shards:
         shard_path = sharded.directory / shard
+        check_inside(sharded.directory, shard_path)
         if not shard_path.is_file():
             raise InputError(shard_path, "shard named by the index is missing")
         try:

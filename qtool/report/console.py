@@ -117,6 +117,11 @@ def print_line(message: str) -> None:
     emit(sys.stdout, Text(safe(message)))
 
 
+def print_note(message: str) -> None:
+    """One informational line on stderr (stdout stays the report or the JSON)."""
+    console(sys.stderr).print(Text.assemble("qtool: ", safe(message)), soft_wrap=True)
+
+
 def print_warning(message: str) -> None:
     line = Text.assemble(("qtool: warning: ", "yellow"), safe(message))
     console(sys.stderr).print(line, soft_wrap=True)

@@ -63,10 +63,11 @@ class TensorRow:
     quantized: bool
     detail: str  # e.g. "sym int8 per-channel(axis 0)", or why it was kept
     bytes_in: int
-    bytes_out: int
+    bytes_out: int  # the tensor in the output file (codes, or the tensor as it is)
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
     mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
+    bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class QuantizeSummary:
 
     @property
     def bytes_out(self) -> int:
-        return sum(r.bytes_out for r in self.rows)
+        """Everything the output holds: tensors and codes, scales and zero points."""
+        return sum(r.bytes_out + r.bytes_qparams for r in self.rows)
 
     @property
     def overall(self) -> ErrorStats | None:

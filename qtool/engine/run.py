@@ -37,6 +37,7 @@ from qtool.formats.qtool import (
 )
 from qtool.io.atomic import OutputSet, remove_stale_temps
 from qtool.io.checkpoint import (
+    TORCH_TO_ST,
     Checkpoint,
     StreamingWriter,
     open_checkpoint,
@@ -160,7 +161,7 @@ def write_quantized(
     side = sidecar_path(out)
     metadata = carried_metadata(ckpt.metadata)
     metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
-    specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
+    specs = [(p.entry.name, p.out_dtype, p.out_shape) for p in plans]
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
     by_name = {p.entry.name: p for p in plans}
@@ -283,7 +284,7 @@ def _write_sidecar(
         tensors[scale_name(name)] = scale
         tensors[zero_point_name(name)] = zero_point
     metadata = manifest_metadata(Manifest(quantized_name, records))
-    specs = [(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors.items()]
+    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(side), header_bytes, header, side)
     digest = hashlib.sha256()
@@ -298,19 +299,7 @@ def _write_sidecar(
 def _record(plan: TensorPlan) -> Record:
     spec = plan.spec
     assert spec is not None
-    return Record(
-        scheme=spec.scheme.value,
-        dtype=spec.dtype.value,
-        axis=spec.axis,
-        qmin=spec.qmin,
-        qmax=spec.qmax,
-        orig_dtype=plan.entry.dtype,
-        shape=plan.entry.shape,
-    )
-
-
-def _st_dtype(t: torch.Tensor) -> str:
-    return {torch.float32: "F32", torch.int8: "I8", torch.uint8: "U8"}[t.dtype]
+    return Record(spec, plan.entry.dtype, plan.entry.shape)
 
 
 def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:

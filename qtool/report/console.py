@@ -155,8 +155,6 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 # ---- ordering and gates ------------------------------------------------------------------------
 
-SORT_KEYS = ("name", "mse", "sqnr", "size")
-
 
 def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
     """File order unless asked: name ascending, worst first for mse/sqnr, largest first for size.
@@ -514,12 +512,23 @@ def print_inspect(summary: InspectSummary) -> None:
 def _qinfo_text(qinfo: dict[str, object] | None) -> str:
     if not qinfo:
         return ""
-    where = "tensor" if qinfo["axis"] is None else f"axis {qinfo['axis']}"
-    text = f"{qinfo['scheme']} {qinfo['dtype']} {where} ({qinfo['orig_dtype']})"
+    text = f"{spec_label(qinfo)} ({qinfo['orig_dtype']})"
     if "scale_min" in qinfo:
         lo, hi = qinfo["scale_min"], qinfo["scale_max"]
         text += f" scale {lo:.2g}" if lo == hi else f" scale {lo:.2g}..{hi:.2g}"
     return text
+
+
+def spec_label(spec: dict[str, object]) -> str:
+    """'sym int4 group 128 mse' from a spec's JSON form (QSpec.to_json)."""
+    g = spec.get("granularity")
+    where = "tensor"
+    if isinstance(g, dict) and g.get("kind") == "channel":
+        where = f"axis {g.get('axis')}"
+    elif isinstance(g, dict) and g.get("kind") == "group":
+        where = f"group {g.get('size')}"
+    label = f"{spec.get('scheme')} {spec.get('dtype')} {where}"
+    return label + (" mse" if spec.get("range_method") == "mse" else "")
 
 
 def _manifest_text(manifest: dict[str, object]) -> str:

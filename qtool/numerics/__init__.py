@@ -1,0 +1,1 @@
+"""The numeric core: granularities, range methods, grouped quantization and packing; no I/O."""

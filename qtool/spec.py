@@ -136,10 +136,10 @@ def granularity_from_json(doc: object) -> Granularity:
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(C, K): the tensor as rows of its first dimension; a 0-d or 1-D tensor is one row."""
-    if len(shape) >= 2:
-        return shape[0], math.prod(shape[1:])
-    return 1, math.prod(shape)
+    """(C, K): C = shape[0] rows of K = the product of the other dims (1-D: K = 1; 0-d: 1x1)."""
+    if not shape:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
 
 
 def qparam_shape(g: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -150,6 +150,14 @@ def qparam_shape(g: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:
         c, k = matrix_shape(shape)
         return (c, math.ceil(k / g.size))
     return ()
+
+
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of 4-bit codes as stored, two per byte: [..., n] -> [..., ceil(n / 2)]; a 0-d
+    tensor is stored as one byte."""
+    if not shape:
+        return (1,)
+    return (*shape[:-1], (shape[-1] + 1) // 2)
 
 
 class RangeMethod(str, enum.Enum):

@@ -18,9 +18,16 @@ from qtool.errors import InputError
 from qtool.formats.qtool import sidecar_path
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
-from qtool.numerics.packing import packed_shape
 from qtool.results import QuantizeSummary, TensorRow
-from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, matrix_shape, qparam_shape
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    matrix_shape,
+    packed_shape,
+    qparam_shape,
+)
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
     --include quantized per tensor, a group at least as long as a row is per channel."""
     g, ndim = spec.granularity, len(entry.shape)
     if ndim < 2 and not isinstance(g, PerTensor):
-        return TensorPlan(entry, replace(spec, granularity=PerTensor()), note="per tensor (1-D)")
+        return TensorPlan(entry, replace(spec, granularity=PerTensor()))
     if isinstance(g, PerGroup):
         _, k = matrix_shape(entry.shape)
         if g.size >= k:

@@ -189,9 +189,7 @@ def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[
     result = kernels.quantize_tensor(x, spec)
     x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
     codes = (
-        unpack_nibbles(result.q, tuple(x.shape), spec.dtype.signed)
-        if spec.dtype.packed
-        else result.q
+        unpack_nibbles(result.q, x.shape[-1], spec.dtype.signed) if spec.dtype.packed else result.q
     )
     fig, axes = _figure(plt, 2, 3)
     panels = [

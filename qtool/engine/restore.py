@@ -35,8 +35,8 @@ from qtool.io.checkpoint import (
 )
 from qtool.io.stformat import build_header, read_header
 from qtool.numerics import kernels
-from qtool.numerics.packing import packed_shape
 from qtool.results import DequantizedRow, DequantizeSummary
+from qtool.spec import packed_shape
 
 
 def default_dequantized_path(src: Path) -> Path:

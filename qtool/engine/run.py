@@ -45,6 +45,7 @@ from qtool.io.checkpoint import (
 )
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.numerics import kernels
+from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeSummary, TensorRow
 
 _PLACEHOLDER_DIGEST = "0" * 64
@@ -244,7 +245,7 @@ def _quantize_one(
     x = ckpt.tensor(plan.entry).to(workspace.device)
     try:
         return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
-    except kernels.NonFiniteInput as err:
+    except NonFiniteInput as err:
         raise NumericError(
             ckpt.path,
             f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "

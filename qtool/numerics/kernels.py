@@ -22,14 +22,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from qtool.numerics import ranges
 from qtool.numerics.metrics import ErrorAccumulator
-from qtool.numerics.packing import pack_nibbles, packed_shape, unpack_nibbles
+from qtool.numerics.packing import pack_nibbles, unpack_nibbles
+from qtool.numerics.ranges import IntRange, NonFiniteInput
 from qtool.results import ErrorStats
 from qtool.spec import (
     PerChannel,
     PerGroup,
     PerTensor,
     QSpec,
+    RangeMethod,
     Scheme,
     StorageDtype,
     matrix_shape,
@@ -49,22 +52,15 @@ DEFAULT_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32: stays in L3 and amortises per
 Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pre, C, post) view
 
 
-class NonFiniteInput(ValueError):
-    """The tensor holds NaN or +-Inf, which have no integer code (count None: not yet counted)."""
-
-    def __init__(self, count: int | None = None) -> None:
-        super().__init__(f"{count} NaN/Inf value(s)")
-        self.count = count
-
-
 @dataclass(frozen=True)
 class QuantizedTensor:
     """Codes as stored (4-bit packed two per byte) with their qparams and error figures."""
 
     q: torch.Tensor
-    scale: torch.Tensor  # float32, the granularity's qparam shape
+    scale: torch.Tensor  # float32 holding values of the scale dtype, the qparam shape
     zero_point: torch.Tensor  # storage dtype (unpacked), same shape as scale
     errors: ErrorStats | None
+    choice: torch.Tensor | None = None  # uint8 candidate index per group (--range mse)
 
 
 def normalize_spec(spec: QSpec, ndim: int) -> QSpec:
@@ -91,38 +87,20 @@ def row_group_length(spec: QSpec, shape: tuple[int, ...]) -> int | None:
     _, k = matrix_shape(shape)
     if isinstance(g, PerGroup):
         return min(g.size, k)
-    if isinstance(g, PerChannel) and g.axis == 0 and len(shape) >= 1:
+    if isinstance(g, PerChannel) and g.axis == 0 and len(shape) >= 2:
         return k
     return None
 
 
 def qparams_from_range(
-    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec
+    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec, scale_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`.
-
-    zero_point is returned as float32 holding an integer (cast by the caller for storage).
-    Runs once per slab, so it is kept to a handful of small in-place ops.
-    """
-    lo, hi = lo.float(), hi.float()
-    if spec.scheme is Scheme.SYM:
-        span = torch.maximum(hi, lo.neg()).clamp_(min=0.0)  # amax over a range holding 0
-        scale = span / ((spec.qmax - spec.qmin) / 2)  # amax / 127 (8-bit), amax / 7.5 (4-bit)
-    else:
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-        span = hi - lo
-        scale = span / (spec.qmax - spec.qmin)  # (hi - lo) / 255 (8-bit), / 15 (4-bit)
-    if not math.isfinite(float(scale.amax())):  # amax propagates NaN; cheaper than isfinite().all()
-        if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-            raise NonFiniteInput()  # NaN propagates through amin/amax; Inf lands in them
-        raise ValueError("value range overflows float32; use --scheme sym for such tensors")
-    # An all-zero group gets scale 1.0; no scale is ever 0 or subnormal (x / scale stays finite).
-    scale.clamp_(min=SMALLEST_NORMAL).masked_fill_(span == 0, 1.0)
-    if spec.scheme is Scheme.SYM:
-        zero_point = torch.full_like(scale, spec.symmetric_zero_point)
-    else:
-        zero_point = (spec.qmin - torch.round(lo / scale)).clamp_(spec.qmin, spec.qmax)
-    return scale, zero_point
+    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`; zero_point
+    is float32 holding an integer (cast by the caller for storage). See ranges."""
+    r = IntRange.of(spec)
+    return ranges.qparams_from_range(
+        lo, hi, r.qmin, r.qmax, r.symmetric, r.sym_zero_point, scale_dtype
+    )
 
 
 def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +141,9 @@ def quantize(
     ws = Workspace(x.device)
     zp = zero_point.float()
     length = row_group_length(spec, tuple(x.shape))
-    if length is not None:
-        _quantize_rows(x, length, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, (scale.float(), zp))
+    if length is not None and isinstance(spec.granularity, PerGroup):
+        qparams = (scale.float(), zp)
+        _quantize_rows(x, length, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, qparams=qparams)
     else:
         _quantize_slabs(x, scale.float(), zp, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, False)
     return _stored(codes, zp, spec, ws=None)
@@ -175,10 +154,13 @@ def quantize_tensor(
     spec: QSpec,
     *,
     with_errors: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
     workspace: Workspace | None = None,
 ) -> QuantizedTensor:
-    """Compute qparams, quantize, and (optionally) measure the error, in as few passes as can be.
+    """Choose qparams (min-max or the mse search), quantize, and (optionally) measure the
+    error, in as few passes as can be. Scales hold values of `scale_dtype` and the codes are
+    computed against them.
 
     With a `workspace`, the codes live in its reused memory: consume them (write them out)
     before the next call with the same workspace.
@@ -191,20 +173,85 @@ def quantize_tensor(
     ws = workspace or Workspace(x.device)
     codes = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
     acc = ErrorAccumulator() if with_errors else None
+    ranger = RangeChooser(spec, tuple(x.shape), scale_dtype, block_elems)
     length = row_group_length(spec, tuple(x.shape))
     with _counting_nonfinite(x):
-        if length is not None and length <= max(block_elems, 1):
-            scale, zero_point = _quantize_rows(x, length, spec, codes, acc, block_elems, ws)
+        # A row longer than a slab is walked in two passes (range, then codes) per channel;
+        # a group is always one pass, however long (slabs then hold one group each).
+        if length is not None and (isinstance(spec.granularity, PerGroup) or length <= block_elems):
+            scale, zero_point, choice = _quantize_rows(
+                x, length, spec, codes, acc, block_elems, ws, ranger
+            )
         else:
-            lo, hi = channel_range(x, spec)
-            scale, zero_point = qparams_from_range(lo, hi, spec)
-            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws)
+            scale, zero_point, choice = ranger.whole(x)
+            own = ranger.candidates is None
+            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, own)
+    errors = acc.result() if acc is not None else None
+    if errors is not None and ranger.sse_minmax is not None:
+        errors = replace(errors, sq_error_minmax=ranger.sse_minmax)
     return QuantizedTensor(
         q=_stored(codes, zero_point, spec, ws),
         scale=scale,
         zero_point=zero_point.to(TORCH_STORAGE[spec.dtype]),
-        errors=acc.result() if acc is not None else None,
+        errors=errors,
+        choice=choice,
     )
+
+
+Qparams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # scale, zero point, choice
+
+
+class RangeChooser:
+    """The range step between "find the range" and "compute the codes": each group's qparams
+    from its float32 values, by min-max or by the mse search (which also keeps, for the
+    report, the squared error min-max would have had)."""
+
+    def __init__(
+        self, spec: QSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, block_elems: int
+    ) -> None:
+        self.spec, self.scale_dtype, self.block_elems = spec, scale_dtype, block_elems
+        self.int_range = IntRange.of(spec)
+        self.candidates: tuple[float, ...] | None = None
+        if spec.range_method is RangeMethod.MSE:
+            # Groups shorter than a row search the group list; whole rows, the channel list.
+            g = spec.granularity
+            per_group = isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1]
+            self.candidates = ranges.mse_candidates(self.int_range, per_group)
+        self.sse_minmax: float | None = None if self.candidates is None else 0.0
+
+    def groups(self, xf: torch.Tensor) -> Qparams:
+        """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups)."""
+        if self.candidates is None:
+            lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
+            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
+        return self._search(xf.unsqueeze(2))
+
+    def whole(self, x: torch.Tensor) -> Qparams:
+        """qparams per tensor or per channel on any axis, in the qparam shape."""
+        if self.candidates is None:
+            lo, hi = channel_range(x, self.spec)
+            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
+        shape = qparam_shape(self.spec.granularity, tuple(x.shape))
+        scale, zero_point, choice = self._search(_search_view(x, self.spec))
+        assert choice is not None
+        return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
+
+    def _search(self, values: torch.Tensor) -> Qparams:
+        assert self.candidates is not None and self.sse_minmax is not None
+        found = ranges.mse_search(
+            values, self.int_range, self.candidates, self.scale_dtype, self.block_elems
+        )
+        self.sse_minmax += float(found.sse_minmax.sum())
+        return found.scale, found.zero_point, found.choice
+
+
+def _search_view(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
+    """x as the [R, S, A, L] block the mse search takes: per tensor [1, 1, 1, n]; per channel
+    on axis a, [C, 1, pre, post] (a strided view: no copy)."""
+    if isinstance(spec.granularity, PerTensor):
+        return x.view(1, 1, 1, -1)
+    pre, channels, post = group_shape(tuple(x.shape), spec.axis)
+    return x.view(pre, channels, post).permute(1, 0, 2).unsqueeze(1)
 
 
 def dequantize(
@@ -222,12 +269,12 @@ def dequantize(
         raise ValueError(f"codes must be int8 or uint8, got {q.dtype}")
     if spec.dtype.packed:
         shape = shape if shape is not None else (*q.shape[:-1], 2 * q.shape[-1])
-        q = unpack_nibbles(q, shape, spec.dtype.signed)
+        q = unpack_nibbles(q, shape[-1] if shape else 1, spec.dtype.signed).reshape(shape)
     q = q.contiguous()
     spec = normalize_spec(spec, q.ndim)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     length = row_group_length(spec, tuple(q.shape))
-    if length is not None:
+    if length is not None and isinstance(spec.granularity, PerGroup):
         _dequantize_rows(q, scale, zero_point, length, out, block_elems)
         return out
     shape3 = group_shape(tuple(q.shape), spec.axis)
@@ -276,30 +323,27 @@ def _stored(
     last dimension padded with the code of 0.0, the zero point of each row's last element)."""
     if not spec.dtype.packed:
         return codes
-    pad = _last_column_zero_points(zero_point, spec, tuple(codes.shape))
-    shape = packed_shape(tuple(codes.shape))
-    out = ws.packed(shape) if ws is not None else None
-    return pack_nibbles(codes, spec.dtype.signed, pad, out)
+    shape = tuple(codes.shape)
+    pad = _last_column_zero_points(zero_point, spec, shape)
+    rows = codes.reshape(*shape[:-1], shape[-1]) if shape else codes.reshape(1)
+    return pack_nibbles(rows, spec.dtype.signed, pad.reshape(*rows.shape[:-1], 1))
 
 
 def _last_column_zero_points(
     zero_point: torch.Tensor, spec: QSpec, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """The zero point of the last element of every row of the last dimension, row-major."""
-    zp = zero_point.to(torch.int16)
+    zp = zero_point.to(torch.int16).reshape(-1)
+    n = shape[-1] if shape else 1
+    last = torch.arange(1, math.prod(shape[:-1]) + 1, device=zp.device) * n - 1  # flat indices
     g = spec.granularity
-    rows = math.prod(shape[:-1]) if shape else 1
-    if isinstance(g, PerTensor) or zp.numel() == 1:
-        return zp.reshape(1).expand(rows)
     if isinstance(g, PerGroup):
-        c, _ = matrix_shape(shape)
-        return zp.reshape(c, -1)[:, -1:].expand(c, rows // c).reshape(rows)
-    axis = g.axis
-    if axis == len(shape) - 1:
-        return zp[-1].reshape(1).expand(rows)
-    view = [1] * len(shape)
-    view[axis] = -1
-    return zp.reshape(view).expand(shape)[..., -1].reshape(rows)
+        _, k = matrix_shape(shape)
+        return zp[(last // k) * math.ceil(k / g.size) + (last % k) // g.size]
+    if isinstance(g, PerChannel):
+        _, channels, post = group_shape(shape, g.axis)
+        return zp[(last // post) % channels]
+    return zp.expand(last.numel())
 
 
 def _group_parts(k: int, length: int) -> list[tuple[tuple[int, int, int], slice]]:
@@ -337,16 +381,19 @@ def _quantize_rows(
     acc: ErrorAccumulator | None,
     block_elems: int,
     ws: Workspace,
+    ranger: RangeChooser | None = None,
     qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Qparams:
     """Groups of `length` consecutive elements of the (C, K) rows: each slab's range and codes
-    come from the same cache-resident data, so the tensor crosses memory once. Returns scale
-    and zero point (float32) in the granularity's shape; `qparams` given: use those instead."""
+    come from the same cache-resident data, so the tensor crosses memory once. Returns scale,
+    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only."""
     c, k = matrix_shape(tuple(x.shape))
     x2, q2 = x.view(c, k), codes.view(c, k)
     n = math.ceil(k / length)
     scale = torch.empty(c, n, dtype=torch.float32, device=x.device)
     zero_point = torch.empty_like(scale)
+    searching = ranger is not None and ranger.candidates is not None
+    choice = torch.zeros(c, n, dtype=torch.uint8, device=x.device) if searching else None
     if qparams is not None:
         scale.copy_(qparams[0].reshape(c, n))
         zero_point.copy_(qparams[1].reshape(c, n))
@@ -355,17 +402,18 @@ def _quantize_rows(
         for r0, r1, g0, g1 in _row_slabs(x3.shape, block_elems):
             xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
             s, z = scale[r0:r1, cols][:, g0:g1], zero_point[r0:r1, cols][:, g0:g1]
-            if qparams is None:
-                lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
-                s_new, z_new = qparams_from_range(lo, hi, spec)
+            if ranger is not None:
+                s_new, z_new, k_new = ranger.groups(xf)
                 s.copy_(s_new)
                 z.copy_(z_new)
+                if choice is not None and k_new is not None:
+                    choice[r0:r1, cols][:, g0:g1].copy_(k_new)
+            own = ranger is not None and not searching  # min-max: no value is clipped
             q_slab = q3[r0:r1, g0:g1]
-            _quantize_block(
-                xf, work, s[..., None], z[..., None], spec, q_slab, acc, qparams is None
-            )
+            _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, acc, own)
     shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)
-    return scale.reshape(shape), zero_point.reshape(shape)
+    reshaped = choice.reshape(shape) if choice is not None else None
+    return scale.reshape(shape), zero_point.reshape(shape), reshaped
 
 
 def _row_slabs(shape: torch.Size, block_elems: int) -> Iterator[tuple[int, int, int, int]]:
@@ -412,18 +460,12 @@ class Workspace:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._codes = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._packed = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._floats = torch.empty(0, dtype=torch.float32, device=self.device)
 
     def codes(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-byte tensor of `shape`, valid until the next call."""
         self._codes = _at_least(self._codes, math.prod(shape))
         return self._codes[: math.prod(shape)].view(dtype).view(shape)
-
-    def packed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialised uint8 tensor for packed 4-bit codes, valid until the next call."""
-        self._packed = _at_least(self._packed, math.prod(shape))
-        return self._packed[: math.prod(shape)].view(shape)
 
     def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(xf, work): the slab `like` as float32 (itself when it already is; else upcast once

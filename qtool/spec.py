@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""
+MSE_ALGORITHM = "qtool-mse-v1"
+"""Name of the mse range search (numerics.ranges: candidate list and tie rule)."""
 
 
 class Scheme(str, enum.Enum):

@@ -153,6 +153,9 @@ def default_quantized_path(src: Path, dtype: str) -> Path:
 def planned_row(plan: TensorPlan) -> TensorRow:
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    if plan.spec is not None and isinstance(plan.spec.granularity, PerGroup):
+        c, n = qparam_shape(plan.spec.granularity, e.shape)
+        detail = f"{detail} ({c}x{n} groups)"
     if plan.note:
         detail = f"{detail} ({plan.note})"
     return TensorRow(

@@ -30,6 +30,7 @@ from qtool.formats.qtool import (
     SIDECAR_KEY,
     Manifest,
     Record,
+    choice_name,
     manifest_metadata,
     scale_name,
     sidecar_path,
@@ -167,7 +168,7 @@ def write_quantized(
     writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
-    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    qparams: dict[str, dict[str, torch.Tensor]] = {}
     # Tensor k is written by a background thread while tensor k+1 is quantized (the write
     # syscalls and the torch kernels both release the GIL). Two workspaces alternate, so the
     # codes being written are never the ones being computed.
@@ -181,7 +182,7 @@ def write_quantized(
             else:
                 result = _quantize_one(ckpt, plan, workspaces[k % 2])
                 data = tensor_bytes(result.q.cpu())
-                qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
+                qparams[entry.name] = _qparams(entry.name, result)
                 rows[entry.name] = _quantized_row(plan, result)
             background.write(plan.entry, data)
             if progress is not None:
@@ -276,14 +277,11 @@ def _write_sidecar(
     side: Path,
     quantized_name: str,
     plans: dict[str, TensorPlan],
-    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    qparams: dict[str, dict[str, torch.Tensor]],
 ) -> str:
     """Write the sidecar; return the SHA-256 of its data section."""
     records = {name: _record(plans[name]) for name in sorted(qparams)}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (scale, zero_point) in qparams.items():
-        tensors[scale_name(name)] = scale
-        tensors[zero_point_name(name)] = zero_point
+    tensors = {key: t for name, parts in qparams.items() for key, t in parts.items()}
     metadata = manifest_metadata(Manifest(quantized_name, records))
     specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     header_bytes, header = build_header(specs, metadata)
@@ -297,10 +295,19 @@ def _write_sidecar(
     return digest.hexdigest()
 
 
+def _qparams(name: str, result: kernels.QuantizedTensor) -> dict[str, torch.Tensor]:
+    """The sidecar tensors of one quantized tensor, by their names in the sidecar."""
+    parts = {scale_name(name): result.scale, zero_point_name(name): result.zero_point}
+    if result.choice is not None:
+        parts[choice_name(name)] = result.choice
+    return {key: t.cpu() for key, t in parts.items()}
+
+
 def _record(plan: TensorPlan) -> Record:
     spec = plan.spec
     assert spec is not None
-    return Record(spec, plan.entry.dtype, plan.entry.shape)
+    candidates = kernels.search_candidates(spec, plan.entry.shape)
+    return Record(spec, plan.entry.dtype, plan.entry.shape, candidates)
 
 
 def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:

@@ -18,6 +18,7 @@ from qtool import __version__
 from qtool.errors import SidecarError
 from qtool.io.stformat import Header, HeaderError, strict_json
 from qtool.spec import (
+    MSE_ALGORITHM,
     SEMANTICS,
     Granularity,
     PerChannel,
@@ -51,6 +52,7 @@ class Record:
     spec: QSpec
     orig_dtype: str  # safetensors dtype name of the original, e.g. "BF16"
     shape: tuple[int, ...]
+    candidates: tuple[float, ...] = ()  # --range mse: the multipliers tried, in order
 
     @property
     def fits_v1(self) -> bool:
@@ -82,6 +84,11 @@ def scale_name(tensor: str) -> str:
 
 def zero_point_name(tensor: str) -> str:
     return f"{tensor}.zero_point"
+
+
+def choice_name(tensor: str) -> str:
+    """The candidate the mse range search chose for every group (U8, the scale's shape)."""
+    return f"{tensor}.range_choice"
 
 
 def format_version(manifest: Manifest) -> int:
@@ -118,6 +125,11 @@ def _record_json(record: Record, version: int) -> dict[str, object]:
         out["bits"] = spec.dtype.bits
         out["granularity"] = granularity_json(spec.granularity)
         out["range_method"] = spec.range_method.value
+        if record.candidates:
+            out["range_search"] = {
+                "algorithm": MSE_ALGORITHM,
+                "candidates": list(record.candidates),
+            }
     return out
 
 
@@ -170,7 +182,22 @@ def _parse_record(path: Path, name: str, r: dict[str, object], version: int) -> 
         raise SidecarError(path, f"bits {r.get('bits')!r} do not match {spec.dtype.value}", name)
     if (spec.qmin, spec.qmax) != (r["qmin"], r["qmax"]):
         raise SidecarError(path, f"range [{r['qmin']}, {r['qmax']}] does not match", name)
-    return Record(spec, str(r["orig_dtype"]), tuple(shape))
+    return Record(spec, str(r["orig_dtype"]), tuple(shape), _parse_candidates(r, spec))
+
+
+def _parse_candidates(r: dict[str, object], spec: QSpec) -> tuple[float, ...]:
+    """The mse search's candidate list (recorded so anyone can recompute the scales)."""
+    if spec.range_method is not RangeMethod.MSE:
+        return ()
+    search = r.get("range_search")
+    if not isinstance(search, dict) or search.get("algorithm") != MSE_ALGORITHM:
+        raise ValueError(f"range_search {search!r} is not a {MSE_ALGORITHM} record")
+    candidates = search.get("candidates")
+    if not isinstance(candidates, list) or not 1 <= len(candidates) <= 256:
+        raise ValueError("range_search candidates must be a list of 1 to 256 numbers")
+    if not all(type(c) is float and 0.0 < c < 16.0 for c in candidates):
+        raise ValueError("range_search candidates must be positive multipliers")
+    return tuple(candidates)
 
 
 def _parse_granularity(r: dict[str, object], version: int, ndim: int) -> Granularity:

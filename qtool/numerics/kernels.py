@@ -201,6 +201,16 @@ def quantize_tensor(
 Qparams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # scale, zero point, choice
 
 
+def search_candidates(spec: QSpec, shape: tuple[int, ...]) -> tuple[float, ...]:
+    """The multipliers the mse search tries for a tensor of `shape`, in order (() for min-max):
+    groups shorter than a row use the group list, whole rows and tensors the channel list."""
+    if spec.range_method is not RangeMethod.MSE:
+        return ()
+    g = spec.granularity
+    per_group = isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1]
+    return ranges.mse_candidates(IntRange.of(spec), per_group)
+
+
 class RangeChooser:
     """The range step between "find the range" and "compute the codes": each group's qparams
     from its float32 values, by min-max or by the mse search (which also keeps, for the
@@ -211,12 +221,7 @@ class RangeChooser:
     ) -> None:
         self.spec, self.scale_dtype, self.block_elems = spec, scale_dtype, block_elems
         self.int_range = IntRange.of(spec)
-        self.candidates: tuple[float, ...] | None = None
-        if spec.range_method is RangeMethod.MSE:
-            # Groups shorter than a row search the group list; whole rows, the channel list.
-            g = spec.granularity
-            per_group = isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1]
-            self.candidates = ranges.mse_candidates(self.int_range, per_group)
+        self.candidates = search_candidates(spec, shape) or None
         self.sse_minmax: float | None = None if self.candidates is None else 0.0
 
     def groups(self, xf: torch.Tensor) -> Qparams:

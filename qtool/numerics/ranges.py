@@ -7,7 +7,7 @@ with lo = min(min(x), 0), hi = max(max(x), 0); an all-zero group gets scale 1.0 
 falls below float32's smallest normal. With a narrower `scale_dtype` (bf16/fp16 storage) the
 scale is rounded to it first and the zero point and codes are computed against that value.
 
-The mse search (`MSE_ALGORITHM`) tries, for every group, candidate ranges (lo * p, hi * p) for
+The mse search (spec.MSE_ALGORITHM) tries, for every group, candidate ranges (lo * p, hi * p) for
 a fixed list of multipliers p (`mse_candidates`), quantizes with exactly these semantics, and
 keeps the candidate with the smallest sum of squared error (float32 error, squared exactly and
 summed in float64). Candidate 0 is p = 1.0 (min-max) and a candidate replaces the best so far
@@ -24,8 +24,6 @@ from qtool.spec import QSpec, Scheme
 
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MSE_ALGORITHM = "qtool-mse-v1"
-"""Name of the candidate list and tie rule below; recorded with the list in the manifest."""
 
 
 class NonFiniteInput(ValueError):

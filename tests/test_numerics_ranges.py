@@ -120,7 +120,9 @@ def test_candidate_lists_follow_their_documented_formula() -> None:
         [15 / (15 + d / 10) for d in range(-20, 21, 4) if d], rel=1e-7
     )
     assert four[11:] == tuple(float(f32(p)) for p in (0.85, 0.8, 0.75, 0.7, 0.65, 0.6))
-    assert len(mse_candidates(int_range("sym", "uint4"), per_group=False)) == 19
+    four_ch = mse_candidates(int_range("sym", "uint4"), per_group=False)
+    assert four_ch[11:] == tuple(float(f32(1 - i / 100)) for i in range(15, 71, 5))
+    assert four_ch[-1] == float(f32(0.3)) and len(four_ch) == 23
     for cands in (sym8, asym8, four):
         assert all(float(f32(p)) == p for p in cands) and len(set(cands)) == len(cands)
 

@@ -109,7 +109,7 @@ def mse_candidates(r: IntRange, per_group: bool) -> tuple[float, ...]:
     for asym int8 its 255 / (255 + 0.4 j)); then clip points that cut outliers: 8-bit groups
     0.98 .. 0.90 (step 0.02), 8-bit channels/tensors 0.99 .. 0.90 (step 0.01); 4-bit, where one
     step is 1/15 of the range and clipping pays more, 0.85 .. 0.60 (step 0.05) for groups and
-    0.85 .. 0.50 for channels/tensors.
+    0.85 .. 0.30 for channels/tensors (a long row with one outlier wants a deep clip).
     """
     n = r.qmax - r.qmin
     align = [n / (n + d / 10) for d in range(-20, 21, 4) if d != 0]
@@ -120,7 +120,7 @@ def mse_candidates(r: IntRange, per_group: bool) -> tuple[float, ...]:
             else [1 - i / 100 for i in range(1, 11)]
         )
     else:
-        clip = [1 - i / 100 for i in range(15, 41 if per_group else 51, 5)]
+        clip = [1 - i / 100 for i in range(15, 41 if per_group else 71, 5)]
     return tuple(float(torch.tensor(p, dtype=torch.float32)) for p in [1.0, *align, *clip])
 
 

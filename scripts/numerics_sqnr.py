@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from qtool.numerics.granularity import Granularity, PerChannel, PerGroup
-from qtool.numerics.quantize import dequantize, quantize
-from qtool.numerics.ranges import RangeMethod, int_range
+from qtool.numerics import kernels
+from qtool.spec import Granularity, PerChannel, PerGroup, QSpec, RangeMethod, Scheme, StorageDtype
 
 SAMPLES = Path(__file__).parent.parent / "sample_weights"
 GRANULARITIES: list[Granularity] = [PerChannel(0), PerGroup(128), PerGroup(32)]
@@ -42,15 +41,16 @@ def sample_tensors() -> list[torch.Tensor]:
 def pooled_sqnr(
     tensors: list[torch.Tensor], g: Granularity, key: tuple[str, str], m: RangeMethod
 ) -> tuple[float, float]:
-    """(pooled SQNR in dB, seconds spent quantizing)."""
+    """(pooled SQNR in dB, seconds spent quantizing, error figures included)."""
+    spec = QSpec(Scheme(key[0]), StorageDtype(key[1]), g, m)
     signal = noise = seconds = 0.0
     for x in tensors:
         start = time.perf_counter()
-        got = quantize(x, g, int_range(*key), m)
+        stats = kernels.quantize_tensor(x, spec).errors
         seconds += time.perf_counter() - start
-        err = dequantize(got.q, g, got.scale, got.zero_point) - x.float()
-        signal += float(x.double().square().sum())
-        noise += float(err.double().square().sum())
+        assert stats is not None
+        signal += stats.sq_signal
+        noise += stats.sq_error
     return 10 * math.log10(signal / noise), seconds
 
 

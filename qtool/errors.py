@@ -10,11 +10,19 @@ class QtoolError(Exception):
 
     code = "error"
 
-    def __init__(self, path: Path | str | None, message: str, tensor: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path | str | None,
+        message: str,
+        tensor: str | None = None,
+        *,
+        hint: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.path = str(path) if path is not None else None
         self.tensor = tensor
         self.message = message
+        self.hint = hint  # what the user can change, as a code the CLI turns into flag names
 
     def __str__(self) -> str:
         where = [self.path] if self.path else []

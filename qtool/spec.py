@@ -1,4 +1,4 @@
-"""The vocabulary: schemes, storage dtypes, integer ranges and the quantization spec.
+"""The vocabulary: schemes, storage dtypes, granularities, range methods and the QSpec.
 
 Pure Python (no torch), so the CLI can start and `inspect` can answer without importing torch.
 """
@@ -6,10 +6,13 @@ Pure Python (no torch), so the CLI can start and `inspect` can answer without im
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""
+MSE_ALGORITHM = "qtool-mse-v1"
+"""Name of the mse range search (numerics.ranges: candidate list and tie rule)."""
 
 
 class Scheme(str, enum.Enum):
@@ -26,38 +29,159 @@ class Scheme(str, enum.Enum):
 
 
 class StorageDtype(str, enum.Enum):
-    """Integer type the codes are stored in."""
+    """Integer type of the codes. 4-bit codes are stored packed, two per byte (U8)."""
 
     INT8 = "int8"
     UINT8 = "uint8"
+    INT4 = "int4"
+    UINT4 = "uint4"
+
+    @property
+    def bits(self) -> int:
+        return 4 if self in (StorageDtype.INT4, StorageDtype.UINT4) else 8
+
+    @property
+    def signed(self) -> bool:
+        return self in (StorageDtype.INT8, StorageDtype.INT4)
 
     @property
     def safetensors_dtype(self) -> str:
+        """How the codes are stored: int8 as I8; uint8 and packed 4-bit codes as U8."""
         return "I8" if self is StorageDtype.INT8 else "U8"
 
+    @property
+    def packed(self) -> bool:
+        return self.bits < 8
 
-# Symmetric ranges are mirrored around zero_point, so -x is exactly as representable as x.
+
+# 8-bit symmetric ranges are mirrored around zero_point, so -x is exactly as representable as
+# x; 4-bit symmetric ranges use all sixteen levels (DESIGN.md 3.1 says why).
 _QRANGE: dict[tuple[Scheme, StorageDtype], tuple[int, int]] = {
     (Scheme.SYM, StorageDtype.INT8): (-127, 127),
     (Scheme.SYM, StorageDtype.UINT8): (1, 255),
     (Scheme.ASYM, StorageDtype.INT8): (-128, 127),
     (Scheme.ASYM, StorageDtype.UINT8): (0, 255),
+    (Scheme.SYM, StorageDtype.INT4): (-8, 7),
+    (Scheme.SYM, StorageDtype.UINT4): (0, 15),
+    (Scheme.ASYM, StorageDtype.INT4): (-8, 7),
+    (Scheme.ASYM, StorageDtype.UINT4): (0, 15),
 }
 
-_SYM_ZERO_POINT = {StorageDtype.INT8: 0, StorageDtype.UINT8: 128}
+_SYM_ZERO_POINT = {
+    StorageDtype.INT8: 0,
+    StorageDtype.UINT8: 128,
+    StorageDtype.INT4: 0,
+    StorageDtype.UINT4: 8,
+}
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """One scale and zero point for the whole tensor; qparams shape ()."""
+
+    def describe(self) -> str:
+        return "tensor"
+
+
+@dataclass(frozen=True)
+class PerChannel:
+    """One scale per slice along `axis` (axis 0: output channels); qparams shape (C,)."""
+
+    axis: int = 0
+
+    def describe(self) -> str:
+        return f"axis {self.axis}"
+
+
+@dataclass(frozen=True)
+class PerGroup:
+    """Rows of the [C, K] view (C = shape[0]) cut into ceil(K / size) groups of `size`
+    consecutive elements (the last may be shorter); qparams shape (C, ceil(K / size)).
+
+    A [2, 5] tensor with size 2: row 0 -> groups [x00 x01] [x02 x03] [x04]; scale (2, 3).
+    """
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"group size must be at least 2, got {self.size}")
+
+    def describe(self) -> str:
+        return f"group {self.size}"
+
+
+Granularity = PerTensor | PerChannel | PerGroup
+
+
+def granularity_json(g: Granularity) -> dict[str, object]:
+    """{"kind": "tensor"} / {"kind": "channel", "axis": 0} / {"kind": "group", "size": 128}."""
+    if isinstance(g, PerChannel):
+        return {"kind": "channel", "axis": g.axis}
+    if isinstance(g, PerGroup):
+        return {"kind": "group", "size": g.size}
+    return {"kind": "tensor"}
+
+
+def granularity_from_json(doc: object) -> Granularity:
+    """Inverse of granularity_json; ValueError for anything else."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"granularity {doc!r} is not an object")
+    kind = doc.get("kind")
+    if kind == "tensor" and set(doc) == {"kind"}:
+        return PerTensor()
+    if kind == "channel" and set(doc) == {"kind", "axis"} and type(doc["axis"]) is int:
+        return PerChannel(doc["axis"])
+    if kind == "group" and set(doc) == {"kind", "size"} and type(doc["size"]) is int:
+        return PerGroup(doc["size"])
+    raise ValueError(f"unknown granularity {doc!r}")
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(C, K): C = shape[0] rows of K = the product of the other dims (1-D: K = 1; 0-d: 1x1)."""
+    if not shape:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def qparam_shape(g: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the scale and zero-point tensors of a tensor of `shape` (axis normalised)."""
+    if isinstance(g, PerChannel):
+        return (shape[g.axis],)
+    if isinstance(g, PerGroup):
+        c, k = matrix_shape(shape)
+        return (c, math.ceil(k / g.size))
+    return ()
+
+
+def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of 4-bit codes as stored, two per byte: [..., n] -> [..., ceil(n / 2)]; a 0-d
+    tensor is stored as one byte."""
+    if not shape:
+        return (1,)
+    return (*shape[:-1], (shape[-1] + 1) // 2)
+
+
+class RangeMethod(str, enum.Enum):
+    """How each group's float range is chosen before the qparams are computed.
+
+    minmax: [min(x, 0), max(x, 0)] as it is.
+    mse:    the candidate range (a fixed list of multiples of the min-max range) with the least
+            squared reconstruction error; ties keep min-max, so it is never worse.
+    """
+
+    MINMAX = "minmax"
+    MSE = "mse"
 
 
 @dataclass(frozen=True)
 class QSpec:
-    """One quantization recipe: scheme, storage dtype and granularity.
-
-    axis None quantizes per tensor; an int quantizes per channel along that axis (negative
-    axes count from the end, as in torch).
-    """
+    """One quantization recipe: scheme, storage dtype, granularity and range method."""
 
     scheme: Scheme = Scheme.SYM
     dtype: StorageDtype = StorageDtype.INT8
-    axis: int | None = 0
+    granularity: Granularity = PerChannel(0)
+    range_method: RangeMethod = RangeMethod.MINMAX
 
     @property
     def qmin(self) -> int:
@@ -73,10 +197,26 @@ class QSpec:
         return _SYM_ZERO_POINT[self.dtype]
 
     @property
-    def granularity(self) -> str:
-        return "per-tensor" if self.axis is None else "per-channel"
+    def axis(self) -> int | None:
+        """The channel axis, None per tensor; a group's rows are channels of axis 0."""
+        g = self.granularity
+        if isinstance(g, PerTensor):
+            return None
+        return g.axis if isinstance(g, PerChannel) else 0
 
     def describe(self) -> str:
-        """Short label for tables: 'sym int8 axis 0' (per channel) or 'asym uint8 tensor'."""
-        where = "tensor" if self.axis is None else f"axis {self.axis}"
-        return f"{self.scheme.value} {self.dtype.value} {where}"
+        """Short label for tables: 'sym int8 axis 0', 'asym uint4 group 128 mse'."""
+        label = f"{self.scheme.value} {self.dtype.value} {self.granularity.describe()}"
+        return label if self.range_method is RangeMethod.MINMAX else f"{label} mse"
+
+    def to_json(self) -> dict[str, object]:
+        """The structured form reports and manifests use."""
+        return {
+            "scheme": self.scheme.value,
+            "dtype": self.dtype.value,
+            "bits": self.dtype.bits,
+            "granularity": granularity_json(self.granularity),
+            "range_method": self.range_method.value,
+            "qmin": self.qmin,
+            "qmax": self.qmax,
+        }

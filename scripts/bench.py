@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from qtool.numerics import kernels
-from qtool.spec import QSpec, Scheme, StorageDtype
+from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, Scheme, StorageDtype
 
 SHAPES = [(4096, 4096), (4096, 11008)]
 GiB = 1 << 30
@@ -120,8 +120,8 @@ def kernel_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
         "torch.quantize_per_channel": lambda: [torch_per_channel(x) for x in xs],
     }
     for scheme in Scheme:
-        for axis in (0, None):
-            spec = QSpec(scheme, StorageDtype.INT8, axis)
+        for granularity in (PerChannel(0), PerGroup(128), PerTensor()):
+            spec = QSpec(scheme, StorageDtype.INT8, granularity)
             for errors in (False, True):
                 label = f"qtool {spec.describe()}" + (" + error stats" if errors else "")
                 methods[label] = qtool_run(spec, errors)

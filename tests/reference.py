@@ -6,6 +6,9 @@ qtool's codes and qparams with it bit for bit.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 
 QRANGE = {
@@ -66,3 +69,129 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, axis: int | Non
     s = np.asarray(scale, dtype=np.float32).reshape(shape)
     z = np.asarray(zp, dtype=np.float32).reshape(shape)
     return (q.astype(np.float32) - z) * s
+
+
+# ---- DESIGN.md 3.1: 4-bit ranges, groups, scale storage dtypes, the mse candidate search ----
+
+QRANGE_V2 = {
+    **QRANGE,
+    ("sym", "int4"): (-8, 7),
+    ("sym", "uint4"): (0, 15),
+    ("asym", "int4"): (-8, 7),
+    ("asym", "uint4"): (0, 15),
+}
+SYM_ZERO_POINT = {"int8": 0, "uint8": 128, "int4": 0, "uint4": 8}
+
+
+def to_scale_dtype(scale: np.float32, scale_dtype: str) -> np.float32:
+    """Round a float32 scale to its storage dtype (nearest, ties to even), never to 0 or Inf."""
+    if scale_dtype == "float32":
+        return np.float32(scale)
+    if scale_dtype == "float16":
+        low, high = np.float32(2.0**-24), np.float32(65504.0)
+        return np.float32(np.float16(min(max(scale, low), high)))
+    # bfloat16: keep the top 16 bits of the float32, rounding the dropped 16 to nearest-even.
+    low, high = np.float32(2.0**-133), np.float32(3.3895313892515355e38)
+    bits = int(np.array(min(max(scale, low), high), dtype=np.float32).view(np.uint32))
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return np.float32(np.array(bits, dtype=np.uint32).view(np.float32))
+
+
+def qparams_v2(
+    group: np.ndarray, scheme: str, dtype: str, p: float = 1.0, scale_dtype: str = "float32"
+) -> tuple[np.float32, int]:
+    """scale and zero point of one group for the range (lo * p, hi * p), DESIGN.md 3 / 3.1."""
+    qmin, qmax = QRANGE_V2[scheme, dtype]
+    lo = np.float32(min(np.float32(group.min()), np.float32(0)) * np.float32(p))
+    hi = np.float32(max(np.float32(group.max()), np.float32(0)) * np.float32(p))
+    if scheme == "sym":
+        span = np.float32(max(-lo, hi))
+        scale = span / np.float32((qmax - qmin) / 2)  # 127 at 8 bits, 7.5 at 4 bits
+    else:
+        span = np.float32(hi - lo)
+        scale = span / np.float32(qmax - qmin)
+    scale = np.float32(1.0) if span == 0 else max(np.float32(scale), TINY)
+    scale = to_scale_dtype(np.float32(scale), scale_dtype)
+    if scheme == "sym":
+        return scale, SYM_ZERO_POINT[dtype]
+    return scale, int(np.clip(qmin - np.round(lo / scale), qmin, qmax))
+
+
+def code_group(g: np.ndarray, scale: np.float32, zp: int, qmin: int, qmax: int) -> np.ndarray:
+    return np.clip(np.round(g / scale) + zp, qmin, qmax).astype(np.int64)  # f32 division, RNE
+
+
+def group_sse(g: np.ndarray, codes: np.ndarray, scale: np.float32, zp: int) -> float:
+    """Exact sum of squared float32 errors (math.fsum of exact float64 squares)."""
+    err = (codes.astype(np.float32) - np.float32(zp)) * scale - g
+    return math.fsum((err.astype(np.float64) ** 2).tolist())
+
+
+def _best(
+    g: np.ndarray, scheme: str, dtype: str, candidates: list[float], scale_dtype: str
+) -> tuple[np.float32, int, int]:
+    qmin, qmax = QRANGE_V2[scheme, dtype]
+    best = None
+    for k, p in enumerate(candidates):
+        with np.errstate(over="ignore"):
+            scale, zp = qparams_v2(g, scheme, dtype, p, scale_dtype)
+        if not np.isfinite(scale):
+            continue
+        sse = group_sse(g, code_group(g, scale, zp, qmin, qmax), scale, zp)
+        if best is None or sse < best[0]:  # strictly smaller: ties keep the earlier candidate
+            best = (sse, scale, zp, k)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def groups_of(x: np.ndarray, granularity: tuple[str, int]) -> tuple[list[list[np.ndarray]], Any]:
+    """Index arrays of every group, as a [rows][cols] grid, and the qparam shape."""
+    kind, arg = granularity
+    idx = np.arange(x.size).reshape(x.shape)
+    if kind == "tensor":
+        return [[idx.reshape(-1)]], ()
+    if kind == "channel":
+        moved = np.moveaxis(idx, arg, 0)
+        return [[row.reshape(-1)] for row in moved], (x.shape[arg],)
+    rows = idx.reshape(x.shape[0], -1)
+    grid = [[row[j : j + arg] for j in range(0, row.size, arg)] for row in rows]
+    return grid, (rows.shape[0], len(grid[0]))
+
+
+def quantize_v2(
+    x: np.ndarray,
+    scheme: str,
+    dtype: str,
+    granularity: tuple[str, int],
+    method: str = "minmax",
+    candidates: list[float] | None = None,
+    scale_dtype: str = "float32",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(codes int64, scales float32, zero points int64, choices int64); granularity is
+    ("tensor", 0), ("channel", axis) or ("group", G); qparams have the granularity's shape."""
+    flat = np.asarray(x, dtype=np.float32).reshape(-1)
+    qmin, qmax = QRANGE_V2[scheme, dtype]
+    grid, shape = groups_of(np.asarray(x), granularity)
+    codes = np.empty(flat.size, dtype=np.int64)
+    scales, zps, choices = [], [], []
+    for row in grid:
+        for members in row:
+            g = flat[members]
+            if method == "minmax":
+                scale, zp, k = *qparams_v2(g, scheme, dtype, 1.0, scale_dtype), 0
+            else:
+                scale, zp, k = _best(g, scheme, dtype, candidates or [1.0], scale_dtype)
+            codes[members] = code_group(g, scale, zp, qmin, qmax)
+            scales.append(scale)
+            zps.append(zp)
+            choices.append(k)
+
+    def grid_array(values: list[Any], np_dtype: Any) -> np.ndarray:
+        return np.array(values, dtype=np_dtype).reshape(shape)
+
+    return (
+        codes.reshape(np.shape(x)),
+        grid_array(scales, np.float32),
+        grid_array(zps, np.int64),
+        grid_array(choices, np.int64),
+    )

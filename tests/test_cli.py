@@ -82,7 +82,9 @@ def test_dequantize_and_inspect_json(samples: Path) -> None:
     doc = json.loads(invoke("inspect", str(q), "--json")[1])
     assert doc["kind"] == "quantized"
     head = next(t for t in doc["tensors"] if t["name"] == "head.weight")
-    assert head["quantization"]["scheme"] == "sym" and head["quantization"]["axis"] == 0
+    quantization = head["quantization"]
+    assert quantization["scheme"] == "sym"
+    assert quantization["granularity"] == {"kind": "channel", "axis": 0}
     side = json.loads(invoke("inspect", str(samples / "q.qparams.safetensors"), "--json")[1])
     assert side["kind"] == "sidecar" and side["manifest"]["format_version"] == 1
 

@@ -12,8 +12,10 @@ from hypothesis.extra.numpy import array_shapes, arrays
 from qtool.numerics import kernels
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
+from tests.specs import qspec
 
-SPECS = [QSpec(s, d, a) for s in Scheme for d in StorageDtype for a in (None, 0, 1, -1)]
+BYTES = (StorageDtype.INT8, StorageDtype.UINT8)
+SPECS = [qspec(s, d, a) for s in Scheme for d in BYTES for a in (None, 0, 1, -1)]
 
 
 def spec_id(spec: QSpec) -> str:
@@ -48,7 +50,7 @@ def test_golden_symmetric_int8_by_hand() -> None:
     scale = _f32(Fraction(2, 127))
     expected = [_rne(_f32(x / scale)) for x in xs]
     assert expected == [-64, 19, 127]  # the figures DESIGN.md gives
-    result = kernels.quantize_tensor(torch.tensor([[-1.0, 0.3, 2.0]]), QSpec(axis=None))
+    result = kernels.quantize_tensor(torch.tensor([[-1.0, 0.3, 2.0]]), qspec(axis=None))
     assert result.q.tolist() == [expected]
     assert Fraction(float(result.scale)) == scale
     assert int(result.zero_point) == 0
@@ -61,7 +63,7 @@ def test_golden_affine_uint8_by_hand() -> None:
     zero_point = -_rne(_f32(xs[0] / scale))
     expected = [min(255, max(0, _rne(_f32(x / scale)) + zero_point)) for x in xs]
     assert (zero_point, expected) == (85, [0, 111, 255])
-    spec = QSpec(Scheme.ASYM, StorageDtype.UINT8, None)
+    spec = qspec(Scheme.ASYM, StorageDtype.UINT8, None)
     result = kernels.quantize_tensor(torch.tensor([-1.0, 0.3, 2.0]), spec)
     assert result.q.tolist() == expected
     assert Fraction(float(result.scale)) == scale
@@ -70,8 +72,8 @@ def test_golden_affine_uint8_by_hand() -> None:
 
 def test_symmetric_uint8_is_int8_shifted_by_128() -> None:
     x = torch.tensor([-1.0, 0.3, 2.0])
-    signed = kernels.quantize_tensor(x, QSpec(axis=None)).q.to(torch.int16)
-    unsigned = kernels.quantize_tensor(x, QSpec(Scheme.SYM, StorageDtype.UINT8, None)).q
+    signed = kernels.quantize_tensor(x, qspec(axis=None)).q.to(torch.int16)
+    unsigned = kernels.quantize_tensor(x, qspec(Scheme.SYM, StorageDtype.UINT8, None)).q
     assert (unsigned.to(torch.int16) - signed).tolist() == [128, 128, 128]
 
 
@@ -118,14 +120,14 @@ def test_unfused_api_matches_fused(spec: QSpec, device: str) -> None:
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
-@pytest.mark.parametrize("dtype", list(StorageDtype))
+@pytest.mark.parametrize("dtype", BYTES)
 def test_agrees_with_torch_quantize_per_channel_except_at_ties(
     scheme: Scheme, dtype: StorageDtype
 ) -> None:
     """torch's CPU kernel multiplies by 1/scale where qtool divides: the two may differ by one
     code exactly where x/scale is (within float32 rounding) a tie k + 0.5, and nowhere else."""
     x = _realistic((256, 512), torch.float32, seed=11)
-    spec = QSpec(scheme, dtype, 0)
+    spec = qspec(scheme, dtype, 0)
     ours = kernels.quantize_tensor(x, spec)
     qtype = torch.qint8 if dtype is StorageDtype.INT8 else torch.quint8
     theirs = torch.quantize_per_channel(
@@ -147,9 +149,7 @@ def test_all_zero_tensor_gets_scale_one_and_exact_zeros(spec: QSpec, device: str
     x = torch.zeros(4, 6, device=device)
     result = kernels.quantize_tensor(x, spec)
     assert bool((result.scale == 1.0).all())
-    x_hat = kernels.dequantize(
-        result.q, result.scale, result.zero_point, spec.axis and spec.axis % 2
-    )
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec)
     assert torch.equal(x_hat, x)
     assert result.errors is not None and result.errors.sqnr_db == float("inf")
 
@@ -157,19 +157,19 @@ def test_all_zero_tensor_gets_scale_one_and_exact_zeros(spec: QSpec, device: str
 @pytest.mark.parametrize("scheme", list(Scheme))
 def test_denormal_only_channel_gets_smallest_normal_scale(scheme: Scheme) -> None:
     x = torch.tensor([[1e-40, -2e-41, 0.0], [1.0, -0.5, 0.25]])
-    result = kernels.quantize_tensor(x, QSpec(scheme, StorageDtype.INT8, 0))
+    result = kernels.quantize_tensor(x, qspec(scheme, StorageDtype.INT8, 0))
     assert float(result.scale[0]) == torch.finfo(torch.float32).tiny
     assert bool(
-        torch.isfinite(kernels.dequantize(result.q, result.scale, result.zero_point, 0)).all()
+        torch.isfinite(kernels.dequantize(result.q, result.scale, result.zero_point, qspec())).all()
     )
 
 
 def test_constant_positive_tensor_keeps_zero_in_range() -> None:
     x = torch.full((3, 4), 3.0)
-    spec = QSpec(Scheme.ASYM, StorageDtype.UINT8, None)
+    spec = qspec(Scheme.ASYM, StorageDtype.UINT8, None)
     result = kernels.quantize_tensor(x, spec)
     assert int(result.zero_point) == 0
-    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, None)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec)
     assert torch.equal(x_hat, x)
 
 
@@ -180,15 +180,15 @@ def test_nonfinite_values_are_refused_with_a_count(bad: float, axis: int | None)
     x[1, 2] = bad
     x[3, 0] = bad
     with pytest.raises(kernels.NonFiniteInput) as info:
-        kernels.quantize_tensor(x, QSpec(axis=axis))
+        kernels.quantize_tensor(x, qspec(axis=axis))
     assert info.value.count == 2
 
 
 def test_range_beyond_float32_is_refused_for_affine_only() -> None:
     x = torch.tensor([[-3e38, 3e38]])
     with pytest.raises(ValueError, match="overflows float32"):
-        kernels.quantize_tensor(x, QSpec(Scheme.ASYM, StorageDtype.INT8, None))
-    result = kernels.quantize_tensor(x, QSpec(axis=None))
+        kernels.quantize_tensor(x, qspec(Scheme.ASYM, StorageDtype.INT8, None))
+    result = kernels.quantize_tensor(x, qspec(axis=None))
     assert result.q.tolist() == [[-127, 127]]
 
 
@@ -196,9 +196,9 @@ def test_misuse_raises_value_error() -> None:
     with pytest.raises(ValueError, match="float"):
         kernels.quantize_tensor(torch.ones(2, 2, dtype=torch.int32), QSpec())
     with pytest.raises(ValueError, match="out of range"):
-        kernels.quantize_tensor(torch.ones(2, 2), QSpec(axis=2))
+        kernels.quantize_tensor(torch.ones(2, 2), qspec(axis=2))
     with pytest.raises(ValueError, match="empty"):
-        kernels.quantize_tensor(torch.ones(0, 2), QSpec(axis=None))
+        kernels.quantize_tensor(torch.ones(0, 2), qspec(axis=None))
 
 
 def test_input_is_never_modified(device: str) -> None:
@@ -225,7 +225,7 @@ def test_properties(spec: QSpec, x: np.ndarray) -> None:
     """Codes in [qmin, qmax]; 0.0 <-> zero_point exactly; |x - x_hat| <= scale/2 inside the
     representable range; quantize(dequantize(q)) == q; scales finite and normal."""
     axis = _axis_for(spec, x.ndim)
-    spec = QSpec(spec.scheme, spec.dtype, axis)
+    spec = qspec(spec.scheme, spec.dtype, axis)
     x[..., 0] = 0.0  # every group holds an exact zero
     t = torch.from_numpy(x)
     try:
@@ -236,7 +236,7 @@ def test_properties(spec: QSpec, x: np.ndarray) -> None:
     q, scale, zp = result.q, result.scale, result.zero_point
     assert int(q.min()) >= spec.qmin and int(q.max()) <= spec.qmax
     assert bool(torch.isfinite(scale).all()) and bool((scale >= torch.finfo().tiny).all())
-    x_hat = kernels.dequantize(q, scale, zp, axis)
+    x_hat = kernels.dequantize(q, scale, zp, spec)
     shape = [1] * t.ndim
     if axis is not None:
         shape[axis] = -1
@@ -255,9 +255,9 @@ def test_properties(spec: QSpec, x: np.ndarray) -> None:
 def test_codes_survive_a_round_trip_through_floats(x: np.ndarray) -> None:
     """With the same qparams, re-quantizing a reconstruction gives back the same codes (fresh
     qparams need not: affine zero-point rounding moves the reconstructed range)."""
-    spec = QSpec(Scheme.ASYM, StorageDtype.INT8, 1)
+    spec = qspec(Scheme.ASYM, StorageDtype.INT8, 1)
     first = kernels.quantize_tensor(torch.from_numpy(x), spec)
-    x_hat = kernels.dequantize(first.q, first.scale, first.zero_point, 1)
+    x_hat = kernels.dequantize(first.q, first.scale, first.zero_point, spec)
     assert torch.equal(kernels.quantize(x_hat, first.scale, first.zero_point, spec), first.q)
 
 
@@ -266,7 +266,8 @@ def test_dequantize_restores_requested_dtype() -> None:
     result = kernels.quantize_tensor(x, QSpec())
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         assert (
-            kernels.dequantize(result.q, result.scale, result.zero_point, 0, dtype).dtype == dtype
+            kernels.dequantize(result.q, result.scale, result.zero_point, qspec(), dtype).dtype
+            == dtype
         )
 
 

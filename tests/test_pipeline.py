@@ -15,6 +15,7 @@ from qtool.errors import NumericError, OutputError, SidecarError
 from qtool.formats.qtool import sidecar_path
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
+from tests.specs import qspec
 
 SAMPLE_FILES = [
     "mlp.safetensors",
@@ -23,7 +24,8 @@ SAMPLE_FILES = [
     "mlp.pt",
     "convnet.pt",
 ]
-SPECS = [QSpec(s, d, a) for s, d, a in itertools.product(Scheme, StorageDtype, (None, 0, -1))]
+BYTES = (StorageDtype.INT8, StorageDtype.UINT8)
+SPECS = [qspec(s, d, a) for s, d, a in itertools.product(Scheme, BYTES, (None, 0, -1))]
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -98,7 +100,7 @@ def test_per_channel_beats_per_tensor_on_an_outlier_channel(samples: Path) -> No
     sqnr = {}
     for axis in (None, 0):
         s = api.quantize(
-            src, samples / f"o{axis}.safetensors", QuantizeOptions(QSpec(axis=axis)), device="cpu"
+            src, samples / f"o{axis}.safetensors", QuantizeOptions(qspec(axis=axis)), device="cpu"
         )
         sqnr[axis] = next(r for r in s.rows if r.name == "head.weight").errors.sqnr_db
     assert sqnr[0] > sqnr[None] + 5

@@ -23,7 +23,16 @@ import typer
 from qtool import __version__, api
 from qtool.errors import QtoolError
 from qtool.report import console as report
-from qtool.spec import QSpec, Scheme, StorageDtype
+from qtool.spec import (
+    Granularity,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+)
 
 if TYPE_CHECKING:
     from qtool.api import QuantizeOptions
@@ -106,7 +115,10 @@ SchemeOpt = Annotated[
     Scheme,
     typer.Option(help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."),
 ]
-DtypeOpt = Annotated[StorageDtype, typer.Option(help="Integer type of the codes.")]
+DtypeOpt = Annotated[
+    StorageDtype,
+    typer.Option(help="Integer type of the codes; int4/uint4 are packed two per byte."),
+]
 PerChannelOpt = Annotated[
     bool,
     typer.Option(
@@ -116,7 +128,51 @@ PerChannelOpt = Annotated[
 AxisOpt = Annotated[
     int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
 ]
+GroupSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--group-size",
+        metavar="G",
+        help="One scale per G consecutive elements of each row (the input dimension of a "
+        "Linear weight), e.g. 128 or 32. G >= 2.",
+        show_default=False,
+    ),
+]
+RangeOpt = Annotated[
+    RangeMethod,
+    typer.Option(
+        "--range",
+        help="minmax: the full range of each group; mse: the clipped or stretched range with "
+        "the least squared error (never worse than minmax).",
+    ),
+]
 GATE_FAILED = 3
+
+
+def build_spec(
+    scheme: Scheme,
+    dtype: StorageDtype,
+    per_channel: bool,
+    axis: int,
+    group_size: int | None,
+    range_method: RangeMethod,
+) -> QSpec:
+    """The QSpec the options describe; typer.BadParameter (exit 2) for a contradiction."""
+    if group_size is None:
+        granularity: Granularity = PerChannel(axis) if per_channel else PerTensor()
+        return QSpec(scheme, dtype, granularity, range_method)
+    if group_size < 2:
+        raise typer.BadParameter(f"must be at least 2, got {group_size}", param_hint="--group-size")
+    if not per_channel:
+        raise typer.BadParameter(
+            "groups are not per tensor; drop --per-tensor", param_hint="--group-size"
+        )
+    if axis != 0:
+        raise typer.BadParameter(
+            "groups run along the rows of the first dimension; drop --axis",
+            param_hint="--group-size",
+        )
+    return QSpec(scheme, dtype, PerGroup(group_size), range_method)
 
 
 class Terminated(BaseException):
@@ -189,6 +245,8 @@ def quantize(
     dtype: DtypeOpt = StorageDtype.INT8,
     per_channel: PerChannelOpt = True,
     axis: AxisOpt = 0,
+    group_size: GroupSizeOpt = None,
+    range_method: RangeOpt = RangeMethod.MINMAX,
     include: Annotated[
         list[str] | None,
         typer.Option(
@@ -245,7 +303,7 @@ def quantize(
 
     if estimate and not dry_run:
         raise typer.BadParameter("--estimate goes with --dry-run", param_hint="--estimate")
-    spec = QSpec(scheme, dtype, axis if per_channel else None)
+    spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
     options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
     with user_errors(as_json):
         summary = api.plan(src, out, options) if dry_run and not estimate else None
@@ -432,13 +490,15 @@ def plot(
     dtype: DtypeOpt = StorageDtype.INT8,
     per_channel: PerChannelOpt = True,
     axis: AxisOpt = 0,
+    group_size: GroupSizeOpt = None,
+    range_method: RangeOpt = RangeMethod.MINMAX,
     force: ForceOpt = False,
 ) -> None:
     """Draw one tensor: original, integer codes, reconstruction and error heatmaps, and a
     histogram of its values with the quantization grid's range marked."""
     with user_errors(False):
         target = out or api.default_tensor_plot_path(checkpoint, tensor)
-        spec = QSpec(scheme, dtype, axis if per_channel else None)
+        spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
         info = api.plot_tensor(checkpoint, tensor, spec, target, force=force)
     report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
+from qtool.dtypes import FLOAT_DTYPES
 from qtool.engine.restore import open_quantized
 from qtool.errors import InputError
 from qtool.formats.qtool import DIGEST_KEY, scale_name, zero_point_name
 from qtool.io.checkpoint import open_checkpoint
-from qtool.io.stformat import FLOAT_DTYPES, TensorEntry
+from qtool.io.stformat import TensorEntry
 from qtool.numerics import kernels
 from qtool.numerics.metrics import error_stats
 from qtool.results import CompareSummary, TensorRow
@@ -41,6 +42,12 @@ class FloatSource:
     def quantized(self) -> set[str]:
         return set(self._pair.manifest.tensors) if self._pair else set()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape: a quantized tensor has its original shape (codes may be packed)."""
+        if self._pair and name in self._pair.manifest.tensors:
+            return self._pair.manifest.tensors[name].shape
+        return self.entries[name].shape
+
     def dtype(self, name: str) -> str:
         """The logical dtype: a quantized tensor counts as its original dtype."""
         if self._pair and name in self._pair.manifest.tensors:
@@ -57,7 +64,8 @@ class FloatSource:
             self._ckpt.tensor(entry),
             self._pair.sidecar.tensor(side[scale_name(name)]),
             self._pair.sidecar.tensor(side[zero_point_name(name)]),
-            record.axis,
+            record.spec,
+            shape=record.shape,
         )
 
     def release(self, name: str) -> None:
@@ -97,8 +105,8 @@ def _compare_one(left: FloatSource, right: FloatSource, name: str) -> TensorRow:
         assert present is not None
         where = "B" if ea is not None else "A"
         return _row(name, present, ea, eb, left, right, f"missing in {where}", mismatch=True)
-    if ea.shape != eb.shape:
-        detail = f"shape mismatch: {list(ea.shape)} vs {list(eb.shape)}"
+    if left.shape(name) != right.shape(name):
+        detail = f"shape mismatch: {list(left.shape(name))} vs {list(right.shape(name))}"
         return _row(name, ea, ea, eb, left, right, detail, mismatch=True)
     da, db = left.dtype(name), right.dtype(name)
     if (da in FLOAT_DTYPES) != (db in FLOAT_DTYPES):

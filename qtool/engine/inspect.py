@@ -86,10 +86,9 @@ def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str
         for name, record in manifest.tensors.items():
             entry = entries.get(scale_name(name))
             info: dict[str, object] = {
-                "scheme": record.scheme,
-                "dtype": record.dtype,
-                "axis": record.axis,
+                **record.spec.to_json(),
                 "orig_dtype": record.orig_dtype,
+                "shape": list(record.shape),
             }
             if entry is not None and entry.dtype == "F32" and entry.numel:
                 f.seek(header.data_start + entry.begin)

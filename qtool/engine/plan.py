@@ -9,15 +9,25 @@ norms), 0-d scalars, empty tensors and every non-float tensor pass through byte 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats.qtool import sidecar_path
 from qtool.io.index import default_output_dir, is_sharded, load_index
-from qtool.io.stformat import DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorEntry, read_header
+from qtool.io.stformat import HeaderError, TensorEntry, read_header
 from qtool.results import QuantizeSummary, TensorRow
-from qtool.spec import QSpec
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    matrix_shape,
+    packed_shape,
+    qparam_shape,
+)
 
 
 @dataclass(frozen=True)
@@ -30,19 +40,36 @@ class QuantizeOptions:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One tensor's fate: `spec` is None when it is kept as is, with `reason` saying why."""
+    """One tensor's fate: `spec` is None when it is kept as is, with `reason` saying why;
+    `note` says how the spec was adapted to this tensor (e.g. a group as long as a row)."""
 
     entry: TensorEntry
     spec: QSpec | None
     reason: str = ""
+    note: str = ""
 
     @property
     def out_dtype(self) -> str:
         return self.spec.dtype.safetensors_dtype if self.spec else self.entry.dtype
 
     @property
+    def out_shape(self) -> tuple[int, ...]:
+        """Shape as stored: 4-bit codes are packed two per byte along the last dimension."""
+        if self.spec is not None and self.spec.dtype.packed:
+            return packed_shape(self.entry.shape)
+        return self.entry.shape
+
+    @property
+    def qparam_nbytes(self) -> int:
+        """Bytes of the float32 scales and 1-byte zero points this tensor adds."""
+        if self.spec is None:
+            return 0
+        return math.prod(qparam_shape(self.spec.granularity, self.entry.shape)) * 5
+
+    @property
     def out_nbytes(self) -> int:
-        return self.entry.numel * DTYPE_BITS[self.out_dtype] // 8
+        """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
+        return math.prod(self.out_shape) * DTYPE_BITS[self.out_dtype] // 8
 
     def kept(self, reason: str) -> TensorPlan:
         return replace(self, spec=None, reason=reason)
@@ -70,18 +97,37 @@ def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> Tenso
     ndim = len(entry.shape)
     if ndim < 2 and included is None:
         return plan.kept("0-d scalar" if ndim == 0 else "1-D (bias/norm)")
-    spec = options.spec
-    if spec.axis is not None and ndim < 2:
-        spec = replace(spec, axis=None)  # a 0-d/1-D tensor named by --include: per tensor
-    elif spec.axis is not None:
-        if not -ndim <= spec.axis < ndim:
+    return _fit_plan(path, entry, options.spec)
+
+
+def fit_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
+    """The spec as it applies to this tensor (see _fit_plan)."""
+    fitted = _fit_plan(path, entry, spec).spec
+    assert fitted is not None
+    return fitted
+
+
+def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
+    """The spec as it applies to this tensor: axis normalised, a 0-d/1-D tensor named by
+    --include quantized per tensor, a group at least as long as a row is per channel."""
+    g, ndim = spec.granularity, len(entry.shape)
+    if ndim < 2 and not isinstance(g, PerTensor):
+        return TensorPlan(entry, replace(spec, granularity=PerTensor()))
+    if isinstance(g, PerGroup):
+        _, k = matrix_shape(entry.shape)
+        if g.size >= k:
+            note = f"group {g.size} >= row length {k}: per channel"
+            return TensorPlan(entry, replace(spec, granularity=PerChannel(0)), note=note)
+    if isinstance(g, PerChannel):
+        if not -ndim <= g.axis < ndim:
             raise InputError(
                 path,
-                f"--axis {spec.axis} is out of range for this {ndim}-D tensor; "
-                f"choose an axis in [{-ndim}, {ndim - 1}] or --exclude it",
+                f"axis {g.axis} is out of range for this {ndim}-D tensor; "
+                f"choose an axis in [{-ndim}, {ndim - 1}] or exclude the tensor",
                 entry.name,
+                hint="axis",
             )
-        spec = replace(spec, axis=spec.axis % ndim)
+        return TensorPlan(entry, replace(spec, granularity=PerChannel(g.axis % ndim)))
     return TensorPlan(entry, spec)
 
 
@@ -107,6 +153,11 @@ def default_quantized_path(src: Path, dtype: str) -> Path:
 def planned_row(plan: TensorPlan) -> TensorRow:
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    if plan.spec is not None and isinstance(plan.spec.granularity, PerGroup):
+        c, n = qparam_shape(plan.spec.granularity, e.shape)
+        detail = f"{detail} ({c}x{n} groups)"
+    if plan.note:
+        detail = f"{detail} ({plan.note})"
     return TensorRow(
         e.name,
         e.shape,
@@ -116,6 +167,7 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         detail,
         e.nbytes,
         plan.out_nbytes,
+        bytes_qparams=plan.qparam_nbytes,
     )
 
 

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from qtool.engine.plan import QuantizeOptions, plan_tensors
+from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
 from qtool.engine.run import protected_paths
 from qtool.errors import QtoolError
 from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
+from qtool.numerics.packing import unpack_nibbles
 from qtool.results import CompareSummary, QuantizeSummary, TensorRow
 from qtool.spec import QSpec
 
@@ -172,7 +173,7 @@ def _requantize(
 
 def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
     result = kernels.quantize_tensor(x, spec, with_errors=False)
-    return kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    return kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
 
 
 def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
@@ -198,17 +199,16 @@ def plot_tensor(
         x = x.float().clone()
     finally:
         ckpt.close()
-    axis = spec.axis
-    if axis is not None and x.ndim < 2:
-        spec = QSpec(spec.scheme, spec.dtype, None)
-    elif axis is not None and not -x.ndim <= axis < x.ndim:
-        raise QtoolError(checkpoint, f"--axis {axis} out of range", tensor)
+    spec = fit_spec(checkpoint, entry, spec)
     result = kernels.quantize_tensor(x, spec)
-    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
+    codes = (
+        unpack_nibbles(result.q, x.shape[-1], spec.dtype.signed) if spec.dtype.packed else result.q
+    )
     fig, axes = _figure(plt, 2, 3)
     panels = [
         ("original", x, "RdBu_r"),
-        ("integer codes", result.q.float(), "viridis"),
+        ("integer codes", codes.float(), "viridis"),
         ("reconstruction", x_hat, "RdBu_r"),
         ("error x - x_hat", x - x_hat, "PuOr"),
     ]
@@ -256,10 +256,11 @@ def _value_histogram(
     widest = (float(low.min()), float(high.max()))
     ax.axvline(widest[0], color="#d62728", linestyle="--", label="representable range")
     ax.axvline(widest[1], color="#d62728", linestyle="--")
-    if spec.axis is not None:
+    if low.numel() > 1:
+        low, high = low.reshape(-1), high.reshape(-1)
         narrow = int((high - low).argmin())
         ax.axvspan(float(low[narrow]), float(high[narrow]), color="#2ca02c", alpha=0.2,
-                   label="narrowest channel's range")  # fmt: skip
+                   label="narrowest group's range")  # fmt: skip
     ax.axvline(0.0, color="black", linewidth=0.5)
     ax.set_title("values and the quantization grid's range", fontsize=10)
     ax.legend(fontsize=8)

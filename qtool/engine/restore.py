@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from qtool.dtypes import RESTORE_DTYPES
 from qtool.engine.run import carried_metadata, check_output
 from qtool.errors import OutputError, SidecarError
 from qtool.formats.qtool import (
@@ -35,8 +36,7 @@ from qtool.io.checkpoint import (
 from qtool.io.stformat import build_header, read_header
 from qtool.numerics import kernels
 from qtool.results import DequantizedRow, DequantizeSummary
-
-OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+from qtool.spec import packed_shape
 
 
 def default_dequantized_path(src: Path) -> Path:
@@ -98,14 +98,15 @@ def _check_pair(
         entry = entries.get(name)
         if entry is None:
             raise SidecarError(side_path, f"describes a tensor missing from {src.name}", name)
-        if entry.dtype != record.spec.dtype.safetensors_dtype or entry.shape != record.shape:
+        stored = _stored_shape(record)
+        if entry.dtype != record.spec.dtype.safetensors_dtype or entry.shape != stored:
             raise SidecarError(
                 side_path,
-                f"says {record.dtype} {list(record.shape)} but {src.name} holds "
+                f"says {record.spec.dtype.value} {list(record.shape)} but {src.name} holds "
                 f"{entry.dtype} {list(entry.shape)}",
                 name,
             )
-        if record.orig_dtype not in OUTPUT_DTYPES.values() and record.orig_dtype != "F64":
+        if record.orig_dtype not in RESTORE_DTYPES.values() and record.orig_dtype != "F64":
             raise SidecarError(side_path, f"unknown original dtype {record.orig_dtype}", name)
         for key in (scale_name(name), zero_point_name(name)):
             if key not in side_entries:
@@ -149,8 +150,13 @@ def dequantize_file(
     )
 
 
+def _stored_shape(record: Record) -> tuple[int, ...]:
+    """The shape of the codes in the quantized file (4-bit: packed two per byte)."""
+    return packed_shape(record.shape) if record.spec.dtype.packed else record.shape
+
+
 def _restored_dtype(record: Record, dtype: str) -> str:
-    return record.orig_dtype if dtype == "original" else OUTPUT_DTYPES[dtype]
+    return record.orig_dtype if dtype == "original" else RESTORE_DTYPES[dtype]
 
 
 def _dequantize_one(pair: QuantizedPair, name: str, dtype: str) -> torch.Tensor:
@@ -160,8 +166,9 @@ def _dequantize_one(pair: QuantizedPair, name: str, dtype: str) -> torch.Tensor:
         pair.ckpt.tensor(pair.ckpt.by_name()[name]),
         pair.sidecar.tensor(side[scale_name(name)]),
         pair.sidecar.tensor(side[zero_point_name(name)]),
-        record.axis,
+        record.spec,
         ST_TO_TORCH[_restored_dtype(record, dtype)],
+        shape=record.shape,
     )
 
 
@@ -171,8 +178,11 @@ def write_dequantized(
     records = pair.manifest.tensors
     specs = []
     for e in pair.ckpt.entries:
-        out_dtype = _restored_dtype(records[e.name], dtype) if e.name in records else e.dtype
-        specs.append((e.name, out_dtype, e.shape))
+        record = records.get(e.name)
+        if record is None:
+            specs.append((e.name, e.dtype, e.shape))
+        else:
+            specs.append((e.name, _restored_dtype(record, dtype), record.shape))
     header_bytes, header = build_header(specs, carried_metadata(pair.ckpt.metadata) or None)
     writer = StreamingWriter(outputs.create(out), header_bytes, header, out)
     entries = pair.ckpt.by_name()
@@ -205,7 +215,9 @@ def _write_dequantized_pt(
             t = pair.ckpt.tensor(e).clone()
         state[e.name] = t
         rows.append(
-            DequantizedRow(e.name, e.shape, TORCH_TO_ST[t.dtype], e.name in records, t.nbytes)
+            DequantizedRow(
+                e.name, tuple(t.shape), TORCH_TO_ST[t.dtype], e.name in records, t.nbytes
+            )
         )
     try:
         torch.save(state, outputs.create(out))

@@ -29,6 +29,7 @@ from qtool.formats.qtool import (
     SIDECAR_KEY,
     Manifest,
     Record,
+    choice_name,
     manifest_metadata,
     scale_name,
     sidecar_path,
@@ -36,6 +37,7 @@ from qtool.formats.qtool import (
 )
 from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
 from qtool.io.checkpoint import (
+    TORCH_TO_ST,
     Checkpoint,
     StreamingWriter,
     open_checkpoint,
@@ -43,6 +45,7 @@ from qtool.io.checkpoint import (
 )
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.numerics import kernels
+from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeSummary, TensorRow
 
 _PLACEHOLDER_DIGEST = "0" * 64
@@ -149,12 +152,12 @@ def write_quantized(
     side = sidecar_path(out)
     metadata = carried_metadata(ckpt.metadata)
     metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
-    specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
+    specs = [(p.entry.name, p.out_dtype, p.out_shape) for p in plans]
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
-    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    qparams: dict[str, dict[str, torch.Tensor]] = {}
     # Tensor k is written by a background thread while tensor k+1 is quantized (the write
     # syscalls and the torch kernels both release the GIL). Two workspaces alternate, so the
     # codes being written are never the ones being computed.
@@ -168,7 +171,7 @@ def write_quantized(
             else:
                 result = _quantize_one(ckpt, plan, workspaces[k % 2])
                 data = tensor_bytes(result.q.cpu())
-                qparams[entry.name] = (result.scale.cpu(), result.zero_point.cpu())
+                qparams[entry.name] = _qparams(entry.name, result)
                 rows[entry.name] = _quantized_row(plan, result)
             background.write(plan.entry, data)
             if progress is not None:
@@ -232,7 +235,7 @@ def _quantize_one(
     x = ckpt.tensor(plan.entry).to(workspace.device)
     try:
         return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
-    except kernels.NonFiniteInput as err:
+    except NonFiniteInput as err:
         raise NumericError(
             ckpt.path,
             f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "
@@ -263,16 +266,13 @@ def _write_sidecar(
     side: Path,
     quantized_name: str,
     plans: dict[str, TensorPlan],
-    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    qparams: dict[str, dict[str, torch.Tensor]],
 ) -> str:
     """Write the sidecar; return the SHA-256 of its data section."""
     records = {name: _record(plans[name]) for name in sorted(qparams)}
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (scale, zero_point) in qparams.items():
-        tensors[scale_name(name)] = scale
-        tensors[zero_point_name(name)] = zero_point
+    tensors = {key: t for name, parts in qparams.items() for key, t in parts.items()}
     metadata = manifest_metadata(Manifest(quantized_name, records))
-    specs = [(n, _st_dtype(t), tuple(t.shape)) for n, t in tensors.items()]
+    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(side), header_bytes, header, side)
     digest = hashlib.sha256()
@@ -284,22 +284,19 @@ def _write_sidecar(
     return digest.hexdigest()
 
 
+def _qparams(name: str, result: kernels.QuantizedTensor) -> dict[str, torch.Tensor]:
+    """The sidecar tensors of one quantized tensor, by their names in the sidecar."""
+    parts = {scale_name(name): result.scale, zero_point_name(name): result.zero_point}
+    if result.choice is not None:
+        parts[choice_name(name)] = result.choice
+    return {key: t.cpu() for key, t in parts.items()}
+
+
 def _record(plan: TensorPlan) -> Record:
     spec = plan.spec
     assert spec is not None
-    return Record(
-        scheme=spec.scheme.value,
-        dtype=spec.dtype.value,
-        axis=spec.axis,
-        qmin=spec.qmin,
-        qmax=spec.qmax,
-        orig_dtype=plan.entry.dtype,
-        shape=plan.entry.shape,
-    )
-
-
-def _st_dtype(t: torch.Tensor) -> str:
-    return {torch.float32: "F32", torch.int8: "I8", torch.uint8: "U8"}[t.dtype]
+    candidates = kernels.search_candidates(spec, plan.entry.shape)
+    return Record(spec, plan.entry.dtype, plan.entry.shape, candidates)
 
 
 def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:

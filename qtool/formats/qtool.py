@@ -10,20 +10,35 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
 from qtool.io.stformat import Header, HeaderError, strict_json
-from qtool.spec import SEMANTICS, QSpec, Scheme, StorageDtype
+from qtool.spec import (
+    MSE_ALGORITHM,
+    SEMANTICS,
+    Granularity,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+    granularity_from_json,
+    granularity_json,
+    qparam_shape,
+)
 
 if TYPE_CHECKING:
     import torch
 
 FORMAT = "qtool.qparams"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this qtool writes and reads
+V1_DTYPES = ("int8", "uint8")
 MANIFEST_KEY = "qtool.qparams"
 DIGEST_KEY = "qtool.qparams_sha256"
 SIDECAR_KEY = "qtool.sidecar"
@@ -34,17 +49,20 @@ SMALLEST_NORMAL = 1.1754943508222875e-38
 class Record:
     """How one tensor was quantized, enough to undo it without qtool."""
 
-    scheme: str
-    dtype: str
-    axis: int | None
-    qmin: int
-    qmax: int
+    spec: QSpec
     orig_dtype: str  # safetensors dtype name of the original, e.g. "BF16"
     shape: tuple[int, ...]
+    candidates: tuple[float, ...] = ()  # --range mse: the multipliers tried, in order
 
     @property
-    def spec(self) -> QSpec:
-        return QSpec(Scheme(self.scheme), StorageDtype(self.dtype), self.axis)
+    def fits_v1(self) -> bool:
+        """Whether a version-1 reader understands this record (8-bit, tensor/channel, minmax)."""
+        s = self.spec
+        return (
+            s.dtype.value in V1_DTYPES
+            and not isinstance(s.granularity, PerGroup)
+            and s.range_method is RangeMethod.MINMAX
+        )
 
 
 @dataclass(frozen=True)
@@ -68,21 +86,50 @@ def zero_point_name(tensor: str) -> str:
     return f"{tensor}.zero_point"
 
 
+def choice_name(tensor: str) -> str:
+    """The candidate the mse range search chose for every group (U8, the scale's shape)."""
+    return f"{tensor}.range_choice"
+
+
+def format_version(manifest: Manifest) -> int:
+    """1 when every record is readable by a version-1 reader, else 2 (DESIGN.md section 5)."""
+    return 1 if all(r.fits_v1 for r in manifest.tensors.values()) else 2
+
+
 def manifest_metadata(manifest: Manifest) -> dict[str, str]:
+    version = format_version(manifest)
     doc = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "qtool_version": manifest.qtool_version,
         "semantics": manifest.semantics,
         "quantized_file": manifest.quantized_file,
-        "tensors": {name: _record_json(r) for name, r in manifest.tensors.items()},
+        "tensors": {name: _record_json(r, version) for name, r in manifest.tensors.items()},
     }
     return {MANIFEST_KEY: json.dumps(doc, sort_keys=True, separators=(",", ":"))}
 
 
-def _record_json(record: Record) -> dict[str, object]:
-    out = asdict(record)
-    out["shape"] = list(record.shape)
+def _record_json(record: Record, version: int) -> dict[str, object]:
+    spec = record.spec
+    out: dict[str, object] = {
+        "scheme": spec.scheme.value,
+        "dtype": spec.dtype.value,
+        "qmin": spec.qmin,
+        "qmax": spec.qmax,
+        "orig_dtype": record.orig_dtype,
+        "shape": list(record.shape),
+    }
+    if version == 1:
+        out["axis"] = spec.axis
+    else:
+        out["bits"] = spec.dtype.bits
+        out["granularity"] = granularity_json(spec.granularity)
+        out["range_method"] = spec.range_method.value
+        if record.candidates:
+            out["range_search"] = {
+                "algorithm": MSE_ALGORITHM,
+                "candidates": list(record.candidates),
+            }
     return out
 
 
@@ -98,15 +145,17 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
         if doc.get("format") != FORMAT:
             raise SidecarError(path, f"unknown sidecar format {doc.get('format')!r}")
         version = doc.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (1, 2) or type(version) is not int:
             raise SidecarError(
                 path,
                 f"sidecar format version {version!r} is not supported (this qtool reads "
-                f"version {FORMAT_VERSION}); use a matching qtool release",
+                f"versions 1 to {FORMAT_VERSION}); use a newer qtool release",
             )
         if doc.get("semantics") != SEMANTICS:
             raise SidecarError(path, f"unknown semantics {doc.get('semantics')!r}")
-        tensors = {name: _parse_record(path, name, r) for name, r in doc["tensors"].items()}
+        tensors = {
+            name: _parse_record(path, name, r, version) for name, r in doc["tensors"].items()
+        }
         return Manifest(str(doc["quantized_file"]), tensors, doc["semantics"], doc["qtool_version"])
     except SidecarError:
         raise
@@ -114,33 +163,56 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
         raise SidecarError(path, f"damaged manifest ({type(err).__name__}: {err})") from None
 
 
-def _parse_record(path: Path, name: str, r: dict[str, object]) -> Record:
-    axis = r["axis"]
+def _parse_record(path: Path, name: str, r: dict[str, object], version: int) -> Record:
     shape = r["shape"]
-    if axis is not None and type(axis) is not int:
-        raise SidecarError(path, f"axis {axis!r} is not an integer", name)
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise SidecarError(path, f"shape {shape!r} is not a list of sizes", name)
-    record = Record(
-        scheme=str(r["scheme"]),
-        dtype=str(r["dtype"]),
-        axis=axis,
-        qmin=int(r["qmin"]),  # type: ignore[call-overload]
-        qmax=int(r["qmax"]),  # type: ignore[call-overload]
-        orig_dtype=str(r["orig_dtype"]),
-        shape=tuple(shape),
-    )
     try:
-        spec = record.spec
-    except ValueError:
-        raise SidecarError(
-            path, f"unknown scheme/dtype {record.scheme}/{record.dtype}", name
-        ) from None
-    if (spec.qmin, spec.qmax) != (record.qmin, record.qmax):
-        raise SidecarError(path, f"range [{record.qmin}, {record.qmax}] does not match", name)
-    if axis is not None and not 0 <= axis < len(shape):
-        raise SidecarError(path, f"axis {axis} out of range for shape {list(shape)}", name)
-    return record
+        spec = QSpec(
+            Scheme(r["scheme"]),
+            StorageDtype(r["dtype"]),
+            _parse_granularity(r, version, len(shape)),
+            RangeMethod(r["range_method"]) if version >= 2 else RangeMethod.MINMAX,
+        )
+    except ValueError as err:
+        raise SidecarError(path, f"unknown or invalid spec ({err})", name) from None
+    if version == 1 and spec.dtype.value not in V1_DTYPES:
+        raise SidecarError(path, f"dtype {spec.dtype.value} needs format version 2", name)
+    if version >= 2 and r.get("bits") != spec.dtype.bits:
+        raise SidecarError(path, f"bits {r.get('bits')!r} do not match {spec.dtype.value}", name)
+    if (spec.qmin, spec.qmax) != (r["qmin"], r["qmax"]):
+        raise SidecarError(path, f"range [{r['qmin']}, {r['qmax']}] does not match", name)
+    return Record(spec, str(r["orig_dtype"]), tuple(shape), _parse_candidates(r, spec))
+
+
+def _parse_candidates(r: dict[str, object], spec: QSpec) -> tuple[float, ...]:
+    """The mse search's candidate list (recorded so anyone can recompute the scales)."""
+    if spec.range_method is not RangeMethod.MSE:
+        return ()
+    search = r.get("range_search")
+    if not isinstance(search, dict) or search.get("algorithm") != MSE_ALGORITHM:
+        raise ValueError(f"range_search {search!r} is not a {MSE_ALGORITHM} record")
+    candidates = search.get("candidates")
+    if not isinstance(candidates, list) or not 1 <= len(candidates) <= 256:
+        raise ValueError("range_search candidates must be a list of 1 to 256 numbers")
+    if not all(type(c) is float and 0.0 < c < 16.0 for c in candidates):
+        raise ValueError("range_search candidates must be positive multipliers")
+    return tuple(candidates)
+
+
+def _parse_granularity(r: dict[str, object], version: int, ndim: int) -> Granularity:
+    if version == 1:
+        axis = r["axis"]
+        if axis is None:
+            return PerTensor()
+        if type(axis) is not int:
+            raise ValueError(f"axis {axis!r} is not an integer")
+        granularity: Granularity = PerChannel(axis)
+    else:
+        granularity = granularity_from_json(r["granularity"])
+    if isinstance(granularity, PerChannel) and not 0 <= granularity.axis < ndim:
+        raise ValueError(f"axis {granularity.axis} out of range for a {ndim}-D tensor")
+    return granularity
 
 
 def data_digest(path: Path, header: Header) -> str:
@@ -157,15 +229,16 @@ def validate_qparams(
     path: Path, name: str, record: Record, scale: torch.Tensor, zero_point: torch.Tensor
 ) -> None:
     """Refuse qparams that would make dequantization meaningless (or crash a torch kernel)."""
-    channels = () if record.axis is None else (record.shape[record.axis],)
-    if tuple(scale.shape) != channels or tuple(zero_point.shape) != channels:
+    expected = qparam_shape(record.spec.granularity, record.shape)
+    if tuple(scale.shape) != expected or tuple(zero_point.shape) != expected:
         raise SidecarError(
             path,
             f"scale/zero_point shapes {list(scale.shape)}/{list(zero_point.shape)} do not match "
-            f"{list(channels)}",
+            f"{list(expected)}",
             name,
         )
     if not bool(scale.isfinite().all()) or bool((scale < SMALLEST_NORMAL).any()):
         raise SidecarError(path, "scale holds zero, negative, subnormal, NaN or Inf values", name)
-    if bool((zero_point < record.qmin).any()) or bool((zero_point > record.qmax).any()):
-        raise SidecarError(path, f"zero_point outside [{record.qmin}, {record.qmax}]", name)
+    qmin, qmax = record.spec.qmin, record.spec.qmax
+    if bool((zero_point < qmin).any()) or bool((zero_point > qmax).any()):
+        raise SidecarError(path, f"zero_point outside [{qmin}, {qmax}]", name)

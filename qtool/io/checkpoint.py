@@ -20,33 +20,19 @@ from typing import BinaryIO
 
 import torch
 
+from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, OutputError, UnsafeInputError
 from qtool.io.atomic import describe_os_error
-from qtool.io.stformat import DTYPE_BITS, Header, HeaderError, TensorEntry, read_header
+from qtool.io.stformat import Header, HeaderError, TensorEntry, read_header
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 MIN_TORCH_FOR_PICKLES = (2, 10)  # weights_only had code-execution holes before 2.6 and 2.10
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module")
 
-TORCH_TO_ST: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.float32: "F32",
-    torch.complex64: "C64",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.uint64: "U64",
+ST_TO_TORCH: dict[str, torch.dtype] = {
+    name: getattr(torch, d.torch_name) for name, d in DTYPES.items() if d.torch_name
 }
-ST_TO_TORCH = {v: k for k, v in TORCH_TO_ST.items()}
+TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 
 @dataclass

@@ -13,7 +13,6 @@ from qtool.io.stformat import HeaderError, read_header, strict_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000
-MAX_INDEX_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)

@@ -14,33 +14,12 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from qtool.dtypes import DTYPE_BITS
+
 MAX_HEADER_BYTES = 100_000_000  # the reference's cap (decimal MB)
 
-# Reference Dtype enum in declaration order: the writer sorts by it, descending.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E8M0": 8,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "C64": 64,
-    "F64": 64,
-    "I64": 64,
-    "U64": 64,
-}
+# The reference writer sorts by the Dtype enum's declaration order, descending.
 _DTYPE_RANK = {name: rank for rank, name in enumerate(DTYPE_BITS)}
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class HeaderError(ValueError):

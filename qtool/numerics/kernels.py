@@ -4,59 +4,73 @@ Semantics (README "Numerical semantics"): statistics and qparams in float32; the
 group includes 0.0; q = clamp(round(x / scale) + zero_point, qmin, qmax) with a float32
 division and round-half-to-even; x_hat = (q - zero_point) * scale in float32.
 
-A tensor is viewed as (pre, C, post) where C is the quantization axis (C = 1 per tensor), so
-scale and zero_point have shape (C,) per channel and () per tensor. Big tensors are processed
-in contiguous slabs of about `block_elems` elements: every elementwise step runs in place on a
-cache-sized float32 buffer, so a tensor crosses memory once (per channel, axis 0) or twice (per
-tensor: one pass for its range, one to quantize) and no full-size float temporary exists.
+The granularity decides the view. Per group (and per channel on axis 0) the tensor is the
+[C, K] matrix of its rows, cut into groups of L consecutive elements (L = K per channel): rows
+are processed in cache-sized slabs whose range and codes come from the same resident data, so
+the tensor crosses memory once. Per tensor, and per channel on another axis, it is viewed as
+(pre, C, post) with C the quantization axis (C = 1 per tensor): one pass for the range, one for
+the codes. Every elementwise step runs in place on a reused float32 buffer; no full-size float
+temporary exists. 4-bit codes are computed unpacked, then packed two per byte.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from qtool.numerics import ranges
 from qtool.numerics.metrics import ErrorAccumulator
+from qtool.numerics.packing import pack_nibbles, unpack_nibbles
+from qtool.numerics.ranges import IntRange, NonFiniteInput
 from qtool.results import ErrorStats
-from qtool.spec import QSpec, Scheme, StorageDtype
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+    matrix_shape,
+    qparam_shape,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-TORCH_STORAGE = {StorageDtype.INT8: torch.int8, StorageDtype.UINT8: torch.uint8}
+TORCH_STORAGE = {
+    StorageDtype.INT8: torch.int8,
+    StorageDtype.UINT8: torch.uint8,
+    StorageDtype.INT4: torch.int8,  # codes and zero points unpacked, one per byte
+    StorageDtype.UINT4: torch.uint8,
+}
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 DEFAULT_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32: stays in L3 and amortises per-op overhead
 
 Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pre, C, post) view
 
 
-class NonFiniteInput(ValueError):
-    """The tensor holds NaN or +-Inf, which have no integer code (count None: not yet counted)."""
-
-    def __init__(self, count: int | None = None) -> None:
-        super().__init__(f"{count} NaN/Inf value(s)")
-        self.count = count
-
-
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """Codes in the storage dtype (original shape) with their qparams and error figures."""
+    """Codes as stored (4-bit packed two per byte) with their qparams and error figures."""
 
     q: torch.Tensor
-    scale: torch.Tensor  # float32, (C,) or ()
-    zero_point: torch.Tensor  # storage dtype, same shape as scale
+    scale: torch.Tensor  # float32 holding values of the scale dtype, the qparam shape
+    zero_point: torch.Tensor  # storage dtype (unpacked), same shape as scale
     errors: ErrorStats | None
+    choice: torch.Tensor | None = None  # uint8 candidate index per group (--range mse)
 
 
-def normalize_axis(axis: int | None, ndim: int) -> int | None:
-    """Map a possibly negative axis into [0, ndim); ValueError when out of range."""
-    if axis is None:
-        return None
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for a {ndim}-D tensor")
-    return axis % ndim
+def normalize_spec(spec: QSpec, ndim: int) -> QSpec:
+    """The spec with its channel axis in [0, ndim); ValueError when the tensor has no such axis."""
+    g = spec.granularity
+    if not isinstance(g, PerChannel):
+        return spec
+    if not -ndim <= g.axis < ndim:
+        raise ValueError(f"axis {g.axis} is out of range for a {ndim}-D tensor")
+    return replace(spec, granularity=PerChannel(g.axis % ndim))
 
 
 def group_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, int, int]:
@@ -66,43 +80,44 @@ def group_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, int, int
     return (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
 
 
-def qparams_from_range(
-    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`.
+def row_group_length(spec: QSpec, shape: tuple[int, ...]) -> int | None:
+    """L when the granularity is groups of L consecutive elements of the [C, K] rows (a group,
+    or a whole row: per channel on axis 0 of a tensor with 2+ dims); None otherwise."""
+    g = spec.granularity
+    _, k = matrix_shape(shape)
+    if isinstance(g, PerGroup):
+        return min(g.size, k)
+    if isinstance(g, PerChannel) and g.axis == 0 and len(shape) >= 2:
+        return k
+    return None
 
-    zero_point is returned as float32 holding an integer (cast by the caller for storage).
-    Runs once per slab, so it is kept to a handful of small in-place ops.
-    """
-    lo, hi = lo.float(), hi.float()
-    if spec.scheme is Scheme.SYM:
-        span = torch.maximum(hi, lo.neg()).clamp_(min=0.0)  # amax over a range holding 0
-        scale = span / ((spec.qmax - spec.qmin) / 2)  # amax / 127
-    else:
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-        span = hi - lo
-        scale = span / (spec.qmax - spec.qmin)  # (hi - lo) / 255
-    if not math.isfinite(float(scale.amax())):  # amax propagates NaN; cheaper than isfinite().all()
-        if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-            raise NonFiniteInput()  # NaN propagates through amin/amax; Inf lands in them
-        raise ValueError("value range overflows float32; use --scheme sym for such tensors")
-    # An all-zero group gets scale 1.0; no scale is ever 0 or subnormal (x / scale stays finite).
-    scale.clamp_(min=SMALLEST_NORMAL).masked_fill_(span == 0, 1.0)
-    if spec.scheme is Scheme.SYM:
-        zero_point = torch.full_like(scale, spec.symmetric_zero_point)
-    else:
-        zero_point = (spec.qmin - torch.round(lo / scale)).clamp_(spec.qmin, spec.qmax)
-    return scale, zero_point
+
+def qparams_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`; zero_point
+    is float32 holding an integer (cast by the caller for storage). See ranges."""
+    r = IntRange.of(spec)
+    return ranges.qparams_from_range(
+        lo, hi, r.qmin, r.qmax, r.symmetric, r.sym_zero_point, scale_dtype
+    )
 
 
 def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group (min, max) in x's dtype: shape (C,) or (). One pass, no temporaries."""
-    axis = normalize_axis(spec.axis, x.ndim)
+    """Per-group (min, max) in x's dtype, in the granularity's qparam shape. One pass."""
     if x.numel() == 0:
         raise ValueError("cannot quantize an empty tensor")
-    if axis is None:
+    spec = normalize_spec(spec, x.ndim)
+    length = row_group_length(spec, tuple(x.shape))
+    if length is not None:
+        c, k = matrix_shape(tuple(x.shape))
+        x2 = x.reshape(c, k)
+        shape = qparam_shape(spec.granularity, tuple(x.shape))
+        lo = _grouped(x2, length, lambda g: g.amin(dim=2))
+        return lo.reshape(shape), _grouped(x2, length, lambda g: g.amax(dim=2)).reshape(shape)
+    if isinstance(spec.granularity, PerTensor):
         return torch.aminmax(x)  # full reductions: aminmax is one pass and ~1.7x faster
-    x3 = x.reshape(group_shape(tuple(x.shape), axis))
+    x3 = x.reshape(group_shape(tuple(x.shape), spec.axis))
     return x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
 
 
@@ -118,14 +133,20 @@ def compute_qparams(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.T
 def quantize(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec
 ) -> torch.Tensor:
-    """clamp(round(x / scale) + zero_point, qmin, qmax) in the storage dtype, x's shape."""
+    """clamp(round(x / scale) + zero_point, qmin, qmax) as stored (4-bit packed), any qparams."""
     _check_float(x)
     x = x.contiguous()
-    q = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
+    spec = normalize_spec(spec, x.ndim)
+    codes = torch.empty(x.shape, dtype=TORCH_STORAGE[spec.dtype], device=x.device)
     ws = Workspace(x.device)
     zp = zero_point.float()
-    _quantize_slabs(x, scale.float(), zp, spec, q, None, DEFAULT_BLOCK_ELEMS, ws, own_qparams=False)
-    return q
+    length = row_group_length(spec, tuple(x.shape))
+    if length is not None and isinstance(spec.granularity, PerGroup):
+        qparams = (scale.float(), zp)
+        _quantize_rows(x, length, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, qparams=qparams)
+    else:
+        _quantize_slabs(x, scale.float(), zp, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, False)
+    return _stored(codes, zp, spec, ws=None)
 
 
 def quantize_tensor(
@@ -133,55 +154,139 @@ def quantize_tensor(
     spec: QSpec,
     *,
     with_errors: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
     workspace: Workspace | None = None,
 ) -> QuantizedTensor:
-    """Compute qparams, quantize, and (optionally) measure the error, in as few passes as can be.
+    """Choose qparams (min-max or the mse search), quantize, and (optionally) measure the
+    error, in as few passes as can be. Scales hold values of `scale_dtype` and the codes are
+    computed against them.
 
     With a `workspace`, the codes live in its reused memory: consume them (write them out)
     before the next call with the same workspace.
     """
     _check_float(x)
+    if x.numel() == 0:
+        raise ValueError("cannot quantize an empty tensor")
     x = x.contiguous()
-    axis = normalize_axis(spec.axis, x.ndim)
-    pre, channels, post = group_shape(tuple(x.shape), axis)
+    spec = normalize_spec(spec, x.ndim)
     ws = workspace or Workspace(x.device)
-    q = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
+    codes = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
     acc = ErrorAccumulator() if with_errors else None
+    ranger = RangeChooser(spec, tuple(x.shape), scale_dtype, block_elems)
+    length = row_group_length(spec, tuple(x.shape))
     with _counting_nonfinite(x):
-        if pre == 1 and channels > 1 and 0 < post <= block_elems:
-            x2 = x.view(channels, post)
-            scale, zero_point = _quantize_rows(x2, spec, q, acc, block_elems, ws)
+        # A row longer than a slab is walked in two passes (range, then codes) per channel;
+        # a group is always one pass, however long (slabs then hold one group each).
+        if length is not None and (isinstance(spec.granularity, PerGroup) or length <= block_elems):
+            scale, zero_point, choice = _quantize_rows(
+                x, length, spec, codes, acc, block_elems, ws, ranger
+            )
         else:
-            lo, hi = channel_range(x, spec)
-            scale, zero_point = qparams_from_range(lo, hi, spec)
-            _quantize_slabs(x, scale, zero_point, spec, q, acc, block_elems, ws)
+            scale, zero_point, choice = ranger.whole(x)
+            own = ranger.candidates is None
+            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, own)
+    errors = acc.result() if acc is not None else None
+    if errors is not None and ranger.sse_minmax is not None:
+        errors = replace(errors, sq_error_minmax=ranger.sse_minmax)
     return QuantizedTensor(
-        q=q,
+        q=_stored(codes, zero_point, spec, ws),
         scale=scale,
-        zero_point=zero_point.to(q.dtype),
-        errors=acc.result() if acc is not None else None,
+        zero_point=zero_point.to(TORCH_STORAGE[spec.dtype]),
+        errors=errors,
+        choice=choice,
     )
+
+
+Qparams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # scale, zero point, choice
+
+
+def search_candidates(spec: QSpec, shape: tuple[int, ...]) -> tuple[float, ...]:
+    """The multipliers the mse search tries for a tensor of `shape`, in order (() for min-max):
+    groups shorter than a row use the group list, whole rows and tensors the channel list."""
+    if spec.range_method is not RangeMethod.MSE:
+        return ()
+    g = spec.granularity
+    per_group = isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1]
+    return ranges.mse_candidates(IntRange.of(spec), per_group)
+
+
+class RangeChooser:
+    """The range step between "find the range" and "compute the codes": each group's qparams
+    from its float32 values, by min-max or by the mse search (which also keeps, for the
+    report, the squared error min-max would have had)."""
+
+    def __init__(
+        self, spec: QSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, block_elems: int
+    ) -> None:
+        self.spec, self.scale_dtype, self.block_elems = spec, scale_dtype, block_elems
+        self.int_range = IntRange.of(spec)
+        self.candidates = search_candidates(spec, shape) or None
+        self.sse_minmax: float | None = None if self.candidates is None else 0.0
+
+    def groups(self, xf: torch.Tensor) -> Qparams:
+        """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups)."""
+        if self.candidates is None:
+            lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
+            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
+        return self._search(xf.unsqueeze(2))
+
+    def whole(self, x: torch.Tensor) -> Qparams:
+        """qparams per tensor or per channel on any axis, in the qparam shape."""
+        if self.candidates is None:
+            lo, hi = channel_range(x, self.spec)
+            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
+        shape = qparam_shape(self.spec.granularity, tuple(x.shape))
+        scale, zero_point, choice = self._search(_search_view(x, self.spec))
+        assert choice is not None
+        return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
+
+    def _search(self, values: torch.Tensor) -> Qparams:
+        assert self.candidates is not None and self.sse_minmax is not None
+        found = ranges.mse_search(
+            values, self.int_range, self.candidates, self.scale_dtype, self.block_elems
+        )
+        self.sse_minmax += float(found.sse_minmax.sum())
+        return found.scale, found.zero_point, found.choice
+
+
+def _search_view(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
+    """x as the [R, S, A, L] block the mse search takes: per tensor [1, 1, 1, n]; per channel
+    on axis a, [C, 1, pre, post] (a strided view: no copy)."""
+    if isinstance(spec.granularity, PerTensor):
+        return x.view(1, 1, 1, -1)
+    pre, channels, post = group_shape(tuple(x.shape), spec.axis)
+    return x.view(pre, channels, post).permute(1, 0, 2).unsqueeze(1)
 
 
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
     zero_point: torch.Tensor,
-    axis: int | None,
+    spec: QSpec,
     dtype: torch.dtype = torch.float32,
+    shape: tuple[int, ...] | None = None,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
 ) -> torch.Tensor:
-    """(q - zero_point) * scale in float32, stored as `dtype`; axis None means per tensor."""
+    """(q - zero_point) * scale in float32, stored as `dtype`. 4-bit codes are unpacked to
+    `shape` (the original shape, which packing cannot tell when the last dimension is odd)."""
     if q.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"codes must be int8 or uint8, got {q.dtype}")
+    if spec.dtype.packed:
+        shape = shape if shape is not None else (*q.shape[:-1], 2 * q.shape[-1])
+        q = unpack_nibbles(q, shape[-1] if shape else 1, spec.dtype.signed).reshape(shape)
     q = q.contiguous()
+    spec = normalize_spec(spec, q.ndim)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    shape = group_shape(tuple(q.shape), normalize_axis(axis, q.ndim))
-    q3, out3 = q.view(shape), out.view(shape)
+    length = row_group_length(spec, tuple(q.shape))
+    if length is not None and isinstance(spec.granularity, PerGroup):
+        _dequantize_rows(q, scale, zero_point, length, out, block_elems)
+        return out
+    shape3 = group_shape(tuple(q.shape), spec.axis)
+    q3, out3 = q.view(shape3), out.view(shape3)
     scale3, zp3 = scale.float().reshape(1, -1, 1), zero_point.float().reshape(1, -1, 1)
     buf = torch.empty(min(q.numel(), block_elems), dtype=torch.float32, device=q.device)
-    for box in _slabs(shape, block_elems):
+    for box in _slabs(shape3, block_elems):
         i0, i1, c0, c1, p0, p1 = box
         src = q3[i0:i1, c0:c1, p0:p1]
         b = buf[: src.numel()].view(src.shape)
@@ -191,29 +296,144 @@ def dequantize(
     return out
 
 
-def _quantize_rows(
-    x2: torch.Tensor,
-    spec: QSpec,
+def _dequantize_rows(
     q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    length: int,
+    out: torch.Tensor,
+    block_elems: int,
+) -> None:
+    """dequantize() for groups of `length` along the (C, K) rows, slab by slab."""
+    c, k = matrix_shape(tuple(q.shape))
+    q2, out2 = q.view(c, k), out.view(c, k)
+    s2, z2 = scale.float().reshape(c, -1), zero_point.float().reshape(c, -1)
+    buf = torch.empty(
+        min(q.numel(), max(block_elems, length)), dtype=torch.float32, device=q.device
+    )
+    for part, cols in _group_parts(k, length):
+        q3, out3 = _part_view(q2, part, length), _part_view(out2, part, length)
+        for r0, r1, g0, g1 in _row_slabs(q3.shape, block_elems):
+            src = q3[r0:r1, g0:g1]
+            b = buf[: src.numel()].view(src.shape)
+            torch.sub(src, z2[r0:r1, cols][:, g0:g1, None], out=b)
+            b.mul_(s2[r0:r1, cols][:, g0:g1, None])
+            out3[r0:r1, g0:g1].copy_(b)
+
+
+def _stored(
+    codes: torch.Tensor, zero_point: torch.Tensor, spec: QSpec, ws: Workspace | None
+) -> torch.Tensor:
+    """The codes as the file stores them: 8-bit as they are, 4-bit packed two per byte (an odd
+    last dimension padded with the code of 0.0, the zero point of each row's last element)."""
+    if not spec.dtype.packed:
+        return codes
+    shape = tuple(codes.shape)
+    pad = _last_column_zero_points(zero_point, spec, shape)
+    rows = codes.reshape(*shape[:-1], shape[-1]) if shape else codes.reshape(1)
+    return pack_nibbles(rows, spec.dtype.signed, pad.reshape(*rows.shape[:-1], 1))
+
+
+def _last_column_zero_points(
+    zero_point: torch.Tensor, spec: QSpec, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The zero point of the last element of every row of the last dimension, row-major."""
+    zp = zero_point.to(torch.int16).reshape(-1)
+    n = shape[-1] if shape else 1
+    last = torch.arange(1, math.prod(shape[:-1]) + 1, device=zp.device) * n - 1  # flat indices
+    g = spec.granularity
+    if isinstance(g, PerGroup):
+        _, k = matrix_shape(shape)
+        return zp[(last // k) * math.ceil(k / g.size) + (last % k) // g.size]
+    if isinstance(g, PerChannel):
+        _, channels, post = group_shape(shape, g.axis)
+        return zp[(last // post) % channels]
+    return zp.expand(last.numel())
+
+
+def _group_parts(k: int, length: int) -> list[tuple[tuple[int, int, int], slice]]:
+    """The full groups of each row, then the shorter last group: ((start, count, L), columns)."""
+    full = k // length
+    parts = []
+    if full:
+        parts.append(((0, full, length), slice(0, full)))
+    if k % length:
+        parts.append(((full * length, 1, k % length), slice(full, full + 1)))
+    return parts
+
+
+def _part_view(t2: torch.Tensor, part: tuple[int, int, int], length: int) -> torch.Tensor:
+    """(C, count, L') view of columns [start, start + count * L') of a (C, K) matrix."""
+    start, count, width = part
+    return t2[:, start : start + count * width].view(t2.shape[0], count, width)
+
+
+def _grouped(
+    x2: torch.Tensor, length: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """reduce() over each group of a (C, K) matrix, as a (C, ceil(K / L)) tensor."""
+    k = x2.shape[1]
+    return torch.cat(
+        [reduce(_part_view(x2, part, length)) for part, _ in _group_parts(k, length)], 1
+    )
+
+
+def _quantize_rows(
+    x: torch.Tensor,
+    length: int,
+    spec: QSpec,
+    codes: torch.Tensor,
     acc: ErrorAccumulator | None,
     block_elems: int,
     ws: Workspace,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per channel, each channel one contiguous row of x2 (C, post): range and codes from the
-    same cache-resident slab, so the tensor crosses memory once."""
-    channels, post = x2.shape
-    q2 = q.view(channels, post)
-    rows = max(1, block_elems // post)
-    scale = torch.empty(channels, dtype=torch.float32, device=x2.device)
+    ranger: RangeChooser | None = None,
+    qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Qparams:
+    """Groups of `length` consecutive elements of the (C, K) rows: each slab's range and codes
+    come from the same cache-resident data, so the tensor crosses memory once. Returns scale,
+    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only."""
+    c, k = matrix_shape(tuple(x.shape))
+    x2, q2 = x.view(c, k), codes.view(c, k)
+    n = math.ceil(k / length)
+    scale = torch.empty(c, n, dtype=torch.float32, device=x.device)
     zero_point = torch.empty_like(scale)
-    bufs = ws.scratch(min(rows, channels) * post, x2.dtype)
-    for r0 in range(0, channels, rows):
-        xf, work = bufs.take(x2[r0 : r0 + rows])  # upcast first: f32 reductions run ~2x faster
-        lo, hi = xf.amin(dim=1), xf.amax(dim=1)  # (aminmax with dim= is ~10x slower)
-        s, z = qparams_from_range(lo, hi, spec)
-        scale[r0 : r0 + rows], zero_point[r0 : r0 + rows] = s, z
-        _quantize_block(xf, work, s[:, None], z[:, None], spec, q2[r0 : r0 + rows], acc)
-    return scale, zero_point
+    searching = ranger is not None and ranger.candidates is not None
+    choice = torch.zeros(c, n, dtype=torch.uint8, device=x.device) if searching else None
+    if qparams is not None:
+        scale.copy_(qparams[0].reshape(c, n))
+        zero_point.copy_(qparams[1].reshape(c, n))
+    for part, cols in _group_parts(k, length):
+        x3, q3 = _part_view(x2, part, length), _part_view(q2, part, length)
+        for r0, r1, g0, g1 in _row_slabs(x3.shape, block_elems):
+            xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
+            s, z = scale[r0:r1, cols][:, g0:g1], zero_point[r0:r1, cols][:, g0:g1]
+            if ranger is not None:
+                s_new, z_new, k_new = ranger.groups(xf)
+                s.copy_(s_new)
+                z.copy_(z_new)
+                if choice is not None and k_new is not None:
+                    choice[r0:r1, cols][:, g0:g1].copy_(k_new)
+            own = ranger is not None and not searching  # min-max: no value is clipped
+            q_slab = q3[r0:r1, g0:g1]
+            _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, acc, own)
+    shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)
+    reshaped = choice.reshape(shape) if choice is not None else None
+    return scale.reshape(shape), zero_point.reshape(shape), reshaped
+
+
+def _row_slabs(shape: torch.Size, block_elems: int) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, g0, g1) boxes of about block_elems elements over a (rows, groups, L) view."""
+    rows, groups, length = shape
+    per_row = groups * length
+    if per_row <= block_elems:
+        step = max(1, block_elems // per_row)
+        for r in range(0, rows, step):
+            yield (r, min(r + step, rows), 0, groups)
+        return
+    step = max(1, block_elems // length)
+    for r in range(rows):
+        for g in range(0, groups, step):
+            yield (r, r + 1, g, min(g + step, groups))
 
 
 def _quantize_slabs(
@@ -229,12 +449,11 @@ def _quantize_slabs(
 ) -> None:
     """Quantize x slab by slab with qparams already known for every group (`own_qparams`:
     they were derived from x itself, so every value lies inside the range)."""
-    shape = group_shape(tuple(x.shape), normalize_axis(spec.axis, x.ndim))
+    shape = group_shape(tuple(x.shape), spec.axis)
     x3, q3 = x.view(shape), q.view(shape)
     scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
-    bufs = ws.scratch(min(x.numel(), block_elems), x.dtype)
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
-        xf, work = bufs.take(x3[i0:i1, c0:c1, p0:p1])
+        xf, work = ws.take(x3[i0:i1, c0:c1, p0:p1])
         q_slab = q3[i0:i1, c0:c1, p0:p1]
         _quantize_block(xf, work, scale3[:, c0:c1], zp3[:, c0:c1], spec, q_slab, acc, own_qparams)
 
@@ -250,34 +469,25 @@ class Workspace:
 
     def codes(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-byte tensor of `shape`, valid until the next call."""
-        numel = math.prod(shape)
-        if self._codes.numel() < numel:
-            self._codes = torch.empty(numel, dtype=torch.uint8, device=self.device)
-        return self._codes[:numel].view(dtype).view(shape)
-
-    def scratch(self, numel: int, dtype: torch.dtype) -> _Buffers:
-        # Non-float32 inputs are upcast once per slab into a second buffer (exact for f16/bf16).
-        need = numel * (1 if dtype == torch.float32 else 2)
-        if self._floats.numel() < need:
-            self._floats = torch.empty(need, dtype=torch.float32, device=self.device)
-        return _Buffers(self._floats[:numel], self._floats[numel:need])
-
-
-class _Buffers:
-    """Float32 scratch for one slab: `work` always, `upcast` for non-float32 inputs."""
-
-    def __init__(self, work: torch.Tensor, upcast: torch.Tensor) -> None:
-        self.work = work
-        self.upcast = upcast
+        self._codes = _at_least(self._codes, math.prod(shape))
+        return self._codes[: math.prod(shape)].view(dtype).view(shape)
 
     def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(xf, work): the slab `like` as float32 (itself when it already is; else upcast once
+        into reused memory, exact for f16/bf16) and a float32 scratch of its shape."""
         n = like.numel()
-        work = self.work[:n].view(like.shape)
-        if like.dtype == torch.float32:
+        upcast = like.dtype != torch.float32
+        self._floats = _at_least(self._floats, n * (2 if upcast else 1))
+        work = self._floats[:n].view(like.shape)
+        if not upcast:
             return like, work
-        xf = self.upcast[:n].view(like.shape)
+        xf = self._floats[n : 2 * n].view(like.shape)
         xf.copy_(like)
         return xf, work
+
+
+def _at_least(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    return buf if buf.numel() >= numel else torch.empty(numel, dtype=buf.dtype, device=buf.device)
 
 
 def _quantize_block(
@@ -297,11 +507,12 @@ def _quantize_block(
     shift = 128 if spec.dtype is StorageDtype.UINT8 else 0
     torch.div(xf, scale, out=work)  # a division, not * (1/scale): bit-identical on CPU and CUDA
     work.round_()  # half to even
-    general = spec.scheme is Scheme.ASYM or not own_qparams
+    general = spec.scheme is Scheme.ASYM or spec.dtype.packed or not own_qparams
     if general:
         work.add_(zero_point - shift).clamp_(spec.qmin - shift, spec.qmax - shift)
-    # Symmetric with its own qparams: |x| <= amax, so |x / scale| <= 127 (1 + 2^-23) and no
-    # clamp is needed; the rounded value already is q - zero_point = q - shift.
+    # 8-bit symmetric with its own qparams: |x| <= amax, so |x / scale| <= 127 (1 + 2^-23) and
+    # no clamp is needed; the rounded value already is q - zero_point = q - shift. (4-bit
+    # symmetric maps amax to 7.5, which rounds to 8 and must be clamped to 7.)
     q_out.view(torch.int8).copy_(work)
     if shift:
         q_out.view(torch.uint8).bitwise_xor_(0x80)

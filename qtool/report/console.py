@@ -160,8 +160,6 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 # ---- ordering and gates ------------------------------------------------------------------------
 
-SORT_KEYS = ("name", "mse", "sqnr", "size")
-
 
 def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
     """File order unless asked: name ascending, worst first for mse/sqnr, largest first for size.
@@ -219,11 +217,12 @@ def _gate_text(result: GateResult | None) -> Text | None:
 
 def error_json(stats: ErrorStats | None) -> dict[str, float | None]:
     if stats is None:
-        return {"mse": None, "max_abs_error": None, "sqnr_db": None}
+        return {"mse": None, "max_abs_error": None, "sqnr_db": None, "mse_gain": None}
     return {
         "mse": stats.mse,
         "max_abs_error": stats.max_abs,
         "sqnr_db": _finite_or_none(stats.sqnr_db),
+        "mse_gain": stats.mse_gain,
     }
 
 
@@ -298,6 +297,8 @@ def quantize_table(
         ("SQNR dB", right, lambda r: _fmt_sqnr(r.errors.sqnr_db) if r.errors else ""),
         ("", {"no_wrap": True}, lambda r: _spark(r.errors.sqnr_db) if r.errors else ""),
     ]
+    if any(r.errors is not None and r.errors.mse_gain is not None for r in rows):
+        columns.insert(7, ("vs minmax", right, lambda r: _fmt_gain(r.errors)))
     if not wide:
         columns = [c for c in columns if c[0] not in ("shape", "max err")]
     if failed is not None:
@@ -308,6 +309,12 @@ def quantize_table(
     for r in rows:
         table.add_row(*(cell(r) for _, _, cell in columns))
     return table
+
+
+def _fmt_gain(stats: ErrorStats | None) -> str:
+    """The squared error against min-max's, as a percentage: '-8.2 %'."""
+    gain = stats.mse_gain if stats is not None else None
+    return "" if gain is None else f"{gain * 100:+.1f} %"
 
 
 def _dtype_cell(r: TensorRow) -> str:
@@ -354,6 +361,8 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     overall = summary.overall
     if overall is not None:
         parts.append(f"overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB")
+    if overall is not None and overall.mse_gain is not None:
+        parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     return " · ".join(parts)
 
 
@@ -519,12 +528,23 @@ def print_inspect(summary: InspectSummary) -> None:
 def _qinfo_text(qinfo: dict[str, object] | None) -> str:
     if not qinfo:
         return ""
-    where = "tensor" if qinfo["axis"] is None else f"axis {qinfo['axis']}"
-    text = f"{qinfo['scheme']} {qinfo['dtype']} {where} ({qinfo['orig_dtype']})"
+    text = f"{spec_label(qinfo)} ({qinfo['orig_dtype']})"
     if "scale_min" in qinfo:
         lo, hi = qinfo["scale_min"], qinfo["scale_max"]
         text += f" scale {lo:.2g}" if lo == hi else f" scale {lo:.2g}..{hi:.2g}"
     return text
+
+
+def spec_label(spec: dict[str, object]) -> str:
+    """'sym int4 group 128 mse' from a spec's JSON form (QSpec.to_json)."""
+    g = spec.get("granularity")
+    where = "tensor"
+    if isinstance(g, dict) and g.get("kind") == "channel":
+        where = f"axis {g.get('axis')}"
+    elif isinstance(g, dict) and g.get("kind") == "group":
+        where = f"group {g.get('size')}"
+    label = f"{spec.get('scheme')} {spec.get('dtype')} {where}"
+    return label + (" mse" if spec.get("range_method") == "mse" else "")
 
 
 def _manifest_text(manifest: dict[str, object]) -> str:

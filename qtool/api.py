@@ -1,7 +1,7 @@
 """The one entry point the CLI and tests call: plan, quantize, dequantize, compare, inspect, plot.
 
-It decides between a single file and a sharded checkpoint, so the engine modules never import
-each other in a circle. Engine modules that import torch are imported inside the functions:
+The engine runs single files and sharded checkpoints through one loop (a file is a one-shard
+source). Engine modules that import torch are imported inside the functions:
 `qtool --help`, `inspect` and header-only dry runs never pay for torch.
 """
 
@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.engine.plan import QuantizeOptions
-from qtool.io.index import is_sharded
 
 if TYPE_CHECKING:
     from qtool.results import (
@@ -59,15 +58,9 @@ def quantize(
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, or a sharded checkpoint (its index file or directory).
     `also`: files the caller writes afterwards (a plot), checked with the run's outputs."""
-    if is_sharded(src):
-        from qtool.engine.sharded import quantize_sharded
+    from qtool.engine import run
 
-        run = quantize_sharded
-    else:
-        from qtool.engine.run import quantize_file
-
-        run = quantize_file
-    return run(
+    return run.quantize(
         src,
         out,
         options,
@@ -89,13 +82,9 @@ def dequantize(
     force: bool = False,
 ) -> DequantizeSummary:
     """Dequantize a quantized file, or a quantized sharded checkpoint."""
-    if is_sharded(src):
-        from qtool.engine.sharded import dequantize_sharded
+    from qtool.engine import restore
 
-        return dequantize_sharded(src, out, dtype=dtype, force=force)
-    from qtool.engine.restore import dequantize_file
-
-    return dequantize_file(src, out, qparams=qparams, dtype=dtype, force=force)
+    return restore.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
 
 
 def compare(a: Path, b: Path) -> CompareSummary:

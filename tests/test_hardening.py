@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 
 from qtool import api
 from qtool.cli import app
-from qtool.engine import restore
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import OutputError, QtoolError, SidecarError
 from qtool.formats.qtool import parse_manifest, sidecar_path
+from qtool.formats.qtool_reader import QtoolReader
 from qtool.io.atomic import remove_stale_temps
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.stformat import HeaderError, parse_header, read_header
@@ -563,7 +563,7 @@ def _check_final_names(directory: Path, out: Path, previous: bytes | None) -> st
         return "nothing"
     read_header(out)  # the quantized file is never partial
     try:
-        restore.open_quantized(out).close()
+        QtoolReader(out).close()
         return "pair"
     except SidecarError as err:
         # Only an old quantized file beside a new sidecar, between the renames of a --force run.

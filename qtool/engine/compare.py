@@ -7,75 +7,17 @@ work. A is the reference: SQNR is A's energy over the energy of A - B. Streams t
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from qtool.dtypes import FLOAT_DTYPES
-from qtool.engine.restore import open_quantized
 from qtool.errors import InputError
-from qtool.formats.qtool import DIGEST_KEY, scale_name, zero_point_name
-from qtool.io.checkpoint import open_checkpoint
-from qtool.io.stformat import TensorEntry
-from qtool.numerics import kernels
+from qtool.formats import open_reader
+from qtool.formats.base import FloatReader
 from qtool.numerics.metrics import error_stats
 from qtool.results import CompareSummary, TensorRow
-
-
-class FloatSource:
-    """The tensors of one file as their float values (quantized ones reconstructed)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        probe = open_checkpoint(path)
-        self._pair = None
-        if DIGEST_KEY in (probe.metadata or {}):
-            probe.close()
-            self._pair = open_quantized(path)
-            self._ckpt = self._pair.ckpt
-        else:
-            self._ckpt = probe
-        self.entries = {e.name: e for e in self._ckpt.entries}
-
-    @property
-    def quantized(self) -> set[str]:
-        return set(self._pair.manifest.tensors) if self._pair else set()
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The logical shape: a quantized tensor has its original shape (codes may be packed)."""
-        if self._pair and name in self._pair.manifest.tensors:
-            return self._pair.manifest.tensors[name].shape
-        return self.entries[name].shape
-
-    def dtype(self, name: str) -> str:
-        """The logical dtype: a quantized tensor counts as its original dtype."""
-        if self._pair and name in self._pair.manifest.tensors:
-            return self._pair.manifest.tensors[name].orig_dtype
-        return self.entries[name].dtype
-
-    def values(self, name: str) -> torch.Tensor:
-        entry = self.entries[name]
-        if self._pair is None or name not in self._pair.manifest.tensors:
-            return self._ckpt.tensor(entry)
-        record = self._pair.manifest.tensors[name]
-        side = self._pair.sidecar.by_name()
-        return kernels.dequantize(
-            self._ckpt.tensor(entry),
-            self._pair.sidecar.tensor(side[scale_name(name)]),
-            self._pair.sidecar.tensor(side[zero_point_name(name)]),
-            record.spec,
-            shape=record.shape,
-        )
-
-    def release(self, name: str) -> None:
-        self._ckpt.release(self.entries[name])
-
-    def close(self) -> None:
-        if self._pair is not None:
-            self._pair.close()
-        else:
-            self._ckpt.close()
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
@@ -83,70 +25,71 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
     for path in (a, b):
         if path.is_dir() or path.name.endswith(".index.json"):
             raise InputError(path, "compare works on single files; compare the shards one by one")
-    left = FloatSource(a)
+    left = open_reader(a)
     try:
-        right = FloatSource(b)
+        right = open_reader(b)
     except BaseException:
         left.close()
         raise
     try:
-        names = list(left.entries) + [n for n in right.entries if n not in left.entries]
-        rows = [_compare_one(left, right, name) for name in names]
+        in_left, in_right = set(left.names), set(right.names)
+        names = left.names + [n for n in right.names if n not in in_left]
+        rows = [_compare_one(left, right, name, in_left, in_right) for name in names]
     finally:
         left.close()
         right.close()
     return CompareSummary(inputs=[str(a), str(b)], rows=rows)
 
 
-def _compare_one(left: FloatSource, right: FloatSource, name: str) -> TensorRow:
-    ea, eb = left.entries.get(name), right.entries.get(name)
-    if ea is None or eb is None:
-        present = ea or eb
-        assert present is not None
-        where = "B" if ea is not None else "A"
-        return _row(name, present, ea, eb, left, right, f"missing in {where}", mismatch=True)
+def _compare_one(
+    left: FloatReader, right: FloatReader, name: str, in_left: set[str], in_right: set[str]
+) -> TensorRow:
+    sides = _Sides(left, right, name, name in in_left, name in in_right)
+    if not (sides.in_a and sides.in_b):
+        return sides.row(f"missing in {'B' if sides.in_a else 'A'}", mismatch=True)
     if left.shape(name) != right.shape(name):
         detail = f"shape mismatch: {list(left.shape(name))} vs {list(right.shape(name))}"
-        return _row(name, ea, ea, eb, left, right, detail, mismatch=True)
+        return sides.row(detail, mismatch=True)
     da, db = left.dtype(name), right.dtype(name)
     if (da in FLOAT_DTYPES) != (db in FLOAT_DTYPES):
-        return _row(name, ea, ea, eb, left, right, f"dtype mismatch: {da} vs {db}", mismatch=True)
+        return sides.row(f"dtype mismatch: {da} vs {db}", mismatch=True)
     x, y = left.values(name), right.values(name)
     if da not in FLOAT_DTYPES:
         same = x.dtype == y.dtype and torch.equal(x, y)
-        detail = "identical" if same else "values differ"
-        return _row(name, ea, ea, eb, left, right, detail, mismatch=not same)
-    stats = error_stats(x, y) if ea.numel else None
+        return sides.row("identical" if same else "values differ", mismatch=not same)
+    stats = error_stats(x, y) if x.numel() else None
     left.release(name)
     right.release(name)
-    label = _label(left, right, name)
-    return replace(_row(name, ea, ea, eb, left, right, label, mismatch=False), errors=stats)
+    return replace(sides.row(_label(left, right, name), mismatch=False), errors=stats)
 
 
-def _label(left: FloatSource, right: FloatSource, name: str) -> str:
-    sides = ["dequantized" if name in s.quantized else s.dtype(name) for s in (left, right)]
+def _label(left: FloatReader, right: FloatReader, name: str) -> str:
+    sides = [
+        "dequantized" if s.quantization(name) is not None else s.dtype(name) for s in (left, right)
+    ]
     return f"{sides[0]} vs {sides[1]}"
 
 
-def _row(
-    name: str,
-    entry: TensorEntry,
-    ea: TensorEntry | None,
-    eb: TensorEntry | None,
-    left: FloatSource,
-    right: FloatSource,
-    detail: str,
-    *,
-    mismatch: bool,
-) -> TensorRow:
-    return TensorRow(
-        name=name,
-        shape=entry.shape,
-        dtype=left.dtype(name) if ea else "-",
-        out_dtype=right.dtype(name) if eb else "-",
-        quantized=not mismatch,
-        detail=detail,
-        bytes_in=ea.nbytes if ea else 0,
-        bytes_out=eb.nbytes if eb else 0,
-        mismatch=mismatch,
-    )
+@dataclass(frozen=True)
+class _Sides:
+    """One tensor name as seen in A and in B."""
+
+    left: FloatReader
+    right: FloatReader
+    name: str
+    in_a: bool
+    in_b: bool
+
+    def row(self, detail: str, *, mismatch: bool) -> TensorRow:
+        reader = self.left if self.in_a else self.right
+        return TensorRow(
+            name=self.name,
+            shape=reader.shape(self.name),
+            dtype=self.left.dtype(self.name) if self.in_a else "-",
+            out_dtype=self.right.dtype(self.name) if self.in_b else "-",
+            quantized=not mismatch,
+            detail=detail,
+            bytes_in=self.left.nbytes(self.name) if self.in_a else 0,
+            bytes_out=self.right.nbytes(self.name) if self.in_b else 0,
+            mismatch=mismatch,
+        )

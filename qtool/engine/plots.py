@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
-from qtool.engine.run import protected_paths
+from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
+from qtool.formats import open_reader
 from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
@@ -125,12 +126,10 @@ def plot_quantize(
 
 
 def plot_compare(summary: CompareSummary, path: Path, *, force: bool = False) -> None:
-    from qtool.engine.compare import FloatSource
-
     plt = _pyplot()
     worst = _worst(summary.rows)
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    a, b = FloatSource(Path(summary.inputs[0])), FloatSource(Path(summary.inputs[1]))
+    a, b = open_reader(Path(summary.inputs[0])), open_reader(Path(summary.inputs[1]))
     try:
         for r in worst:
             pairs[r.name] = (a.values(r.name).float(), b.values(r.name).float())

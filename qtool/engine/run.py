@@ -1,17 +1,18 @@
-"""Quantize a checkpoint file: the per-tensor loop, returning a summary.
+"""The quantize loop: one for single files and sharded checkpoints alike (a file is a one-shard
+source), feeding any output format through its writer.
 
-One tensor at a time: read (zero-copy) -> quantize and measure -> write, then the next; nothing
-holds the whole checkpoint. Everything is validated before the first output byte is written, and
-outputs appear only complete (atomic.OutputSet). Knows nothing of Rich or Typer.
+One tensor at a time: read (zero-copy) -> quantize and measure -> hand to the format's writer,
+then the next; nothing holds the whole checkpoint. Everything is planned and validated before
+the first output byte is written, and outputs appear only complete (atomic.OutputSet). Knows
+nothing of Rich or Typer.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,32 +24,25 @@ from qtool.engine.plan import (
     plan_tensors,
     planned_row,
 )
+from qtool.engine.source import (
+    Source,
+    Target,
+    finish_directory,
+    open_source,
+    prepared,
+    protected_paths,
+    target_for,
+)
 from qtool.errors import DeviceError, NumericError
-from qtool.formats.qtool import (
-    DIGEST_KEY,
-    SIDECAR_KEY,
-    Manifest,
-    Record,
-    choice_name,
-    manifest_metadata,
-    scale_name,
-    sidecar_path,
-    zero_point_name,
-)
+from qtool.formats import output_format
+from qtool.formats.base import OutputFormat, ShardWriter
+from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
-from qtool.io.checkpoint import (
-    TORCH_TO_ST,
-    Checkpoint,
-    StreamingWriter,
-    open_checkpoint,
-    tensor_bytes,
-)
-from qtool.io.stformat import TensorEntry, build_header
+from qtool.io.checkpoint import Checkpoint, open_checkpoint
+from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import kernels
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeSummary, TensorRow
-
-_PLACEHOLDER_DIGEST = "0" * 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,11 +56,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def protected_paths(inputs: Iterable[Path]) -> list[Path]:
-    """The inputs and the qparams sidecar beside each: no output may replace any of them."""
-    return [q for p in inputs for q in (p, sidecar_path(p))]
-
-
 def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
     """Before any data is read: refuse an output that would overwrite an input (or its
     sidecar), an existing file (without --force) or anything but a regular file, or that cannot
@@ -74,11 +63,21 @@ def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int =
     preflight([out], protected_paths(inputs), force=force, needed_bytes=needed_bytes)
 
 
-def quantize_file(
+@dataclass(frozen=True)
+class Run:
+    """How a run goes: where the kernels run, what it writes over, what it reports to."""
+
+    device: torch.device
+    force: bool = False
+    progress: Progress | None = None
+
+
+def quantize(
     src: Path,
     out: Path | None,
     options: QuantizeOptions,
     *,
+    fmt: str = "qtool",
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
@@ -86,109 +85,146 @@ def quantize_file(
     progress: Progress | None = None,
     also: Sequence[Path] = (),
 ) -> QuantizeSummary:
-    """Quantize the checkpoint `src` into `out` plus its sidecar. A dry run only plans (from
-    the header); with `estimate` it also measures the error, and writes nothing either way."""
+    """Quantize a checkpoint file or a sharded checkpoint. A dry run only plans (from headers);
+    with `estimate` it also measures the error, and writes nothing either way. `also`: files the
+    caller writes afterwards (a plot), checked with the run's outputs."""
     started = time.perf_counter()
-    dev = resolve_device(device)
-    out = out or default_quantized_path(src, options.spec.dtype.value)
-    ckpt = open_checkpoint(src)
+    run = Run(resolve_device(device), force, progress)
+    source = open_source(src)
+    dtype = options.spec.dtype.value
+    target = target_for(source, out, default_quantized_path(src, dtype), dtype)
+    writer_format = output_format(fmt)
+    shards = _Shards(source, options)
     try:
-        plans = plan_tensors(src, ckpt.entries, options)
-        side = sidecar_path(out)
+        plans = shards.plans()
+        summary = _Summary(source, target, writer_format, options, run, started, shards)
         if dry_run:
-            preflight(also, protected_paths([src]), force=force)
-            if options.keep_nonfinite and estimate:
-                plans = keep_nonfinite(ckpt, plans)
-            rows = estimate_rows(ckpt, plans, dev) if estimate else [planned_row(p) for p in plans]
-            return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
+            preflight(also, source.protected, force=force)
+            rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
+            return summary.of(rows, dry_run=True)
         needed = sum(p.out_nbytes for p in plans)
-        preflight([out, side, *also], protected_paths([src]), force=force, needed_bytes=needed)
-        stale = remove_stale_temps(out.parent)
-        if options.keep_nonfinite:
-            plans = keep_nonfinite(ckpt, plans)
-        if progress is not None:
-            progress.start(sum(p.entry.nbytes for p in plans))
-        with OutputSet() as outputs:
-            rows = write_quantized(ckpt, plans, out, outputs, dev, progress)
-            outputs.commit()
-        return _summary(src, [out, side], rows, options, dev, ckpt, stale, started)
+        with prepared(source, target, writer_format.layout, force, also, needed) as notes:
+            stale = remove_stale_temps(target.directory or target.shard_outputs[0].parent)
+            rows = _write(shards, target, writer_format, run)
+        return replace(summary.of(rows), stale_temps_removed=stale, notes=notes)
     finally:
-        ckpt.close()
+        shards.close()
 
 
-def _summary(
-    src: Path,
-    outs: list[Path],
-    rows: list[TensorRow],
-    options: QuantizeOptions,
-    dev: torch.device,
-    ckpt: Checkpoint,
-    stale: int,
-    started: float,
-    dry_run: bool = False,
-) -> QuantizeSummary:
-    return QuantizeSummary(
-        inputs=[str(src)],
-        outputs=[str(p) for p in outs],
-        rows=rows,
-        spec=options.spec.describe(),
-        device=str(dev),
-        dry_run=dry_run,
-        skipped=list(ckpt.skipped),
-        stale_temps_removed=stale,
-        seconds=time.perf_counter() - started,
-    )
+class _Shards:
+    """The shards of a source, planned from their headers first and opened one at a time
+    (a torch pickle must be loaded to be planned; it is loaded once)."""
+
+    def __init__(self, source: Source, options: QuantizeOptions) -> None:
+        self.source, self.options = source, options
+        self._open: dict[Path, Checkpoint] = {}
+        self._plans: dict[Path, list[TensorPlan]] = {}
+        self.skipped: list[str] = []
+
+    def plans(self) -> list[TensorPlan]:
+        for shard in self.source.shards:
+            self._plans[shard] = plan_tensors(shard, self._entries(shard), self.options)
+        return [p for shard in self.source.shards for p in self._plans[shard]]
+
+    def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
+        ckpt = self._checkpoint(shard)
+        plans = self._plans[shard]
+        if self.options.keep_nonfinite:
+            plans = keep_nonfinite(ckpt, plans)
+        return ckpt, plans
+
+    def done(self, shard: Path) -> None:
+        ckpt = self._open.pop(shard, None)
+        if ckpt is not None:
+            self.skipped += ckpt.skipped
+            ckpt.close()
+
+    def close(self) -> None:
+        for shard in list(self._open):
+            self.done(shard)
+
+    @property
+    def skipped_entries(self) -> list[str]:
+        """Non-tensor entries of the pickles read so far (and still open)."""
+        return self.skipped + [s for ckpt in self._open.values() for s in ckpt.skipped]
+
+    def _entries(self, shard: Path) -> tuple[TensorEntry, ...]:
+        if self.source.index is not None:  # shards are safetensors, validated with the index
+            return read_header(shard).tensors
+        return self._checkpoint(shard).entries
+
+    def _checkpoint(self, shard: Path) -> Checkpoint:
+        if shard not in self._open:
+            self._open[shard] = open_checkpoint(shard)
+        return self._open[shard]
 
 
-def write_quantized(
-    ckpt: Checkpoint,
-    plans: list[TensorPlan],
-    out: Path,
-    outputs: OutputSet,
-    dev: torch.device,
-    progress: Progress | None = None,
+def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
+    """The rows a real run would report, error figures included, without writing anything."""
+    rows: list[TensorRow] = []
+    for shard in shards.source.shards:
+        ckpt, plans = shards.checkpoint_plans(shard)
+        rows += estimate_rows(ckpt, plans, run.device)
+        shards.done(shard)
+    return rows
+
+
+def _write(shards: _Shards, target: Target, fmt: OutputFormat, run: Run) -> list[TensorRow]:
+    """Every shard through the format's writer, then (sharded) companions and the index."""
+    if run.progress is not None:
+        run.progress.start(sum(p.entry.nbytes for p in shards.plans()))
+    rows: list[TensorRow] = []
+    with OutputSet() as outputs:
+        for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
+            ckpt, plans = shards.checkpoint_plans(shard)
+            writer = fmt.writer(plans, ckpt.metadata, out, outputs)
+            rows += write_shard(ckpt, plans, writer, run)
+            shards.done(shard)
+        total = sum(r.bytes_out for r in rows)
+        finish_directory(outputs, shards.source, target, total, _index_section(shards, target))
+        outputs.commit()
+    return rows
+
+
+def _index_section(shards: _Shards, target: Target) -> dict[str, object]:
+    sidecars = {out.name: sidecar_path(out).name for out in target.shard_outputs}
+    return {"format": "qtool.sharded", "format_version": 1, "sidecars": sidecars}
+
+
+def write_shard(
+    ckpt: Checkpoint, plans: list[TensorPlan], writer: ShardWriter, run: Run
 ) -> list[TensorRow]:
-    """Stream the quantized file and then its sidecar into `outputs`; rows in file order."""
-    side = sidecar_path(out)
-    metadata = carried_metadata(ckpt.metadata)
-    metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
-    specs = [(p.entry.name, p.out_dtype, p.out_shape) for p in plans]
-    header_bytes, header = build_header(specs, metadata)
-    writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
+    """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
+
+    Tensor k is handed to the writer by a background thread while tensor k+1 is quantized (the
+    write syscalls and the torch kernels both release the GIL). Two workspaces alternate, so
+    the codes being written are never the ones being computed."""
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
-    qparams: dict[str, dict[str, torch.Tensor]] = {}
-    # Tensor k is written by a background thread while tensor k+1 is quantized (the write
-    # syscalls and the torch kernels both release the GIL). Two workspaces alternate, so the
-    # codes being written are never the ones being computed.
-    workspaces = (kernels.Workspace(dev), kernels.Workspace(dev))
-    with _BackgroundWriter(writer, ckpt) as background:
-        for k, entry in enumerate(header.tensors):
+    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    with _BackgroundWriter(ckpt) as background:
+        for k, entry in enumerate(writer.order):
             plan = by_name[entry.name]
             if plan.spec is None:
-                data = ckpt.raw(plan.entry)
+                background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
                 result = _quantize_one(ckpt, plan, workspaces[k % 2])
-                data = tensor_bytes(result.q.cpu())
-                qparams[entry.name] = _qparams(entry.name, result)
+                background.submit(entry, writer.quantized, entry, plan.spec, result)
                 rows[entry.name] = _quantized_row(plan, result)
-            background.write(plan.entry, data)
-            if progress is not None:
-                progress.advance(entry.name, plan.entry.nbytes)
+            if run.progress is not None:
+                run.progress.advance(entry.name, entry.nbytes)
     ckpt.check_unchanged()
-    digest = _write_sidecar(outputs, side, out.name, by_name, qparams)
-    final_header, _ = build_header(specs, metadata | {DIGEST_KEY: digest})
-    writer.finish(final_header)
+    writer.finish()
     return [rows[p.entry.name] for p in plans]
 
 
 class _BackgroundWriter:
-    """At most one write in flight: `write` waits for the previous one, then hands this one to
-    a worker thread; leaving the context waits for the last (and re-raises its error)."""
+    """At most one write in flight: `submit` waits for the previous one, then hands this one
+    to a worker thread; leaving the context waits for the last (and re-raises its error)."""
 
-    def __init__(self, writer: StreamingWriter, ckpt: Checkpoint) -> None:
-        self._writer, self._ckpt = writer, ckpt
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self._ckpt = ckpt
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtool-write")
         self._pending: Future[None] | None = None
 
@@ -201,12 +237,12 @@ class _BackgroundWriter:
         finally:
             self._pool.shutdown(wait=True)
 
-    def write(self, entry: TensorEntry, data: memoryview) -> None:
+    def submit(self, entry: TensorEntry, write: object, *args: object) -> None:
         self._wait()
-        self._pending = self._pool.submit(self._write, entry, data)
+        self._pending = self._pool.submit(self._write, entry, write, args)
 
-    def _write(self, entry: TensorEntry, data: memoryview) -> None:
-        self._writer.write(entry.name, data)
+    def _write(self, entry: TensorEntry, write: object, args: tuple[object, ...]) -> None:
+        write(*args)  # type: ignore[operator]
         self._ckpt.release(entry)
 
     def _wait(self) -> None:
@@ -261,49 +297,34 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
     return out
 
 
-def _write_sidecar(
-    outputs: OutputSet,
-    side: Path,
-    quantized_name: str,
-    plans: dict[str, TensorPlan],
-    qparams: dict[str, dict[str, torch.Tensor]],
-) -> str:
-    """Write the sidecar; return the SHA-256 of its data section."""
-    records = {name: _record(plans[name]) for name in sorted(qparams)}
-    tensors = {key: t for name, parts in qparams.items() for key, t in parts.items()}
-    metadata = manifest_metadata(Manifest(quantized_name, records))
-    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
-    header_bytes, header = build_header(specs, metadata)
-    writer = StreamingWriter(outputs.create(side), header_bytes, header, side)
-    digest = hashlib.sha256()
-    for entry in header.tensors:
-        data = tensor_bytes(tensors[entry.name])
-        digest.update(data)
-        writer.write(entry.name, data)
-    writer.finish()
-    return digest.hexdigest()
-
-
-def _qparams(name: str, result: kernels.QuantizedTensor) -> dict[str, torch.Tensor]:
-    """The sidecar tensors of one quantized tensor, by their names in the sidecar."""
-    parts = {scale_name(name): result.scale, zero_point_name(name): result.zero_point}
-    if result.choice is not None:
-        parts[choice_name(name)] = result.choice
-    return {key: t.cpu() for key, t in parts.items()}
-
-
-def _record(plan: TensorPlan) -> Record:
-    spec = plan.spec
-    assert spec is not None
-    candidates = kernels.search_candidates(spec, plan.entry.shape)
-    return Record(spec, plan.entry.dtype, plan.entry.shape, candidates)
-
-
-def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
-    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
-
-
 def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
     scale_range = (float(result.scale.min()), float(result.scale.max()))
     return replace(planned_row(plan), errors=result.errors, scale_range=scale_range)
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """What the summary of this run says besides its rows."""
+
+    source: Source
+    target: Target
+    fmt: OutputFormat
+    options: QuantizeOptions
+    run: Run
+    started: float
+    shards: _Shards
+
+    def of(self, rows: list[TensorRow], dry_run: bool = False) -> QuantizeSummary:
+        outputs = self.target.named
+        if self.target.directory is None:
+            outputs = self.fmt.layout(self.target.shard_outputs[0])
+        return QuantizeSummary(
+            inputs=[str(self.source.path)],
+            outputs=[str(p) for p in outputs],
+            rows=rows,
+            spec=self.options.spec.describe(),
+            device=str(self.run.device),
+            dry_run=dry_run,
+            skipped=self.shards.skipped_entries,
+            seconds=time.perf_counter() - self.started,
+        )

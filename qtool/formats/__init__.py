@@ -1,1 +1,36 @@
-"""On-disk quantized formats, each behind one small protocol."""
+"""On-disk quantized formats, each behind one small protocol (formats/base.py): a registry of
+output formats by name, and `open_reader`, which detects what a file is and reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qtool.formats.base import FloatReader, OutputFormat
+
+
+def output_format(name: str) -> OutputFormat:
+    """The output format registered under `name` (ValueError for an unknown one)."""
+    from qtool.formats.qtool_writer import QtoolFormat
+
+    formats: dict[str, OutputFormat] = {"qtool": QtoolFormat()}
+    if name not in formats:
+        raise ValueError(f"unknown format {name!r}; choose one of {', '.join(formats)}")
+    return formats[name]
+
+
+def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
+    """Any checkpoint as float tensors: a qtool-quantized file (with its sidecar, or `qparams`)
+    is dequantized on the fly; a plain checkpoint is read as it is."""
+    from qtool.formats.dense import DenseReader
+    from qtool.formats.qtool_reader import QtoolReader, is_qtool_quantized
+    from qtool.io.checkpoint import open_checkpoint
+
+    if qparams is not None:
+        return QtoolReader(path, qparams)
+    probe = open_checkpoint(path)
+    if not is_qtool_quantized(probe.metadata):
+        return DenseReader(path, probe)
+    probe.close()
+    return QtoolReader(path)

@@ -1,0 +1,123 @@
+"""The dense format: plain float checkpoints. Reading one through the same interface as a
+quantized file (nothing is quantized), and writing any reader's tensors back as a float
+checkpoint (what `qtool dequantize` writes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qtool.dtypes import RESTORE_DTYPES
+from qtool.errors import OutputError
+from qtool.formats.base import FloatReader
+from qtool.formats.qtool_writer import carried_metadata
+from qtool.io.atomic import OutputSet, describe_os_error
+from qtool.io.checkpoint import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    Checkpoint,
+    StreamingWriter,
+    open_checkpoint,
+    tensor_bytes,
+)
+from qtool.io.stformat import build_header
+from qtool.results import DequantizedRow
+from qtool.spec import QSpec
+
+
+class DenseReader:
+    def __init__(self, path: Path, ckpt: Checkpoint | None = None) -> None:
+        self.path = path
+        self.ckpt = ckpt or open_checkpoint(path)
+        self._entries = self.ckpt.by_name()
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.ckpt.entries]
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return self.ckpt.metadata
+
+    def quantization(self, name: str) -> QSpec | None:
+        return None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self._entries[name].dtype
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.ckpt.tensor(self._entries[name])
+        return t if dtype is None else t.to(dtype)
+
+    def raw(self, name: str) -> memoryview:
+        return self.ckpt.raw(self._entries[name])
+
+    def nbytes(self, name: str) -> int:
+        return self._entries[name].nbytes
+
+    def release(self, name: str) -> None:
+        self.ckpt.release(self._entries[name])
+
+    def check_unchanged(self) -> None:
+        self.ckpt.check_unchanged()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def restored_dtype(reader: FloatReader, name: str, dtype: str) -> str:
+    """The dtype a tensor is written in: dequantized ones as asked ('original': as they were),
+    the others as stored."""
+    if reader.quantization(name) is None or dtype == "original":
+        return reader.dtype(name)
+    return RESTORE_DTYPES[dtype]
+
+
+def write_dense(
+    reader: FloatReader, out: Path, outputs: OutputSet, dtype: str
+) -> list[DequantizedRow]:
+    """A float checkpoint with the original names and shapes: a torch pickle when `out` ends in
+    .pt/.pth/.bin, else safetensors (streamed; tensors that were not quantized byte for byte)."""
+    if out.suffix in (".pt", ".pth", ".bin"):
+        return _write_pickle(reader, out, outputs, dtype)
+    names = reader.names
+    specs = [(n, restored_dtype(reader, n, dtype), reader.shape(n)) for n in names]
+    header_bytes, header = build_header(specs, carried_metadata(reader.metadata) or None)
+    writer = StreamingWriter(outputs.create(out), header_bytes, header, out)
+    rows: dict[str, DequantizedRow] = {}
+    for entry in header.tensors:
+        restored = reader.quantization(entry.name) is not None
+        if restored:
+            data = tensor_bytes(reader.values(entry.name, ST_TO_TORCH[entry.dtype]))
+        else:
+            data = reader.raw(entry.name)
+        writer.write(entry.name, data)
+        reader.release(entry.name)
+        rows[entry.name] = DequantizedRow(
+            entry.name, entry.shape, entry.dtype, restored, entry.nbytes
+        )
+    writer.finish()
+    reader.check_unchanged()
+    return [rows[n] for n in names]
+
+
+def _write_pickle(
+    reader: FloatReader, out: Path, outputs: OutputSet, dtype: str
+) -> list[DequantizedRow]:
+    """torch.save needs the whole state dict in memory; .safetensors output streams instead."""
+    state: dict[str, torch.Tensor] = {}
+    rows = []
+    for name in reader.names:
+        restored = reader.quantization(name) is not None
+        t = reader.values(name, ST_TO_TORCH[restored_dtype(reader, name, dtype)])
+        state[name] = t if restored else t.clone()
+        rows.append(DequantizedRow(name, tuple(t.shape), TORCH_TO_ST[t.dtype], restored, t.nbytes))
+    try:
+        torch.save(state, outputs.create(out))
+    except OSError as err:
+        raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
+    return rows

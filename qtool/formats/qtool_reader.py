@@ -1,0 +1,158 @@
+"""Reading the qtool format: a quantized file opened with its sidecar, the pair checked to
+belong together, and every tensor given back as float values (dequantized on the fly). The one
+place that dequantizes through a sidecar: dequantize, compare and plots all read through it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qtool.dtypes import RESTORE_DTYPES
+from qtool.errors import SidecarError
+from qtool.formats.qtool import (
+    DIGEST_KEY,
+    Manifest,
+    Record,
+    data_digest,
+    parse_manifest,
+    scale_name,
+    sidecar_path,
+    validate_qparams,
+    zero_point_name,
+)
+from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
+from qtool.io.stformat import TensorEntry, read_header
+from qtool.numerics import kernels
+from qtool.spec import QSpec, packed_shape
+
+
+def is_qtool_quantized(metadata: dict[str, str] | None) -> bool:
+    """Whether a file's metadata marks it as a quantized file of the qtool format."""
+    return DIGEST_KEY in (metadata or {})
+
+
+class QtoolReader:
+    """A quantized file and its validated sidecar, read as float tensors."""
+
+    def __init__(self, src: Path, qparams: Path | None = None) -> None:
+        self.path = src
+        self.sidecar_path = qparams or sidecar_path(src)
+        ckpt = open_checkpoint(src)
+        if not self.sidecar_path.exists():
+            ckpt.close()
+            raise SidecarError(
+                self.sidecar_path,
+                f"no qparams sidecar for {src.name}; pass --qparams PATH if it was moved",
+            )
+        sidecar = open_checkpoint(self.sidecar_path)
+        try:
+            self.manifest: Manifest = parse_manifest(self.sidecar_path, sidecar.metadata)
+            _check_binding(src, ckpt, self.sidecar_path)
+            _check_pair(src, ckpt, self.sidecar_path, sidecar, self.manifest)
+        except Exception:
+            ckpt.close()
+            sidecar.close()
+            raise
+        self.ckpt, self.sidecar = ckpt, sidecar
+        self._entries = ckpt.by_name()
+        self._side_entries = sidecar.by_name()
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.ckpt.entries]
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return self.ckpt.metadata
+
+    def entry(self, name: str) -> TensorEntry:
+        """The tensor as stored in the quantized file (codes for a quantized tensor)."""
+        return self._entries[name]
+
+    def record(self, name: str) -> Record | None:
+        return self.manifest.tensors.get(name)
+
+    def quantization(self, name: str) -> QSpec | None:
+        record = self.record(name)
+        return record.spec if record is not None else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        record = self.record(name)
+        return record.shape if record is not None else self._entries[name].shape
+
+    def dtype(self, name: str) -> str:
+        record = self.record(name)
+        return record.orig_dtype if record is not None else self._entries[name].dtype
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        record = self.record(name)
+        entry = self._entries[name]
+        if record is None:
+            return self.ckpt.tensor(entry)
+        return kernels.dequantize(
+            self.ckpt.tensor(entry),
+            self.sidecar.tensor(self._side_entries[scale_name(name)]),
+            self.sidecar.tensor(self._side_entries[zero_point_name(name)]),
+            record.spec,
+            dtype or ST_TO_TORCH[record.orig_dtype],
+            shape=record.shape,
+        )
+
+    def raw(self, name: str) -> memoryview:
+        return self.ckpt.raw(self._entries[name])
+
+    def nbytes(self, name: str) -> int:
+        return self._entries[name].nbytes
+
+    def release(self, name: str) -> None:
+        self.ckpt.release(self._entries[name])
+
+    def check_unchanged(self) -> None:
+        self.ckpt.check_unchanged()
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.sidecar.close()
+
+
+def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path) -> None:
+    expected = (ckpt.metadata or {}).get(DIGEST_KEY)
+    if expected is None:
+        raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
+    if data_digest(side_path, read_header(side_path)) != expected:
+        raise SidecarError(
+            side_path,
+            f"does not belong to {src.name} (digest mismatch: from another run or file); "
+            "re-run quantize to produce a matching pair",
+        )
+
+
+def _check_pair(
+    src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint, manifest: Manifest
+) -> None:
+    entries, side_entries = ckpt.by_name(), sidecar.by_name()
+    for name, record in manifest.tensors.items():
+        entry = entries.get(name)
+        if entry is None:
+            raise SidecarError(side_path, f"describes a tensor missing from {src.name}", name)
+        stored = packed_shape(record.shape) if record.spec.dtype.packed else record.shape
+        if entry.dtype != record.spec.dtype.safetensors_dtype or entry.shape != stored:
+            raise SidecarError(
+                side_path,
+                f"says {record.spec.dtype.value} {list(record.shape)} but {src.name} holds "
+                f"{entry.dtype} {list(entry.shape)}",
+                name,
+            )
+        if record.orig_dtype not in RESTORE_DTYPES.values() and record.orig_dtype != "F64":
+            raise SidecarError(side_path, f"unknown original dtype {record.orig_dtype}", name)
+        for key in (scale_name(name), zero_point_name(name)):
+            if key not in side_entries:
+                raise SidecarError(side_path, f"tensor {key!r} is missing", name)
+        validate_qparams(
+            side_path,
+            name,
+            record,
+            sidecar.tensor(side_entries[scale_name(name)]),
+            sidecar.tensor(side_entries[zero_point_name(name)]),
+        )

@@ -1,0 +1,132 @@
+"""Writing the qtool format: the quantized file (every tensor under its own name, codes as
+I8/U8, 4-bit packed) streamed tensor by tensor, then its qparams sidecar, then the quantized
+file's header again with the digest that binds the two (formats/qtool.py has the names)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from qtool.formats.base import Planned
+from qtool.formats.qtool import (
+    DIGEST_KEY,
+    SIDECAR_KEY,
+    Manifest,
+    Record,
+    choice_name,
+    manifest_metadata,
+    scale_name,
+    sidecar_path,
+    zero_point_name,
+)
+from qtool.io.atomic import OutputSet
+from qtool.io.checkpoint import TORCH_TO_ST, StreamingWriter, tensor_bytes
+from qtool.io.stformat import TensorEntry, build_header
+from qtool.numerics.kernels import QuantizedTensor, search_candidates
+from qtool.spec import QSpec, packed_shape
+
+_PLACEHOLDER_DIGEST = "0" * 64
+
+
+def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
+    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
+
+
+def stored_dtype_shape(entry: TensorEntry, spec: QSpec | None) -> tuple[str, tuple[int, ...]]:
+    """How a tensor is stored in the quantized file: as it is, or its (packed) codes."""
+    if spec is None:
+        return entry.dtype, entry.shape
+    shape = packed_shape(entry.shape) if spec.dtype.packed else entry.shape
+    return spec.dtype.safetensors_dtype, shape
+
+
+class QtoolFormat:
+    """qtool's own format: codes under the original names, and a sidecar of qparams."""
+
+    name = "qtool"
+
+    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+        return None  # every granularity, storage dtype and range method
+
+    def layout(self, out: Path) -> list[Path]:
+        return [out, sidecar_path(out)]
+
+    def writer(
+        self,
+        planned: Sequence[Planned],
+        metadata: dict[str, str] | None,
+        out: Path,
+        outputs: OutputSet,
+    ) -> QtoolShardWriter:
+        return QtoolShardWriter(planned, metadata, out, outputs)
+
+
+class QtoolShardWriter:
+    """One quantized file and its sidecar. The quantized file is written in its header's order
+    (the reference writer's), its header rewritten at the end with the sidecar's digest."""
+
+    def __init__(
+        self,
+        planned: Sequence[Planned],
+        metadata: dict[str, str] | None,
+        out: Path,
+        outputs: OutputSet,
+    ) -> None:
+        self._out, self._outputs = out, outputs
+        self._side = sidecar_path(out)
+        self._metadata = carried_metadata(metadata) | {SIDECAR_KEY: self._side.name}
+        self._specs = [(p.entry.name, *stored_dtype_shape(p.entry, p.spec)) for p in planned]
+        self._planned = {p.entry.name: p for p in planned}
+        header_bytes, header = build_header(self._specs, self._header_metadata(_PLACEHOLDER_DIGEST))
+        self._writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
+        self.order = [self._planned[e.name].entry for e in header.tensors]
+        self._qparams: dict[str, dict[str, torch.Tensor]] = {}
+
+    def keep(self, entry: TensorEntry, data: memoryview) -> None:
+        self._writer.write(entry.name, data)
+
+    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+        self._writer.write(entry.name, tensor_bytes(result.q.cpu()))
+        parts = {
+            scale_name(entry.name): result.scale,
+            zero_point_name(entry.name): result.zero_point,
+        }
+        if result.choice is not None:
+            parts[choice_name(entry.name)] = result.choice
+        self._qparams[entry.name] = {key: t.cpu() for key, t in parts.items()}
+
+    def finish(self) -> None:
+        digest = self._write_sidecar()
+        final_header, _ = build_header(self._specs, self._header_metadata(digest))
+        self._writer.finish(final_header)
+
+    def _header_metadata(self, digest: str) -> dict[str, str]:
+        return self._metadata | {DIGEST_KEY: digest}
+
+    def _write_sidecar(self) -> str:
+        """Write the sidecar; return the SHA-256 of its data section."""
+        records = {name: self._record(name) for name in sorted(self._qparams)}
+        tensors = {key: t for parts in self._qparams.values() for key, t in parts.items()}
+        metadata = manifest_metadata(Manifest(self._out.name, records))
+        specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+        header_bytes, header = build_header(specs, metadata)
+        side = self._side
+        writer = StreamingWriter(self._outputs.create(side), header_bytes, header, side)
+        digest = hashlib.sha256()
+        for entry in header.tensors:
+            data = tensor_bytes(tensors[entry.name])
+            digest.update(data)
+            writer.write(entry.name, data)
+        writer.finish()
+        return digest.hexdigest()
+
+    def _record(self, name: str) -> Record:
+        planned = self._planned[name]
+        spec = planned.spec
+        assert spec is not None
+        candidates = search_candidates(spec, planned.entry.shape)
+        return Record(spec, planned.entry.dtype, planned.entry.shape, candidates)

@@ -15,6 +15,7 @@ import torch
 from qtool import kernels
 from qtool.checkpoint import open_checkpoint
 from qtool.errors import InputError
+from qtool.index import is_sharded, load_index
 from qtool.metrics import error_stats
 from qtool.restore import open_quantized
 from qtool.sidecar import DIGEST_KEY, scale_name, zero_point_name
@@ -71,10 +72,14 @@ class FloatSource:
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B."""
-    for path in (a, b):
-        if path.is_dir() or path.name.endswith(".index.json"):
-            raise InputError(path, "compare works on single files; compare the shards one by one")
+    """One row per tensor name of A, then those only in B; sharded sets shard by shard."""
+    if is_sharded(a) or is_sharded(b):
+        return _compare_sharded(a, b)
+    return CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+
+
+def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[TensorRow]:
+    """Rows for the tensors of two files (all of them, or those in `names`), in A's order."""
     left = FloatSource(a)
     try:
         right = FloatSource(b)
@@ -82,12 +87,45 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
         left.close()
         raise
     try:
-        names = list(left.entries) + [n for n in right.entries if n not in left.entries]
-        rows = [_compare_one(left, right, name) for name in names]
+        order = list(left.entries) + [n for n in right.entries if n not in left.entries]
+        return [_compare_one(left, right, n) for n in order if names is None or n in names]
     finally:
         left.close()
         right.close()
-    return CompareSummary(inputs=[str(a), str(b)], rows=rows)
+
+
+def _compare_sharded(a: Path, b: Path) -> CompareSummary:
+    """Two sharded sets: each tensor is compared between the shards that hold it, one pair of
+    shards open at a time (a name missing on one side is paired with that side's first shard,
+    which does not hold it, so the row says where it is missing)."""
+    for path, other in ((a, b), (b, a)):
+        if not is_sharded(path):
+            raise InputError(
+                path,
+                f"is a single file but {other.name} is sharded; compare a sharded set with a "
+                "sharded set, or one shard with one file",
+            )
+    left, right = load_index(a), load_index(b)
+    groups: dict[tuple[str, str], set[str]] = {}
+    names = list(left.weight_map) + [n for n in right.weight_map if n not in left.weight_map]
+    for name in names:
+        key = (
+            left.weight_map.get(name, left.shards[0]),
+            right.weight_map.get(name, right.shards[0]),
+        )
+        groups.setdefault(key, set()).add(name)
+    rows: list[TensorRow] = []
+    for (sa, sb), group in sorted(groups.items()):
+        rows += _compare_pair(left.directory / sa, right.directory / sb, group)
+    return CompareSummary(inputs=[str(left.index), str(right.index)], rows=rows)
+
+
+def open_tensor_source(path: Path, name: str) -> FloatSource:
+    """The file (a shard, for a sharded set) that holds tensor `name`, as float values."""
+    if not is_sharded(path):
+        return FloatSource(path)
+    sharded = load_index(path)
+    return FloatSource(sharded.directory / sharded.weight_map[name])
 
 
 def _compare_one(left: FloatSource, right: FloatSource, name: str) -> TensorRow:

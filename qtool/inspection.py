@@ -18,7 +18,7 @@ from qtool.sidecar import (
     parse_manifest,
     scale_name,
 )
-from qtool.stformat import Header, HeaderError, TensorEntry, read_header
+from qtool.stformat import Header, HeaderError, TensorEntry, not_safetensors_message, read_header
 from qtool.summary import InspectRow, InspectSummary
 
 
@@ -52,7 +52,7 @@ def _try_header(path: Path) -> Header | None:
     try:
         return read_header(path)
     except HeaderError as err:
-        raise InputError(path, f"not a valid safetensors file: {err}") from None
+        raise InputError(path, not_safetensors_message(path, err)) from None
 
 
 def _row(entry: TensorEntry, qinfo: dict[str, object] | None = None) -> InspectRow:

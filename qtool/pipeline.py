@@ -30,9 +30,9 @@ from qtool.index import is_sharded
 from qtool.plan import (
     QuantizeOptions,
     TensorPlan,
-    default_quantized_path,
     plan_tensors,
     planned_row,
+    quantized_output,
 )
 from qtool.sidecar import (
     DIGEST_KEY,
@@ -126,7 +126,7 @@ def quantize_file(
     the header); with `estimate` it also measures the error, and writes nothing either way."""
     started = time.perf_counter()
     dev = resolve_device(device)
-    out = out or default_quantized_path(src, options.spec.dtype.value)
+    out = quantized_output(src, out, options.spec.dtype.value)
     ckpt = open_checkpoint(src)
     try:
         plans = plan_tensors(src, ckpt.entries, options)

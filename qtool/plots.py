@@ -114,18 +114,8 @@ def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path
 
 
 def plot_compare(summary: CompareSummary, path: Path) -> None:
-    from qtool.compare import FloatSource
-
     plt = _pyplot()
-    worst = _worst(summary.rows)
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    a, b = FloatSource(Path(summary.inputs[0])), FloatSource(Path(summary.inputs[1]))
-    try:
-        for r in worst:
-            pairs[r.name] = (a.values(r.name).float(), b.values(r.name).float())
-    finally:
-        a.close()
-        b.close()
+    pairs = {r.name: _compared_values(summary, r.name) for r in _worst(summary.rows)}
     fig, axes = _figure(plt, 2, WORST)
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
@@ -135,6 +125,20 @@ def plot_compare(summary: CompareSummary, path: Path) -> None:
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
+
+
+def _compared_values(summary: CompareSummary, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one compared tensor as float32, from the files (or shards) that hold it."""
+    from qtool.compare import open_tensor_source
+
+    values = []
+    for path in summary.inputs:
+        source = open_tensor_source(Path(path), name)
+        try:
+            values.append(source.values(name).float().clone())
+        finally:
+            source.close()
+    return values[0], values[1]
 
 
 def _requantize(
@@ -212,7 +216,13 @@ def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
-    return {"tensor": tensor, "spec": spec.describe(), "sqnr_db": stats.sqnr_db}
+    return {
+        "tensor": tensor,
+        "spec": spec.describe(),
+        "mse": stats.mse,
+        "max_abs_error": stats.max_abs,
+        "sqnr_db": stats.sqnr_db,
+    }
 
 
 def _heatmap(fig: Any, ax: Any, values: torch.Tensor, title: str, cmap: str) -> None:

@@ -440,6 +440,24 @@ def print_dequantize(summary: DequantizeSummary) -> None:
     )
 
 
+# ---- plot --------------------------------------------------------------------------------------
+
+
+def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, Any]:
+    """What `qtool plot` drew: the tensor, its spec and its error figures."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "plot",
+        "inputs": [checkpoint],
+        "outputs": [target],
+        "tensor": info["tensor"],
+        "spec": info["spec"],
+        "mse": info["mse"],
+        "max_abs_error": info["max_abs_error"],
+        "sqnr_db": _finite_or_none(info["sqnr_db"]),
+    }
+
+
 # ---- inspect -----------------------------------------------------------------------------------
 
 

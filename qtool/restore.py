@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from qtool import kernels
-from qtool.atomic import OutputSet, describe_os_error, remove_stale_temps
+from qtool.atomic import OutputSet, describe_os_error, remove_stale_temps, resolve_output
 from qtool.checkpoint import (
     ST_TO_TORCH,
     TORCH_TO_ST,
@@ -25,6 +25,7 @@ from qtool.index import is_sharded
 from qtool.pipeline import carried_metadata, check_output
 from qtool.sidecar import (
     DIGEST_KEY,
+    MANIFEST_KEY,
     Manifest,
     Record,
     data_digest,
@@ -37,6 +38,7 @@ from qtool.sidecar import (
 from qtool.stformat import build_header, read_header
 from qtool.summary import DequantizedRow, DequantizeSummary
 
+DEQUANTIZED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -77,6 +79,7 @@ class QuantizedPair:
 def open_quantized(src: Path, qparams: Path | None = None) -> QuantizedPair:
     """Open a quantized file and its sidecar; refuse a pair that does not belong together."""
     ckpt = open_checkpoint(src)
+    _refuse_sidecar_as_input(src, ckpt)
     side_path = qparams or sidecar_path(src)
     if not side_path.exists():
         ckpt.close()
@@ -93,6 +96,17 @@ def open_quantized(src: Path, qparams: Path | None = None) -> QuantizedPair:
         sidecar.close()
         raise
     return QuantizedPair(ckpt, sidecar, manifest)
+
+
+def _refuse_sidecar_as_input(src: Path, ckpt: Checkpoint) -> None:
+    """A sidecar given where the quantized file belongs: name the file to pass instead."""
+    if MANIFEST_KEY not in (ckpt.metadata or {}):
+        return
+    ckpt.close()
+    quantized = parse_manifest(src, ckpt.metadata).quantized_file
+    raise SidecarError(
+        src, f"this is a qparams sidecar; pass the quantized file it belongs to ({quantized})"
+    )
 
 
 def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint) -> None:
@@ -145,13 +159,13 @@ def dequantize_file(
     force: bool = False,
 ) -> DequantizeSummary:
     """Rebuild a float checkpoint: original names, shapes, dtypes; pass-throughs byte-identical."""
-    out = out or default_dequantized_path(src)
+    out = resolve_output(out, default_dequantized_path(src), DEQUANTIZED_SUFFIXES, "dequantize")
     pair = open_quantized(src, qparams)
     try:
         check_output(out, [src, qparams or sidecar_path(src)], force)
         remove_stale_temps(out.parent)
         with OutputSet() as outputs:
-            if out.suffix in (".pt", ".pth", ".bin"):
+            if out.suffix != ".safetensors":
                 rows = _write_dequantized_pt(pair, out, outputs, dtype)
             else:
                 rows = write_dequantized(pair, out, outputs, dtype)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from qtool import pipeline, restore
-from qtool.atomic import OutputSet, remove_stale_temps
+from qtool.atomic import OutputSet, refuse_file_name_for_directory, remove_stale_temps
 from qtool.checkpoint import Checkpoint, open_checkpoint
 from qtool.errors import OutputError
 from qtool.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
@@ -93,6 +93,7 @@ def quantize_sharded(
     started = time.perf_counter()
     dev = pipeline.resolve_device(device)
     sharded = load_index(path)
+    refuse_file_name_for_directory(outdir, "quantize")
     outdir = outdir or default_output_dir(sharded.index, options.spec.dtype.value)
     plans = _plan_shards(sharded, options)
     rows = [planned_row(p) for shard in sharded.shards for p in plans[shard]]
@@ -193,6 +194,7 @@ def dequantize_sharded(
 ) -> DequantizeSummary:
     """Dequantize every shard of a quantized sharded checkpoint into `outdir`."""
     sharded = load_index(path)
+    refuse_file_name_for_directory(outdir, "dequantize")
     outdir = outdir or default_output_dir(sharded.index, "dequantized")
     pairs = [restore.open_quantized(sharded.directory / s) for s in sharded.shards]
     created = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 from qtool.errors import InputError
@@ -19,11 +20,18 @@ from qtool.sidecar import (
     scale_name,
 )
 from qtool.stformat import Header, HeaderError, TensorEntry, not_safetensors_message, read_header
-from qtool.summary import InspectRow, InspectSummary
+from qtool.summary import InspectRow, InspectSummary, natural_key
 
 
 def inspect_path(path: Path) -> InspectSummary:
-    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar, a sharded set)."""
+    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar, a sharded set),
+    its tensors in natural name order (`layers.2` before `layers.10`), not in the byte layout's
+    order, which groups them by dtype."""
+    summary = _inspect_any(path)
+    return replace(summary, rows=sorted(summary.rows, key=lambda r: natural_key(r.name)))
+
+
+def _inspect_any(path: Path) -> InspectSummary:
     if path.is_dir() or path.name.endswith(INDEX_SUFFIX):
         return _inspect_sharded(path)
     if not path.exists():

@@ -282,7 +282,7 @@ def quantize(
         if plot is not None:
             from qtool import plots
 
-            plots.plot_quantize(summary, options, plot)
+            plots.plot_quantize(summary, options, plot, min_sqnr)
     _warn_selection(summary.rows, options)
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
     _show_and_gate(
@@ -406,7 +406,7 @@ def compare(
         if plot is not None:
             from qtool import plots
 
-            plots.plot_compare(summary, plot)
+            plots.plot_compare(summary, plot, min_sqnr)
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
     _show_and_gate(

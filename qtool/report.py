@@ -163,8 +163,9 @@ SORT_KEYS = ("name", "mse", "sqnr", "size")
 
 
 def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
-    """File order unless asked: name in natural order (`layers.2` before `layers.10`), worst first for mse/sqnr, largest first for size.
-    Rows without error figures sort after those with them."""
+    """File order unless asked: name in natural order (`layers.2` before `layers.10`), worst
+    first for mse/sqnr, largest first for size. Rows without error figures sort after those
+    with them."""
     if sort == "name":
         rows = sorted(rows, key=lambda r: natural_key(r.name))
     elif sort == "mse":

@@ -71,6 +71,13 @@ class SortKey(str, Enum):
     SIZE = "size"
 
 
+def _at_least_one(value: int | None) -> int | None:
+    """Typer's own `min=1` would print `[x>=1]` in the help; the check is the same."""
+    if value is not None and value < 1:
+        raise typer.BadParameter("must be at least 1")
+    return value
+
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
@@ -102,7 +109,10 @@ SortOpt = Annotated[
 TopOpt = Annotated[
     int | None,
     typer.Option(
-        help="Show only the first N rows (after --sort).", min=1, metavar="N", show_default=False
+        help="Show only the first N rows (after --sort).",
+        callback=_at_least_one,
+        metavar="N",
+        show_default=False,
     ),
 ]
 PlotOpt = Annotated[
@@ -179,7 +189,7 @@ def _main(
 
 @app.command(
     cls=_Command,
-    short_help="Quantize a checkpoint; write codes, a qparams sidecar and an error table.",
+    short_help="Quantize a checkpoint: codes, a qparams sidecar, an error table.",
     epilog="Example: qtool quantize model.safetensors --scheme asym --per-channel "
     "-o model.int8.safetensors",
 )
@@ -252,7 +262,7 @@ def quantize(
         int | None,
         typer.Option(
             help="CPU threads for torch [default: all cores].",
-            min=1,
+            callback=_at_least_one,
             metavar="N",
             show_default=False,
         ),

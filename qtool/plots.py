@@ -73,6 +73,9 @@ def short_label(name: str, width: int = 36) -> str:
     if len(name) <= width:
         return name
     head = (width - 1) // 2
+    index = re.search(r"\d+", name)  # the first number is usually the layer: keep it whole
+    if index is not None and head < index.end() <= width - 9:
+        head = index.end()
     return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 

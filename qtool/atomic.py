@@ -140,14 +140,15 @@ _KNOWN_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".gguf", ".npz", ".n
 def resolve_output(
     out: Path | None, default: Path, accepted: tuple[str, ...], what: str, flag: str = "-o"
 ) -> Path:
-    """The file to write: `default` when `out` is None, the default name inside an existing
-    directory, else `out` when its extension is one of `accepted` (UsageError otherwise)."""
+    """The file to write: `default` when `out` is None, `out` when its extension is one of
+    `accepted`, the default name inside `out` when it is an existing directory of another
+    name, and a UsageError for any other name."""
     if out is None:
         return default
+    if out.suffix in accepted:  # even a directory named so: that is refused later, clearly
+        return out
     if out.is_dir():
         return out / default.name
-    if out.suffix in accepted:
-        return out
     stem = out.stem if out.suffix in _KNOWN_EXTENSIONS else out.name
     has = f"ends in {out.suffix}" if out.suffix in _KNOWN_EXTENSIONS else "has no file extension"
     raise UsageError(

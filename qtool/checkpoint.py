@@ -165,7 +165,9 @@ def sniff(path: Path) -> str:
             read_header(path)
             return "safetensors"
         except HeaderError:
-            what = describe_non_checkpoint(path) or "neither a torch checkpoint nor safetensors"
+            what = describe_non_checkpoint(path)
+            if what is None:
+                raise InputError(path, "not a torch checkpoint nor a safetensors file") from None
             raise InputError(path, f"not a checkpoint: {what}") from None
     return "safetensors"
 

@@ -106,9 +106,13 @@ _SIGNATURES = (  # what a file that fails to parse as safetensors often is inste
 
 def describe_non_checkpoint(path: str | os.PathLike[str]) -> str | None:
     """What a file that is not a valid safetensors file looks like (JSON text, a numpy array,
-    a GGUF file), or None when its content says nothing recognisable."""
+    a GGUF file), or None when its content says nothing recognisable or its first 8 bytes are
+    a plausible header length (then it is a damaged safetensors file, and the parse error says
+    more)."""
     with open(path, "rb") as f:
         head = f.read(64)
+    if len(head) >= 8 and int.from_bytes(head[:8], "little") <= MAX_HEADER_BYTES:
+        return None  # a plausible safetensors header length: a damaged safetensors file
     for signature, what in _SIGNATURES:
         if head.startswith(signature):
             return what

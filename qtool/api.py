@@ -32,6 +32,8 @@ __all__ = [
     "plot_compare",
     "plot_quantize",
     "check_outputs",
+    "output_path",
+    "unmatched_globs",
     "plot_tensor",
     "quantize",
 ]
@@ -103,17 +105,42 @@ def inspect(path: Path) -> InspectSummary:
 
 
 def plot_quantize(
-    summary: QuantizeSummary, options: QuantizeOptions, path: Path, *, force: bool = False
+    summary: QuantizeSummary,
+    options: QuantizeOptions,
+    path: Path,
+    min_sqnr: float | None = None,
+    *,
+    force: bool = False,
+) -> None:
+    """Per-layer SQNR (a --min-sqnr line when given) and the worst layers' error histograms."""
+    from qtool.engine import plots
+
+    plots.plot_quantize(summary, options, path, min_sqnr, force=force)
+
+
+def plot_compare(
+    summary: CompareSummary, path: Path, min_sqnr: float | None = None, *, force: bool = False
 ) -> None:
     from qtool.engine import plots
 
-    plots.plot_quantize(summary, options, path, force=force)
+    plots.plot_compare(summary, path, min_sqnr, force=force)
 
 
-def plot_compare(summary: CompareSummary, path: Path, *, force: bool = False) -> None:
-    from qtool.engine import plots
+def output_path(
+    out: Path | None, default: Path, accepted: tuple[str, ...], what: str, flag: str = "-o"
+) -> Path:
+    """The file an output option names: `default` when absent, the name when its extension
+    is accepted, the default name inside an existing directory; UsageError otherwise."""
+    from qtool.io.atomic import resolve_output
 
-    plots.plot_compare(summary, path, force=force)
+    return resolve_output(out, default, accepted, what, flag)
+
+
+def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """The patterns that match none of `names` (a typo, or a glob for another model)."""
+    from qtool.engine.plan import unmatched_globs as unmatched
+
+    return unmatched(names, patterns)
 
 
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:

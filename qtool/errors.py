@@ -31,6 +31,12 @@ class QtoolError(Exception):
         return ": ".join([*where, self.message])
 
 
+class UsageError(QtoolError):
+    """Options that cannot be honoured as given (an output extension a command cannot write)."""
+
+    code = "usage"
+
+
 class InputError(QtoolError):
     """The input is missing, unreadable, malformed or unsafe."""
 

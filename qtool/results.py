@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,6 +50,12 @@ def sqnr_db(sq_signal: float, sq_error: float) -> float:
     if sq_signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(sq_signal / sq_error)
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key in reading order: `layers.2` before `layers.10` (digit runs compare as numbers)."""
+    parts = re.split(r"(\d+)", name)
+    return tuple((1, int(p)) if i % 2 else (0, p) for i, p in enumerate(parts))
 
 
 def combine(stats: list[ErrorStats]) -> ErrorStats:

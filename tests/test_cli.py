@@ -207,14 +207,14 @@ def test_piped_output_is_stable_and_has_no_trailing_spaces(samples: Path) -> Non
 
 
 def _readme_commands() -> list[str]:
-    """Every qtool command line in the README's code blocks (the `$ ` prompt stripped)."""
+    """Every qtool (and mkdir) command line in the README's code blocks (`$ ` stripped)."""
     commands, in_block = [], False
     for line in README.read_text().splitlines():
         if line.startswith("```"):
             in_block = not in_block
             continue
         text = line.removeprefix("$ ").split("  #")[0].strip()
-        if in_block and text.startswith("qtool "):
+        if in_block and text.startswith(("qtool ", "mkdir -p ")):
             commands.append(text)
     return commands
 
@@ -225,7 +225,6 @@ def test_every_readme_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     import shutil
 
     shutil.copytree(README.parent / "sample_weights", tmp_path / "sample_weights")
-    (tmp_path / "build" / "demo").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     commands = _readme_commands()
     assert len(commands) >= 10
@@ -234,6 +233,9 @@ def test_every_readme_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     demo = [line.strip().replace("$(BIN)/", "") for line in makefile if "$(BIN)/qtool" in line]
     (tmp_path / "build" / "make-demo").mkdir(parents=True)
     for command in demo + commands:
+        if command.startswith("mkdir -p "):  # the README makes its output directory
+            Path(command.removeprefix("mkdir -p ")).mkdir(parents=True, exist_ok=True)
+            continue
         code, _, stderr = invoke(*shlex.split(command)[1:])
         assert code in (0, 3), f"{command}: {stderr}"  # 3: the gate example fails on purpose
 

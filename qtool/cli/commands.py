@@ -9,6 +9,7 @@ need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -16,12 +17,13 @@ from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+from typer.core import TyperCommand
 
 from qtool import __version__, api
-from qtool.errors import QtoolError
+from qtool.errors import QtoolError, UsageError
 from qtool.report import console as report
 from qtool.spec import (
     Granularity,
@@ -38,6 +40,15 @@ if TYPE_CHECKING:
     from qtool.api import QuantizeOptions
     from qtool.gates import GateResult
     from qtool.results import QuantizeSummary, TensorRow
+
+
+class _Command(TyperCommand):
+    """Usage lines show arguments as INPUT, not Typer's {INPUT}."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces: list[str] = super().collect_usage_pieces(ctx)
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+
 
 app = typer.Typer(
     name="qtool",
@@ -70,6 +81,13 @@ class SortKey(str, Enum):
     SIZE = "size"
 
 
+def _at_least_one(value: int | None) -> int | None:
+    """Typer's own `min=1` would print `[x>=1]` in the help; the check is the same."""
+    if value is not None and value < 1:
+        raise typer.BadParameter("must be at least 1")
+    return value
+
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
@@ -100,7 +118,12 @@ SortOpt = Annotated[
 ]
 TopOpt = Annotated[
     int | None,
-    typer.Option(help="Show only the first N rows (after --sort).", min=1, show_default=False),
+    typer.Option(
+        help="Show only the first N rows (after --sort).",
+        callback=_at_least_one,
+        metavar="N",
+        show_default=False,
+    ),
 ]
 PlotOpt = Annotated[
     Path | None,
@@ -126,7 +149,11 @@ PerChannelOpt = Annotated[
     ),
 ]
 AxisOpt = Annotated[
-    int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
+    int | None,
+    typer.Option(
+        help="Channel axis for --per-channel (negative counts from the end) [default: 0].",
+        show_default=False,
+    ),
 ]
 GroupSizeOpt = Annotated[
     int | None,
@@ -153,13 +180,15 @@ def build_spec(
     scheme: Scheme,
     dtype: StorageDtype,
     per_channel: bool,
-    axis: int,
+    axis: int | None,
     group_size: int | None,
     range_method: RangeMethod,
 ) -> QSpec:
     """The QSpec the options describe; typer.BadParameter (exit 2) for a contradiction."""
+    if not per_channel and axis is not None:
+        raise typer.BadParameter("goes with --per-channel, not --per-tensor", param_hint="--axis")
     if group_size is None:
-        granularity: Granularity = PerChannel(axis) if per_channel else PerTensor()
+        granularity: Granularity = PerChannel(axis or 0) if per_channel else PerTensor()
         return QSpec(scheme, dtype, granularity, range_method)
     if group_size < 2:
         raise typer.BadParameter(f"must be at least 2, got {group_size}", param_hint="--group-size")
@@ -167,7 +196,7 @@ def build_spec(
         raise typer.BadParameter(
             "groups are not per tensor; drop --per-tensor", param_hint="--group-size"
         )
-    if axis != 0:
+    if axis not in (None, 0):
         raise typer.BadParameter(
             "groups run along the rows of the first dimension; drop --axis",
             param_hint="--group-size",
@@ -192,7 +221,7 @@ def user_errors(as_json: bool) -> Iterator[None]:
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
         report.print_error(err, as_json)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2 if isinstance(err, UsageError) else 1) from None
     except KeyboardInterrupt:
         report.print_error("interrupted; no output was written", as_json)
         raise typer.Exit(130) from None
@@ -218,8 +247,10 @@ def _main(
 
 
 @app.command(
+    cls=_Command,
+    short_help="Quantize a checkpoint: codes, a qparams sidecar, an error table.",
     epilog="Example: qtool quantize model.safetensors --scheme asym --per-channel "
-    "-o model.int8.safetensors"
+    "-o model.int8.safetensors",
 )
 def quantize(
     src: Annotated[
@@ -236,7 +267,8 @@ def quantize(
         typer.Option(
             "--out",
             "-o",
-            help="Output .safetensors (a directory for sharded input) "
+            help="Output .safetensors file, or an existing directory to put the default name in "
+            "(for sharded input: the output directory) "
             "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
             show_default=False,
         ),
@@ -244,7 +276,7 @@ def quantize(
     scheme: SchemeOpt = Scheme.SYM,
     dtype: DtypeOpt = StorageDtype.INT8,
     per_channel: PerChannelOpt = True,
-    axis: AxisOpt = 0,
+    axis: AxisOpt = None,
     group_size: GroupSizeOpt = None,
     range_method: RangeOpt = RangeMethod.MINMAX,
     include: Annotated[
@@ -252,6 +284,7 @@ def quantize(
         typer.Option(
             "--include",
             help="Glob of tensor names to quantize (repeatable); also selects 1-D tensors.",
+            metavar="GLOB",
             show_default=False,
         ),
     ] = None,
@@ -260,6 +293,7 @@ def quantize(
         typer.Option(
             "--exclude",
             help="Glob of tensor names to keep as they are (repeatable; wins over --include).",
+            metavar="GLOB",
             show_default=False,
         ),
     ] = None,
@@ -287,7 +321,12 @@ def quantize(
     ] = False,
     threads: Annotated[
         int | None,
-        typer.Option(help="CPU threads for torch [default: all cores].", min=1, show_default=False),
+        typer.Option(
+            help="CPU threads for torch [default: all cores].",
+            callback=_at_least_one,
+            metavar="N",
+            show_default=False,
+        ),
     ] = None,
     max_mse: MaxMseOpt = None,
     min_sqnr: MinSqnrOpt = None,
@@ -298,14 +337,15 @@ def quantize(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Quantize every selected float tensor of SRC; write the codes and a qparams sidecar."""
+    """Quantize every selected float tensor of INPUT; write the codes and a qparams sidecar."""
     from qtool.gates import Gate, evaluate
 
     if estimate and not dry_run:
-        raise typer.BadParameter("--estimate goes with --dry-run", param_hint="--estimate")
+        raise typer.BadParameter("goes only with --dry-run", param_hint="--estimate")
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
     options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
     with user_errors(as_json):
+        plot = _plot_target(plot, src, "quantize")
         summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
             also = [plot] if plot is not None else []
@@ -314,8 +354,9 @@ def quantize(
             )
         _print_notes(summary.notes)
         if plot is not None:
-            api.plot_quantize(summary, options, plot, force=force)
+            api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
+    _warn_selection(summary.rows, options)
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
     _show_and_gate(
         report.arrange(summary.rows, sort.value if sort else None, top),
@@ -324,6 +365,27 @@ def quantize(
         lambda rows: report.print_json(report.quantize_json(summary, rows, gate)),
         lambda rows: report.print_quantize(summary, rows, gate),
     )
+
+
+def _plot_target(plot: Path | None, src: Path, command: str) -> Path | None:
+    """--plot names a .png file (or an existing directory for the default name)."""
+    if plot is None:
+        return None
+    default = src.with_name(f"{src.stem}.{command}.png")
+    return api.output_path(plot, default, (".png",), "--plot", flag="--plot")
+
+
+def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
+    """One stderr line for globs that select nothing and for runs that quantize nothing."""
+    names = [r.name for r in rows]
+    for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
+        for pattern in api.unmatched_globs(names, patterns):
+            report.print_warning(f"{flag} {pattern!r} matches no tensor name")
+    if not any(r.quantized for r in rows):
+        report.print_warning(
+            f"0 of {len(rows)} tensors selected for quantization; see the kept reasons "
+            "and check --include/--exclude"
+        )
 
 
 def _show_and_gate(
@@ -370,13 +432,17 @@ def _print_notes(notes: list[str]) -> None:
         report.print_warning(note)
 
 
-@app.command(epilog="Example: qtool compare model.safetensors model.int8.safetensors --min-sqnr 35")
+@app.command(
+    cls=_Command,
+    short_help="Per-tensor error between two checkpoints; gate a pipeline on it.",
+    epilog="Example: qtool compare model.safetensors model.int8.safetensors --min-sqnr 35",
+)
 def compare(
     a: Annotated[
         Path,
         typer.Argument(
             metavar="A",
-            help="Reference checkpoint (float, or a qtool-quantized file).",
+            help="Reference checkpoint (float, or a qtool-quantized file; a sharded set too).",
             show_default=False,
         ),
     ],
@@ -400,15 +466,16 @@ def compare(
     ] = False,
 ) -> None:
     """Per-tensor error between two checkpoints sharing tensor names (quantized files are
-    dequantized through their sidecars on the fly)."""
+    dequantized through their sidecars on the fly; sharded sets shard by shard)."""
     from qtool.gates import Gate, evaluate
 
     with user_errors(as_json):
+        plot = _plot_target(plot, a, "compare")
         if plot is not None:
             api.check_outputs([plot], [a, b], force)
         summary = api.compare(a, b)
         if plot is not None:
-            api.plot_compare(summary, plot, force=force)
+            api.plot_compare(summary, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
@@ -422,7 +489,9 @@ def compare(
 
 
 @app.command(
-    epilog="Example: qtool dequantize model.int8.safetensors -o model.restored.safetensors"
+    cls=_Command,
+    short_help="Turn a quantized file back into a float checkpoint.",
+    epilog="Example: qtool dequantize model.int8.safetensors -o model.restored.safetensors",
 )
 def dequantize(
     src: Annotated[
@@ -436,7 +505,8 @@ def dequantize(
         typer.Option(
             "--out",
             "-o",
-            help="Output .safetensors, or .pt [default: INPUT-STEM.dequantized.safetensors].",
+            help="Output .safetensors, or .pt/.pth/.bin (torch.save), or an existing directory "
+            "[default: QUANTIZED-STEM.dequantized.safetensors].",
             show_default=False,
         ),
     ] = None,
@@ -444,19 +514,32 @@ def dequantize(
         Path | None,
         typer.Option(
             "--qparams",
-            help="Sidecar path [default: INPUT-STEM.qparams.safetensors beside the input].",
+            help="Sidecar path [default: QUANTIZED-STEM.qparams.safetensors beside it].",
             show_default=False,
         ),
     ] = None,
-    dtype: Annotated[
-        OutDtype, typer.Option(help="dtype of the restored tensors.")
-    ] = OutDtype.ORIGINAL,
+    to: Annotated[
+        OutDtype | None,
+        typer.Option(
+            "--to",
+            help="Float type of the dequantized tensors: original|float32|float16|bfloat16 "
+            "[default: original].",
+            metavar="DTYPE",
+            show_default=False,
+        ),
+    ] = None,
+    old_dtype: Annotated[
+        OutDtype | None, typer.Option("--dtype", hidden=True, show_default=False)
+    ] = None,  # the spelling before --to (quantize's --dtype means the code type)
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
     """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
+    if to is not None and old_dtype is not None and to != old_dtype:
+        raise typer.BadParameter("--dtype (the old name of --to) disagrees", param_hint="--to")
+    dtype = (to or old_dtype or OutDtype.ORIGINAL).value
     with user_errors(as_json):
-        summary = api.dequantize(src, out, qparams=qparams, dtype=dtype.value, force=force)
+        summary = api.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
         _print_notes(summary.notes)
     if as_json:
         report.print_json(report.dequantize_json(summary))
@@ -464,7 +547,11 @@ def dequantize(
         report.print_dequantize(summary)
 
 
-@app.command(epilog="Example: qtool plot model.safetensors --tensor layers.0.fc1.weight -o fc1.png")
+@app.command(
+    cls=_Command,
+    short_help="Draw one tensor quantized: heatmaps and a value histogram (PNG).",
+    epilog="Example: qtool plot model.safetensors --tensor layers.0.fc1.weight -o fc1.png",
+)
 def plot(
     checkpoint: Annotated[
         Path,
@@ -482,28 +569,38 @@ def plot(
         typer.Option(
             "--out",
             "-o",
-            help="PNG path [default: CHECKPOINT-STEM.TENSOR.png beside the checkpoint].",
+            help="PNG file, or an existing directory "
+            "[default: CHECKPOINT-STEM.TENSOR.png beside the checkpoint].",
             show_default=False,
         ),
     ] = None,
     scheme: SchemeOpt = Scheme.SYM,
     dtype: DtypeOpt = StorageDtype.INT8,
     per_channel: PerChannelOpt = True,
-    axis: AxisOpt = 0,
+    axis: AxisOpt = None,
     group_size: GroupSizeOpt = None,
     range_method: RangeOpt = RangeMethod.MINMAX,
+    as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
     """Draw one tensor: original, integer codes, reconstruction and error heatmaps, and a
     histogram of its values with the quantization grid's range marked."""
-    with user_errors(False):
-        target = out or api.default_tensor_plot_path(checkpoint, tensor)
-        spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
+    spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
+    with user_errors(as_json):
+        default = api.default_tensor_plot_path(checkpoint, tensor)
+        target = api.output_path(out, default, (".png",), "plot")
         info = api.plot_tensor(checkpoint, tensor, spec, target, force=force)
-    report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
+    if as_json:
+        report.print_json(report.plot_json(str(checkpoint), str(target), info))
+    else:
+        report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 
 
-@app.command(epilog="Example: qtool inspect model.int8.safetensors --json | jq '.totals'")
+@app.command(
+    cls=_Command,
+    short_help="List the tensors of a checkpoint, quantized file or sidecar.",
+    epilog="Example: qtool inspect model.int8.safetensors --json | jq '.totals'",
+)
 def inspect(
     path: Annotated[
         Path,
@@ -528,11 +625,18 @@ def _set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
-def main() -> None:
-    """Entry point: maps interruptions and unexpected failures to exit codes, never a traceback."""
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: maps usage errors, interruptions and unexpected failures to exit codes and
+    one line on stderr, never a traceback."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    args = sys.argv[1:] if argv is None else argv
     try:
-        app(prog_name="qtool")
+        code = app(args=args, prog_name="qtool", standalone_mode=False)
+    except typer.TyperException as err:  # Typer's usage errors (and its own abort)
+        code = _usage_error(err, "--json" in args)
+    except typer.Abort:
+        report.print_error("interrupted")
+        sys.exit(130)
     except Terminated:
         report.print_error("terminated")
         sys.exit(143)
@@ -550,6 +654,36 @@ def main() -> None:
             "traceback and report it"
         )
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_error(err: typer.TyperException, as_json: bool) -> int:
+    """Print a usage error as one line (or JSON) on stderr; the exit code (2) to use."""
+    text = err.format_message()
+    if text.startswith("Usage:"):  # `qtool` alone: the help is the answer
+        sys.stderr.write(text + "\n")
+        return err.exit_code
+    report.print_error(UsageError(None, usage_message(text)), as_json)
+    return err.exit_code
+
+
+def usage_message(text: str) -> str:
+    """Typer's wording, one line: "Invalid value for '--scheme': Value error, 'foo' is not one
+    of 'sym', 'asym'." -> "--scheme: 'foo' is not one of sym, asym"."""
+    text = re.sub(r"^Invalid value for (.+?): ", lambda m: m[1].replace("'", "") + ": ", text)
+    for pattern, plain in _PLAIN_WORDING:
+        text = re.sub(pattern, plain, text)
+    return " ".join(text.split()).rstrip(".")
+
+
+_PLAIN_WORDING = (  # pydantic's phrases, as Typer passes them on, in the words of a CLI
+    (r"(Value|Input) error, ", ""),
+    (r"is not one of (.+?)\.?$", lambda m: "is not one of " + m[1].replace("'", "")),
+    (r"Input should be greater than or equal to (\S+)", r"must be at least \1"),
+    (r"Input should be less than or equal to (\S+)", r"must be at most \1"),
+    (r"Input should be a valid integer.*", "expects a whole number"),
+    (r"Input should be a valid number.*", "expects a number"),
+)
 
 
 def _silence_stdout() -> None:

@@ -16,15 +16,20 @@ from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats import open_reader
 from qtool.formats.base import FloatReader
+from qtool.io.index import is_sharded, load_index
 from qtool.numerics.metrics import error_stats
 from qtool.results import CompareSummary, TensorRow
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B."""
-    for path in (a, b):
-        if path.is_dir() or path.name.endswith(".index.json"):
-            raise InputError(path, "compare works on single files; compare the shards one by one")
+    """One row per tensor name of A, then those only in B; sharded sets shard by shard."""
+    if is_sharded(a) or is_sharded(b):
+        return _compare_sharded(a, b)
+    return CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+
+
+def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[TensorRow]:
+    """Rows for the tensors of two files (all of them, or those in `names`), in A's order."""
     left = open_reader(a)
     try:
         right = open_reader(b)
@@ -33,12 +38,49 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
         raise
     try:
         in_left, in_right = set(left.names), set(right.names)
-        names = left.names + [n for n in right.names if n not in in_left]
-        rows = [_compare_one(left, right, name, in_left, in_right) for name in names]
+        order = left.names + [n for n in right.names if n not in in_left]
+        return [
+            _compare_one(left, right, n, in_left, in_right)
+            for n in order
+            if names is None or n in names
+        ]
     finally:
         left.close()
         right.close()
-    return CompareSummary(inputs=[str(a), str(b)], rows=rows)
+
+
+def _compare_sharded(a: Path, b: Path) -> CompareSummary:
+    """Two sharded sets: each tensor is compared between the shards that hold it, one pair of
+    shards open at a time (a name missing on one side is paired with that side's first shard,
+    which does not hold it, so the row says where it is missing)."""
+    for path, other in ((a, b), (b, a)):
+        if not is_sharded(path):
+            raise InputError(
+                path,
+                f"is a single file but {other.name} is sharded; compare a sharded set with a "
+                "sharded set, or one shard with one file",
+            )
+    left, right = load_index(a), load_index(b)
+    groups: dict[tuple[str, str], set[str]] = {}
+    names = list(left.weight_map) + [n for n in right.weight_map if n not in left.weight_map]
+    for name in names:
+        key = (
+            left.weight_map.get(name, left.shards[0]),
+            right.weight_map.get(name, right.shards[0]),
+        )
+        groups.setdefault(key, set()).add(name)
+    rows: list[TensorRow] = []
+    for (sa, sb), group in sorted(groups.items()):
+        rows += _compare_pair(left.directory / sa, right.directory / sb, group)
+    return CompareSummary(inputs=[str(left.index), str(right.index)], rows=rows)
+
+
+def open_tensor_source(path: Path, name: str) -> FloatReader:
+    """The file (a shard, for a sharded set) that holds tensor `name`, as float values."""
+    if not is_sharded(path):
+        return open_reader(path)
+    sharded = load_index(path)
+    return open_reader(sharded.directory / sharded.weight_map[name])
 
 
 def _compare_one(

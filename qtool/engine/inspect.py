@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from array import array
+from dataclasses import replace
 from pathlib import Path
 
 from qtool.errors import InputError
@@ -18,12 +19,19 @@ from qtool.formats.qtool import (
     scale_name,
 )
 from qtool.io.index import INDEX_SUFFIX, load_index
-from qtool.io.stformat import Header, HeaderError, TensorEntry, read_header
-from qtool.results import InspectRow, InspectSummary
+from qtool.io.stformat import Header, HeaderError, TensorEntry, not_safetensors_message, read_header
+from qtool.results import InspectRow, InspectSummary, natural_key
 
 
 def inspect_path(path: Path) -> InspectSummary:
-    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar, a sharded set)."""
+    """Describe the file at `path` (a checkpoint, a quantized file, a sidecar, a sharded set),
+    its tensors in natural name order (`layers.2` before `layers.10`), not in the byte layout's
+    order, which groups them by dtype."""
+    summary = _inspect_any(path)
+    return replace(summary, rows=sorted(summary.rows, key=lambda r: natural_key(r.name)))
+
+
+def _inspect_any(path: Path) -> InspectSummary:
     if path.is_dir() or path.name.endswith(INDEX_SUFFIX):
         return _inspect_sharded(path)
     if not path.exists():
@@ -52,7 +60,7 @@ def _try_header(path: Path) -> Header | None:
     try:
         return read_header(path)
     except HeaderError as err:
-        raise InputError(path, f"not a valid safetensors file: {err}") from None
+        raise InputError(path, not_safetensors_message(path, err)) from None
 
 
 def _row(entry: TensorEntry, qinfo: dict[str, object] | None = None) -> InspectRow:

@@ -16,6 +16,7 @@ from pathlib import Path
 from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats.qtool import sidecar_path
+from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
 from qtool.results import QuantizeSummary, TensorRow
@@ -131,6 +132,11 @@ def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
     return TensorPlan(entry, spec)
 
 
+def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """The patterns that match none of `names` (a typo, or a glob for another model)."""
+    return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
 def _first_match(name: str, patterns: tuple[str, ...]) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
@@ -148,6 +154,11 @@ def _non_float_reason(dtype: str) -> str:
 def default_quantized_path(src: Path, dtype: str) -> Path:
     """`model.safetensors` -> `model.int8.safetensors` beside it."""
     return src.with_name(f"{src.stem}.{dtype}.safetensors")
+
+
+def quantized_output(src: Path, out: Path | None, dtype: str) -> Path:
+    """The quantized file `-o` names: a .safetensors file, or the default name in a directory."""
+    return resolve_output(out, default_quantized_path(src, dtype), (".safetensors",), "quantize")
 
 
 def planned_row(plan: TensorPlan) -> TensorRow:
@@ -176,19 +187,20 @@ def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSu
     None for a torch pickle, which has to be loaded to be planned."""
     if is_sharded(src):
         sharded = load_index(src)
+        refuse_file_name_for_directory(out, "quantize")
         directory = out or default_output_dir(sharded.index, options.spec.dtype.value)
         rows = []
         for shard in sharded.shards:
             path = sharded.directory / shard
             rows += [planned_row(p) for p in plan_tensors(path, read_header(path).tensors, options)]
         return _dry_summary([sharded.index], [directory], rows, options)
+    out = quantized_output(src, out, options.spec.dtype.value)
     if not src.is_file():
         return None
     try:
         header = read_header(src)
     except HeaderError:
         return None  # a pickle, or a broken file: the full path reports it properly
-    out = out or default_quantized_path(src, options.spec.dtype.value)
     rows = [planned_row(p) for p in plan_tensors(src, header.tensors, options)]
     return _dry_summary([src], [out, sidecar_path(out)], rows, options)
 

@@ -23,13 +23,12 @@ import torch
 from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
 from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
-from qtool.formats import open_reader
 from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
-from qtool.results import CompareSummary, QuantizeSummary, TensorRow
+from qtool.results import CompareSummary, QuantizeSummary, TensorRow, natural_key
 from qtool.spec import QSpec
 
 FIGURE_PX = (1400, 900)
@@ -77,36 +76,93 @@ def _worst(rows: list[TensorRow]) -> list[TensorRow]:
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
 
 
-def _sqnr_bars(ax: Any, rows: list[TensorRow], title: str) -> None:
-    measured = [r for r in rows if r.errors is not None]
+def short_label(name: str, width: int = 36) -> str:
+    """A tick label that keeps both ends of a long name (the layer index sits at the front,
+    the parameter at the back): the middle is cut."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    index = re.search(r"\d+", name)  # the first number is usually the layer: keep it whole
+    if index is not None and head < index.end() <= width - 9:
+        head = index.end()
+    return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
+
+
+def _sqnr_bars(ax: Any, rows: list[TensorRow], title: str, min_sqnr: float | None) -> None:
+    """One bar per measured tensor at its SQNR; exact (+inf) and all-wrong (-inf) tensors get
+    markers instead of a bar of made-up height; the gate's bound is a dashed line."""
+    measured = sorted((r for r in rows if r.errors is not None), key=lambda r: natural_key(r.name))
+    sqnr = [r.errors.sqnr_db if r.errors else math.nan for r in measured]
     worst = {r.name for r in _worst(measured)}
-    finite = [r.errors.sqnr_db for r in measured if r.errors and math.isfinite(r.errors.sqnr_db)]
-    cap = (max(finite) if finite else 60.0) + 5
-    values = [min(r.errors.sqnr_db, cap) if r.errors else 0.0 for r in measured]
-    colors = ["#d62728" if r.name in worst else "#1f77b4" for r in measured]
-    ax.bar(range(len(measured)), values, color=colors)
-    ax.set_title(title)
+    finite = [v for v in sqnr if math.isfinite(v)]
+    top = max([*finite, *([min_sqnr] if min_sqnr is not None else []), 0.0]) + 5
+    bottom = min([*finite, 0.0])
+    xs = range(len(measured))
+    heights = [v if math.isfinite(v) else 0.0 for v in sqnr]
+    colors = [_WORST_COLOR if r.name in worst else _BAR_COLOR for r in measured]
+    ax.bar(xs, heights, color=colors)
+    handles = [_patch(_WORST_COLOR, f"worst {len(worst)}"), _patch(_BAR_COLOR, "SQNR")]
+    for value, marker, color, label, y in (
+        (math.inf, "^", "#2ca02c", "exact (error 0)", top),
+        (-math.inf, "v", "black", "-inf (B all wrong, or A all zero)", bottom),
+    ):
+        at = [i for i, v in enumerate(sqnr) if v == value]
+        if at:
+            handles.append(ax.scatter(at, [y] * len(at), marker=marker, color=color, s=30,
+                                      clip_on=False, zorder=3, label=label))  # fmt: skip
+    if min_sqnr is not None:
+        handles.append(ax.axhline(min_sqnr, color=_WORST_COLOR, linestyle="--", linewidth=1,
+                                  label=f"gate --min-sqnr {min_sqnr:g} dB"))  # fmt: skip
+    ax.set_ylim(bottom, top)
+    ax.set_title(title, loc="left")
     ax.set_ylabel("SQNR (dB), higher is better")
-    ax.set_xticks(range(len(measured)))
-    labels = [r.name if len(r.name) <= 28 else "…" + r.name[-27:] for r in measured]
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    for i, r in enumerate(measured):
-        if r.errors and not math.isfinite(r.errors.sqnr_db):
-            ax.text(i, cap, "exact", ha="center", va="bottom", fontsize=7)
+    ax.legend(handles=handles, fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0),
+              ncol=len(handles), frameon=False)  # fmt: skip
+    _bar_labels(ax, [r.name for r in measured])
+
+
+_BAR_COLOR, _WORST_COLOR = "#1f77b4", "#d62728"
+MAX_LABELS = 150  # beyond this many bars, every k-th is labelled (the rest would overlap)
+
+
+def _patch(color: str, label: str) -> Any:
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
+
+
+def _bar_labels(ax: Any, names: list[str]) -> None:
+    step = max(1, math.ceil(len(names) / MAX_LABELS))
+    ticks = list(range(0, len(names), step))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([short_label(names[i]) for i in ticks], rotation=90,
+                       fontsize=7 if len(ticks) <= 60 else 5)  # fmt: skip
+    ax.set_xlim(-0.6, len(names) - 0.4)
 
 
 def _error_histograms(axes: list[Any], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Log counts, so the few large errors that hurt SQNR are visible beside the bulk."""
     for ax, (name, (x, y)) in zip(axes, pairs.items(), strict=False):
         err = (x.float() - y.float()).reshape(-1)
-        ax.hist(err.numpy(), bins=101, color="#d62728")
-        ax.set_title(f"error of {name[-40:]}", fontsize=9)
+        ax.hist(err.numpy(), bins=101, color=_WORST_COLOR)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=0.7)  # from a count of 1, so single outliers show beside the bulk
+        ax.set_title(f"error of {short_label(name, 48)}", fontsize=9)
         ax.set_xlabel("x - x_hat")
+        ax.set_ylabel("count (log)")
+        ax.locator_params(axis="x", nbins=5)  # small errors have long tick labels
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
     for ax in axes[len(pairs) :]:
         ax.axis("off")
 
 
 def plot_quantize(
-    summary: QuantizeSummary, options: QuantizeOptions, path: Path, *, force: bool = False
+    summary: QuantizeSummary,
+    options: QuantizeOptions,
+    path: Path,
+    min_sqnr: float | None = None,
+    *,
+    force: bool = False,
 ) -> None:
     """SQNR of every quantized layer and the error histograms of the worst ones."""
     plt = _pyplot()
@@ -118,33 +174,42 @@ def plot_quantize(
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
         ax.remove()
-    _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, f"{summary.spec}: SQNR per layer")
+    title = f"{summary.spec}: SQNR per layer"
+    _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, title, min_sqnr)
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
     _save(fig, path, _run_files([*summary.inputs, *summary.outputs]), force)
     plt.close(fig)
 
 
-def plot_compare(summary: CompareSummary, path: Path, *, force: bool = False) -> None:
+def plot_compare(
+    summary: CompareSummary, path: Path, min_sqnr: float | None = None, *, force: bool = False
+) -> None:
     plt = _pyplot()
-    worst = _worst(summary.rows)
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    a, b = open_reader(Path(summary.inputs[0])), open_reader(Path(summary.inputs[1]))
-    try:
-        for r in worst:
-            pairs[r.name] = (a.values(r.name).float(), b.values(r.name).float())
-    finally:
-        a.close()
-        b.close()
+    pairs = {r.name: _compared_values(summary, r.name) for r in _worst(summary.rows)}
     fig, axes = _figure(plt, 2, WORST)
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
         ax.remove()
-    _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, "A vs B: SQNR per tensor")
+    _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, "A vs B: SQNR per tensor", min_sqnr)
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
     _save(fig, path, _run_files(summary.inputs), force)
     plt.close(fig)
+
+
+def _compared_values(summary: CompareSummary, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one compared tensor as float32, from the files (or shards) that hold it."""
+    from qtool.engine.compare import open_tensor_source
+
+    values = []
+    for path in summary.inputs:
+        source = open_tensor_source(Path(path), name)
+        try:
+            values.append(source.values(name).float().clone())
+        finally:
+            source.close()
+    return values[0], values[1]
 
 
 def _requantize(
@@ -225,22 +290,45 @@ def plot_tensor(
     fig.tight_layout()
     _save(fig, path, protected, force)
     plt.close(fig)
-    return {"tensor": tensor, "spec": spec.describe(), "sqnr_db": stats.sqnr_db}
+    return {
+        "tensor": tensor,
+        "spec": spec.describe(),
+        "mse": stats.mse,
+        "max_abs_error": stats.max_abs,
+        "sqnr_db": stats.sqnr_db,
+    }
 
 
 def _heatmap(fig: Any, ax: Any, values: torch.Tensor, title: str, cmap: str) -> None:
+    """The tensor as [dim 0, the rest]; a large one is shown as blocks holding their largest
+    |value| (so an outlier channel is never sampled away), with axes in true indices."""
     grid = values.reshape(values.shape[0], -1) if values.ndim > 1 else values.reshape(1, -1)
-    step_r = max(1, math.ceil(grid.shape[0] / MAX_SIDE))
-    step_c = max(1, math.ceil(grid.shape[1] / MAX_SIDE))
-    shown = grid[::step_r, ::step_c].numpy()
+    rows, cols = grid.shape
+    step_r, step_c = max(1, math.ceil(rows / MAX_SIDE)), max(1, math.ceil(cols / MAX_SIDE))
+    shown = block_extreme(grid, step_r, step_c).numpy()
     limits: dict[str, float] = {}
     if cmap in ("RdBu_r", "PuOr"):  # diverging maps: keep 0 at the neutral colour
         bound = float(abs(shown).max()) or 1.0
         limits = {"vmin": -bound, "vmax": bound}
-    image = ax.imshow(shown, cmap=cmap, aspect="auto", interpolation="nearest", **limits)
+    extent = (-0.5, shown.shape[1] * step_c - 0.5, shown.shape[0] * step_r - 0.5, -0.5)
+    image = ax.imshow(shown, cmap=cmap, aspect="auto", interpolation="nearest", extent=extent,
+                      **limits)  # fmt: skip
     fig.colorbar(image, ax=ax, fraction=0.046)
-    sampled = f" (every {step_r}x{step_c})" if step_r > 1 or step_c > 1 else ""
-    ax.set_title(title + sampled, fontsize=10)
+    pooled = f" (largest |value| per {step_r}x{step_c} block)" if step_r * step_c > 1 else ""
+    ax.set_title(title + pooled, fontsize=10)
+    ax.set_ylabel("index along dim 0", fontsize=8)
+    ax.set_xlabel("index along the other dims (flattened)", fontsize=8)
+
+
+def block_extreme(grid: torch.Tensor, step_r: int, step_c: int) -> torch.Tensor:
+    """[R, C] -> [ceil(R/step_r), ceil(C/step_c)]: each block's value of largest magnitude."""
+    rows, cols = grid.shape
+    n_r, n_c = math.ceil(rows / step_r), math.ceil(cols / step_c)
+    padded = torch.zeros(n_r * step_r, n_c * step_c, dtype=grid.dtype)
+    padded[:rows, :cols] = grid
+    blocks = padded.reshape(n_r, step_r, n_c, step_c).permute(0, 2, 1, 3).reshape(n_r, n_c, -1)
+    pick = blocks.abs().argmax(dim=-1, keepdim=True)  # [n_r, n_c, 1]
+    return blocks.gather(-1, pick).squeeze(-1)
 
 
 def _value_histogram(

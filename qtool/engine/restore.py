@@ -11,9 +11,16 @@ from qtool.engine.source import finish_directory, open_source, prepared, target_
 from qtool.formats.dense import write_dense
 from qtool.formats.qtool import sidecar_path
 from qtool.formats.qtool_reader import QtoolReader
-from qtool.io.atomic import OutputSet, remove_stale_temps
+from qtool.io.atomic import (
+    OutputSet,
+    refuse_file_name_for_directory,
+    remove_stale_temps,
+    resolve_output,
+)
 from qtool.io.index import check_inside
 from qtool.results import DequantizedRow, DequantizeSummary
+
+DEQUANTIZED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def default_dequantized_path(src: Path) -> Path:
@@ -32,6 +39,11 @@ def dequantize(
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
     `qparams` names the sidecar of a single file that was moved away from it."""
     source = open_source(src)
+    if source.index is None:
+        default = default_dequantized_path(src)
+        out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
+    else:
+        refuse_file_name_for_directory(out, "dequantize")
     target = target_for(source, out, default_dequantized_path(src), "dequantized")
     if source.index is not None:
         for shard in source.shards:

@@ -23,6 +23,7 @@ from qtool.engine.plan import (
     default_quantized_path,
     plan_tensors,
     planned_row,
+    quantized_output,
 )
 from qtool.engine.source import (
     Source,
@@ -37,7 +38,12 @@ from qtool.errors import DeviceError, NumericError
 from qtool.formats import output_format
 from qtool.formats.base import OutputFormat, ShardWriter
 from qtool.formats.qtool import sidecar_path
-from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
+from qtool.io.atomic import (
+    OutputSet,
+    preflight,
+    refuse_file_name_for_directory,
+    remove_stale_temps,
+)
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import kernels
@@ -92,6 +98,10 @@ def quantize(
     run = Run(resolve_device(device), force, progress)
     source = open_source(src)
     dtype = options.spec.dtype.value
+    if source.index is None:
+        out = quantized_output(src, out, dtype)
+    else:
+        refuse_file_name_for_directory(out, "quantize")
     target = target_for(source, out, default_quantized_path(src, dtype), dtype)
     writer_format = output_format(fmt)
     shards = _Shards(source, options)

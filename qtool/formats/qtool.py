@@ -137,7 +137,11 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
     """The manifest of a sidecar's metadata, checked for format, version and semantics."""
     text = (metadata or {}).get(MANIFEST_KEY)
     if text is None:
-        raise SidecarError(path, "not a qtool sidecar (no qtool.qparams manifest)")
+        raise SidecarError(
+            path,
+            "not a qtool sidecar (no qtool.qparams manifest); pass the .qparams.safetensors "
+            "file written beside the quantized file, or leave out --qparams to use it",
+        )
     try:
         doc = strict_json(text.encode("utf-8"))
         if not isinstance(doc, dict):

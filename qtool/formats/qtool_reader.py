@@ -12,6 +12,7 @@ from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import SidecarError
 from qtool.formats.qtool import (
     DIGEST_KEY,
+    MANIFEST_KEY,
     Manifest,
     Record,
     data_digest,
@@ -39,6 +40,7 @@ class QtoolReader:
         self.path = src
         self.sidecar_path = qparams or sidecar_path(src)
         ckpt = open_checkpoint(src)
+        _refuse_sidecar_as_input(src, ckpt)
         if not self.sidecar_path.exists():
             ckpt.close()
             raise SidecarError(
@@ -114,6 +116,17 @@ class QtoolReader:
     def close(self) -> None:
         self.ckpt.close()
         self.sidecar.close()
+
+
+def _refuse_sidecar_as_input(src: Path, ckpt: Checkpoint) -> None:
+    """A sidecar given where the quantized file belongs: name the file to pass instead."""
+    if MANIFEST_KEY not in (ckpt.metadata or {}):
+        return
+    ckpt.close()
+    quantized = parse_manifest(src, ckpt.metadata).quantized_file
+    raise SidecarError(
+        src, f"this is a qparams sidecar; pass the quantized file it belongs to ({quantized})"
+    )
 
 
 def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path) -> None:

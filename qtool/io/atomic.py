@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from qtool.errors import OutputError
+from qtool.errors import OutputError, UsageError
 
 _TEMP_RE = re.compile(r"^\..+\.qtool-tmp-(\d+)-[0-9a-f]+$")
 STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are removed
@@ -322,4 +322,40 @@ def _check_space(out: Path, needed: int) -> None:
             out,
             f"needs about {needed:,} bytes but {out.parent} has {free:,} free; "
             "free some space or write elsewhere with -o",
+        )
+
+
+# Extensions of files people name outputs after; any other suffix (`model.int8`) is part of a name.
+_KNOWN_EXTENSIONS = (".safetensors", ".pt", ".pth", ".bin", ".gguf", ".npz", ".npy", ".onnx",
+                     ".ckpt", ".json", ".png", ".jpg", ".svg", ".pdf")  # fmt: skip
+
+
+def resolve_output(
+    out: Path | None, default: Path, accepted: tuple[str, ...], what: str, flag: str = "-o"
+) -> Path:
+    """The file to write: `default` when `out` is None, `out` when its extension is one of
+    `accepted`, the default name inside `out` when it is an existing directory of another
+    name, and a UsageError for any other name."""
+    if out is None:
+        return default
+    if out.suffix in accepted:  # even a directory named so: that is refused later, clearly
+        return out
+    if out.is_dir():
+        return out / default.name
+    stem = out.stem if out.suffix in _KNOWN_EXTENSIONS else out.name
+    has = f"ends in {out.suffix}" if out.suffix in _KNOWN_EXTENSIONS else "has no file extension"
+    raise UsageError(
+        out,
+        f"{what} writes {' or '.join(accepted)} files but this name {has}; "
+        f"use e.g. {flag} {out.with_name(stem + accepted[0])} (or an existing directory)",
+    )
+
+
+def refuse_file_name_for_directory(out: Path | None, what: str) -> None:
+    """A sharded output is a directory: a weight-file name for it is a mistake, not a wish."""
+    if out is not None and out.suffix in _KNOWN_EXTENSIONS and not out.is_dir():
+        raise UsageError(
+            out,
+            f"{what} of a sharded checkpoint writes a directory of shards; "
+            f"give -o a directory name (e.g. {out.with_name(out.stem)})",
         )

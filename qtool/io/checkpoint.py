@@ -23,7 +23,14 @@ import torch
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, OutputError, UnsafeInputError
 from qtool.io.atomic import describe_os_error
-from qtool.io.stformat import Header, HeaderError, TensorEntry, read_header
+from qtool.io.stformat import (
+    Header,
+    HeaderError,
+    TensorEntry,
+    describe_non_checkpoint,
+    not_safetensors_message,
+    read_header,
+)
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 MIN_TORCH_FOR_PICKLES = (2, 10)  # weights_only had code-execution holes before 2.6 and 2.10
@@ -116,6 +123,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
     """Open a .safetensors file or a torch pickle state dict, validating before any data is read."""
     _check_regular_file(path)
     kind = sniff(path)
+    if kind == "zip":
+        _refuse_foreign_zip(path)
     if kind == "safetensors":
         return _open_safetensors(path)
     if path.suffix not in PICKLE_SUFFIXES:
@@ -141,8 +150,26 @@ def sniff(path: Path) -> str:
             read_header(path)
             return "safetensors"
         except HeaderError:
-            raise InputError(path, "not a torch checkpoint nor a safetensors file") from None
+            what = describe_non_checkpoint(path)
+            if what is None:
+                raise InputError(path, "not a torch checkpoint nor a safetensors file") from None
+            raise InputError(path, f"not a checkpoint: {what}") from None
     return "safetensors"
+
+
+def _refuse_foreign_zip(path: Path) -> None:
+    """A zip that torch.save did not write (a numpy .npz, say) is named for what it is."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # _check_zip reports the damage
+    if any(n.endswith("data.pkl") for n in names):
+        return
+    what = "a numpy .npz archive" if names and all(n.endswith(".npy") for n in names) else (
+        "a zip archive that torch.save did not write")  # fmt: skip
+    raise InputError(path, f"not a checkpoint: {what}, which qtool does not read; convert it "
+                     "to .safetensors (safetensors.numpy.save_file)")  # fmt: skip
 
 
 def _check_regular_file(path: Path) -> None:
@@ -162,7 +189,7 @@ def _open_safetensors(path: Path) -> Checkpoint:
     try:
         header: Header = read_header(path)
     except HeaderError as err:
-        raise InputError(path, f"not a valid safetensors file: {err}") from None
+        raise InputError(path, not_safetensors_message(path, err)) from None
     except OSError as err:
         raise InputError(path, f"cannot read: {err.strerror}") from None
     st = os.stat(path)

@@ -76,6 +76,38 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     return parse_header(raw, size)
 
 
+_SIGNATURES = (  # what a file that fails to parse as safetensors often is instead
+    (b"\x93NUMPY", "a numpy .npy array"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x89PNG", "a PNG image"),
+)
+
+
+def describe_non_checkpoint(path: str | os.PathLike[str]) -> str | None:
+    """What a file that is not a valid safetensors file looks like (JSON text, a numpy array,
+    a GGUF file), or None when its content says nothing recognisable or its first 8 bytes are
+    a plausible header length (then it is a damaged safetensors file, and the parse error says
+    more)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) >= 8 and int.from_bytes(head[:8], "little") <= MAX_HEADER_BYTES:
+        return None  # a plausible safetensors header length: a damaged safetensors file
+    for signature, what in _SIGNATURES:
+        if head.startswith(signature):
+            return what
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "JSON text (a config or index file?)"
+    return None
+
+
+def not_safetensors_message(path: str | os.PathLike[str], err: HeaderError) -> str:
+    """Why a file is refused: what it is instead when that is known, else the parse error."""
+    what = describe_non_checkpoint(path)
+    if what is None:
+        return f"not a valid safetensors file: {err}"
+    return f"not a checkpoint: {what}; give a .safetensors file or a torch .pt/.pth/.bin state dict"
+
+
 def _header_length(prefix: bytes, file_size: int) -> int:
     if len(prefix) < 8:
         raise HeaderError(

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -39,6 +39,7 @@ from qtool.results import (
     InspectSummary,
     QuantizeSummary,
     TensorRow,
+    natural_key,
 )
 
 SCHEMA_VERSION = 1
@@ -77,6 +78,9 @@ def emit(stream: IO[str], *renderables: Any) -> None:
         for r in renderables:
             con.print(r)
         return
+    # Off a terminal nothing wraps: a line as long as its longest name keeps logs greppable.
+    unbounded = con.options.update_width(1 << 20)
+    con.width = max([con.width, *(con.measure(r, options=unbounded).maximum for r in renderables)])
     with con.capture() as captured:
         for r in renderables:
             con.print(r)
@@ -162,10 +166,11 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
-    """File order unless asked: name ascending, worst first for mse/sqnr, largest first for size.
-    Rows without error figures sort after those with them."""
+    """File order unless asked: name in natural order (`layers.2` before `layers.10`), worst
+    first for mse/sqnr, largest first for size. Rows without error figures sort after those
+    with them."""
     if sort == "name":
-        rows = sorted(rows, key=lambda r: r.name)
+        rows = sorted(rows, key=lambda r: natural_key(r.name))
     elif sort == "mse":
         rows = sorted(rows, key=lambda r: -r.errors.mse if r.errors else math.inf)
     elif sort == "sqnr":
@@ -283,8 +288,8 @@ def quantize_table(
     *,
     width: int | None = None,
     headers: tuple[str, str] = ("dtype", "quantization"),
-) -> Table:
-    """One row per tensor; `failed` (when a gate is set) adds a gate column."""
+) -> Group:
+    """One row per tensor under a title line; `failed` (when a gate is set) adds a gate column."""
     wide = width is None or width >= NARROW
     right = {"justify": "right", "no_wrap": True}
     columns: list[tuple[str, dict[str, Any], Cell]] = [
@@ -301,14 +306,16 @@ def quantize_table(
         columns.insert(7, ("vs minmax", right, lambda r: _fmt_gain(r.errors)))
     if not wide:
         columns = [c for c in columns if c[0] not in ("shape", "max err")]
+    if not any(r.errors for r in rows):  # a plan without --estimate: no figures to show
+        columns = [c for c in columns if c[0] not in ("MSE", "max err", "SQNR dB", "")]
     if failed is not None:
         columns.append(("gate", {"no_wrap": True}, lambda r: _gate_cell(r, failed)))
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for header, options, _ in columns:
         table.add_column(header, **options)
     for r in rows:
         table.add_row(*(cell(r) for _, _, cell in columns))
-    return table
+    return Group(Text(title), table)  # a title line of its own: never wrapped to the table
 
 
 def _fmt_gain(stats: ErrorStats | None) -> str:
@@ -454,6 +461,24 @@ def print_dequantize(summary: DequantizeSummary) -> None:
     )
 
 
+# ---- plot --------------------------------------------------------------------------------------
+
+
+def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, Any]:
+    """What `qtool plot` drew: the tensor, its spec and its error figures."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "plot",
+        "inputs": [checkpoint],
+        "outputs": [target],
+        "tensor": info["tensor"],
+        "spec": info["spec"],
+        "mse": info["mse"],
+        "max_abs_error": info["max_abs_error"],
+        "sqnr_db": _finite_or_none(info["sqnr_db"]),
+    }
+
+
 # ---- inspect -----------------------------------------------------------------------------------
 
 
@@ -490,7 +515,7 @@ def print_inspect(summary: InspectSummary) -> None:
     quantized = any(r.qinfo for r in summary.rows)
     kind = f"{summary.kind}, {summary.shards} shards" if summary.shards else summary.kind
     title = f"{safe(summary.path)} ({kind})"
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=12)
     table.add_column("dtype", no_wrap=True)
     table.add_column("shape", overflow="fold")
@@ -510,6 +535,7 @@ def print_inspect(summary: InspectSummary) -> None:
             cells.append(_qinfo_text(r.qinfo))
         table.add_row(*cells)
     lines: list[Any] = [
+        Text(title),
         table,
         Text(
             f"{len(summary.rows)} tensors, {summary.total_numel:,} elements, "

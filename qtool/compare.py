@@ -17,7 +17,7 @@ from qtool.checkpoint import open_checkpoint
 from qtool.errors import InputError
 from qtool.metrics import error_stats
 from qtool.restore import open_quantized
-from qtool.sidecar import DIGEST_KEY, scale_name, zero_point_name
+from qtool.sidecar import is_quantized, scale_name, zero_point_name
 from qtool.stformat import FLOAT_DTYPES, TensorEntry
 from qtool.summary import CompareSummary, TensorRow
 
@@ -29,7 +29,7 @@ class FloatSource:
         self.path = path
         probe = open_checkpoint(path)
         self._pair = None
-        if DIGEST_KEY in (probe.metadata or {}):
+        if is_quantized(probe.metadata):
             probe.close()
             self._pair = open_quantized(path)
             self._ckpt = self._pair.ckpt

@@ -35,6 +35,7 @@ from qtool.plan import (
     planned_row,
 )
 from qtool.sidecar import (
+    BINDING_KEY,
     DIGEST_KEY,
     SIDECAR_KEY,
     Manifest,
@@ -42,6 +43,7 @@ from qtool.sidecar import (
     manifest_metadata,
     scale_name,
     sidecar_path,
+    tensor_table,
     zero_point_name,
 )
 from qtool.stformat import TensorEntry, build_header
@@ -187,7 +189,11 @@ def write_quantized(
     """Stream the quantized file and then its sidecar into `outputs`; rows in file order."""
     side = sidecar_path(out)
     metadata = carried_metadata(ckpt.metadata)
-    metadata |= {SIDECAR_KEY: side.name, DIGEST_KEY: _PLACEHOLDER_DIGEST}
+    metadata |= {
+        SIDECAR_KEY: side.name,
+        DIGEST_KEY: _PLACEHOLDER_DIGEST,
+        BINDING_KEY: _PLACEHOLDER_DIGEST,
+    }
     specs = [(p.entry.name, p.out_dtype, p.entry.shape) for p in plans]
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
@@ -213,8 +219,8 @@ def write_quantized(
             if progress is not None:
                 progress.advance(entry.name, plan.entry.nbytes)
     ckpt.check_unchanged()
-    digest = _write_sidecar(outputs, side, out.name, by_name, qparams)
-    final_header, _ = build_header(specs, metadata | {DIGEST_KEY: digest})
+    digests = _write_sidecar(outputs, side, out.name, by_name, qparams, header.tensors)
+    final_header, _ = build_header(specs, metadata | digests)
     writer.finish(final_header)
     return [rows[p.entry.name] for p in plans]
 
@@ -303,8 +309,10 @@ def _write_sidecar(
     quantized_name: str,
     plans: dict[str, TensorPlan],
     qparams: dict[str, tuple[torch.Tensor, torch.Tensor]],
-) -> str:
-    """Write the sidecar; return the SHA-256 of its data section."""
+    table: tuple[TensorEntry, ...],
+) -> dict[str, str]:
+    """Write the sidecar; return the quantized file's binding digests (sidecar.BINDING_KEY over
+    `table` and the whole sidecar, sidecar.DIGEST_KEY over its data section)."""
     records = {name: _record(plans[name]) for name in sorted(qparams)}
     tensors: dict[str, torch.Tensor] = {}
     for name, (scale, zero_point) in qparams.items():
@@ -315,12 +323,14 @@ def _write_sidecar(
     header_bytes, header = build_header(specs, metadata)
     writer = StreamingWriter(outputs.create(side), header_bytes, header, side)
     digest = hashlib.sha256()
+    binding = hashlib.sha256(tensor_table(table) + header_bytes)
     for entry in header.tensors:
         data = tensor_bytes(tensors[entry.name])
         digest.update(data)
+        binding.update(data)
         writer.write(entry.name, data)
     writer.finish()
-    return digest.hexdigest()
+    return {DIGEST_KEY: digest.hexdigest(), BINDING_KEY: binding.hexdigest()}
 
 
 def _record(plan: TensorPlan) -> Record:

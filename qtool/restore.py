@@ -24,9 +24,11 @@ from qtool.errors import OutputError, SidecarError
 from qtool.index import is_sharded
 from qtool.pipeline import carried_metadata, check_output
 from qtool.sidecar import (
+    BINDING_KEY,
     DIGEST_KEY,
     Manifest,
     Record,
+    binding_digest,
     data_digest,
     parse_manifest,
     scale_name,
@@ -86,7 +88,7 @@ def open_quantized(src: Path, qparams: Path | None = None) -> QuantizedPair:
     sidecar = open_checkpoint(side_path)
     try:
         manifest = parse_manifest(side_path, sidecar.metadata)
-        _check_binding(src, ckpt, side_path, sidecar)
+        _check_binding(src, ckpt, side_path)
         _check_pair(src, ckpt, side_path, sidecar, manifest)
     except Exception:
         ckpt.close()
@@ -95,15 +97,21 @@ def open_quantized(src: Path, qparams: Path | None = None) -> QuantizedPair:
     return QuantizedPair(ckpt, sidecar, manifest)
 
 
-def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint) -> None:
-    expected = (ckpt.metadata or {}).get(DIGEST_KEY)
-    if expected is None:
+def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path) -> None:
+    """Refuse a pair whose binding digest does not match; files of qtool 0.1.0 carry only the
+    legacy digest of the sidecar's data, which is checked instead."""
+    metadata = ckpt.metadata or {}
+    if BINDING_KEY in metadata:
+        expected, actual = metadata[BINDING_KEY], binding_digest(ckpt.entries, side_path)
+    elif DIGEST_KEY in metadata:
+        expected, actual = metadata[DIGEST_KEY], data_digest(side_path, read_header(side_path))
+    else:
         raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
-    if data_digest(side_path, read_header(side_path)) != expected:
+    if actual != expected:
         raise SidecarError(
             side_path,
-            f"does not belong to {src.name} (digest mismatch: from another run or file); "
-            "re-run quantize to produce a matching pair",
+            f"does not belong to {src.name} (binding digest mismatch: from another run or "
+            "file, or one of the two was edited); re-run quantize to produce a matching pair",
         )
 
 

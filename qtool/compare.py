@@ -36,10 +36,8 @@ class FloatSource:
         else:
             self._ckpt = probe
         self.entries = {e.name: e for e in self._ckpt.entries}
-
-    @property
-    def quantized(self) -> set[str]:
-        return set(self._pair.manifest.tensors) if self._pair else set()
+        # Built once: it is consulted per tensor (rebuilding it per call was quadratic).
+        self.quantized = frozenset(self._pair.manifest.tensors) if self._pair else frozenset()
 
     def dtype(self, name: str) -> str:
         """The logical dtype: a quantized tensor counts as its original dtype."""

@@ -50,6 +50,7 @@ from qtool.stformat import TensorEntry, build_header
 from qtool.summary import Progress, QuantizeSummary, TensorRow
 
 _PLACEHOLDER_DIGEST = "0" * 64
+BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
 
 
 def resolve_device(name: str) -> torch.device:
@@ -220,9 +221,20 @@ def write_quantized(
                 progress.advance(entry.name, plan.entry.nbytes)
     ckpt.check_unchanged()
     digests = _write_sidecar(outputs, side, out.name, by_name, qparams, header.tensors)
-    final_header, _ = build_header(specs, metadata | digests)
-    writer.finish(final_header)
+    writer.finish(_patch_digests(header_bytes, digests))
     return [rows[p.entry.name] for p in plans]
+
+
+def _patch_digests(header_bytes: bytes, digests: dict[str, str]) -> bytes:
+    """The header with its placeholder digests filled in (same length; no second build, which
+    costs seconds for 50k tensors). Each `"key":"000..."` occurs once, in the metadata: quotes
+    inside JSON strings are escaped, so no tensor name can contain it."""
+    for key, digest in digests.items():
+        placeholder = f'"{key}":"{_PLACEHOLDER_DIGEST}"'.encode()
+        if header_bytes.count(placeholder) != 1:
+            raise AssertionError(f"header must hold one {key} placeholder")
+        header_bytes = header_bytes.replace(placeholder, f'"{key}":"{digest}"'.encode())
+    return header_bytes
 
 
 class _BackgroundWriter:
@@ -245,7 +257,10 @@ class _BackgroundWriter:
 
     def write(self, entry: TensorEntry, data: memoryview) -> None:
         self._wait()
-        self._pending = self._pool.submit(self._write, entry, data)
+        if data.nbytes < BACKGROUND_MIN_BYTES:
+            self._write(entry, data)  # a thread hand-off costs more than a small write
+        else:
+            self._pending = self._pool.submit(self._write, entry, data)
 
     def _write(self, entry: TensorEntry, data: memoryview) -> None:
         self._writer.write(entry.name, data)

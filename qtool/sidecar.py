@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,9 @@ class Record:
         return QSpec(Scheme(self.scheme), StorageDtype(self.dtype), self.axis)
 
 
+_RECORD_FIELDS = fields(Record)
+
+
 @dataclass(frozen=True)
 class Manifest:
     quantized_file: str
@@ -86,7 +89,8 @@ def manifest_metadata(manifest: Manifest) -> dict[str, str]:
 
 
 def _record_json(record: Record) -> dict[str, object]:
-    out = asdict(record)
+    # Field by field: dataclasses.asdict deep-copies, which dominated 50k-tensor manifests.
+    out: dict[str, object] = {f.name: getattr(record, f.name) for f in _RECORD_FIELDS}
     out["shape"] = list(record.shape)
     return out
 

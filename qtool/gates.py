@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qtool.summary import ErrorStats, TensorRow
+from qtool.results import ErrorStats, TensorRow
 
 
 @dataclass(frozen=True)

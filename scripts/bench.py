@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from qtool import kernels
+from qtool.numerics import kernels
 from qtool.spec import QSpec, Scheme, StorageDtype
 
 SHAPES = [(4096, 4096), (4096, 11008)]

@@ -116,12 +116,10 @@ def _quantized_pair(d: Path) -> Path:
     tensors = {"w": torch.randn(8, 4), "b": torch.randn(8)}
     tensors |= {"s": torch.randn(4, 4), "t": 10 * torch.randn(4, 4)}  # square, same shape
     save_file(tensors, d / "m.safetensors")
-    from qtool import pipeline
-    from qtool.plan import QuantizeOptions
+    from qtool import api
+    from qtool.engine.plan import QuantizeOptions
 
-    pipeline.quantize_file(
-        d / "m.safetensors", d / "q.safetensors", QuantizeOptions(), device="cpu"
-    )
+    api.quantize(d / "m.safetensors", d / "q.safetensors", QuantizeOptions(), device="cpu")
     return d / "q.safetensors"
 
 
@@ -133,7 +131,7 @@ def _sidecar_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], N
 
         q = _quantized_pair(d)
         side = d / "q.qparams.safetensors"
-        from qtool.stformat import read_header
+        from qtool.io.stformat import read_header
 
         manifest = json.loads((read_header(side).metadata or {})["qtool.qparams"])
         tensors = load_file(side)
@@ -146,8 +144,8 @@ def _sidecar_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], N
 
 def _keep_digest(d: Path, q: Path) -> None:
     """Re-bind q to its (edited) sidecar so that only the edit itself is under test."""
-    from qtool.sidecar import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
-    from qtool.stformat import read_header
+    from qtool.formats.qtool import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
+    from qtool.io.stformat import read_header
 
     side = d / "q.qparams.safetensors"
     header = read_header(q)

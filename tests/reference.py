@@ -1,7 +1,7 @@
 """A deliberately plain reference of the semantics (numpy float32, one group at a time).
 
-Independent of qtool.kernels: no torch, no blocking, no in-place tricks. Tests compare qtool's
-codes and qparams with it bit for bit.
+Independent of qtool.numerics.kernels: no torch, no blocking, no in-place tricks. Tests compare
+qtool's codes and qparams with it bit for bit.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from qtool.checkpoint import (
+from qtool.errors import InputError, UnsafeInputError
+from qtool.io.checkpoint import (
     TORCH_TO_ST,
     StreamingWriter,
     open_checkpoint,
     tensor_bytes,
 )
-from qtool.errors import InputError, UnsafeInputError
-from qtool.stformat import build_header
+from qtool.io.stformat import build_header
 
 
 def test_streaming_writer_output_is_byte_identical_to_save_file() -> None:
@@ -160,7 +160,7 @@ def test_views_of_a_larger_storage_write_only_their_elements(tmp_path: Path) -> 
 def test_old_torch_is_refused_for_pickles_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qtool.checkpoint as checkpoint
+    import qtool.io.checkpoint as checkpoint
 
     torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
     called = []
@@ -188,7 +188,7 @@ def test_every_torch_load_passes_weights_only_true_literally() -> None:
 
     package = Path(__file__).parent.parent / "qtool"
     calls = 0
-    for source in package.glob("*.py"):
+    for source in package.rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) in ("torch.load", "load"):
                 kw = {k.arg: k.value for k in node.keywords}

@@ -22,13 +22,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from qtool import pipeline, restore
-from qtool.checkpoint import open_checkpoint
+from qtool import api
 from qtool.cli import app
+from qtool.engine import restore
+from qtool.engine.plan import QuantizeOptions
 from qtool.errors import OutputError, QtoolError, SidecarError
-from qtool.plan import QuantizeOptions
-from qtool.sidecar import parse_manifest, sidecar_path
-from qtool.stformat import Header, HeaderError, build_header, parse_header, read_header
+from qtool.formats.qtool import parse_manifest, sidecar_path
+from qtool.io.checkpoint import open_checkpoint
+from qtool.io.stformat import Header, HeaderError, build_header, parse_header, read_header
 from tests.corpus import CASES, Case, raw_safetensors
 
 EXHAUSTIVE = os.environ.get("QTOOL_EXHAUSTIVE") == "1"
@@ -164,8 +165,8 @@ def _pair_bytes(directory: Path) -> dict[str, bytes]:
         tensors = {n: torch.randn(4, 4, generator=gen) * (i + 1) for i, n in enumerate("stu")}
         save_file(tensors | {"b": torch.randn(4, generator=gen)}, directory / "m.safetensors")
         q = directory / "q.safetensors"
-        pipeline.quantize_file(directory / "m.safetensors", q, QuantizeOptions(), device="cpu")
-        restore.dequantize_file(q, directory / "r.safetensors")
+        api.quantize(directory / "m.safetensors", q, QuantizeOptions(), device="cpu")
+        api.dequantize(q, directory / "r.safetensors")
         for key, path in (
             ("q", q),
             ("side", sidecar_path(q)),
@@ -224,7 +225,7 @@ def test_fuzz_edited_pair_is_refused_or_decodes_the_same(tmp_path_factory, edit)
     (d / "q.safetensors").write_bytes(q_bytes)
     (d / "q.qparams.safetensors").write_bytes(side_bytes)
     try:
-        restore.dequantize_file(d / "q.safetensors", d / "r.safetensors")
+        api.dequantize(d / "q.safetensors", d / "r.safetensors")
     except QtoolError:
         return
     got = _tensors_of((d / "r.safetensors").read_bytes())
@@ -271,7 +272,7 @@ class _FaultyFile:
 
 
 def _run_with_faults(mp: pytest.MonkeyPatch, src: Path, out: Path, fail_at: int, code: int) -> None:
-    from qtool.atomic import OutputSet
+    from qtool.io.atomic import OutputSet
 
     create = OutputSet.create
     _FaultyFile.calls = 0
@@ -280,7 +281,7 @@ def _run_with_faults(mp: pytest.MonkeyPatch, src: Path, out: Path, fail_at: int,
         return _FaultyFile(create(self, final, last=last), fail_at, code)
 
     mp.setattr(OutputSet, "create", faulty)
-    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    api.quantize(src, out, QuantizeOptions(), device="cpu")
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EIO])
@@ -312,7 +313,7 @@ def test_fsync_failure_leaves_nothing(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "fsync", failing)
         with pytest.raises(OutputError, match="cannot write"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -324,7 +325,7 @@ def test_preflight_refuses_before_reading(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "access", lambda path, mode: not mode & os.W_OK)
         with pytest.raises(OutputError, match="not writable"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -333,7 +334,7 @@ def test_preflight_refuses_before_reading(tmp_path: Path) -> None:
 
         mp.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1, 1, 10))  # type: ignore[attr-defined]
         with pytest.raises(OutputError, match="has 10 free"):
-            pipeline.quantize_file(
+            api.quantize(
                 tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(),
                 device="cpu",
             )  # fmt: skip
@@ -346,7 +347,7 @@ def test_output_mode_follows_umask(tmp_path: Path) -> None:
         old = os.umask(umask)
         try:
             out = tmp_path / f"q{umask}.safetensors"
-            pipeline.quantize_file(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
+            api.quantize(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
         finally:
             os.umask(old)
         assert out.stat().st_mode & 0o777 == 0o666 & ~umask
@@ -361,7 +362,7 @@ def test_stale_temps_of_dead_runs_are_removed(tmp_path: Path) -> None:
     stale.write_bytes(b"half a file")
     alive = tmp_path / f".q.safetensors.qtool-tmp-{os.getpid()}-abcd1234"
     alive.write_bytes(b"another run, still going")
-    summary = pipeline.quantize_file(
+    summary = api.quantize(
         tmp_path / "m.safetensors", tmp_path / "q.safetensors", QuantizeOptions(), device="cpu"
     )
     assert summary.stale_temps_removed == 1

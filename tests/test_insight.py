@@ -189,7 +189,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_plots_are_pngs_of_the_documented_size(samples: Path) -> None:
     pytest.importorskip("matplotlib")
-    from qtool.plots import FIGURE_PX
+    from qtool.engine.plots import FIGURE_PX
 
     report = samples / "report.png"
     q = samples / "q.safetensors"

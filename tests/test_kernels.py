@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from qtool import kernels
+from qtool.numerics import kernels
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
 

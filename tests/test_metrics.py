@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.metrics import error_stats
-from qtool.summary import ErrorStats, combine
+from qtool.numerics.metrics import error_stats
+from qtool.results import ErrorStats, combine
 
 
 def test_error_stats_match_a_float64_reference(device: str) -> None:

@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from qtool import pipeline, restore
+from qtool import api
+from qtool.engine.inspect import inspect_path
+from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError, OutputError, SidecarError
-from qtool.inspection import inspect_path
-from qtool.plan import QuantizeOptions
-from qtool.sidecar import BINDING_KEY, sidecar_path
+from qtool.formats.qtool import BINDING_KEY, sidecar_path
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
 
@@ -46,9 +46,9 @@ def test_round_trip_preserves_names_shapes_dtypes_and_bounds(
     src = samples / name
     original = _load(src)
     qfile = samples / "q.safetensors"
-    summary = pipeline.quantize_file(src, qfile, QuantizeOptions(spec), device="cpu")
+    summary = api.quantize(src, qfile, QuantizeOptions(spec), device="cpu")
     restored_path = samples / "restored.safetensors"
-    restore.dequantize_file(qfile, restored_path)
+    api.dequantize(qfile, restored_path)
     restored = load_file(restored_path)
     assert list(restored) == sorted(restored, key=list(restored).index)  # loadable
     assert set(restored) == set(original)
@@ -82,7 +82,7 @@ def _half_step(scale: np.ndarray, axis: int | None, ndim: int) -> np.ndarray:
 
 
 def test_report_rows_follow_the_file_and_say_why(samples: Path) -> None:
-    summary = pipeline.quantize_file(
+    summary = api.quantize(
         samples / "mlp.safetensors", samples / "o.safetensors", QuantizeOptions(), device="cpu"
     )
     rows = {r.name: r for r in summary.rows}
@@ -98,7 +98,7 @@ def test_per_channel_beats_per_tensor_on_an_outlier_channel(samples: Path) -> No
     src = samples / "mlp.safetensors"
     sqnr = {}
     for axis in (None, 0):
-        s = pipeline.quantize_file(
+        s = api.quantize(
             src, samples / f"o{axis}.safetensors", QuantizeOptions(QSpec(axis=axis)), device="cpu"
         )
         sqnr[axis] = next(r for r in s.rows if r.name == "head.weight").errors.sqnr_db
@@ -107,7 +107,7 @@ def test_per_channel_beats_per_tensor_on_an_outlier_channel(samples: Path) -> No
 
 def test_include_exclude_globs(samples: Path) -> None:
     options = QuantizeOptions(include=("layers.*", "head.*"), exclude=("*.fc2.*",))
-    summary = pipeline.quantize_file(
+    summary = api.quantize(
         samples / "mlp.safetensors", samples / "o.safetensors", options, device="cpu"
     )
     rows = {r.name: r for r in summary.rows}
@@ -119,12 +119,12 @@ def test_include_exclude_globs(samples: Path) -> None:
 
 def test_dequantize_to_other_dtypes_and_pt(samples: Path) -> None:
     q = samples / "q.safetensors"
-    pipeline.quantize_file(samples / "mlp-bf16.safetensors", q, QuantizeOptions(), device="cpu")
-    restore.dequantize_file(q, samples / "f32.safetensors", dtype="float32")
+    api.quantize(samples / "mlp-bf16.safetensors", q, QuantizeOptions(), device="cpu")
+    api.dequantize(q, samples / "f32.safetensors", dtype="float32")
     out = load_file(samples / "f32.safetensors")
     assert out["head.weight"].dtype == torch.float32
     assert out["head.bias"].dtype == torch.bfloat16  # unquantized: untouched
-    restore.dequantize_file(q, samples / "restored.pt")
+    api.dequantize(q, samples / "restored.pt")
     pt = torch.load(samples / "restored.pt", weights_only=True)
     assert pt["head.weight"].dtype == torch.bfloat16
 
@@ -133,17 +133,15 @@ def test_existing_output_needs_force_and_input_is_never_overwritten(samples: Pat
     src = samples / "mlp.safetensors"
     before = src.read_bytes()
     out = samples / "o.safetensors"
-    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    api.quantize(src, out, QuantizeOptions(), device="cpu")
     with pytest.raises(OutputError, match="--force"):
-        pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
-    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu", force=True)
+        api.quantize(src, out, QuantizeOptions(), device="cpu")
+    api.quantize(src, out, QuantizeOptions(), device="cpu", force=True)
     with pytest.raises(OutputError, match="overwrite the input"):
-        pipeline.quantize_file(src, src, QuantizeOptions(), device="cpu", force=True)
+        api.quantize(src, src, QuantizeOptions(), device="cpu", force=True)
     (samples / "link.safetensors").symlink_to(src)
     with pytest.raises(OutputError, match="overwrite the input"):
-        pipeline.quantize_file(
-            src, samples / "link.safetensors", QuantizeOptions(), device="cpu", force=True
-        )
+        api.quantize(src, samples / "link.safetensors", QuantizeOptions(), device="cpu", force=True)
     assert src.read_bytes() == before
 
 
@@ -153,11 +151,11 @@ def test_nan_is_an_error_unless_kept(tmp_path: Path) -> None:
     save_file({"bad.weight": w, "good.weight": torch.randn(4, 4)}, tmp_path / "m.safetensors")
     out = tmp_path / "o.safetensors"
     with pytest.raises(NumericError, match="1 NaN/Inf") as info:
-        pipeline.quantize_file(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
+        api.quantize(tmp_path / "m.safetensors", out, QuantizeOptions(), device="cpu")
     assert info.value.tensor == "bad.weight"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
     options = QuantizeOptions(keep_nonfinite=True)
-    summary = pipeline.quantize_file(tmp_path / "m.safetensors", out, options, device="cpu")
+    summary = api.quantize(tmp_path / "m.safetensors", out, options, device="cpu")
     rows = {r.name: r for r in summary.rows}
     assert not rows["bad.weight"].quantized and rows["good.weight"].quantized
     assert torch.equal(load_file(out)["bad.weight"], w) is False  # NaN != NaN
@@ -167,13 +165,13 @@ def test_nan_is_an_error_unless_kept(tmp_path: Path) -> None:
 def test_sidecar_from_another_run_is_refused(samples: Path) -> None:
     src = samples / "mlp.safetensors"
     a, b = samples / "a.safetensors", samples / "b.safetensors"
-    pipeline.quantize_file(src, a, QuantizeOptions(), device="cpu")
-    pipeline.quantize_file(src, b, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
+    api.quantize(src, a, QuantizeOptions(), device="cpu")
+    api.quantize(src, b, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
     with pytest.raises(SidecarError, match="does not belong"):
-        restore.dequantize_file(a, samples / "r.safetensors", qparams=sidecar_path(b))
+        api.dequantize(a, samples / "r.safetensors", qparams=sidecar_path(b))
     sidecar_path(a).unlink()
     with pytest.raises(SidecarError, match="no qparams sidecar"):
-        restore.dequantize_file(a, samples / "r.safetensors")
+        api.dequantize(a, samples / "r.safetensors")
     assert not (samples / "r.safetensors").exists()
 
 
@@ -187,11 +185,11 @@ def _as_qtool_0_1_0(q: Path) -> None:
 
 def test_files_of_qtool_0_1_0_stay_readable_with_their_own_check(samples: Path) -> None:
     q = samples / "q.safetensors"
-    pipeline.quantize_file(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
-    restore.dequantize_file(q, samples / "new.safetensors")
+    api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
+    api.dequantize(q, samples / "new.safetensors")
     assert inspect_path(q).notes == []
     _as_qtool_0_1_0(q)
-    restore.dequantize_file(q, samples / "old.safetensors")
+    api.dequantize(q, samples / "old.safetensors")
     new, old = load_file(samples / "new.safetensors"), load_file(samples / "old.safetensors")
     assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
     assert inspect_path(q).notes == [
@@ -204,7 +202,7 @@ def test_files_of_qtool_0_1_0_stay_readable_with_their_own_check(samples: Path) 
     scales["head.weight.scale"].mul_(2)
     save_file(scales, side, metadata=side_metadata)
     with pytest.raises(SidecarError, match="does not belong"):
-        restore.dequantize_file(q, samples / "r.safetensors")
+        api.dequantize(q, samples / "r.safetensors")
     assert "binding digest mismatch" in inspect_path(q).notes[0]
 
 
@@ -217,7 +215,7 @@ def test_output_is_deterministic(samples: Path) -> None:
             torch.set_num_threads(i)
             (samples / str(i)).mkdir()
             out = samples / str(i) / "d.safetensors"
-            pipeline.quantize_file(src, out, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
+            api.quantize(src, out, QuantizeOptions(QSpec(Scheme.ASYM)), device="cpu")
             outs.append((out.read_bytes(), sidecar_path(out).read_bytes()))
     finally:
         torch.set_num_threads(threads)
@@ -226,7 +224,7 @@ def test_output_is_deterministic(samples: Path) -> None:
 
 def test_dry_run_writes_nothing(samples: Path) -> None:
     out = samples / "never.safetensors"
-    summary = pipeline.quantize_file(
+    summary = api.quantize(
         samples / "mlp.safetensors", out, QuantizeOptions(), device="cpu", dry_run=True
     )
     assert summary.dry_run and len(summary.quantized) == 4
@@ -266,7 +264,7 @@ def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path) ->
     cap_mib = 1.5 * largest_mib + 32
     checkpoint_mib = (tmp_path / "big.safetensors").stat().st_size / 2**20
     assert checkpoint_mib > 6 * cap_mib
-    baseline = _peak_anon_mib(["-c", "import qtool.pipeline, qtool.cli"])
+    baseline = _peak_anon_mib(["-c", "import qtool.engine.run, qtool.cli"])
     peak = _peak_anon_mib(
         [
             "-m",

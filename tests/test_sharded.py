@@ -7,10 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qtool import pipeline, restore
+from qtool import api
+from qtool.engine.plan import QuantizeOptions
 from qtool.errors import InputError, OutputError
-from qtool.inspection import inspect_path
-from qtool.plan import QuantizeOptions
 from qtool.spec import QSpec, Scheme
 
 
@@ -48,7 +47,7 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
         if via == "directory"
         else tmp_path / "model/model.safetensors.index.json"
     )
-    summary = pipeline.quantize_path(src, None, QuantizeOptions(QSpec(scheme)), device="cpu")
+    summary = api.quantize(src, None, QuantizeOptions(QSpec(scheme)), device="cpu")
     out = tmp_path / "model.int8"
     assert summary.outputs == [str(out)]
     names = sorted(p.name for p in out.iterdir())
@@ -67,7 +66,7 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
     assert (out / "config.json").read_text() == '{"hidden_size": 48}'
     assert len(summary.quantized) == 3
 
-    restore.dequantize_path(out, None)
+    api.dequantize(out, None)
     restored_dir = tmp_path / "model.int8.dequantized"
     restored: dict[str, torch.Tensor] = {}
     for shard in restored_dir.glob("model-*.safetensors"):
@@ -84,10 +83,10 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
 
 def test_inspect_sharded(tmp_path: Path) -> None:
     make_sharded(tmp_path / "m")
-    summary = inspect_path(tmp_path / "m")
+    summary = api.inspect(tmp_path / "m")
     assert summary.kind == "sharded" and summary.shards == 3 and len(summary.rows) == 9
-    pipeline.quantize_path(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
-    quantized = inspect_path(tmp_path / "q")
+    api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
+    quantized = api.inspect(tmp_path / "q")
     assert quantized.kind == "sharded quantized"
     assert sum(1 for r in quantized.rows if r.qinfo) == 3
 
@@ -122,7 +121,7 @@ def test_bad_indexes_fail_before_anything_is_written(
     make_sharded(tmp_path / "m")
     _edit_index(tmp_path / "m", edit)
     with pytest.raises(InputError, match=message):
-        pipeline.quantize_path(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
+        api.quantize(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
@@ -131,17 +130,15 @@ def test_corrupt_last_shard_fails_before_the_first_is_written(tmp_path: Path) ->
     last = tmp_path / "m/model-00003-of-00003.safetensors"
     last.write_bytes(last.read_bytes()[:-3])
     with pytest.raises(InputError, match="truncated"):
-        pipeline.quantize_path(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
+        api.quantize(tmp_path / "m", tmp_path / "out", QuantizeOptions(), device="cpu")
     assert not (tmp_path / "out").exists()
 
 
 def test_output_directory_rules(tmp_path: Path) -> None:
     make_sharded(tmp_path / "m")
     with pytest.raises(OutputError, match="input directory"):
-        pipeline.quantize_path(tmp_path / "m", tmp_path / "m", QuantizeOptions(), device="cpu")
-    pipeline.quantize_path(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
+        api.quantize(tmp_path / "m", tmp_path / "m", QuantizeOptions(), device="cpu")
+    api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
     with pytest.raises(OutputError, match="--force"):
-        pipeline.quantize_path(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
-    pipeline.quantize_path(
-        tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu", force=True
-    )
+        api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
+    api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu", force=True)

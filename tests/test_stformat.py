@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from qtool.stformat import HeaderError, build_header, parse_header, read_header
+from qtool.io.stformat import HeaderError, build_header, parse_header, read_header
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,

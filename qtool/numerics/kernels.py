@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.metrics import ErrorAccumulator
+from qtool.numerics.metrics import ErrorAccumulator
+from qtool.results import ErrorStats
 from qtool.spec import QSpec, Scheme, StorageDtype
-from qtool.summary import ErrorStats
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TORCH_STORAGE = {StorageDtype.INT8: torch.int8, StorageDtype.UINT8: torch.uint8}

@@ -20,9 +20,9 @@ from typing import BinaryIO
 
 import torch
 
-from qtool.atomic import describe_os_error
 from qtool.errors import InputError, OutputError, UnsafeInputError
-from qtool.stformat import DTYPE_BITS, Header, HeaderError, TensorEntry, read_header
+from qtool.io.atomic import describe_os_error
+from qtool.io.stformat import DTYPE_BITS, Header, HeaderError, TensorEntry, read_header
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
 MIN_TORCH_FOR_PICKLES = (2, 10)  # weights_only had code-execution holes before 2.6 and 2.10

@@ -10,20 +10,9 @@ from pathlib import Path
 
 import torch
 
-from qtool import kernels
-from qtool.atomic import OutputSet, describe_os_error, remove_stale_temps
-from qtool.checkpoint import (
-    ST_TO_TORCH,
-    TORCH_TO_ST,
-    Checkpoint,
-    StreamingWriter,
-    open_checkpoint,
-    tensor_bytes,
-)
+from qtool.engine.run import carried_metadata, check_output
 from qtool.errors import OutputError, SidecarError
-from qtool.index import is_sharded
-from qtool.pipeline import carried_metadata, check_output
-from qtool.sidecar import (
+from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
     Manifest,
@@ -36,8 +25,18 @@ from qtool.sidecar import (
     validate_qparams,
     zero_point_name,
 )
-from qtool.stformat import build_header, read_header
-from qtool.summary import DequantizedRow, DequantizeSummary
+from qtool.io.atomic import OutputSet, describe_os_error, remove_stale_temps
+from qtool.io.checkpoint import (
+    ST_TO_TORCH,
+    TORCH_TO_ST,
+    Checkpoint,
+    StreamingWriter,
+    open_checkpoint,
+    tensor_bytes,
+)
+from qtool.io.stformat import build_header, read_header
+from qtool.numerics import kernels
+from qtool.results import DequantizedRow, DequantizeSummary
 
 OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -45,22 +44,6 @@ OUTPUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 def default_dequantized_path(src: Path) -> Path:
     """`model.int8.safetensors` -> `model.int8.dequantized.safetensors` beside it."""
     return src.with_name(f"{src.stem}.dequantized.safetensors")
-
-
-def dequantize_path(
-    src: Path,
-    out: Path | None,
-    *,
-    qparams: Path | None = None,
-    dtype: str = "original",
-    force: bool = False,
-) -> DequantizeSummary:
-    """Dequantize a quantized file, or a quantized sharded checkpoint."""
-    from qtool import sharded  # sharded imports this module
-
-    if is_sharded(src):
-        return sharded.dequantize_sharded(src, out, dtype=dtype, force=force)
-    return dequantize_file(src, out, qparams=qparams, dtype=dtype, force=force)
 
 
 @dataclass(frozen=True)

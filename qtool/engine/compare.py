@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from qtool import kernels
-from qtool.checkpoint import open_checkpoint
+from qtool.engine.restore import open_quantized
 from qtool.errors import InputError
-from qtool.metrics import error_stats
-from qtool.restore import open_quantized
-from qtool.sidecar import is_quantized, scale_name, zero_point_name
-from qtool.stformat import FLOAT_DTYPES, TensorEntry
-from qtool.summary import CompareSummary, TensorRow
+from qtool.formats.qtool import is_quantized, scale_name, zero_point_name
+from qtool.io.checkpoint import open_checkpoint
+from qtool.io.stformat import FLOAT_DTYPES, TensorEntry
+from qtool.numerics import kernels
+from qtool.numerics.metrics import error_stats
+from qtool.results import CompareSummary, TensorRow
 
 
 class FloatSource:

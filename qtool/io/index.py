@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from qtool.errors import InputError
-from qtool.stformat import HeaderError, read_header, strict_json
+from qtool.io.stformat import HeaderError, read_header, strict_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from qtool import __version__, report
+from qtool import __version__, api
 from qtool.errors import QtoolError
+from qtool.report import console as report
 from qtool.spec import QSpec, Scheme, StorageDtype
 
 if TYPE_CHECKING:
+    from qtool.api import QuantizeOptions
     from qtool.gates import GateResult
-    from qtool.plan import QuantizeOptions
-    from qtool.summary import QuantizeSummary, TensorRow
+    from qtool.results import QuantizeSummary, TensorRow
 
 app = typer.Typer(
     name="qtool",
@@ -240,21 +241,18 @@ def quantize(
     force: ForceOpt = False,
 ) -> None:
     """Quantize every selected float tensor of SRC; write the codes and a qparams sidecar."""
-    from qtool import plan
     from qtool.gates import Gate, evaluate
 
     if estimate and not dry_run:
         raise typer.BadParameter("--estimate goes with --dry-run", param_hint="--estimate")
     spec = QSpec(scheme, dtype, axis if per_channel else None)
-    options = plan.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
+    options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
     with user_errors(as_json):
-        summary = plan.dry_run(src, out, options) if dry_run and not estimate else None
+        summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
             summary = _run_quantize(src, out, options, device, threads, force, dry_run, estimate)
         if plot is not None:
-            from qtool import plots
-
-            plots.plot_quantize(summary, options, plot)
+            api.plot_quantize(summary, options, plot)
     gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
     _show_and_gate(
         report.arrange(summary.rows, sort.value if sort else None, top),
@@ -288,11 +286,9 @@ def _run_quantize(
     dry_run: bool,
     estimate: bool,
 ) -> QuantizeSummary:
-    from qtool import pipeline
-
     _set_threads(threads)
     with report.progress_bar() as progress:
-        return pipeline.quantize_path(
+        return api.quantize(
             src,
             out,
             options,
@@ -332,15 +328,12 @@ def compare(
 ) -> None:
     """Per-tensor error between two checkpoints sharing tensor names (quantized files are
     dequantized through their sidecars on the fly)."""
-    from qtool.compare import compare_files
     from qtool.gates import Gate, evaluate
 
     with user_errors(as_json):
-        summary = compare_files(a, b)
+        summary = api.compare(a, b)
         if plot is not None:
-            from qtool import plots
-
-            plots.plot_compare(summary, plot)
+            api.plot_compare(summary, plot)
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
     _show_and_gate(
@@ -386,10 +379,8 @@ def dequantize(
     force: ForceOpt = False,
 ) -> None:
     """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
-    from qtool import restore
-
     with user_errors(as_json):
-        summary = restore.dequantize_path(src, out, qparams=qparams, dtype=dtype.value, force=force)
+        summary = api.dequantize(src, out, qparams=qparams, dtype=dtype.value, force=force)
     if as_json:
         report.print_json(report.dequantize_json(summary))
     else:
@@ -426,13 +417,11 @@ def plot(
 ) -> None:
     """Draw one tensor: original, integer codes, reconstruction and error heatmaps, and a
     histogram of its values with the quantization grid's range marked."""
-    from qtool import plots
-
     with user_errors(False):
-        target = out or plots.default_tensor_plot_path(checkpoint, tensor)
+        target = out or api.default_tensor_plot_path(checkpoint, tensor)
         if target.exists() and not force:
             raise QtoolError(target, "already exists; pass --force to replace it")
-        info = plots.plot_tensor(
+        info = api.plot_tensor(
             checkpoint, tensor, QSpec(scheme, dtype, axis if per_channel else None), target
         )
     report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
@@ -449,10 +438,8 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """List the tensors of a file; for quantized files and sidecars, how each was quantized."""
-    from qtool.inspection import inspect_path
-
     with user_errors(as_json):
-        summary = inspect_path(path)
+        summary = api.inspect(path)
     if as_json:
         report.print_json(report.inspect_json(summary))
     else:

@@ -32,7 +32,7 @@ from rich.text import Text
 
 from qtool.errors import QtoolError
 from qtool.gates import GateResult
-from qtool.summary import (
+from qtool.results import (
     CompareSummary,
     DequantizeSummary,
     ErrorStats,

@@ -9,8 +9,7 @@ from array import array
 from pathlib import Path
 
 from qtool.errors import InputError
-from qtool.index import INDEX_SUFFIX, load_index
-from qtool.sidecar import (
+from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
@@ -22,8 +21,9 @@ from qtool.sidecar import (
     parse_manifest,
     scale_name,
 )
-from qtool.stformat import Header, HeaderError, TensorEntry, read_header
-from qtool.summary import InspectRow, InspectSummary
+from qtool.io.index import INDEX_SUFFIX, load_index
+from qtool.io.stformat import Header, HeaderError, TensorEntry, read_header
+from qtool.results import InspectRow, InspectSummary
 
 
 def inspect_path(path: Path) -> InspectSummary:
@@ -137,7 +137,7 @@ def _inspect_sharded(path: Path) -> InspectSummary:
 
 
 def _inspect_pickle(path: Path) -> InspectSummary:
-    from qtool.checkpoint import open_checkpoint  # imports torch: only pickles pay for it
+    from qtool.io.checkpoint import open_checkpoint  # imports torch: only pickles pay for it
 
     ckpt = open_checkpoint(path)
     try:

@@ -17,24 +17,15 @@ from pathlib import Path
 
 import torch
 
-from qtool import kernels
-from qtool.atomic import OutputSet, remove_stale_temps
-from qtool.checkpoint import (
-    Checkpoint,
-    StreamingWriter,
-    open_checkpoint,
-    tensor_bytes,
-)
-from qtool.errors import DeviceError, NumericError, OutputError
-from qtool.index import is_sharded
-from qtool.plan import (
+from qtool.engine.plan import (
     QuantizeOptions,
     TensorPlan,
     default_quantized_path,
     plan_tensors,
     planned_row,
 )
-from qtool.sidecar import (
+from qtool.errors import DeviceError, NumericError, OutputError
+from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
     SIDECAR_KEY,
@@ -46,8 +37,16 @@ from qtool.sidecar import (
     tensor_table,
     zero_point_name,
 )
-from qtool.stformat import TensorEntry, build_header
-from qtool.summary import Progress, QuantizeSummary, TensorRow
+from qtool.io.atomic import OutputSet, remove_stale_temps
+from qtool.io.checkpoint import (
+    Checkpoint,
+    StreamingWriter,
+    open_checkpoint,
+    tensor_bytes,
+)
+from qtool.io.stformat import TensorEntry, build_header
+from qtool.numerics import kernels
+from qtool.results import Progress, QuantizeSummary, TensorRow
 
 _PLACEHOLDER_DIGEST = "0" * 64
 BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
@@ -85,33 +84,6 @@ def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int =
             raise OutputError(out, "would overwrite the input; choose another -o")
     if out.exists() and not force:
         raise OutputError(out, "already exists; pass --force to replace it")
-
-
-def quantize_path(
-    src: Path,
-    out: Path | None,
-    options: QuantizeOptions,
-    *,
-    device: str = "auto",
-    force: bool = False,
-    dry_run: bool = False,
-    estimate: bool = False,
-    progress: Progress | None = None,
-) -> QuantizeSummary:
-    """Quantize a checkpoint file, or a sharded checkpoint (index file or its directory)."""
-    from qtool import sharded  # imported here: sharded builds on this module
-
-    run = sharded.quantize_sharded if is_sharded(src) else quantize_file
-    return run(
-        src,
-        out,
-        options,
-        device=device,
-        force=force,
-        dry_run=dry_run,
-        estimate=estimate,
-        progress=progress,
-    )
 
 
 def quantize_file(

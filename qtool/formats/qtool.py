@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
+from qtool.io.stformat import Header, HeaderError, TensorEntry, strict_json
 from qtool.spec import SEMANTICS, QSpec, Scheme, StorageDtype
-from qtool.stformat import Header, HeaderError, TensorEntry, strict_json
 
 if TYPE_CHECKING:
     import torch

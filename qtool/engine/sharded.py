@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-from qtool import pipeline, restore
-from qtool.atomic import OutputSet, remove_stale_temps
-from qtool.checkpoint import Checkpoint, open_checkpoint
+from qtool.engine import restore
+from qtool.engine import run as pipeline
+from qtool.engine.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
 from qtool.errors import OutputError
-from qtool.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
-from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
-from qtool.sidecar import sidecar_path
-from qtool.stformat import read_header
-from qtool.summary import DequantizeSummary, Progress, QuantizeSummary, TensorRow
+from qtool.formats.qtool import sidecar_path
+from qtool.io.atomic import OutputSet, remove_stale_temps
+from qtool.io.checkpoint import Checkpoint, open_checkpoint
+from qtool.io.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
+from qtool.io.stformat import read_header
+from qtool.results import DequantizeSummary, Progress, QuantizeSummary, TensorRow
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -79,8 +80,8 @@ def _write_index(
 
 
 def quantize_sharded(
-    path: Path,
-    outdir: Path | None,
+    src: Path,
+    out: Path | None,
     options: QuantizeOptions,
     *,
     device: str = "auto",
@@ -92,8 +93,8 @@ def quantize_sharded(
     """Quantize every shard of a sharded checkpoint into `outdir`, keeping the sharding."""
     started = time.perf_counter()
     dev = pipeline.resolve_device(device)
-    sharded = load_index(path)
-    outdir = outdir or default_output_dir(sharded.index, options.spec.dtype.value)
+    sharded = load_index(src)
+    outdir = out or default_output_dir(sharded.index, options.spec.dtype.value)
     plans = _plan_shards(sharded, options)
     rows = [planned_row(p) for shard in sharded.shards for p in plans[shard]]
     outputs_named = [str(outdir)]

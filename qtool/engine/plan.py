@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qtool.errors import InputError
-from qtool.index import default_output_dir, is_sharded, load_index
-from qtool.sidecar import sidecar_path
+from qtool.formats.qtool import sidecar_path
+from qtool.io.index import default_output_dir, is_sharded, load_index
+from qtool.io.stformat import DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorEntry, read_header
+from qtool.results import QuantizeSummary, TensorRow
 from qtool.spec import QSpec
-from qtool.stformat import DTYPE_BITS, FLOAT_DTYPES, HeaderError, TensorEntry, read_header
-from qtool.summary import QuantizeSummary, TensorRow
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from qtool import kernels
-from qtool.atomic import OutputSet
-from qtool.checkpoint import open_checkpoint
+from qtool.engine.plan import QuantizeOptions, plan_tensors
 from qtool.errors import OutputError, QtoolError
-from qtool.index import is_sharded, load_index
-from qtool.plan import QuantizeOptions, plan_tensors
+from qtool.io.atomic import OutputSet
+from qtool.io.checkpoint import open_checkpoint
+from qtool.io.index import is_sharded, load_index
+from qtool.numerics import kernels
+from qtool.results import CompareSummary, QuantizeSummary, TensorRow
 from qtool.spec import QSpec
-from qtool.summary import CompareSummary, QuantizeSummary, TensorRow
 
 FIGURE_PX = (1400, 900)
 DPI = 100
@@ -114,7 +114,7 @@ def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path
 
 
 def plot_compare(summary: CompareSummary, path: Path) -> None:
-    from qtool.compare import FloatSource
+    from qtool.engine.compare import FloatSource
 
     plt = _pyplot()
     worst = _worst(summary.rows)

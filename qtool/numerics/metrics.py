@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from qtool.summary import ErrorStats
+from qtool.results import ErrorStats
 
 
 class ErrorAccumulator:

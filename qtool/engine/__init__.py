@@ -1,0 +1,1 @@
+"""The work: planning, the quantize loop, restoring, comparing and inspecting."""

@@ -1,0 +1,1 @@
+"""On-disk quantized formats, each behind one small protocol."""

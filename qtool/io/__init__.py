@@ -1,0 +1,1 @@
+"""Files: the safetensors header, checkpoint readers, streaming writers, atomic outputs."""

@@ -114,7 +114,9 @@ def _fifo(d: Path) -> list[str]:
 
 
 def _quantized_pair(d: Path) -> Path:
-    save_file({"w": torch.randn(8, 4), "b": torch.randn(8)}, d / "m.safetensors")
+    tensors = {"w": torch.randn(8, 4), "b": torch.randn(8)}
+    tensors |= {"s": torch.randn(4, 4), "t": 10 * torch.randn(4, 4)}  # square, same shape
+    save_file(tensors, d / "m.safetensors")
     from qtool import api
     from qtool.engine.plan import QuantizeOptions
 
@@ -143,16 +145,42 @@ def _sidecar_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], N
 
 def _keep_digest(d: Path, q: Path) -> None:
     """Re-bind q to its (edited) sidecar so that only the edit itself is under test."""
-    from qtool.formats.qtool import DIGEST_KEY, data_digest
+    from qtool.formats.qtool import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
     from qtool.io.stformat import read_header
 
     side = d / "q.qparams.safetensors"
     header = read_header(q)
     metadata = dict(header.metadata or {})
     metadata[DIGEST_KEY] = data_digest(side, read_header(side))
+    metadata[BINDING_KEY] = binding_digest(header.tensors, side)
     from safetensors.torch import load_file
 
     save_file(load_file(q), q, metadata=metadata)
+
+
+def _edit_header(path: Path, edit: Callable[[dict[str, dict[str, object]]], None]) -> None:
+    """Rewrite a safetensors file's header JSON with `edit` applied; the data stays as it is."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8 : 8 + n])
+    edit(doc)
+    text = json.dumps(doc).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _swap_offsets(a: str, b: str) -> Callable[[dict[str, dict[str, object]]], None]:
+    def edit(doc: dict[str, dict[str, object]]) -> None:
+        doc[a]["data_offsets"], doc[b]["data_offsets"] = (
+            doc[b]["data_offsets"],
+            doc[a]["data_offsets"],
+        )
+
+    return edit
+
+
+def _swap(tensors: dict[str, torch.Tensor], a: str, b: str) -> None:
+    tensors[a], tensors[b] = tensors[b], tensors[a]
 
 
 def _bound_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], None]) -> Setup:
@@ -166,6 +194,16 @@ def _bound_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], Non
     return setup
 
 
+def _compare_setup(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], None]) -> Setup:
+    inner = _sidecar_edit(edit)
+
+    def setup(d: Path) -> list[str]:
+        inner(d)
+        return ["compare", str(d / "m.safetensors"), str(d / "q.safetensors")]
+
+    return setup
+
+
 def _dequantize_setup(mutate: Callable[[Path], None]) -> Setup:
     def setup(d: Path) -> list[str]:
         q = _quantized_pair(d)
@@ -175,10 +213,10 @@ def _dequantize_setup(mutate: Callable[[Path], None]) -> Setup:
     return setup
 
 
-def _set(mapping: dict[str, object], key: str, value: object) -> None:
+def _set(mapping: dict[str, object], key: str, value: object, tensor: str = "w") -> None:
     tensors = mapping["tensors"]
     assert isinstance(tensors, dict)
-    tensors["w"][key] = value
+    tensors[tensor][key] = value
 
 
 def _output_setup(kind: str) -> Setup:
@@ -457,6 +495,35 @@ CASES: list[Case] = [
         "D07-unknown-semantics",
         _bound_edit(lambda t, m: m.update({"semantics": "onnx"})),
         "unknown semantics",
+    ),  # fmt: skip
+    # An edit of the sidecar (manifest, names, data) or of the quantized file's tensor table
+    # that leaves the pair self-consistent still breaks the binding digest (issue 9.5).
+    Case("D08-edited-axis-square", _sidecar_edit(lambda t, m: _set(m, "axis", 1, "s")), "belong"),
+    Case(
+        "D08-edited-orig-dtype", _sidecar_edit(lambda t, m: _set(m, "orig_dtype", "BF16")), "belong"
+    ),
+    Case(
+        "D08-edited-version", _sidecar_edit(lambda t, m: m.update({"qtool_version": "9"})), "belong"
+    ),
+    Case(
+        "D08-swapped-scales", _sidecar_edit(lambda t, m: _swap(t, "s.scale", "t.scale")), "belong"
+    ),
+    Case(
+        "D08-quantized-header-swap",
+        _dequantize_setup(lambda d: _edit_header(d / "q.safetensors", _swap_offsets("s", "t"))),
+        "belong",
+    ),  # fmt: skip
+    Case(
+        "D08-sidecar-header-swap",
+        _dequantize_setup(
+            lambda d: _edit_header(d / "q.qparams.safetensors", _swap_offsets("s.scale", "t.scale"))
+        ),
+        "belong",
+    ),  # fmt: skip
+    Case(
+        "D08-compare-edited-axis",
+        _compare_setup(lambda t, m: _set(m, "axis", 1, "s")),
+        "belong",
     ),  # fmt: skip
     # --- outputs -----------------------------------------------------------------------------
     Case("O01-output-is-input", _output_setup("same"), "would overwrite the input"),

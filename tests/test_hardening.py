@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import random
 import re
@@ -30,7 +31,7 @@ from qtool.formats.qtool import parse_manifest, sidecar_path
 from qtool.formats.qtool_reader import QtoolReader
 from qtool.io.atomic import remove_stale_temps
 from qtool.io.checkpoint import open_checkpoint
-from qtool.io.stformat import HeaderError, parse_header, read_header
+from qtool.io.stformat import Header, HeaderError, build_header, parse_header, read_header
 from tests.corpus import CASES, Case, raw_safetensors
 
 EXHAUSTIVE = os.environ.get("QTOOL_EXHAUSTIVE") == "1"
@@ -153,6 +154,93 @@ def test_fuzz_open_checkpoint_raises_only_qtool_errors(tmp_path_factory, blob: b
 def test_fuzz_sidecar_manifest_raises_only_sidecar_errors(text: str) -> None:
     with contextlib.suppress(SidecarError):
         parse_manifest(Path("s.qparams.safetensors"), {"qtool.qparams": text})
+
+
+_PAIR: dict[str, bytes] = {}
+
+
+def _pair_bytes(directory: Path) -> dict[str, bytes]:
+    """A quantized pair (square tensors of one shape: axis and name edits stay plausible) and
+    its dequantized output, built once."""
+    if not _PAIR:
+        gen = torch.Generator().manual_seed(3)
+        tensors = {n: torch.randn(4, 4, generator=gen) * (i + 1) for i, n in enumerate("stu")}
+        save_file(tensors | {"b": torch.randn(4, generator=gen)}, directory / "m.safetensors")
+        q = directory / "q.safetensors"
+        api.quantize(directory / "m.safetensors", q, QuantizeOptions(), device="cpu")
+        api.dequantize(q, directory / "r.safetensors")
+        for key, path in (
+            ("q", q),
+            ("side", sidecar_path(q)),
+            ("out", directory / "r.safetensors"),
+        ):
+            _PAIR[key] = path.read_bytes()
+    return _PAIR
+
+
+def _edit_manifest(side: bytes, tensor: str, field: str, value: object) -> bytes:
+    header = parse_header(side[8 : 8 + int.from_bytes(side[:8], "little")], len(side))
+    doc = json.loads((header.metadata or {})["qtool.qparams"])
+    doc["tensors"][tensor][field] = value
+    tensors = {
+        e.name: side[header.data_start + e.begin : header.data_start + e.end]
+        for e in header.tensors
+    }
+    return _resave(side, header, tensors, {"qtool.qparams": json.dumps(doc)})
+
+
+def _resave(side: bytes, header: Header, data: dict[str, bytes], metadata: dict[str, str]) -> bytes:
+    specs = [(e.name, e.dtype, e.shape) for e in header.tensors]
+    header_bytes, built = build_header(specs, metadata)
+    return header_bytes + b"".join(data[e.name] for e in built.tensors)
+
+
+_EDITS = st.one_of(
+    st.tuples(st.just("side-byte"), st.integers(0, 10**6), st.integers(1, 255)),
+    st.tuples(st.just("q-header-byte"), st.integers(0, 10**6), st.integers(1, 255)),
+    st.tuples(
+        st.just("manifest"),
+        st.sampled_from("stu"),
+        st.sampled_from(["axis", "orig_dtype", "scheme", "dtype", "qmin", "qmax", "shape"]),
+        st.sampled_from([0, 1, -1, None, "F32", "BF16", "F16", "F64", "sym", "asym", "int8",
+                         "uint8", -127, 127, -128, 255, [4, 4], [16], []]),
+    ),
+)  # fmt: skip
+
+
+@settings(max_examples=300 if not EXHAUSTIVE else 10_000, deadline=None)
+@given(edit=_EDITS)
+def test_fuzz_edited_pair_is_refused_or_decodes_the_same(tmp_path_factory, edit) -> None:  # type: ignore[no-untyped-def]
+    """Any edit of the sidecar, or of the quantized file's header, is refused with a QtoolError
+    unless it leaves the dequantized tensors exactly as they were: never silently wrong."""
+    pair = _pair_bytes(tmp_path_factory.mktemp("pair"))
+    q_bytes, side_bytes = pair["q"], pair["side"]
+    if edit[0] == "side-byte":
+        pos = edit[1] % len(side_bytes)
+        side_bytes = side_bytes[:pos] + bytes([side_bytes[pos] ^ edit[2]]) + side_bytes[pos + 1 :]
+    elif edit[0] == "q-header-byte":
+        pos = 8 + edit[1] % int.from_bytes(q_bytes[:8], "little")
+        q_bytes = q_bytes[:pos] + bytes([q_bytes[pos] ^ edit[2]]) + q_bytes[pos + 1 :]
+    else:
+        side_bytes = _edit_manifest(side_bytes, *edit[1:])
+    d = tmp_path_factory.mktemp("edit")
+    (d / "q.safetensors").write_bytes(q_bytes)
+    (d / "q.qparams.safetensors").write_bytes(side_bytes)
+    try:
+        api.dequantize(d / "q.safetensors", d / "r.safetensors")
+    except QtoolError:
+        return
+    got = _tensors_of((d / "r.safetensors").read_bytes())
+    assert got == _tensors_of(pair["out"])
+
+
+def _tensors_of(blob: bytes) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Each tensor's dtype, shape and bytes (metadata left out)."""
+    header = parse_header(blob[8 : 8 + int.from_bytes(blob[:8], "little")], len(blob))
+    start = header.data_start
+    return {
+        e.name: (e.dtype, e.shape, blob[start + e.begin : start + e.end]) for e in header.tensors
+    }
 
 
 # ---- filesystem faults ----------------------------------------------------------------------

@@ -10,9 +10,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qtool import api
+from qtool.engine.inspect import inspect_path
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError, OutputError, SidecarError
-from qtool.formats.qtool import sidecar_path
+from qtool.formats.qtool import BINDING_KEY, sidecar_path
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
 from tests.specs import qspec
@@ -174,6 +175,37 @@ def test_sidecar_from_another_run_is_refused(samples: Path) -> None:
     with pytest.raises(SidecarError, match="no qparams sidecar"):
         api.dequantize(a, samples / "r.safetensors")
     assert not (samples / "r.safetensors").exists()
+
+
+def _as_qtool_0_1_0(q: Path) -> None:
+    """Rewrite a pair as qtool 0.1.0 wrote it: bound only by the digest of the sidecar's data."""
+    with safe_open(q, "pt") as f:
+        metadata = f.metadata()
+    del metadata[BINDING_KEY]
+    save_file(load_file(q), q, metadata=metadata)
+
+
+def test_files_of_qtool_0_1_0_stay_readable_with_their_own_check(samples: Path) -> None:
+    q = samples / "q.safetensors"
+    api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
+    api.dequantize(q, samples / "new.safetensors")
+    assert inspect_path(q).notes == []
+    _as_qtool_0_1_0(q)
+    api.dequantize(q, samples / "old.safetensors")
+    new, old = load_file(samples / "new.safetensors"), load_file(samples / "old.safetensors")
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)
+    assert inspect_path(q).notes == [
+        "written by qtool 0.1.0: the binding covers the sidecar's data, not its manifest"
+    ]
+    side = sidecar_path(q)
+    with safe_open(side, "pt") as f:
+        side_metadata = f.metadata()
+    scales = load_file(side)
+    scales["head.weight.scale"].mul_(2)
+    save_file(scales, side, metadata=side_metadata)
+    with pytest.raises(SidecarError, match="does not belong"):
+        api.dequantize(q, samples / "r.safetensors")
+    assert "binding digest mismatch" in inspect_path(q).notes[0]
 
 
 def test_output_is_deterministic(samples: Path) -> None:

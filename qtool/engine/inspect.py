@@ -11,10 +11,14 @@ from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.formats.qtool import (
+    BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
     SIDECAR_KEY,
     Manifest,
+    binding_digest,
+    data_digest,
+    is_quantized,
     parse_manifest,
     scale_name,
 )
@@ -47,7 +51,7 @@ def _inspect_any(path: Path) -> InspectSummary:
         rows = [_row(e) for e in header.tensors]
         doc = json.loads(metadata[MANIFEST_KEY])
         return InspectSummary(str(path), "sidecar", rows, metadata=None, manifest=doc)
-    if DIGEST_KEY in metadata:
+    if is_quantized(metadata):
         return _inspect_quantized(path, header)
     return InspectSummary(str(path), "checkpoint", [_row(e) for e in header.tensors], metadata)
 
@@ -77,6 +81,7 @@ def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
             side_header = read_header(side)
             manifest = parse_manifest(side, side_header.metadata)
             qinfo = _qinfo(side, side_header, manifest)
+            notes += _binding_notes(header, side, side_header)
         except (HeaderError, InputError) as err:
             notes.append(f"sidecar {side.name} unreadable: {err}")
     else:
@@ -84,6 +89,20 @@ def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
     shown = {k: v for k, v in metadata.items() if not k.startswith("qtool.")}
     rows = [_row(e, qinfo.get(e.name)) for e in header.tensors]
     return InspectSummary(str(path), "quantized", rows, shown or None, notes=notes)
+
+
+def _binding_notes(header: Header, side: Path, side_header: Header) -> list[str]:
+    """What dequantize will say of the pair's binding, as notes (inspect itself never refuses)."""
+    metadata = header.metadata or {}
+    if BINDING_KEY in metadata:
+        matches = binding_digest(header.tensors, side) == metadata[BINDING_KEY]
+    else:
+        matches = data_digest(side, side_header) == metadata.get(DIGEST_KEY)
+    if not matches:
+        return [f"sidecar {side.name} does not belong to this file (binding digest mismatch)"]
+    if BINDING_KEY not in metadata:
+        return ["written by qtool 0.1.0: the binding covers the sidecar's data, not its manifest"]
+    return []
 
 
 def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str, object]]:

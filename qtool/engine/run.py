@@ -50,6 +50,8 @@ from qtool.numerics import kernels
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeSummary, TensorRow
 
+BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
+
 
 def resolve_device(name: str) -> torch.device:
     """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is an error."""
@@ -249,7 +251,10 @@ class _BackgroundWriter:
 
     def submit(self, entry: TensorEntry, write: object, *args: object) -> None:
         self._wait()
-        self._pending = self._pool.submit(self._write, entry, write, args)
+        if entry.nbytes < BACKGROUND_MIN_BYTES:
+            self._write(entry, write, args)  # a thread hand-off costs more than a small write
+        else:
+            self._pending = self._pool.submit(self._write, entry, write, args)
 
     def _write(self, entry: TensorEntry, write: object, args: tuple[object, ...]) -> None:
         write(*args)  # type: ignore[operator]

@@ -24,13 +24,14 @@ def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
     """Any checkpoint as float tensors: a qtool-quantized file (with its sidecar, or `qparams`)
     is dequantized on the fly; a plain checkpoint is read as it is."""
     from qtool.formats.dense import DenseReader
-    from qtool.formats.qtool_reader import QtoolReader, is_qtool_quantized
+    from qtool.formats.qtool import is_quantized
+    from qtool.formats.qtool_reader import QtoolReader
     from qtool.io.checkpoint import open_checkpoint
 
     if qparams is not None:
         return QtoolReader(path, qparams)
     probe = open_checkpoint(path)
-    if not is_qtool_quantized(probe.metadata):
+    if not is_quantized(probe.metadata):
         return DenseReader(path, probe)
     probe.close()
     return QtoolReader(path)

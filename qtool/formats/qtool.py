@@ -1,8 +1,11 @@
 """The qparams sidecar: a safetensors file of `<name>.scale` / `<name>.zero_point` tensors whose
 `__metadata__["qtool.qparams"]` holds a versioned JSON manifest describing every quantized tensor.
 
-The quantized file's own metadata carries `qtool.qparams_sha256`, the SHA-256 of the sidecar's
-data section, so a sidecar from another run (or another file) is recognised and refused.
+The quantized file's own metadata carries `qtool.binding_sha256`, the SHA-256 of its own tensor
+table followed by the whole sidecar file (header, manifest and data), so a sidecar from another
+run, or an edit of either file's header or of the sidecar, is recognised and refused. It also
+carries `qtool.qparams_sha256` (the sidecar's data section only), the binding of qtool 0.1.0
+files, which older releases check and which this one still accepts alone, for those files.
 Torch-free at import time: `inspect` reads manifests without loading torch.
 """
 
@@ -10,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
-from qtool.io.stformat import Header, HeaderError, strict_json
+from qtool.io.stformat import Header, HeaderError, TensorEntry, strict_json
 from qtool.spec import (
     MSE_ALGORITHM,
     SEMANTICS,
@@ -40,7 +44,8 @@ FORMAT = "qtool.qparams"
 FORMAT_VERSION = 2  # the newest this qtool writes and reads
 V1_DTYPES = ("int8", "uint8")
 MANIFEST_KEY = "qtool.qparams"
-DIGEST_KEY = "qtool.qparams_sha256"
+DIGEST_KEY = "qtool.qparams_sha256"  # legacy binding: the sidecar's data section only
+BINDING_KEY = "qtool.binding_sha256"  # tensor table of the quantized file + the whole sidecar
 SIDECAR_KEY = "qtool.sidecar"
 SMALLEST_NORMAL = 1.1754943508222875e-38
 
@@ -224,6 +229,27 @@ def data_digest(path: Path, header: Header) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(header.data_start)
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_quantized(metadata: dict[str, str] | None) -> bool:
+    """Whether a safetensors file's metadata marks it as a qtool-quantized file."""
+    return DIGEST_KEY in (metadata or {}) or BINDING_KEY in (metadata or {})
+
+
+def tensor_table(entries: Iterable[TensorEntry]) -> bytes:
+    """The quantized file's tensor table (names, dtypes, shapes, offsets) as canonical bytes."""
+    ordered = sorted(entries, key=lambda e: (e.begin, e.end, e.name))
+    table = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in ordered]
+    return json.dumps(table, separators=(",", ":")).encode("ascii")
+
+
+def binding_digest(entries: Iterable[TensorEntry], sidecar: Path) -> str:
+    """SHA-256 of the quantized file's tensor table, then every byte of the sidecar file."""
+    digest = hashlib.sha256(tensor_table(entries))
+    with open(sidecar, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()

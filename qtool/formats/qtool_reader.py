@@ -11,10 +11,12 @@ import torch
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import SidecarError
 from qtool.formats.qtool import (
+    BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
     Manifest,
     Record,
+    binding_digest,
     data_digest,
     parse_manifest,
     scale_name,
@@ -26,11 +28,6 @@ from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import kernels
 from qtool.spec import QSpec, packed_shape
-
-
-def is_qtool_quantized(metadata: dict[str, str] | None) -> bool:
-    """Whether a file's metadata marks it as a quantized file of the qtool format."""
-    return DIGEST_KEY in (metadata or {})
 
 
 class QtoolReader:
@@ -130,14 +127,20 @@ def _refuse_sidecar_as_input(src: Path, ckpt: Checkpoint) -> None:
 
 
 def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path) -> None:
-    expected = (ckpt.metadata or {}).get(DIGEST_KEY)
-    if expected is None:
+    """Refuse a pair whose binding digest does not match; files of qtool 0.1.0 carry only the
+    legacy digest of the sidecar's data, which is checked instead."""
+    metadata = ckpt.metadata or {}
+    if BINDING_KEY in metadata:
+        expected, actual = metadata[BINDING_KEY], binding_digest(ckpt.entries, side_path)
+    elif DIGEST_KEY in metadata:
+        expected, actual = metadata[DIGEST_KEY], data_digest(side_path, read_header(side_path))
+    else:
         raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
-    if data_digest(side_path, read_header(side_path)) != expected:
+    if actual != expected:
         raise SidecarError(
             side_path,
-            f"does not belong to {src.name} (digest mismatch: from another run or file); "
-            "re-run quantize to produce a matching pair",
+            f"does not belong to {src.name} (binding digest mismatch: from another run or "
+            "file, or one of the two was edited); re-run quantize to produce a matching pair",
         )
 
 

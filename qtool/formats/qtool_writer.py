@@ -12,6 +12,7 @@ import torch
 
 from qtool.formats.base import Planned
 from qtool.formats.qtool import (
+    BINDING_KEY,
     DIGEST_KEY,
     SIDECAR_KEY,
     Manifest,
@@ -20,6 +21,7 @@ from qtool.formats.qtool import (
     manifest_metadata,
     scale_name,
     sidecar_path,
+    tensor_table,
     zero_point_name,
 )
 from qtool.io.atomic import OutputSet
@@ -42,6 +44,18 @@ def stored_dtype_shape(entry: TensorEntry, spec: QSpec | None) -> tuple[str, tup
         return entry.dtype, entry.shape
     shape = packed_shape(entry.shape) if spec.dtype.packed else entry.shape
     return spec.dtype.safetensors_dtype, shape
+
+
+def _patch_digests(header_bytes: bytes, digests: dict[str, str]) -> bytes:
+    """The header with its placeholder digests filled in (same length; no second build, which
+    costs seconds for 50k tensors). Each `"key":"000..."` occurs once, in the metadata: quotes
+    inside JSON strings are escaped, so no tensor name can contain it."""
+    for key, digest in digests.items():
+        placeholder = f'"{key}":"{_PLACEHOLDER_DIGEST}"'.encode()
+        if header_bytes.count(placeholder) != 1:
+            raise AssertionError(f"header must hold one {key} placeholder")
+        header_bytes = header_bytes.replace(placeholder, f'"{key}":"{digest}"'.encode())
+    return header_bytes
 
 
 class QtoolFormat:
@@ -81,8 +95,12 @@ class QtoolShardWriter:
         self._metadata = carried_metadata(metadata) | {SIDECAR_KEY: self._side.name}
         self._specs = [(p.entry.name, *stored_dtype_shape(p.entry, p.spec)) for p in planned]
         self._planned = {p.entry.name: p for p in planned}
-        header_bytes, header = build_header(self._specs, self._header_metadata(_PLACEHOLDER_DIGEST))
-        self._writer = StreamingWriter(outputs.create(out, last=True), header_bytes, header, out)
+        metadata = self._metadata | dict.fromkeys((DIGEST_KEY, BINDING_KEY), _PLACEHOLDER_DIGEST)
+        self._header_bytes, header = build_header(self._specs, metadata)
+        self._table = header.tensors
+        self._writer = StreamingWriter(
+            outputs.create(out, last=True), self._header_bytes, header, out
+        )
         self.order = [self._planned[e.name].entry for e in header.tensors]
         self._qparams: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -100,15 +118,12 @@ class QtoolShardWriter:
         self._qparams[entry.name] = {key: t.cpu() for key, t in parts.items()}
 
     def finish(self) -> None:
-        digest = self._write_sidecar()
-        final_header, _ = build_header(self._specs, self._header_metadata(digest))
-        self._writer.finish(final_header)
+        digests = self._write_sidecar()
+        self._writer.finish(_patch_digests(self._header_bytes, digests))
 
-    def _header_metadata(self, digest: str) -> dict[str, str]:
-        return self._metadata | {DIGEST_KEY: digest}
-
-    def _write_sidecar(self) -> str:
-        """Write the sidecar; return the SHA-256 of its data section."""
+    def _write_sidecar(self) -> dict[str, str]:
+        """Write the sidecar; return the quantized file's binding digests: BINDING_KEY over its
+        tensor table and the whole sidecar, DIGEST_KEY (qtool 0.1.0's) over the sidecar's data."""
         records = {name: self._record(name) for name in sorted(self._qparams)}
         tensors = {key: t for parts in self._qparams.values() for key, t in parts.items()}
         metadata = manifest_metadata(Manifest(self._out.name, records))
@@ -117,12 +132,14 @@ class QtoolShardWriter:
         side = self._side
         writer = StreamingWriter(self._outputs.create(side), header_bytes, header, side)
         digest = hashlib.sha256()
+        binding = hashlib.sha256(tensor_table(self._table) + header_bytes)
         for entry in header.tensors:
             data = tensor_bytes(tensors[entry.name])
             digest.update(data)
+            binding.update(data)
             writer.write(entry.name, data)
         writer.finish()
-        return digest.hexdigest()
+        return {DIGEST_KEY: digest.hexdigest(), BINDING_KEY: binding.hexdigest()}
 
     def _record(self, name: str) -> Record:
         planned = self._planned[name]

@@ -121,6 +121,9 @@ def _check_shard_name(index: Path, shard: str) -> None:
 
 
 def _check_shards_agree(sharded: ShardedInput) -> None:
+    by_shard: dict[str, set[str]] = {shard: set() for shard in sharded.shards}
+    for name, shard in sharded.weight_map.items():  # one pass, not one per shard
+        by_shard[shard].add(name)
     for shard in sharded.shards:
         shard_path = sharded.directory / shard
         check_inside(sharded.directory, shard_path)
@@ -131,7 +134,7 @@ def _check_shards_agree(sharded: ShardedInput) -> None:
         except HeaderError as err:
             raise InputError(shard_path, f"not a valid safetensors file: {err}") from None
         in_shard = {t.name for t in header.tensors}
-        listed = {n for n, s in sharded.weight_map.items() if s == shard}
+        listed = by_shard[shard]
         _complain(shard_path, "listed in the index but missing from the shard", listed - in_shard)
         _complain(shard_path, "in the shard but not listed for it in the index", in_shard - listed)
 

@@ -277,10 +277,24 @@ def _plot_setup(kind: str) -> Setup:
             "plot-is-sidecar": ["plot", str(q), "-t", "w", "-o", str(side(q)), "--force"],
             "plot-exists": ["plot", m, "-t", "w", "-o", str(d / "old.png")],
             "plot-fifo": ["plot", m, "-t", "w", "-o", _mkfifo(d / "out" / "p.png"), "--force"],
+            "quantize-plot-links-to-input": [
+                "quantize", m, "-o", out, "--plot", _link(d / "p1.png", m), "--force"
+            ],
+            "compare-plot-links-to-sidecar": [
+                "compare", m, str(q), "--plot", _link(d / "p2.png", str(side(q))), "--force"
+            ],
+            "plot-links-to-sidecar": [
+                "plot", str(q), "-t", "w", "-o", _link(d / "p3.png", str(side(q))), "--force"
+            ],
         }  # fmt: skip
         return args[kind]
 
     return setup
+
+
+def _link(link: Path, target: str) -> str:
+    link.symlink_to(target)
+    return str(link)
 
 
 def side(q: Path) -> Path:
@@ -535,19 +549,24 @@ CASES: list[Case] = [
     Case("O04-output-socket-force", _output_setup("socket"), "is a socket, not a regular file"),
     Case("O04-output-link-to-fifo-force", _output_setup("link-to-fifo"), "is a FIFO"),
     *[
-        Case(f"O05-{kind}", _plot_setup(kind), expect)
-        for kind, expect in [
-            ("quantize-plot-is-input", "would overwrite the input"),
-            ("quantize-plot-is-output", "two outputs of this run"),
-            ("quantize-plot-is-sidecar", "two outputs of this run"),
-            ("quantize-plot-exists", "pass --force"),
-            ("quantize-plot-dir-missing", "does not exist"),
-            ("compare-plot-is-sidecar", "would overwrite the input"),
-            ("compare-plot-exists", "pass --force"),
-            ("plot-is-input", "would overwrite the input"),
-            ("plot-is-sidecar", "would overwrite the input"),
-            ("plot-exists", "pass --force"),
-            ("plot-fifo", "is a FIFO"),
+        # A plot path that is not a .png is a usage error before anything is read; a .png that
+        # is (a link to) an input, a sidecar or another output of the run meets the preflight.
+        Case(f"O05-{kind}", _plot_setup(kind), expect, code)
+        for kind, expect, code in [
+            ("quantize-plot-is-input", "--plot writes .png files", 2),
+            ("quantize-plot-links-to-input", "would overwrite the input", 1),
+            ("quantize-plot-is-output", "--plot writes .png files", 2),
+            ("quantize-plot-is-sidecar", "--plot writes .png files", 2),
+            ("quantize-plot-exists", "pass --force", 1),
+            ("quantize-plot-dir-missing", "does not exist", 1),
+            ("compare-plot-is-sidecar", "--plot writes .png files", 2),
+            ("compare-plot-links-to-sidecar", "would overwrite the input", 1),
+            ("compare-plot-exists", "pass --force", 1),
+            ("plot-is-input", "plot writes .png files", 2),
+            ("plot-links-to-sidecar", "would overwrite the input", 1),
+            ("plot-is-sidecar", "plot writes .png files", 2),
+            ("plot-exists", "pass --force", 1),
+            ("plot-fifo", "is a FIFO", 1),
         ]
     ],
     Case("O06-sharded-names-collide", _sharded_setup("collide"), "two outputs of this run"),

@@ -92,7 +92,20 @@ def qparams_from_range(
         zero_point = torch.full_like(scale, spec.symmetric_zero_point)
     else:
         zero_point = (spec.qmin - torch.round(lo / scale)).clamp_(spec.qmin, spec.qmax)
+    _check_grid_finite(scale, zero_point, spec)
     return scale, zero_point
+
+
+def _check_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec) -> None:
+    """Refuse qparams whose extreme codes dequantize to +-inf: amax / 127 * 127 can round
+    above float32's largest value (a causal mask filled with finfo(float32).min does)."""
+    reach = torch.maximum((spec.qmax - zero_point).abs(), (spec.qmin - zero_point).abs())
+    if not math.isfinite(float((reach * scale).amax())):
+        raise ValueError(
+            "values reach the float32 limit (about 3.4e38, e.g. a mask filled with "
+            "finfo(float32).min): their reconstruction would overflow to infinity; "
+            "--exclude this tensor to keep it as it is"
+        )
 
 
 def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from qtool.checkpoint import (
     open_checkpoint,
     tensor_bytes,
 )
-from qtool.errors import OutputError, SidecarError
+from qtool.errors import NumericError, OutputError, SidecarError
 from qtool.index import is_sharded
 from qtool.pipeline import carried_metadata, check_output
 from qtool.sidecar import (
@@ -28,6 +28,7 @@ from qtool.sidecar import (
     Manifest,
     Record,
     data_digest,
+    grid_reach,
     parse_manifest,
     scale_name,
     sidecar_path,
@@ -173,13 +174,22 @@ def _restored_dtype(record: Record, dtype: str) -> str:
 def _dequantize_one(pair: QuantizedPair, name: str, dtype: str) -> torch.Tensor:
     record = pair.manifest.tensors[name]
     side = pair.sidecar.by_name()
-    return kernels.dequantize(
-        pair.ckpt.tensor(pair.ckpt.by_name()[name]),
-        pair.sidecar.tensor(side[scale_name(name)]),
-        pair.sidecar.tensor(side[zero_point_name(name)]),
-        record.axis,
-        ST_TO_TORCH[_restored_dtype(record, dtype)],
+    scale = pair.sidecar.tensor(side[scale_name(name)])
+    zero_point = pair.sidecar.tensor(side[zero_point_name(name)])
+    target = ST_TO_TORCH[_restored_dtype(record, dtype)]
+    out = kernels.dequantize(
+        pair.ckpt.tensor(pair.ckpt.by_name()[name]), scale, zero_point, record.axis, target
     )
+    # Cheap test first (the grid's extreme in the target dtype), then the exact one.
+    fits = bool(grid_reach(record, scale, zero_point).to(target).isfinite())
+    if not fits and not bool(out.isfinite().all()):
+        raise NumericError(
+            pair.ckpt.path,
+            f"dequantized values overflow {TORCH_TO_ST[target]} to infinity; "
+            "use --dtype float32 (or bfloat16) for this checkpoint",
+            name,
+        )
+    return out
 
 
 def write_dequantized(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -169,3 +170,14 @@ def validate_qparams(
         raise SidecarError(path, "scale holds zero, negative, subnormal, NaN or Inf values", name)
     if bool((zero_point < record.qmin).any()) or bool((zero_point > record.qmax).any()):
         raise SidecarError(path, f"zero_point outside [{record.qmin}, {record.qmax}]", name)
+    if not math.isfinite(float(grid_reach(record, scale, zero_point))):
+        raise SidecarError(path, "scales so large that codes dequantize to infinity", name)
+
+
+def grid_reach(record: Record, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """The largest |x_hat| any code can dequantize to, computed in float32 as dequantize does."""
+    import torch  # sidecar.py stays torch-free at import time (inspect)
+
+    zp = zero_point.float()
+    reach = torch.maximum((record.qmax - zp).abs(), (record.qmin - zp).abs())
+    return (reach * scale.float()).amax() if reach.numel() else scale.new_zeros(())

@@ -33,13 +33,22 @@ class ErrorStats:
         """10 log10(sum x^2 / sum (x - x_hat)^2); +inf for an exact reconstruction."""
         return sqnr_db(self.sq_signal, self.sq_error)
 
+    @property
+    def finite(self) -> bool:
+        """False when an input held NaN/Inf: such figures mean nothing and fail every gate."""
+        return all(math.isfinite(v) for v in (self.sq_error, self.sq_signal, self.max_abs))
+
 
 def sqnr_db(sq_signal: float, sq_error: float) -> float:
+    """+inf: exact; -inf: all error, no signal (x is all zeros and x_hat is not)."""
+    if math.isnan(sq_signal) or math.isnan(sq_error):
+        return math.nan
     if sq_error == 0.0:
         return math.inf
-    if sq_signal == 0.0:
+    ratio = sq_signal / sq_error
+    if ratio == 0.0:  # no signal at all, or so little that the ratio underflows
         return -math.inf
-    return 10.0 * math.log10(sq_signal / sq_error)
+    return 10.0 * math.log10(ratio)
 
 
 def combine(stats: list[ErrorStats]) -> ErrorStats:

@@ -25,6 +25,7 @@ from qtool.checkpoint import (
     open_checkpoint,
     tensor_bytes,
 )
+from qtool.detect import refuse_quantized
 from qtool.errors import DeviceError, NumericError, OutputError
 from qtool.index import is_sharded
 from qtool.plan import (
@@ -129,6 +130,7 @@ def quantize_file(
     out = out or default_quantized_path(src, options.spec.dtype.value)
     ckpt = open_checkpoint(src)
     try:
+        refuse_quantized(src, ckpt.metadata, [e.name for e in ckpt.entries])
         plans = plan_tensors(src, ckpt.entries, options)
         side = sidecar_path(out)
         if dry_run:

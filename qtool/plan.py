@@ -12,6 +12,7 @@ import fnmatch
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qtool.detect import refuse_quantized
 from qtool.errors import InputError
 from qtool.index import default_output_dir, is_sharded, load_index
 from qtool.sidecar import sidecar_path
@@ -128,7 +129,9 @@ def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSu
         rows = []
         for shard in sharded.shards:
             path = sharded.directory / shard
-            rows += [planned_row(p) for p in plan_tensors(path, read_header(path).tensors, options)]
+            header = read_header(path)
+            refuse_quantized(path, header.metadata, [t.name for t in header.tensors])
+            rows += [planned_row(p) for p in plan_tensors(path, header.tensors, options)]
         return _dry_summary([sharded.index], [directory], rows, options)
     if not src.is_file():
         return None
@@ -136,6 +139,7 @@ def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSu
         header = read_header(src)
     except HeaderError:
         return None  # a pickle, or a broken file: the full path reports it properly
+    refuse_quantized(src, header.metadata, [t.name for t in header.tensors])
     out = out or default_quantized_path(src, options.spec.dtype.value)
     rows = [planned_row(p) for p in plan_tensors(src, header.tensors, options)]
     return _dry_summary([src], [out, sidecar_path(out)], rows, options)

@@ -23,6 +23,7 @@ import torch
 from qtool import pipeline, restore
 from qtool.atomic import OutputSet, remove_stale_temps
 from qtool.checkpoint import Checkpoint, open_checkpoint
+from qtool.detect import refuse_quantized
 from qtool.errors import OutputError
 from qtool.index import INDEX_SUFFIX, ShardedInput, default_output_dir, load_index
 from qtool.plan import QuantizeOptions, TensorPlan, plan_tensors, planned_row
@@ -139,7 +140,9 @@ def _plan_shards(sharded: ShardedInput, options: QuantizeOptions) -> dict[str, l
     plans = {}
     for shard in sharded.shards:
         shard_path = sharded.directory / shard
-        plans[shard] = plan_tensors(shard_path, read_header(shard_path).tensors, options)
+        header = read_header(shard_path)
+        refuse_quantized(shard_path, header.metadata, [t.name for t in header.tensors])
+        plans[shard] = plan_tensors(shard_path, header.tensors, options)
     return plans
 
 

@@ -15,7 +15,7 @@ import torch
 from qtool import kernels
 from qtool.checkpoint import open_checkpoint
 from qtool.errors import InputError
-from qtool.metrics import error_stats
+from qtool.metrics import count_nonfinite, error_stats
 from qtool.restore import open_quantized
 from qtool.sidecar import DIGEST_KEY, scale_name, zero_point_name
 from qtool.stformat import FLOAT_DTYPES, TensorEntry
@@ -71,7 +71,8 @@ class FloatSource:
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B."""
+    """One row per tensor name of A, then those only in B; InputError when no tensor of the
+    two could be compared (unrelated files)."""
     for path in (a, b):
         if path.is_dir() or path.name.endswith(".index.json"):
             raise InputError(path, "compare works on single files; compare the shards one by one")
@@ -87,7 +88,22 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
     finally:
         left.close()
         right.close()
-    return CompareSummary(inputs=[str(a), str(b)], rows=rows)
+    summary = CompareSummary(inputs=[str(a), str(b)], rows=rows)
+    if not summary.compared:
+        raise InputError(a, f"no tensor could be compared with {b}: {_why_none(summary)}")
+    return summary
+
+
+def _why_none(summary: CompareSummary) -> str:
+    only_a = sum(r.detail == "missing in B" for r in summary.rows)
+    only_b = sum(r.detail == "missing in A" for r in summary.rows)
+    other = len(summary.rows) - only_a - only_b
+    if not summary.rows:
+        return "neither file holds a tensor"
+    return (
+        f"{only_a} tensor(s) only in A, {only_b} only in B, {other} with another shape or "
+        "dtype kind; are these checkpoints of the same model?"
+    )
 
 
 def _compare_one(left: FloatSource, right: FloatSource, name: str) -> TensorRow:
@@ -96,23 +112,26 @@ def _compare_one(left: FloatSource, right: FloatSource, name: str) -> TensorRow:
         present = ea or eb
         assert present is not None
         where = "B" if ea is not None else "A"
-        return _row(name, present, ea, eb, left, right, f"missing in {where}", mismatch=True)
+        return _row(name, present, ea, eb, f"missing in {where}", mismatch=True)
     if ea.shape != eb.shape:
         detail = f"shape mismatch: {list(ea.shape)} vs {list(eb.shape)}"
-        return _row(name, ea, ea, eb, left, right, detail, mismatch=True)
+        return _row(name, ea, ea, eb, detail, mismatch=True)
     da, db = left.dtype(name), right.dtype(name)
     if (da in FLOAT_DTYPES) != (db in FLOAT_DTYPES):
-        return _row(name, ea, ea, eb, left, right, f"dtype mismatch: {da} vs {db}", mismatch=True)
+        return _row(name, ea, ea, eb, f"dtype mismatch: {da} vs {db}", mismatch=True)
     x, y = left.values(name), right.values(name)
     if da not in FLOAT_DTYPES:
         same = x.dtype == y.dtype and torch.equal(x, y)
         detail = "identical" if same else "values differ"
-        return _row(name, ea, ea, eb, left, right, detail, mismatch=not same)
-    stats = error_stats(x, y) if ea.numel else None
+        return _row(name, ea, ea, eb, detail, mismatch=not same, compared=True)
+    stats = error_stats(x, y)
+    if not stats.finite:  # only NaN/Inf inputs get here: finite ones give finite figures
+        detail = f"NaN/Inf values: {count_nonfinite(x)} in A, {count_nonfinite(y)} in B"
+        return _row(name, ea, ea, eb, detail, mismatch=True, compared=True)
     left.release(name)
     right.release(name)
-    label = _label(left, right, name)
-    return replace(_row(name, ea, ea, eb, left, right, label, mismatch=False), errors=stats)
+    row = _row(name, ea, ea, eb, _label(left, right, name), mismatch=False, compared=True)
+    return replace(row, errors=stats)
 
 
 def _label(left: FloatSource, right: FloatSource, name: str) -> str:
@@ -125,20 +144,22 @@ def _row(
     entry: TensorEntry,
     ea: TensorEntry | None,
     eb: TensorEntry | None,
-    left: FloatSource,
-    right: FloatSource,
     detail: str,
     *,
     mismatch: bool,
+    compared: bool = False,
 ) -> TensorRow:
+    """dtype / out_dtype are the dtypes stored in A and B (I8 for a quantized tensor; the
+    detail says it was dequantized)."""
     return TensorRow(
         name=name,
         shape=entry.shape,
-        dtype=left.dtype(name) if ea else "-",
-        out_dtype=right.dtype(name) if eb else "-",
+        dtype=ea.dtype if ea else "-",
+        out_dtype=eb.dtype if eb else "-",
         quantized=not mismatch,
         detail=detail,
         bytes_in=ea.nbytes if ea else 0,
         bytes_out=eb.nbytes if eb else 0,
         mismatch=mismatch,
+        compared=compared,
     )

@@ -169,7 +169,7 @@ def _summary(
         inputs=[str(src)],
         outputs=[str(p) for p in outs],
         rows=rows,
-        spec=options.spec.describe(),
+        spec=options.spec,
         device=str(dev),
         dry_run=dry_run,
         skipped=list(ckpt.skipped),

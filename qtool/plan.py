@@ -152,7 +152,7 @@ def _dry_summary(
         inputs=[str(p) for p in inputs],
         outputs=[str(p) for p in outputs],
         rows=rows,
-        spec=options.spec.describe(),
+        spec=options.spec,
         device="none",
         dry_run=True,
     )

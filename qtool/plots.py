@@ -63,26 +63,34 @@ def _figure(plt: Any, rows: int, cols: int) -> tuple[Any, Any]:
 
 
 def _worst(rows: list[TensorRow]) -> list[TensorRow]:
-    scored = [r for r in rows if r.errors is not None and math.isfinite(r.errors.sqnr_db)]
+    """The lowest SQNRs, -inf (all error) first; exact tensors are never among them."""
+    scored = [r for r in rows if r.errors is not None and r.errors.sqnr_db != math.inf]
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
 
 
 def _sqnr_bars(ax: Any, rows: list[TensorRow], title: str) -> None:
+    """One bar per measured tensor. Exact (+inf) bars reach just above the best finite one,
+    -inf bars reach just below the worst (and below 0), each labelled, so both stay visible."""
     measured = [r for r in rows if r.errors is not None]
     worst = {r.name for r in _worst(measured)}
-    finite = [r.errors.sqnr_db for r in measured if r.errors and math.isfinite(r.errors.sqnr_db)]
+    sqnrs = [r.errors.sqnr_db for r in measured if r.errors is not None]
+    finite = [v for v in sqnrs if math.isfinite(v)]
     cap = (max(finite) if finite else 60.0) + 5
-    values = [min(r.errors.sqnr_db, cap) if r.errors else 0.0 for r in measured]
+    floor = min([0.0, *finite]) - 5
+    values = [min(max(v, floor), cap) for v in sqnrs]
     colors = ["#d62728" if r.name in worst else "#1f77b4" for r in measured]
     ax.bar(range(len(measured)), values, color=colors)
+    ax.set_ylim(floor - 5 if -math.inf in sqnrs else min(0.0, floor + 5), cap + 5)
     ax.set_title(title)
     ax.set_ylabel("SQNR (dB), higher is better")
     ax.set_xticks(range(len(measured)))
     labels = [r.name if len(r.name) <= 28 else "…" + r.name[-27:] for r in measured]
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    for i, r in enumerate(measured):
-        if r.errors and not math.isfinite(r.errors.sqnr_db):
+    for i, value in enumerate(sqnrs):
+        if value == math.inf:
             ax.text(i, cap, "exact", ha="center", va="bottom", fontsize=7)
+        elif value == -math.inf:
+            ax.text(i, floor, "-inf", ha="center", va="top", fontsize=7, color="#d62728")
 
 
 def _error_histograms(axes: list[Any], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -106,7 +114,9 @@ def plot_quantize(summary: QuantizeSummary, options: QuantizeOptions, path: Path
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
         ax.remove()
-    _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, f"{summary.spec}: SQNR per layer")
+    _sqnr_bars(
+        fig.add_subplot(grid[0, :]), summary.rows, f"{summary.spec.describe()}: SQNR per layer"
+    )
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
     _save(fig, path)
@@ -189,7 +199,10 @@ def plot_tensor(checkpoint: Path, tensor: str, spec: QSpec, path: Path) -> dict[
         spec = QSpec(spec.scheme, spec.dtype, None)
     elif axis is not None and not -x.ndim <= axis < x.ndim:
         raise QtoolError(checkpoint, f"--axis {axis} out of range", tensor)
-    result = kernels.quantize_tensor(x, spec)
+    try:
+        result = kernels.quantize_tensor(x, spec)
+    except ValueError as err:  # NaN/Inf, or a range beyond float32
+        raise QtoolError(checkpoint, f"cannot be quantized: {err}", tensor) from None
     x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
     fig, axes = _figure(plt, 2, 3)
     panels = [

@@ -32,6 +32,7 @@ from rich.text import Text
 
 from qtool.errors import QtoolError
 from qtool.gates import GateResult
+from qtool.spec import RANGE_METHOD, QSpec
 from qtool.summary import (
     CompareSummary,
     DequantizeSummary,
@@ -41,7 +42,7 @@ from qtool.summary import (
     TensorRow,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -125,12 +126,21 @@ def print_warning(message: str) -> None:
 # ---- numbers -----------------------------------------------------------------------------------
 
 
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+JsonNumber = float | str
+
+
+def json_number(value: float) -> JsonNumber:
+    """A finite float as a JSON number; +-inf and NaN as the strings "Infinity", "-Infinity"
+    and "NaN" (the protobuf JSON mapping's spelling; float() in Python reads them back)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def _fmt_sqnr(value: float) -> str:
-    return "exact" if value == math.inf else f"{value:.1f}"
+    if value == math.inf:
+        return "exact"
+    return f"{value:.1f}" if math.isfinite(value) else str(value)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -142,9 +152,12 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _spark(sqnr: float, lo: float = 0.0, hi: float = 60.0) -> str:
-    """A bar of 8 levels: higher SQNR, taller bar; the worst layers stand out."""
-    if not math.isfinite(sqnr):
+    """A bar of 8 levels: higher SQNR, taller bar; the worst layers stand out. Exact is a full
+    bar; -inf (and NaN, which no report should carry) an empty one."""
+    if sqnr == math.inf:
         return _SPARK[-1]
+    if not math.isfinite(sqnr):
+        return ""
     level = (min(max(sqnr, lo), hi) - lo) / (hi - lo)
     return _SPARK[min(len(_SPARK) - 1, int(level * len(_SPARK)))]
 
@@ -187,7 +200,7 @@ def gate_json(result: GateResult | None) -> dict[str, Any] | None:
             {
                 "tensor": v.tensor,
                 "metric": v.metric,
-                "value": None if v.value is None else _finite_or_none(v.value),
+                "value": None if v.value is None else json_number(v.value),
                 "bound": v.bound,
                 "detail": v.detail,
             }
@@ -212,13 +225,27 @@ def _gate_text(result: GateResult | None) -> Text | None:
 # ---- quantize ----------------------------------------------------------------------------------
 
 
-def error_json(stats: ErrorStats | None) -> dict[str, float | None]:
+def error_json(stats: ErrorStats | None) -> dict[str, JsonNumber | None]:
+    """The three figures; null when there are none (a kept tensor, a mismatch)."""
     if stats is None:
         return {"mse": None, "max_abs_error": None, "sqnr_db": None}
     return {
-        "mse": stats.mse,
-        "max_abs_error": stats.max_abs,
-        "sqnr_db": _finite_or_none(stats.sqnr_db),
+        "mse": json_number(stats.mse),
+        "max_abs_error": json_number(stats.max_abs),
+        "sqnr_db": json_number(stats.sqnr_db),
+    }
+
+
+def spec_json(spec: QSpec) -> dict[str, Any]:
+    """The run's quantization spec, field by field, with its table label."""
+    return {
+        "label": spec.describe(),
+        "scheme": spec.scheme.value,
+        "dtype": spec.dtype.value,
+        "bits": spec.dtype.bits,
+        "granularity": spec.granularity,
+        "axis": spec.axis,
+        "range_method": RANGE_METHOD,
     }
 
 
@@ -246,11 +273,12 @@ def quantize_json(
     quantized = summary.quantized
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "quantize",
         "dry_run": summary.dry_run,
         "inputs": summary.inputs,
         "outputs": summary.outputs,
-        "spec": summary.spec,
+        "spec": spec_json(summary.spec),
         "device": summary.device,
         "tensors": tensors,
         "totals": {
@@ -343,7 +371,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
     parts = [
-        f"{q} of {n} tensors quantized ({summary.spec}), {n - q} kept",
+        f"{q} of {n} tensors quantized ({summary.spec.describe()}), {n - q} kept",
         f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",
     ]
     overall = summary.overall
@@ -360,6 +388,7 @@ def compare_json(
 ) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "compare",
         "inputs": summary.inputs,
         "tensors": [
@@ -368,7 +397,7 @@ def compare_json(
                 "shape": list(r.shape),
                 "dtype_a": r.dtype,
                 "dtype_b": r.out_dtype,
-                "compared": r.errors is not None,
+                "compared": r.compared,
                 "mismatch": r.mismatch,
                 "detail": r.detail,
                 **error_json(r.errors),
@@ -408,8 +437,10 @@ def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResu
 
 
 def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
+    restored = sum(r.restored for r in summary.rows)
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "dequantize",
         "inputs": summary.inputs,
         "sidecars": summary.sidecars,
@@ -424,6 +455,12 @@ def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
             }
             for r in summary.rows
         ],
+        "totals": {
+            "tensors": len(summary.rows),
+            "restored": restored,
+            "copied": len(summary.rows) - restored,
+            "bytes": sum(r.bytes_out for r in summary.rows),
+        },
     }
 
 
@@ -446,6 +483,7 @@ def print_dequantize(summary: DequantizeSummary) -> None:
 def inspect_json(summary: InspectSummary) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "inspect",
         "path": summary.path,
         "kind": summary.kind,

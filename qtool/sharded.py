@@ -179,7 +179,7 @@ def _summary(
         inputs=[str(sharded.index)],
         outputs=outputs,
         rows=rows,
-        spec=options.spec.describe(),
+        spec=options.spec,
         device=str(dev),
         dry_run=dry_run,
         seconds=time.perf_counter() - started,

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""
 
+RANGE_METHOD = "minmax"
+"""How each group's range is found: its min and max (with 0.0 included); the only method so far."""
+
 
 class Scheme(str, enum.Enum):
     """How the float range of a group maps onto the integer range.
@@ -34,6 +37,10 @@ class StorageDtype(str, enum.Enum):
     @property
     def safetensors_dtype(self) -> str:
         return "I8" if self is StorageDtype.INT8 else "U8"
+
+    @property
+    def bits(self) -> int:
+        return 8
 
 
 # Symmetric ranges are mirrored around zero_point, so -x is exactly as representable as x.

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qtool.spec import QSpec
+
 
 class Progress(Protocol):
     """Receives the input bytes to process, then each tensor as it is done."""
@@ -76,6 +78,7 @@ class TensorRow:
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
     mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
+    compared: bool = False  # compare: both sides' values were examined (figures or equality)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class QuantizeSummary:
     inputs: list[str]
     outputs: list[str]
     rows: list[TensorRow]
-    spec: str
+    spec: QSpec
     device: str
     dry_run: bool = False
     skipped: list[str] = field(default_factory=list)  # non-tensor pickle entries
@@ -115,7 +118,7 @@ class CompareSummary:
 
     @property
     def compared(self) -> list[TensorRow]:
-        return [r for r in self.rows if r.errors is not None]
+        return [r for r in self.rows if r.compared]
 
     @property
     def mismatches(self) -> list[TensorRow]:

@@ -1,12 +1,15 @@
 """Quality gates: error bounds a CI pipeline can fail on (torch-free).
 
 Per-tensor bounds (`max_mse`, `min_sqnr`) apply to every tensor that has error figures;
-`min_overall_sqnr` applies to the figures of all of them pooled. For `compare`, a tensor missing
-on one side or with a different shape also fails any gate that is set.
+`min_overall_sqnr` applies to the figures of all of them pooled. For `compare`, a mismatch (a
+tensor missing on one side, another shape or dtype kind, NaN/Inf values) fails any gate that is
+set. A figure that is NaN, or infinite on the wrong side, never passes: every check is written
+as "the figure is within the bound", which NaN never is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from qtool.results import ErrorStats, TensorRow
@@ -18,9 +21,24 @@ class Gate:
     min_sqnr: float | None = None
     min_overall_sqnr: float | None = None
 
+    def __post_init__(self) -> None:
+        for name, bound in self.bounds.items():
+            if bound is not None and not math.isfinite(bound):
+                raise ValueError(f"{name}: a bound must be a finite number, got {bound}")
+        if self.max_mse is not None and self.max_mse < 0:
+            raise ValueError(f"max_mse: an MSE bound must be >= 0, got {self.max_mse}")
+
+    @property
+    def bounds(self) -> dict[str, float | None]:
+        return {
+            "max_mse": self.max_mse,
+            "min_sqnr": self.min_sqnr,
+            "min_overall_sqnr": self.min_overall_sqnr,
+        }
+
     @property
     def active(self) -> bool:
-        return any(v is not None for v in (self.max_mse, self.min_sqnr, self.min_overall_sqnr))
+        return any(v is not None for v in self.bounds.values())
 
 
 @dataclass(frozen=True)
@@ -53,13 +71,35 @@ def evaluate(
         return GateResult(gate, [])
     out = [Violation(r.name, "mismatch", None, None, r.detail) for r in mismatches]
     for r in rows:
-        if r.errors is None:
-            continue
-        if gate.max_mse is not None and r.errors.mse > gate.max_mse:
-            out.append(Violation(r.name, "mse", r.errors.mse, gate.max_mse))
-        if gate.min_sqnr is not None and r.errors.sqnr_db < gate.min_sqnr:
-            out.append(Violation(r.name, "sqnr_db", r.errors.sqnr_db, gate.min_sqnr))
+        if r.errors is not None:
+            out += _tensor_violations(gate, r.name, r.errors)
     bound = gate.min_overall_sqnr
-    if bound is not None and overall is not None and overall.sqnr_db < bound:
-        out.append(Violation(None, "overall_sqnr_db", overall.sqnr_db, bound))
+    if bound is not None and overall is not None and not _pooled_ok(overall, bound):
+        detail = f"pooled SQNR {_db(overall.sqnr_db)} is below {_db(bound)}"
+        out.append(Violation(None, "overall_sqnr_db", overall.sqnr_db, bound, detail))
     return GateResult(gate, out)
+
+
+def _pooled_ok(overall: ErrorStats, bound: float) -> bool:
+    return overall.finite and overall.sqnr_db >= bound
+
+
+def _tensor_violations(gate: Gate, name: str, stats: ErrorStats) -> list[Violation]:
+    """The per-tensor bounds this tensor breaks; non-finite figures break every bound set."""
+    out = []
+    broken = "" if stats.finite else "figures are not finite (NaN/Inf values): "
+    mse_ok = stats.finite and stats.mse <= (gate.max_mse or 0.0)
+    if gate.max_mse is not None and not mse_ok:
+        detail = f"{broken}MSE {stats.mse:.4g} is above {gate.max_mse:.4g}"
+        out.append(Violation(name, "mse", stats.mse, gate.max_mse, detail))
+    sqnr_ok = stats.finite and stats.sqnr_db >= (gate.min_sqnr or 0.0)
+    if gate.min_sqnr is not None and not sqnr_ok:
+        detail = f"{broken}SQNR {_db(stats.sqnr_db)} is below {_db(gate.min_sqnr)}"
+        out.append(Violation(name, "sqnr_db", stats.sqnr_db, gate.min_sqnr, detail))
+    return out
+
+
+def _db(value: float) -> str:
+    if value == -math.inf:
+        return "-inf dB (the reference is all zeros and the other side is not)"
+    return f"{value:.2f} dB" if math.isfinite(value) else f"{value} dB"

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qtool.spec import QSpec
+
 
 class Progress(Protocol):
     """Receives the input bytes to process, then each tensor as it is done."""
@@ -43,13 +45,22 @@ class ErrorStats:
             return None
         return self.sq_error / self.sq_error_minmax - 1.0
 
+    @property
+    def finite(self) -> bool:
+        """False when an input held NaN/Inf: such figures mean nothing and fail every gate."""
+        return all(math.isfinite(v) for v in (self.sq_error, self.sq_signal, self.max_abs))
+
 
 def sqnr_db(sq_signal: float, sq_error: float) -> float:
+    """+inf: exact; -inf: all error, no signal (x is all zeros and x_hat is not)."""
+    if math.isnan(sq_signal) or math.isnan(sq_error):
+        return math.nan
     if sq_error == 0.0:
         return math.inf
-    if sq_signal == 0.0:
+    ratio = sq_signal / sq_error
+    if ratio == 0.0:  # no signal at all, or so little that the ratio underflows
         return -math.inf
-    return 10.0 * math.log10(sq_signal / sq_error)
+    return 10.0 * math.log10(ratio)
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -90,6 +101,7 @@ class TensorRow:
     scale_range: tuple[float, float] | None = None
     mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
+    compared: bool = False  # compare: both sides' values were examined (figures or equality)
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,7 @@ class QuantizeSummary:
     inputs: list[str]
     outputs: list[str]
     rows: list[TensorRow]
-    spec: str
+    spec: QSpec
     device: str
     dry_run: bool = False
     skipped: list[str] = field(default_factory=list)  # non-tensor pickle entries
@@ -131,7 +143,7 @@ class CompareSummary:
 
     @property
     def compared(self) -> list[TensorRow]:
-        return [r for r in self.rows if r.errors is not None]
+        return [r for r in self.rows if r.compared]
 
     @property
     def mismatches(self) -> list[TensorRow]:

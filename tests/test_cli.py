@@ -55,7 +55,7 @@ def test_quantize_json_is_the_only_stdout(samples: Path) -> None:
     )
     assert code == 0, stderr
     doc = json.loads(stdout)
-    assert doc["schema_version"] == 1 and doc["command"] == "quantize"
+    assert doc["schema_version"] == 2 and doc["command"] == "quantize" and doc["ok"] is True
     tensors = {t["name"]: t for t in doc["tensors"]}
     assert tensors["head.weight"]["out_dtype"] == "I8"
     assert isinstance(tensors["head.weight"]["sqnr_db"], float)

@@ -73,11 +73,13 @@ def test_compare_float_vs_quantized(samples: Path) -> None:
     code, stdout, _ = invoke("compare", str(samples / MLP), str(q), "--json")
     assert code == 0
     doc = json.loads(stdout)
-    assert doc["command"] == "compare" and doc["schema_version"] == 1
+    assert doc["command"] == "compare" and doc["schema_version"] == 2 and doc["ok"] is True
     rows = {t["name"]: t for t in doc["tensors"]}
     assert rows["head.weight"]["detail"] == "F32 vs dequantized"
-    assert rows["head.bias"]["sqnr_db"] is None and rows["head.bias"]["mse"] == 0.0
-    assert rows["step"]["detail"] == "identical" and not rows["step"]["compared"]
+    assert rows["head.weight"]["dtype_a"] == "F32" and rows["head.weight"]["dtype_b"] == "I8"
+    assert rows["head.bias"]["sqnr_db"] == "Infinity" and rows["head.bias"]["mse"] == 0.0
+    assert rows["step"]["detail"] == "identical" and rows["step"]["compared"]
+    assert doc["totals"]["compared"] == doc["totals"]["tensors"] == 11
     assert doc["totals"]["mismatches"] == 0
 
 
@@ -102,7 +104,7 @@ def test_compare_two_quantized_and_two_float_files(samples: Path) -> None:
     assert detail["head.weight"] == "dequantized vs dequantized"
     code, stdout, _ = invoke("compare", str(samples / MLP), str(samples / MLP), "--json")
     doc = json.loads(stdout)
-    assert code == 0 and doc["totals"]["sqnr_db"] is None and doc["totals"]["mse"] == 0.0
+    assert code == 0 and doc["totals"]["sqnr_db"] == "Infinity" and doc["totals"]["mse"] == 0.0
 
 
 def test_compare_reports_missing_and_mismatched_tensors(tmp_path: Path) -> None:

@@ -301,3 +301,29 @@ def test_slabs_cover_every_element_once_in_memory_order(shape: tuple[int, int, i
         assert size <= max(1 << 21, channels * post if c1 - c0 == channels else post)
         position += size
     assert position == pre * channels * post
+
+
+# ---- reconstructions near the float32 limit -------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_a_causal_mask_never_dequantizes_to_infinity(spec: QSpec) -> None:
+    # finfo(float32).min is finite, but sym's amax / 127 * 127 rounds above float32's max.
+    mask = torch.full((4, 4), torch.finfo(torch.float32).min).triu(1)
+    if spec.scheme is Scheme.SYM:
+        with pytest.raises(ValueError, match="reconstruction would overflow"):
+            kernels.quantize_tensor(mask, spec)
+        return
+    result = kernels.quantize_tensor(mask, spec)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    assert bool(x_hat.isfinite().all()) and result.errors is not None and result.errors.finite
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_near_limit_values_that_fit_give_finite_reconstructions(spec: QSpec) -> None:
+    x = torch.tensor([[1.6e38, -0.5e38], [0.5e38, -1.6e38]])  # asym: hi - lo fits float32
+    result = kernels.quantize_tensor(x, spec)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    assert bool(x_hat.isfinite().all())
+    assert result.errors is not None and result.errors.finite
+    assert result.errors.sqnr_db > 30

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.numerics.metrics import error_stats
-from qtool.results import ErrorStats, combine
+from qtool.numerics.metrics import count_nonfinite, error_stats
+from qtool.results import ErrorStats, combine, sqnr_db
 
 
 def test_error_stats_match_a_float64_reference(device: str) -> None:
@@ -42,3 +42,39 @@ def test_combine_weights_tensors_by_their_energy() -> None:
 def test_shape_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="shape"):
         error_stats(torch.zeros(2, 3), torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("magnitude", [1e17, 1e20, 3e38], ids=["1e17", "1e20", "near-max"])
+def test_huge_finite_values_give_finite_float64_figures(magnitude: float) -> None:
+    # float32 squares overflow at 1.8e19 and float32 sums of 1e34-sized squares at ~1e4 of them.
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.rand(4096, generator=gen) * 2 - 1) * magnitude
+    x_hat = x * (1 + 1e-3 * torch.randn(4096, generator=gen)).clamp(-1, 1)
+    stats = error_stats(x, x_hat)
+    xs, err = x.double().numpy(), x.double().numpy() - x_hat.double().numpy()
+    assert stats.finite
+    assert stats.sq_signal == pytest.approx(np.sum(xs**2), rel=1e-9)
+    assert stats.sq_error == pytest.approx(np.sum(err**2), rel=1e-6)
+    assert stats.sqnr_db == pytest.approx(10 * math.log10(np.sum(xs**2) / np.sum(err**2)))
+
+
+def test_an_overflowing_float32_difference_is_measured_in_float64() -> None:
+    big = torch.finfo(torch.float32).max
+    x, x_hat = torch.tensor([big, 1.0]), torch.tensor([-big, 1.0])
+    stats = error_stats(x, x_hat)
+    assert stats.finite and stats.max_abs == 2 * float(big)
+    assert stats.sqnr_db == pytest.approx(10 * math.log10(1 / 4), abs=1e-9)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_nonfinite_inputs_give_figures_marked_not_finite(bad: float) -> None:
+    x = torch.tensor([bad, 1.0, 2.0])
+    stats = error_stats(torch.ones(3), x, block_elems=1)  # NaN must survive later slabs
+    assert not stats.finite
+    assert count_nonfinite(x) == 1 and count_nonfinite(torch.ones(3, dtype=torch.int8)) == 0
+
+
+def test_sqnr_of_an_all_zero_reference_is_minus_infinity() -> None:
+    assert error_stats(torch.zeros(3), torch.ones(3)).sqnr_db == -math.inf
+    assert sqnr_db(1e-320, 1e10) == -math.inf  # an underflowing ratio, not a math error
+    assert math.isnan(sqnr_db(math.nan, 1.0))

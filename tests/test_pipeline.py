@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from qtool import api
 from qtool.engine.inspect import inspect_path
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError, OutputError, SidecarError
-from qtool.formats.qtool import BINDING_KEY, sidecar_path
+from qtool.formats.qtool import BINDING_KEY, Record, sidecar_path, validate_qparams
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
 from tests.specs import qspec
@@ -279,3 +280,49 @@ def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path) ->
     )
     print(f"peak anon {peak:.0f} MiB, baseline {baseline:.0f} MiB, cap {cap_mib:.0f} MiB above it")
     assert peak - baseline < cap_mib, (peak, baseline)
+
+
+def test_a_reconstruction_that_would_overflow_is_an_error_naming_the_tensor(
+    tmp_path: Path,
+) -> None:
+    mask = torch.full((8, 8), torch.finfo(torch.float32).min).triu(1)
+    save_file({"attn.mask": mask, "w": torch.randn(4, 4)}, tmp_path / "m.safetensors")
+    with pytest.raises(NumericError, match="overflow to infinity") as info:
+        api.quantize(tmp_path / "m.safetensors", None, QuantizeOptions(), device="cpu")
+    assert info.value.tensor == "attn.mask" and "--exclude" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    options = QuantizeOptions(exclude=("attn.mask",))
+    summary = api.quantize(tmp_path / "m.safetensors", None, options, device="cpu")
+    assert summary.overall is not None and summary.overall.finite
+
+
+def test_bf16_extremes_round_trip_with_finite_figures(tmp_path: Path) -> None:
+    big = torch.finfo(torch.bfloat16).max
+    w = torch.tensor([[big, -big, 1.0], [2.0, big, -3.0]], dtype=torch.bfloat16)
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    summary = api.quantize(tmp_path / "m.safetensors", None, QuantizeOptions(), device="cpu")
+    stats = summary.rows[0].errors
+    assert stats is not None and stats.finite and 30 < stats.sqnr_db < math.inf
+    restored = api.dequantize(tmp_path / "m.int8.safetensors", None)
+    assert bool(load_file(restored.outputs[0])["w"].isfinite().all())
+
+
+def test_dequantizing_into_a_dtype_too_narrow_is_an_error_naming_the_tensor(
+    tmp_path: Path,
+) -> None:
+    save_file({"w": torch.tensor([[1e5, -2.0], [3.0, 4.0]])}, tmp_path / "m.safetensors")
+    api.quantize(tmp_path / "m.safetensors", None, QuantizeOptions(), device="cpu")
+    q, out = tmp_path / "m.int8.safetensors", tmp_path / "r.safetensors"
+    with pytest.raises(NumericError, match="overflow F16") as info:
+        api.dequantize(q, out, dtype="float16")
+    assert info.value.tensor == "w" and not out.exists()
+    api.dequantize(q, out, dtype="bfloat16")
+    assert bool(load_file(out)["w"].isfinite().all())
+
+
+def test_a_sidecar_whose_scales_dequantize_to_infinity_is_refused() -> None:
+    record = Record(qspec(), "F32", (2, 3))
+    zero_point = torch.zeros(2, dtype=torch.int8)
+    validate_qparams(Path("s"), "w", record, torch.tensor([1.0, 2e36]), zero_point)
+    with pytest.raises(SidecarError, match="dequantize to infinity"):
+        validate_qparams(Path("s"), "w", record, torch.tensor([1.0, 3e36]), zero_point)

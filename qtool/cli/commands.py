@@ -8,6 +8,7 @@ need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -88,24 +89,46 @@ def _at_least_one(value: int | None) -> int | None:
     return value
 
 
+def _finite_bound(value: float | None) -> float | None:
+    """Gate bounds are finite numbers: nan would pass everything, inf means no bound."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number; give a finite bound")
+    return value
+
+
+def _mse_bound(value: float | None) -> float | None:
+    value = _finite_bound(value)
+    if value is not None and value < 0:
+        raise typer.BadParameter(f"{value} is negative; an MSE bound is >= 0 (0: exact)")
+    return value
+
+
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace existing output files.")]
 MaxMseOpt = Annotated[
     float | None,
-    typer.Option(help="Gate: fail (exit 3) if any tensor's MSE is above this.", show_default=False),
+    typer.Option(
+        help="Gate: fail (exit 3) if any tensor's MSE is above this.",
+        show_default=False,
+        callback=_mse_bound,
+    ),
 ]
 MinSqnrOpt = Annotated[
     float | None,
     typer.Option(
-        help="Gate: fail (exit 3) if any tensor's SQNR (dB) is below this.", show_default=False
+        help="Gate: fail (exit 3) if any tensor's SQNR (dB) is below this.",
+        show_default=False,
+        callback=_finite_bound,
     ),
 ]
 MinOverallOpt = Annotated[
     float | None,
     typer.Option(
-        help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.", show_default=False
+        help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.",
+        show_default=False,
+        callback=_finite_bound,
     ),
 ]
 SortOpt = Annotated[
@@ -342,6 +365,13 @@ def quantize(
 
     if estimate and not dry_run:
         raise typer.BadParameter("goes only with --dry-run", param_hint="--estimate")
+    bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
+    if dry_run and not estimate and bounds.active:
+        raise typer.BadParameter(
+            "a gate needs error figures, which a plain dry run does not compute; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--dry-run",
+        )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
     options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
     with user_errors(as_json):
@@ -357,7 +387,7 @@ def quantize(
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
     _warn_selection(summary.rows, options)
-    gate = evaluate(Gate(max_mse, min_sqnr, min_overall_sqnr), summary.rows, summary.overall, [])
+    gate = evaluate(bounds, summary.rows, summary.overall, [])
     _show_and_gate(
         report.arrange(summary.rows, sort.value if sort else None, top),
         gate,

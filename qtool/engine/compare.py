@@ -17,15 +17,32 @@ from qtool.errors import InputError
 from qtool.formats import open_reader
 from qtool.formats.base import FloatReader
 from qtool.io.index import is_sharded, load_index
-from qtool.numerics.metrics import error_stats
+from qtool.numerics.metrics import count_nonfinite, error_stats
 from qtool.results import CompareSummary, TensorRow
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B; sharded sets shard by shard."""
+    """One row per tensor name of A, then those only in B; sharded sets shard by shard.
+    InputError when no tensor of the two could be compared (unrelated files)."""
     if is_sharded(a) or is_sharded(b):
-        return _compare_sharded(a, b)
-    return CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+        summary = _compare_sharded(a, b)
+    else:
+        summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+    if not summary.compared:
+        raise InputError(a, f"no tensor could be compared with {b}: {_why_none(summary)}")
+    return summary
+
+
+def _why_none(summary: CompareSummary) -> str:
+    only_a = sum(r.detail == "missing in B" for r in summary.rows)
+    only_b = sum(r.detail == "missing in A" for r in summary.rows)
+    other = len(summary.rows) - only_a - only_b
+    if not summary.rows:
+        return "neither file holds a tensor"
+    return (
+        f"{only_a} tensor(s) only in A, {only_b} only in B, {other} with another shape or "
+        "dtype kind; are these checkpoints of the same model?"
+    )
 
 
 def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[TensorRow]:
@@ -98,11 +115,16 @@ def _compare_one(
     x, y = left.values(name), right.values(name)
     if da not in FLOAT_DTYPES:
         same = x.dtype == y.dtype and torch.equal(x, y)
-        return sides.row("identical" if same else "values differ", mismatch=not same)
-    stats = error_stats(x, y) if x.numel() else None
+        detail = "identical" if same else "values differ"
+        return sides.row(detail, mismatch=not same, compared=True)
+    stats = error_stats(x, y)
+    if not stats.finite:  # only NaN/Inf inputs get here: finite ones give finite figures
+        detail = f"NaN/Inf values: {count_nonfinite(x)} in A, {count_nonfinite(y)} in B"
+        return sides.row(detail, mismatch=True, compared=True)
     left.release(name)
     right.release(name)
-    return replace(sides.row(_label(left, right, name), mismatch=False), errors=stats)
+    row = sides.row(_label(left, right, name), mismatch=False, compared=True)
+    return replace(row, errors=stats)
 
 
 def _label(left: FloatReader, right: FloatReader, name: str) -> str:
@@ -122,16 +144,19 @@ class _Sides:
     in_a: bool
     in_b: bool
 
-    def row(self, detail: str, *, mismatch: bool) -> TensorRow:
+    def row(self, detail: str, *, mismatch: bool, compared: bool = False) -> TensorRow:
+        """dtype / out_dtype are the dtypes stored in A and B (I8 for a quantized tensor; the
+        detail says it was dequantized)."""
         reader = self.left if self.in_a else self.right
         return TensorRow(
             name=self.name,
             shape=reader.shape(self.name),
-            dtype=self.left.dtype(self.name) if self.in_a else "-",
-            out_dtype=self.right.dtype(self.name) if self.in_b else "-",
+            dtype=self.left.stored_dtype(self.name) if self.in_a else "-",
+            out_dtype=self.right.stored_dtype(self.name) if self.in_b else "-",
             quantized=not mismatch,
             detail=detail,
             bytes_in=self.left.nbytes(self.name) if self.in_a else 0,
             bytes_out=self.right.nbytes(self.name) if self.in_b else 0,
             mismatch=mismatch,
+            compared=compared,
         )

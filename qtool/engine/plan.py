@@ -15,6 +15,7 @@ from pathlib import Path
 
 from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.errors import InputError
+from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
@@ -192,7 +193,9 @@ def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSu
         rows = []
         for shard in sharded.shards:
             path = sharded.directory / shard
-            rows += [planned_row(p) for p in plan_tensors(path, read_header(path).tensors, options)]
+            header = read_header(path)
+            refuse_quantized(path, header.metadata, [t.name for t in header.tensors])
+            rows += [planned_row(p) for p in plan_tensors(path, header.tensors, options)]
         return _dry_summary([sharded.index], [directory], rows, options)
     out = quantized_output(src, out, options.spec.dtype.value)
     if not src.is_file():
@@ -201,6 +204,7 @@ def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSu
         header = read_header(src)
     except HeaderError:
         return None  # a pickle, or a broken file: the full path reports it properly
+    refuse_quantized(src, header.metadata, [t.name for t in header.tensors])
     rows = [planned_row(p) for p in plan_tensors(src, header.tensors, options)]
     return _dry_summary([src], [out, sidecar_path(out)], rows, options)
 
@@ -212,7 +216,7 @@ def _dry_summary(
         inputs=[str(p) for p in inputs],
         outputs=[str(p) for p in outputs],
         rows=rows,
-        spec=options.spec.describe(),
+        spec=options.spec,
         device="none",
         dry_run=True,
     )

@@ -174,7 +174,7 @@ def plot_quantize(
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
         ax.remove()
-    title = f"{summary.spec}: SQNR per layer"
+    title = f"{summary.spec.describe()}: SQNR per layer"
     _sqnr_bars(fig.add_subplot(grid[0, :]), summary.rows, title, min_sqnr)
     _error_histograms(list(axes[1]), pairs)
     fig.tight_layout()
@@ -264,7 +264,10 @@ def plot_tensor(
     finally:
         ckpt.close()
     spec = fit_spec(checkpoint, entry, spec)
-    result = kernels.quantize_tensor(x, spec)
+    try:
+        result = kernels.quantize_tensor(x, spec)
+    except ValueError as err:  # NaN/Inf, or a range beyond float32
+        raise QtoolError(checkpoint, f"cannot be quantized: {err}", tensor) from None
     x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
     codes = (
         unpack_nibbles(result.q, x.shape[-1], spec.dtype.signed) if spec.dtype.packed else result.q

@@ -37,6 +37,7 @@ from qtool.engine.source import (
 from qtool.errors import DeviceError, NumericError
 from qtool.formats import output_format
 from qtool.formats.base import OutputFormat, ShardWriter
+from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import (
     OutputSet,
@@ -135,7 +136,9 @@ class _Shards:
 
     def plans(self) -> list[TensorPlan]:
         for shard in self.source.shards:
-            self._plans[shard] = plan_tensors(shard, self._entries(shard), self.options)
+            entries, metadata = self._entries(shard)
+            refuse_quantized(shard, metadata, [e.name for e in entries])
+            self._plans[shard] = plan_tensors(shard, entries, self.options)
         return [p for shard in self.source.shards for p in self._plans[shard]]
 
     def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
@@ -160,10 +163,12 @@ class _Shards:
         """Non-tensor entries of the pickles read so far (and still open)."""
         return self.skipped + [s for ckpt in self._open.values() for s in ckpt.skipped]
 
-    def _entries(self, shard: Path) -> tuple[TensorEntry, ...]:
+    def _entries(self, shard: Path) -> tuple[tuple[TensorEntry, ...], dict[str, str] | None]:
         if self.source.index is not None:  # shards are safetensors, validated with the index
-            return read_header(shard).tensors
-        return self._checkpoint(shard).entries
+            header = read_header(shard)
+            return header.tensors, header.metadata
+        ckpt = self._checkpoint(shard)
+        return ckpt.entries, ckpt.metadata
 
     def _checkpoint(self, shard: Path) -> Checkpoint:
         if shard not in self._open:
@@ -337,7 +342,7 @@ class _Summary:
             inputs=[str(self.source.path)],
             outputs=[str(p) for p in outputs],
             rows=rows,
-            spec=self.options.spec.describe(),
+            spec=self.options.spec,
             device=str(self.run.device),
             dry_run=dry_run,
             skipped=self.shards.skipped_entries,

@@ -97,6 +97,9 @@ class FloatReader(Protocol):
     def nbytes(self, name: str) -> int:
         """Bytes the tensor takes as stored (its codes, for a quantized tensor)."""
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype as stored (the codes' dtype, for a quantized tensor)."""
+
     def release(self, name: str) -> None:
         """Drop the pages of a tensor already consumed."""
 

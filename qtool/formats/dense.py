@@ -59,6 +59,9 @@ class DenseReader:
     def nbytes(self, name: str) -> int:
         return self._entries[name].nbytes
 
+    def stored_dtype(self, name: str) -> str:
+        return self._entries[name].dtype
+
     def release(self, name: str) -> None:
         self.ckpt.release(self._entries[name])
 

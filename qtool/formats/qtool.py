@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,3 +273,15 @@ def validate_qparams(
     qmin, qmax = record.spec.qmin, record.spec.qmax
     if bool((zero_point < qmin).any()) or bool((zero_point > qmax).any()):
         raise SidecarError(path, f"zero_point outside [{qmin}, {qmax}]", name)
+    if not math.isfinite(float(grid_reach(record, scale, zero_point))):
+        raise SidecarError(path, "scales so large that codes dequantize to infinity", name)
+
+
+def grid_reach(record: Record, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """The largest |x_hat| any code can dequantize to, computed in float32 as dequantize does."""
+    import torch  # this module stays torch-free at import time (inspect)
+
+    zp = zero_point.float()
+    spec = record.spec
+    reach = torch.maximum((spec.qmax - zp).abs(), (spec.qmin - zp).abs())
+    return (reach * scale.float()).amax() if reach.numel() else scale.new_zeros(())

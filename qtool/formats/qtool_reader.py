@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from qtool.dtypes import RESTORE_DTYPES
-from qtool.errors import SidecarError
+from qtool.errors import NumericError, SidecarError
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -18,13 +18,14 @@ from qtool.formats.qtool import (
     Record,
     binding_digest,
     data_digest,
+    grid_reach,
     parse_manifest,
     scale_name,
     sidecar_path,
     validate_qparams,
     zero_point_name,
 )
-from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint, open_checkpoint
+from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import kernels
 from qtool.spec import QSpec, packed_shape
@@ -89,20 +90,31 @@ class QtoolReader:
         entry = self._entries[name]
         if record is None:
             return self.ckpt.tensor(entry)
-        return kernels.dequantize(
-            self.ckpt.tensor(entry),
-            self.sidecar.tensor(self._side_entries[scale_name(name)]),
-            self.sidecar.tensor(self._side_entries[zero_point_name(name)]),
-            record.spec,
-            dtype or ST_TO_TORCH[record.orig_dtype],
-            shape=record.shape,
+        scale = self.sidecar.tensor(self._side_entries[scale_name(name)])
+        zero_point = self.sidecar.tensor(self._side_entries[zero_point_name(name)])
+        target = dtype or ST_TO_TORCH[record.orig_dtype]
+        out = kernels.dequantize(
+            self.ckpt.tensor(entry), scale, zero_point, record.spec, target, shape=record.shape
         )
+        # Cheap test first (the grid's extreme in the target dtype), then the exact one.
+        fits = bool(grid_reach(record, scale, zero_point).to(target).isfinite())
+        if not fits and not bool(out.isfinite().all()):
+            raise NumericError(
+                self.path,
+                f"dequantized values overflow {TORCH_TO_ST[target]} to infinity; "
+                "use --to float32 (or bfloat16) for this checkpoint",
+                name,
+            )
+        return out
 
     def raw(self, name: str) -> memoryview:
         return self.ckpt.raw(self._entries[name])
 
     def nbytes(self, name: str) -> int:
         return self._entries[name].nbytes
+
+    def stored_dtype(self, name: str) -> str:
+        return self._entries[name].dtype
 
     def release(self, name: str) -> None:
         self.ckpt.release(self._entries[name])

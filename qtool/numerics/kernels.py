@@ -98,9 +98,23 @@ def qparams_from_range(
     """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`; zero_point
     is float32 holding an integer (cast by the caller for storage). See ranges."""
     r = IntRange.of(spec)
-    return ranges.qparams_from_range(
+    scale, zero_point = ranges.qparams_from_range(
         lo, hi, r.qmin, r.qmax, r.symmetric, r.sym_zero_point, scale_dtype
     )
+    check_grid_finite(scale, zero_point, spec)
+    return scale, zero_point
+
+
+def check_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec) -> None:
+    """Refuse qparams whose extreme codes dequantize to +-inf: amax / 127 * 127 can round
+    above float32's largest value (a causal mask filled with finfo(float32).min does)."""
+    reach = torch.maximum((spec.qmax - zero_point).abs(), (spec.qmin - zero_point).abs())
+    if not math.isfinite(float((reach * scale).amax())):
+        raise ValueError(
+            "values reach the float32 limit (about 3.4e38, e.g. a mask filled with "
+            "finfo(float32).min): their reconstruction would overflow to infinity; "
+            "--exclude this tensor to keep it as it is"
+        )
 
 
 def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +243,9 @@ class RangeChooser:
         if self.candidates is None:
             lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
             return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
-        return self._search(xf.unsqueeze(2))
+        scale, zero_point, choice = self._search(xf.unsqueeze(2))
+        check_grid_finite(scale, zero_point, self.spec)
+        return scale, zero_point, choice
 
     def whole(self, x: torch.Tensor) -> Qparams:
         """qparams per tensor or per channel on any axis, in the qparam shape."""
@@ -238,6 +254,7 @@ class RangeChooser:
             return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
         shape = qparam_shape(self.spec.granularity, tuple(x.shape))
         scale, zero_point, choice = self._search(_search_view(x, self.spec))
+        check_grid_finite(scale, zero_point, self.spec)
         assert choice is not None
         return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
 

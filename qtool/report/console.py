@@ -41,8 +41,9 @@ from qtool.results import (
     TensorRow,
     natural_key,
 )
+from qtool.spec import QSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -134,12 +135,21 @@ def print_warning(message: str) -> None:
 # ---- numbers -----------------------------------------------------------------------------------
 
 
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+JsonNumber = float | str
+
+
+def json_number(value: float) -> JsonNumber:
+    """A finite float as a JSON number; +-inf and NaN as the strings "Infinity", "-Infinity"
+    and "NaN" (the protobuf JSON mapping's spelling; float() in Python reads them back)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def _fmt_sqnr(value: float) -> str:
-    return "exact" if value == math.inf else f"{value:.1f}"
+    if value == math.inf:
+        return "exact"
+    return f"{value:.1f}" if math.isfinite(value) else str(value)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -151,9 +161,12 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _spark(sqnr: float, lo: float = 0.0, hi: float = 60.0) -> str:
-    """A bar of 8 levels: higher SQNR, taller bar; the worst layers stand out."""
-    if not math.isfinite(sqnr):
+    """A bar of 8 levels: higher SQNR, taller bar; the worst layers stand out. Exact is a full
+    bar; -inf (and NaN, which no report should carry) an empty one."""
+    if sqnr == math.inf:
         return _SPARK[-1]
+    if not math.isfinite(sqnr):
+        return ""
     level = (min(max(sqnr, lo), hi) - lo) / (hi - lo)
     return _SPARK[min(len(_SPARK) - 1, int(level * len(_SPARK)))]
 
@@ -195,7 +208,7 @@ def gate_json(result: GateResult | None) -> dict[str, Any] | None:
             {
                 "tensor": v.tensor,
                 "metric": v.metric,
-                "value": None if v.value is None else _finite_or_none(v.value),
+                "value": None if v.value is None else json_number(v.value),
                 "bound": v.bound,
                 "detail": v.detail,
             }
@@ -220,15 +233,21 @@ def _gate_text(result: GateResult | None) -> Text | None:
 # ---- quantize ----------------------------------------------------------------------------------
 
 
-def error_json(stats: ErrorStats | None) -> dict[str, float | None]:
+def error_json(stats: ErrorStats | None) -> dict[str, JsonNumber | None]:
+    """The three figures; null when there are none (a kept tensor, a mismatch)."""
     if stats is None:
         return {"mse": None, "max_abs_error": None, "sqnr_db": None, "mse_gain": None}
     return {
-        "mse": stats.mse,
-        "max_abs_error": stats.max_abs,
-        "sqnr_db": _finite_or_none(stats.sqnr_db),
-        "mse_gain": stats.mse_gain,
+        "mse": json_number(stats.mse),
+        "max_abs_error": json_number(stats.max_abs),
+        "sqnr_db": json_number(stats.sqnr_db),
+        "mse_gain": json_number(stats.mse_gain) if stats.mse_gain is not None else None,
     }
+
+
+def spec_json(spec: QSpec) -> dict[str, Any]:
+    """The run's quantization spec, field by field, with its table label."""
+    return {"label": spec.describe(), **spec.to_json()}
 
 
 def quantize_json(
@@ -255,11 +274,12 @@ def quantize_json(
     quantized = summary.quantized
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "quantize",
         "dry_run": summary.dry_run,
         "inputs": summary.inputs,
         "outputs": summary.outputs,
-        "spec": summary.spec,
+        "spec": spec_json(summary.spec),
         "device": summary.device,
         "tensors": tensors,
         "totals": {
@@ -362,7 +382,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
     parts = [
-        f"{q} of {n} tensors quantized ({summary.spec}), {n - q} kept",
+        f"{q} of {n} tensors quantized ({summary.spec.describe()}), {n - q} kept",
         f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",
     ]
     overall = summary.overall
@@ -381,6 +401,7 @@ def compare_json(
 ) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "compare",
         "inputs": summary.inputs,
         "tensors": [
@@ -389,7 +410,7 @@ def compare_json(
                 "shape": list(r.shape),
                 "dtype_a": r.dtype,
                 "dtype_b": r.out_dtype,
-                "compared": r.errors is not None,
+                "compared": r.compared,
                 "mismatch": r.mismatch,
                 "detail": r.detail,
                 **error_json(r.errors),
@@ -429,8 +450,10 @@ def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResu
 
 
 def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
+    restored = sum(r.restored for r in summary.rows)
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "dequantize",
         "inputs": summary.inputs,
         "sidecars": summary.sidecars,
@@ -445,6 +468,12 @@ def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
             }
             for r in summary.rows
         ],
+        "totals": {
+            "tensors": len(summary.rows),
+            "restored": restored,
+            "copied": len(summary.rows) - restored,
+            "bytes": sum(r.bytes_out for r in summary.rows),
+        },
     }
 
 
@@ -475,7 +504,7 @@ def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, A
         "spec": info["spec"],
         "mse": info["mse"],
         "max_abs_error": info["max_abs_error"],
-        "sqnr_db": _finite_or_none(info["sqnr_db"]),
+        "sqnr_db": json_number(float(info["sqnr_db"])),
     }
 
 
@@ -485,6 +514,7 @@ def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, A
 def inspect_json(summary: InspectSummary) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "inspect",
         "path": summary.path,
         "kind": summary.kind,

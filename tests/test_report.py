@@ -1,0 +1,100 @@
+"""The JSON contract (schema_version 2) and how infinite figures are drawn."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from qtool.cli import app
+from qtool.report import json_number
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "encoded"),
+    [(1.5, 1.5), (math.inf, "Infinity"), (-math.inf, "-Infinity"), (math.nan, "NaN")],
+    ids=["finite", "inf", "-inf", "nan"],
+)
+def test_json_numbers(value: float, encoded: float | str) -> None:
+    assert json_number(value) == encoded
+    got = float(json_number(value))
+    assert got == value or (math.isnan(got) and math.isnan(value))
+
+
+def test_every_success_document_says_ok_and_schema_2(samples: Path) -> None:
+    q = samples / "q.safetensors"
+    src = str(samples / "mlp.safetensors")
+    docs = {
+        "quantize": invoke("quantize", src, "-o", str(q), "--per-tensor", "--json")[1],
+        "compare": invoke("compare", src, str(q), "--json")[1],
+        "dequantize": invoke("dequantize", str(q), "--json")[1],
+        "inspect": invoke("inspect", str(q), "--json")[1],
+    }
+    for command, text in docs.items():
+        doc = json.loads(text)
+        assert (doc["ok"], doc["schema_version"], doc["command"]) == (True, 2, command)
+    assert json.loads(docs["quantize"])["spec"] == {
+        "label": "sym int8 tensor",
+        "scheme": "sym",
+        "dtype": "int8",
+        "bits": 8,
+        "granularity": "per-tensor",
+        "axis": None,
+        "range_method": "minmax",
+    }
+    assert json.loads(docs["dequantize"])["totals"] == {
+        "tensors": 11,
+        "restored": 4,
+        "copied": 7,
+        "bytes": (samples / "mlp.safetensors").stat().st_size - 8 - _header_len(samples),
+    }
+
+
+def _header_len(samples: Path) -> int:
+    with open(samples / "mlp.safetensors", "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
+def test_compare_plot_shows_minus_infinity_without_warnings(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    save_file({"lost": torch.zeros(4, 4), "ok": torch.ones(4, 4)}, tmp_path / "a.safetensors")
+    save_file({"lost": torch.ones(4, 4), "ok": torch.ones(4, 4)}, tmp_path / "b.safetensors")
+    png = tmp_path / "c.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, stderr = invoke("compare", str(tmp_path / "a.safetensors"),
+                                 str(tmp_path / "b.safetensors"), "--plot", str(png))  # fmt: skip
+    assert code == 0, stderr
+    assert png.stat().st_size > 10_000 and "Warning" not in stderr
+
+
+def test_sqnr_bars_label_both_infinities_with_finite_bars() -> None:
+    pytest.importorskip("matplotlib")
+    from qtool.engine import plots
+    from qtool.results import ErrorStats, TensorRow
+
+    def row(name: str, sq_error: float, sq_signal: float) -> TensorRow:
+        stats = ErrorStats(4, sq_error, sq_signal, 1.0)
+        return TensorRow(name, (2, 2), "F32", "F32", True, "", 16, 16, errors=stats)
+
+    rows = [row("exact", 0.0, 4.0), row("lost", 4.0, 0.0), row("fine", 4e-3, 4.0)]
+    assert [r.name for r in plots._worst(rows)] == ["lost", "fine"]
+    plt = plots._pyplot()
+    fig, axes = plots._figure(plt, 1, 1)
+    plots._sqnr_bars(axes[0, 0], rows, "t")
+    heights = [p.get_height() for p in axes[0, 0].patches]
+    texts = {t.get_text() for t in axes[0, 0].texts}
+    plt.close(fig)
+    assert all(math.isfinite(h) for h in heights) and heights[1] < 0 < heights[2] < heights[0]
+    assert texts == {"exact", "-inf"}

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from types import FrameType
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import typer
 
 from qtool import __version__, report
-from qtool.errors import QtoolError
+from qtool.errors import InternalError, InterruptError, QtoolError, TerminatedError
 from qtool.spec import QSpec, Scheme, StorageDtype
 
 if TYPE_CHECKING:
@@ -116,6 +118,7 @@ AxisOpt = Annotated[
     int, typer.Option(help="Channel axis for --per-channel (negative counts from the end).")
 ]
 GATE_FAILED = 3
+MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
 
 
 class Terminated(BaseException):
@@ -126,22 +129,53 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise Terminated
 
 
+@dataclass
+class RunState:
+    """What a command has done so far, so that an interruption reports it truthfully."""
+
+    written: list[str] = field(default_factory=list)
+
+
+def _stopped(what: str, run: RunState) -> str:
+    if run.written:
+        return (
+            f"{what} after {', '.join(run.written)} were written (complete); the rest was not done"
+        )
+    return f"{what}; no output was written"
+
+
 @contextmanager
-def user_errors(as_json: bool) -> Iterator[None]:
+def user_errors(as_json: bool) -> Iterator[RunState]:
     """Expected failures become one line on stderr and exit code 1, with no traceback."""
+    run = RunState()
     try:
-        yield
+        yield run
     except QtoolError as err:
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
         report.print_error(err, as_json)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        report.print_error("interrupted; no output was written", as_json)
+        report.print_error(InterruptError(None, _stopped("interrupted", run)), as_json)
         raise typer.Exit(130) from None
     except Terminated:
-        report.print_error("terminated; no output was written", as_json)
+        report.print_error(TerminatedError(None, _stopped("terminated", run)), as_json)
         raise typer.Exit(143) from None
+
+
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """A library warning (torch's UserWarnings) as one qtool line: its first sentence."""
+    text = " ".join(str(message).split())
+    first = text.split(". ", 1)[0].split(" (Triggered internally", 1)[0].rstrip(".")
+    origin = "torch" if f"{os.sep}torch{os.sep}" in filename else category.__name__
+    report.print_warning(f"{origin}: {first or category.__name__}")
 
 
 def _version(value: bool) -> None:
@@ -158,6 +192,7 @@ def _main(
     ] = False,
 ) -> None:
     """Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports."""
+    warnings.showwarning = _warning_line
 
 
 @app.command(
@@ -228,7 +263,12 @@ def quantize(
     ] = False,
     threads: Annotated[
         int | None,
-        typer.Option(help="CPU threads for torch [default: all cores].", min=1, show_default=False),
+        typer.Option(
+            help=f"CPU threads for torch, 1 to {MAX_THREADS} [default: all cores].",
+            min=1,
+            max=MAX_THREADS,
+            show_default=False,
+        ),
     ] = None,
     max_mse: MaxMseOpt = None,
     min_sqnr: MinSqnrOpt = None,
@@ -247,10 +287,11 @@ def quantize(
         raise typer.BadParameter("--estimate goes with --dry-run", param_hint="--estimate")
     spec = QSpec(scheme, dtype, axis if per_channel else None)
     options = plan.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
-    with user_errors(as_json):
+    with user_errors(as_json) as run:
         summary = plan.dry_run(src, out, options) if dry_run and not estimate else None
         if summary is None:
             summary = _run_quantize(src, out, options, device, threads, force, dry_run, estimate)
+        run.written = [] if summary.dry_run else list(summary.outputs)
         if plot is not None:
             from qtool import plots
 
@@ -467,26 +508,54 @@ def _set_threads(threads: int | None) -> None:
 
 def main() -> None:
     """Entry point: maps interruptions and unexpected failures to exit codes, never a traceback."""
+    closed = _reopen_closed_std_streams()
+    as_json = "--json" in sys.argv[1:]
+    if "stdout" in closed:
+        report.print_warning("stdout is closed; the report is discarded")
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         app(prog_name="qtool")
     except Terminated:
-        report.print_error("terminated")
+        report.print_error(TerminatedError(None, "terminated"), as_json)
         sys.exit(143)
     except KeyboardInterrupt:
-        report.print_error("interrupted")
+        report.print_error(InterruptError(None, "interrupted"), as_json)
         sys.exit(130)
     except BrokenPipeError:
         _silence_stdout()
         sys.exit(1)
+    except QtoolError as err:  # the report itself could not be written (stdout full, EIO)
+        _silence_stdout()
+        report.print_error(err, as_json)
+        sys.exit(1)
     except Exception as err:  # a bug: one line, and the traceback only when asked for
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
-        report.print_error(
+        message = (
             f"internal error: {type(err).__name__}: {err}; re-run with QTOOL_DEBUG=1 for the "
             "traceback and report it"
         )
+        report.print_error(InternalError(None, message), as_json)
         sys.exit(1)
+
+
+def _reopen_closed_std_streams() -> list[str]:
+    """A closed stdin/stdout/stderr (`>&-`) becomes /dev/null before any file is opened:
+    otherwise an output file could get descriptor 1 and receive the report. Returns their names."""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.append(name)
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                mode = "r" if fd == 0 else "w"
+                setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115
+    return closed
 
 
 def _silence_stdout() -> None:

@@ -84,6 +84,18 @@ def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int =
         raise OutputError(out, "already exists; pass --force to replace it")
 
 
+def _check_recordable_name(out: Path) -> None:
+    """The quantized file records its own and its sidecar's names in UTF-8 metadata."""
+    try:
+        out.name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputError(
+            out,
+            "the output name is not valid UTF-8 and cannot be recorded in the file's metadata; "
+            "choose a UTF-8 name with -o",
+        ) from None
+
+
 def quantize_path(
     src: Path,
     out: Path | None,
@@ -137,6 +149,7 @@ def quantize_file(
             rows = estimate_rows(ckpt, plans, dev) if estimate else [planned_row(p) for p in plans]
             return _summary(src, [out, side], rows, options, dev, ckpt, 0, started, dry_run=True)
         needed = sum(p.out_nbytes for p in plans)
+        _check_recordable_name(out)
         for target in (out, side):
             check_output(target, [src], force, needed if target == out else 0)
         stale = remove_stale_temps(out.parent)
@@ -272,6 +285,14 @@ def _quantize_one(
     try:
         return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
     except kernels.NonFiniteInput as err:
+        if err.count == 0:  # finite float64 values whose float32 range overflows
+            raise NumericError(
+                ckpt.path,
+                f"holds {plan.entry.dtype} values beyond float32's range (largest magnitude "
+                f"{float(x.abs().max()):.3g}), which cannot be quantized in float32; "
+                "--exclude this tensor or rescale it",
+                plan.entry.name,
+            ) from None
         raise NumericError(
             ckpt.path,
             f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
+from qtool.safeopen import open_regular
 from qtool.spec import SEMANTICS, QSpec, Scheme, StorageDtype
 from qtool.stformat import Header, HeaderError, strict_json
 
@@ -146,7 +147,7 @@ def _parse_record(path: Path, name: str, r: dict[str, object]) -> Record:
 def data_digest(path: Path, header: Header) -> str:
     """SHA-256 of a safetensors file's data section (the sidecar's scales and zero points)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         f.seek(header.data_start)
         while chunk := f.read(1 << 20):
             digest.update(chunk)

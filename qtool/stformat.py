@@ -14,6 +14,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from qtool.safeopen import open_regular
+
 MAX_HEADER_BYTES = 100_000_000  # the reference's cap (decimal MB)
 
 # Reference Dtype enum in declaration order: the writer sorts by it, descending.
@@ -87,7 +89,7 @@ class Header:
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at `path` (HeaderError if bad)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         header_len = _header_length(prefix, size)

@@ -71,3 +71,21 @@ class DeviceError(QtoolError):
     """The requested device is not available."""
 
     code = "device"
+
+
+class InterruptError(QtoolError):
+    """Ctrl-C (SIGINT): the message says which outputs, if any, were already written."""
+
+    code = "interrupted"
+
+
+class TerminatedError(QtoolError):
+    """SIGTERM: the message says which outputs, if any, were already written."""
+
+    code = "terminated"
+
+
+class InternalError(QtoolError):
+    """A bug in qtool: reported in one line (or JSON object), the traceback on request."""
+
+    code = "internal"

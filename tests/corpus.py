@@ -8,6 +8,7 @@ import os
 import pickle
 import stat
 import struct
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,53 @@ def _legacy_pickle_exploit(d: Path) -> list[str]:
 def _fifo(d: Path) -> list[str]:
     os.mkfifo(d / "pipe.safetensors")
     return ["quantize", str(d / "pipe.safetensors"), "-o", str(d / "out" / "q.safetensors")]
+
+
+def _special_index(kind: str) -> Setup:
+    """A sharded checkpoint whose index (or shard) is a FIFO or /dev/zero: refused, not read."""
+
+    def setup(d: Path) -> list[str]:
+        model = d / "model"
+        model.mkdir()
+        index = model / "model.safetensors.index.json"
+        shard = model / "a.safetensors"
+        if kind.endswith("index"):
+            target = index
+        else:
+            target = shard
+            index.write_text(json.dumps({"weight_map": {"w": "a.safetensors"}}))
+        if kind.startswith("fifo"):
+            os.mkfifo(target)
+        else:
+            target.symlink_to("/dev/zero")
+        return ["quantize", str(model), "-o", str(d / "out" / "q")]
+
+    return setup
+
+
+def _expanded_bomb(d: Path) -> list[str]:
+    """1.5 KB on disk, 10 GB claimed: a stride-0 view of one float."""
+    torch.save({"w": torch.zeros(1).expand(50_000, 50_000)}, d / "bomb.pt")
+    return ["quantize", str(d / "bomb.pt"), "--dry-run", "--estimate"]
+
+
+def _repeated_storage(d: Path) -> list[str]:
+    """One 4 MiB storage under 300 names: 1.2 GB claimed."""
+    shared = torch.zeros(1 << 20)
+    torch.save({f"layer.{i}.weight": shared.view(1024, 1024) for i in range(300)}, d / "m.pt")
+    return ["quantize", str(d / "m.pt"), "-o", str(d / "out" / "q.safetensors")]
+
+
+def _torchscript(d: Path) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated; files remain
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), d / "m.pt")
+    return ["quantize", str(d / "m.pt"), "-o", str(d / "out" / "q.safetensors")]
+
+
+def _non_utf8_output(d: Path) -> list[str]:
+    save_file({"w": torch.randn(4, 4)}, d / "m.safetensors")
+    return ["quantize", str(d / "m.safetensors"), "-o", str(d / "out" / "q\udcff.safetensors")]
 
 
 def _quantized_pair(d: Path) -> Path:
@@ -446,6 +494,15 @@ CASES: list[Case] = [
     Case("P11-no-tensors", _pickle(lambda d: {"epoch": 3, "lr": 0.1}), "no tensors"),
     Case("P11-int-keys", _pickle(lambda d: {1: torch.ones(2)}), "not a string"),
     Case("P07-sparse", _pickle(lambda d: {"w": torch.eye(3).to_sparse()}), "layout"),
+    Case("P12-expanded-view-bomb", _expanded_bomb, "claim 10,000,000,000 bytes"),
+    Case("P12-repeated-storage", _repeated_storage, "expanded (stride-0) or repeated views"),
+    Case("P13-torchscript", _torchscript, "TorchScript archive"),
+    Case("P14-metadata-key", _pickle(lambda d: {"__metadata__": torch.ones(2, 2)}), "reserves"),
+    Case(
+        "P14-lone-surrogate-key",
+        _pickle(lambda d: {"\ud800": torch.ones(2, 2)}),
+        "lone surrogate",
+    ),  # fmt: skip
     # --- numerics --------------------------------------------------------------------------
     Case("T01-nan", _tensors(_nan(float("nan"))), "1 NaN/Inf values"),
     Case("T02-inf", _tensors(_nan(float("inf"))), "1 NaN/Inf values"),
@@ -454,6 +511,11 @@ CASES: list[Case] = [
         "T08-affine-overflow",
         _tensors({"w": torch.tensor([[-3e38, 3e38]])}, "--scheme", "asym"),
         "overflows float32",
+    ),  # fmt: skip
+    Case(
+        "T15-float64-beyond-float32",
+        _tensors({"w": torch.tensor([[1e300, 2.0], [3.0, 4.0]], dtype=torch.float64)}),
+        "beyond float32's range",
     ),  # fmt: skip
     Case("T14-axis-out-of-range", _tensors({"w": torch.ones(2, 2)}, "--axis", "3"), "out of range"),
     # --- dequantize ---------------------------------------------------------------------------
@@ -577,6 +639,7 @@ CASES: list[Case] = [
     ),  # fmt: skip
     Case("I08-shard-symlink-out", _sharded_setup("shard-link-out"), "outside the checkpoint"),
     Case("I08-index-symlink-out", _sharded_setup("index-link-out"), "outside the checkpoint"),
+    Case("O05-output-name-not-utf8", _non_utf8_output, "not valid UTF-8"),
     # --- sharded indexes ---------------------------------------------------------------------
     Case("I01-index-not-json", _index("{nope"), "not a valid index"),
     Case("I01-index-nan", _index('{"weight_map": {"w": NaN}}'), "not a valid index"),
@@ -594,8 +657,18 @@ CASES: list[Case] = [
         _index({"weight_map": {"w": "a.safetensors"}}, shard_bytes=b"\x05" + b"\0" * 7 + b"{}"),
         "runs past the end",
     ),  # fmt: skip
+    Case("I08-index-is-fifo", _special_index("fifo-index"), "not a regular file (a FIFO)"),
+    Case("I08-index-is-dev-zero", _special_index("zero-index"), "not a regular file (a device)"),
+    Case("I08-shard-is-fifo", _special_index("fifo-shard"), "not a regular file (a FIFO)"),
+    Case("I08-shard-is-dev-zero", _special_index("zero-shard"), "not a regular file (a device)"),
     # --- usage -------------------------------------------------------------------------------
     Case("C01-bad-scheme", lambda d: ["quantize", "x.safetensors", "--scheme", "fp4"], "", 2),
     Case("C01-unknown-option", lambda d: ["quantize", "x.safetensors", "--frobnicate"], "", 2),
     Case("C01-missing-argument", lambda d: ["quantize"], "", 2),
+    Case(
+        "C02-threads-too-many",
+        lambda d: ["quantize", "x.safetensors", "--threads", "100000"],
+        "",
+        2,
+    ),  # fmt: skip
 ]

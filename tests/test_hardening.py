@@ -123,9 +123,11 @@ def test_fuzz_header_parser_raises_only_header_errors(blob: bytes) -> None:
 
 @settings(max_examples=2_000 if not EXHAUSTIVE else 20_000, deadline=None,
           suppress_health_check=list(HealthCheck))  # fmt: skip
-@given(blob=_mutations())
-def test_fuzz_open_checkpoint_raises_only_qtool_errors(tmp_path_factory, blob: bytes) -> None:  # type: ignore[no-untyped-def]
-    path = tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+@given(blob=_mutations(), suffix=st.sampled_from([".safetensors", ".bin"]))
+def test_fuzz_open_checkpoint_raises_only_qtool_errors(
+    tmp_path_factory: pytest.TempPathFactory, blob: bytes, suffix: str
+) -> None:
+    path = tmp_path_factory.mktemp("fuzz") / f"f{suffix}"
     path.write_bytes(blob)
     try:
         ckpt = open_checkpoint(path)

@@ -13,8 +13,10 @@ import os
 import re
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from types import FrameType
@@ -24,7 +26,13 @@ import typer
 from typer.core import TyperCommand
 
 from qtool import __version__, api
-from qtool.errors import QtoolError, UsageError
+from qtool.errors import (
+    InternalError,
+    InterruptError,
+    QtoolError,
+    TerminatedError,
+    UsageError,
+)
 from qtool.report import console as report
 from qtool.spec import (
     Granularity,
@@ -80,6 +88,12 @@ class SortKey(str, Enum):
     MSE = "mse"
     SQNR = "sqnr"
     SIZE = "size"
+
+
+def _thread_count(value: int | None) -> int | None:
+    if value is not None and not 1 <= value <= MAX_THREADS:
+        raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
+    return value
 
 
 def _at_least_one(value: int | None) -> int | None:
@@ -197,6 +211,7 @@ RangeOpt = Annotated[
     ),
 ]
 GATE_FAILED = 3
+MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
 
 
 def build_spec(
@@ -236,21 +251,53 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 @contextmanager
-def user_errors(as_json: bool) -> Iterator[None]:
-    """Expected failures become one line on stderr and exit code 1, with no traceback."""
+def user_errors(as_json: bool) -> Iterator[RunState]:
+    """Expected failures become one line on stderr and exit code 1 (2 for usage), with no
+    traceback; an interruption says truthfully what was already written."""
+    run = RunState()
     try:
-        yield
+        yield run
     except QtoolError as err:
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
         report.print_error(err, as_json)
         raise typer.Exit(2 if isinstance(err, UsageError) else 1) from None
     except KeyboardInterrupt:
-        report.print_error("interrupted; no output was written", as_json)
+        report.print_error(InterruptError(None, _stopped("interrupted", run)), as_json)
         raise typer.Exit(130) from None
     except Terminated:
-        report.print_error("terminated; no output was written", as_json)
+        report.print_error(TerminatedError(None, _stopped("terminated", run)), as_json)
         raise typer.Exit(143) from None
+
+
+@dataclass
+class RunState:
+    """What a command has done so far, so that an interruption reports it truthfully."""
+
+    written: list[str] = field(default_factory=list)
+
+
+def _stopped(what: str, run: RunState) -> str:
+    if run.written:
+        return (
+            f"{what} after {', '.join(run.written)} were written (complete); the rest was not done"
+        )
+    return f"{what}; no output was written"
+
+
+def _warning_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """A library warning (torch's UserWarnings) as one qtool line: its first sentence."""
+    text = " ".join(str(message).split())
+    first = text.split(". ", 1)[0].split(" (Triggered internally", 1)[0].rstrip(".")
+    origin = "torch" if f"{os.sep}torch{os.sep}" in filename else category.__name__
+    report.print_warning(f"{origin}: {first or category.__name__}")
 
 
 def _version(value: bool) -> None:
@@ -267,6 +314,7 @@ def _main(
     ] = False,
 ) -> None:
     """Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports."""
+    warnings.showwarning = _warning_line
 
 
 @app.command(
@@ -345,8 +393,8 @@ def quantize(
     threads: Annotated[
         int | None,
         typer.Option(
-            help="CPU threads for torch [default: all cores].",
-            callback=_at_least_one,
+            help=f"CPU threads for torch, 1 to {MAX_THREADS} [default: all cores].",
+            callback=_thread_count,
             metavar="N",
             show_default=False,
         ),
@@ -374,7 +422,7 @@ def quantize(
         )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
     options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
-    with user_errors(as_json):
+    with user_errors(as_json) as run:
         plot = _plot_target(plot, src, "quantize")
         summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
@@ -382,6 +430,7 @@ def quantize(
             summary = _run_quantize(
                 src, out, options, device, threads, force, dry_run, estimate, also
             )
+        run.written = [] if summary.dry_run else list(summary.outputs)
         _print_notes(summary.notes)
         if plot is not None:
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
@@ -658,33 +707,58 @@ def _set_threads(threads: int | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: maps usage errors, interruptions and unexpected failures to exit codes and
     one line on stderr, never a traceback."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    closed = _reopen_closed_std_streams()
     args = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in args
+    if "stdout" in closed:
+        report.print_warning("stdout is closed; the report is discarded")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = app(args=args, prog_name="qtool", standalone_mode=False)
     except typer.TyperException as err:  # Typer's usage errors (and its own abort)
-        code = _usage_error(err, "--json" in args)
-    except typer.Abort:
-        report.print_error("interrupted")
+        code = _usage_error(err, as_json)
+    except (typer.Abort, KeyboardInterrupt):
+        report.print_error(InterruptError(None, "interrupted"), as_json)
         sys.exit(130)
     except Terminated:
-        report.print_error("terminated")
+        report.print_error(TerminatedError(None, "terminated"), as_json)
         sys.exit(143)
-    except KeyboardInterrupt:
-        report.print_error("interrupted")
-        sys.exit(130)
     except BrokenPipeError:
         _silence_stdout()
+        sys.exit(1)
+    except QtoolError as err:  # the report itself could not be written (stdout full, EIO)
+        _silence_stdout()
+        report.print_error(err, as_json)
         sys.exit(1)
     except Exception as err:  # a bug: one line, and the traceback only when asked for
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
-        report.print_error(
+        message = (
             f"internal error: {type(err).__name__}: {err}; re-run with QTOOL_DEBUG=1 for the "
             "traceback and report it"
         )
+        report.print_error(InternalError(None, message), as_json)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _reopen_closed_std_streams() -> list[str]:
+    """A closed stdin/stdout/stderr (`>&-`) becomes /dev/null before any file is opened:
+    otherwise an output file could get descriptor 1 and receive the report. Returns their names."""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.append(name)
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                mode = "r" if fd == 0 else "w"
+                setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115
+    return closed
 
 
 def _usage_error(err: typer.TyperException, as_json: bool) -> int:

@@ -23,6 +23,7 @@ from qtool.formats.qtool import (
     scale_name,
 )
 from qtool.io.index import INDEX_SUFFIX, load_index
+from qtool.io.safeopen import open_regular
 from qtool.io.stformat import Header, HeaderError, TensorEntry, not_safetensors_message, read_header
 from qtool.results import InspectRow, InspectSummary, natural_key
 
@@ -57,13 +58,16 @@ def _inspect_any(path: Path) -> InspectSummary:
 
 
 def _try_header(path: Path) -> Header | None:
-    with open(path, "rb") as f:
+    """The safetensors header, or None for a torch archive or pickle (checkpoint.sniff's rule)."""
+    with open_regular(path) as f:
         head = f.read(8)
-    if head.startswith(b"PK") or head[:1] == b"\x80":
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return None
     try:
         return read_header(path)
     except HeaderError as err:
+        if head[:1] == b"\x80" or path.suffix in (".pt", ".pth", ".bin"):
+            return None  # the pickle reader says what it is
         raise InputError(path, not_safetensors_message(path, err)) from None
 
 
@@ -73,8 +77,13 @@ def _row(entry: TensorEntry, qinfo: dict[str, object] | None = None) -> InspectR
 
 def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
     metadata = header.metadata or {}
-    side = path.with_name(metadata.get(SIDECAR_KEY, f"{path.stem}.qparams.safetensors"))
     notes: list[str] = []
+    default = f"{path.stem}.qparams.safetensors"
+    named = metadata.get(SIDECAR_KEY, default)
+    if not _plain_file_name(named):
+        notes.append(f"sidecar name {named!r} in the metadata is not a plain file name; ignored")
+        named = default
+    side = path.with_name(named)
     qinfo: dict[str, dict[str, object]] = {}
     if side.is_file():
         try:
@@ -105,11 +114,16 @@ def _binding_notes(header: Header, side: Path, side_header: Header) -> list[str]
     return []
 
 
+def _plain_file_name(name: str) -> bool:
+    """A name for a file beside this one: no directory part, no '.', '..' or NUL."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str, object]]:
     """Per quantized tensor: scheme, dtype, axis, original dtype and the range of its scales."""
     entries = header.by_name()
     out: dict[str, dict[str, object]] = {}
-    with open(side, "rb") as f:
+    with open_regular(side) as f:
         for name, record in manifest.tensors.items():
             entry = entries.get(scale_name(name))
             info: dict[str, object] = {

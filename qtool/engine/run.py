@@ -34,7 +34,7 @@ from qtool.engine.source import (
     protected_paths,
     target_for,
 )
-from qtool.errors import DeviceError, NumericError
+from qtool.errors import DeviceError, NumericError, OutputError
 from qtool.formats import output_format
 from qtool.formats.base import OutputFormat, ShardWriter
 from qtool.formats.detect import refuse_quantized
@@ -116,12 +116,26 @@ def quantize(
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
             return summary.of(rows, dry_run=True)
         needed = sum(p.out_nbytes for p in plans)
+        for out_file in target.shard_outputs:
+            _check_recordable_name(out_file)
         with prepared(source, target, writer_format.layout, force, also, needed) as notes:
             stale = remove_stale_temps(target.directory or target.shard_outputs[0].parent)
             rows = _write(shards, target, writer_format, run)
         return replace(summary.of(rows), stale_temps_removed=stale, notes=notes)
     finally:
         shards.close()
+
+
+def _check_recordable_name(out: Path) -> None:
+    """The quantized file records its own and its sidecar's names in UTF-8 metadata."""
+    try:
+        out.name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputError(
+            out,
+            "the output name is not valid UTF-8 and cannot be recorded in the file's metadata; "
+            "choose a UTF-8 name with -o",
+        ) from None
 
 
 class _Shards:
@@ -292,6 +306,14 @@ def _quantize_one(
     try:
         return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
     except NonFiniteInput as err:
+        if err.count == 0:  # finite float64 values whose float32 range overflows
+            raise NumericError(
+                ckpt.path,
+                f"holds {plan.entry.dtype} values beyond float32's range (largest magnitude "
+                f"{float(x.abs().max()):.3g}), which cannot be quantized in float32; "
+                "--exclude this tensor or rescale it",
+                plan.entry.name,
+            ) from None
         raise NumericError(
             ckpt.path,
             f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "

@@ -123,4 +123,11 @@ def _write_pickle(
         torch.save(state, outputs.create(out))
     except OSError as err:
         raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
+    except RuntimeError as err:  # torch's zip writer reports a failed write as an "enforce fail"
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise OutputError(
+            out,
+            f"cannot write: torch.save failed ({first}), typically a full disk or a file size "
+            "limit; free some space or write elsewhere with -o",
+        ) from None
     return rows

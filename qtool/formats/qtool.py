@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from qtool import __version__
 from qtool.errors import SidecarError
+from qtool.io.safeopen import open_regular
 from qtool.io.stformat import Header, HeaderError, TensorEntry, strict_json
 from qtool.spec import (
     MSE_ALGORITHM,
@@ -228,7 +229,7 @@ def _parse_granularity(r: dict[str, object], version: int, ndim: int) -> Granula
 def data_digest(path: Path, header: Header) -> str:
     """SHA-256 of a safetensors file's data section (the sidecar's scales and zero points)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         f.seek(header.data_start)
         while chunk := f.read(1 << 20):
             digest.update(chunk)
@@ -250,7 +251,7 @@ def tensor_table(entries: Iterable[TensorEntry]) -> bytes:
 def binding_digest(entries: Iterable[TensorEntry], sidecar: Path) -> str:
     """SHA-256 of the quantized file's tensor table, then every byte of the sidecar file."""
     digest = hashlib.sha256(tensor_table(entries))
-    with open(sidecar, "rb") as f:
+    with open_regular(sidecar) as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()

@@ -1,17 +1,17 @@
 """Reading checkpoints one tensor at a time, and the streaming safetensors writer.
 
-.safetensors: the header is validated first (stformat), then the file is mapped privately and
-read-only in effect (ACCESS_COPY: nothing is ever written back); tensors are zero-copy views.
+.safetensors: the header is validated first (stformat), then each tensor is read with pread into
+memory qtool owns. Not mapped: a file truncated under a mapping kills the process with SIGBUS,
+which Python cannot catch; a short read is an error instead ("changed while reading").
 Torch pickles (.pt/.pth/.bin): `torch.load(weights_only=True)` only, never a fallback, after a
 scan of the zip directory that refuses compressed members (zip bombs); only tensors are kept.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 import re
+import weakref
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ import torch
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, OutputError, UnsafeInputError
 from qtool.io.atomic import describe_os_error
+from qtool.io.safeopen import open_regular
 from qtool.io.stformat import (
     Header,
     HeaderError,
@@ -33,6 +34,11 @@ from qtool.io.stformat import (
 )
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
+# A pickle's views may claim more bytes than it stores (stride-0 expands, one storage under many
+# names). Tied weights and shared layers claim a few times their storage; a 1.5 KB file claiming
+# 10 GB is an attack. Allowed: this many times the stored bytes, and at least MIN_CLAIM_BYTES.
+MAX_CLAIM_RATIO = 16
+MIN_CLAIM_BYTES = 1 << 30
 MIN_TORCH_FOR_PICKLES = (2, 10)  # weights_only had code-execution holes before 2.6 and 2.10
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "module")
 
@@ -50,7 +56,7 @@ class Checkpoint:
     entries: tuple[TensorEntry, ...]
     metadata: dict[str, str] | None
     skipped: list[str] = field(default_factory=list)  # non-tensor entries of a pickle
-    _mm: mmap.mmap | None = None
+    _fd: int = -1  # the open file, for safetensors; closed by close() or when garbage collected
     _data_start: int = 0
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _stat: tuple[int, int] = (0, 0)
@@ -63,7 +69,7 @@ class Checkpoint:
         return self._by_name
 
     def tensor(self, entry: TensorEntry) -> torch.Tensor:
-        """The tensor as a CPU torch tensor, zero-copy where the file allows."""
+        """The tensor as a CPU torch tensor (read into a fresh buffer for safetensors)."""
         if entry.name in self._tensors:
             return self._tensors[entry.name]
         dtype = ST_TO_TORCH.get(entry.dtype)
@@ -71,31 +77,38 @@ class Checkpoint:
             raise InputError(
                 self.path, f"dtype {entry.dtype} is not supported by torch", entry.name
             )
-        if entry.numel == 0 or self._mm is None:
+        if entry.numel == 0 or self._fd < 0:
             return torch.empty(entry.shape, dtype=dtype)
-        flat = torch.frombuffer(
-            self._mm, dtype=dtype, count=entry.numel, offset=self._data_start + entry.begin
-        )
-        return flat.view(entry.shape)
+        return self._read(entry).view(dtype).view(entry.shape)
 
     def raw(self, entry: TensorEntry) -> memoryview:
         """The tensor's bytes exactly as stored (little-endian, C order)."""
         if entry.name in self._tensors:
             return tensor_bytes(self._tensors[entry.name])
-        if self._mm is None:
+        if self._fd < 0 or entry.nbytes == 0:
             return memoryview(b"")
-        start = self._data_start + entry.begin
-        return memoryview(self._mm)[start : start + entry.nbytes]
+        return self._read(entry).numpy().data
+
+    def _read(self, entry: TensorEntry) -> torch.Tensor:
+        """The entry's bytes as a uint8 tensor; a short read means the file shrank under us."""
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = buf.numpy().data
+        start, done = self._data_start + entry.begin, 0
+        while done < entry.nbytes:
+            n = os.preadv(self._fd, [view[done:]], start + done)
+            if n == 0:
+                raise InputError(
+                    self.path,
+                    f"changed while reading (ended {entry.nbytes - done:,} bytes early); "
+                    "run again once nothing is writing it",
+                    entry.name,
+                )
+            done += n
+        return buf
 
     def release(self, entry: TensorEntry) -> None:
-        """Drop the mapped pages of a tensor already written, so resident memory stays flat
-        however big the file (the pages are clean: the kernel re-reads them if needed)."""
-        if self._mm is None or entry.nbytes == 0:
-            return
-        start = self._data_start + entry.begin
-        aligned = start - start % mmap.PAGESIZE
-        with contextlib.suppress(OSError, ValueError):
-            self._mm.madvise(mmap.MADV_DONTNEED, aligned, start + entry.nbytes - aligned)
+        """Done with a tensor. Nothing to drop: tensors are read into buffers that are freed
+        with their last reference (kept so callers need not know how a file is read)."""
 
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn)."""
@@ -104,11 +117,16 @@ class Checkpoint:
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:
-        """Let go of the file. The mapping is not unmapped here: torch.frombuffer views hold a
-        reference to it (but no buffer export), so an explicit mmap.close() would leave live
-        tensors pointing at unmapped memory. It is unmapped when its last view is gone."""
+        """Let go of the file (tensors already read stay valid: they own their memory)."""
         self._tensors.clear()
-        self._mm = None
+        if self._fd >= 0:
+            self._closer()
+            self._fd = -1
+
+    def adopt(self, fd: int) -> None:
+        """Read tensors from the open descriptor `fd` (closed with the checkpoint)."""
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -122,11 +140,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 def open_checkpoint(path: Path) -> Checkpoint:
     """Open a .safetensors file or a torch pickle state dict, validating before any data is read."""
     _check_regular_file(path)
-    kind = sniff(path)
+    kind, header = sniff(path)
     if kind == "zip":
         _refuse_foreign_zip(path)
     if kind == "safetensors":
-        return _open_safetensors(path)
+        return _open_safetensors(path, header)
     if path.suffix not in PICKLE_SUFFIXES:
         raise InputError(
             path,
@@ -136,25 +154,29 @@ def open_checkpoint(path: Path) -> Checkpoint:
     return _open_pickle(path, kind)
 
 
-def sniff(path: Path) -> str:
-    """'safetensors', 'zip' (modern torch.save) or 'pickle' (legacy), from the content."""
-    with open(path, "rb") as f:
+def sniff(path: Path) -> tuple[str, Header | None]:
+    """'safetensors' (with its header), 'zip' (modern torch.save) or 'pickle' (legacy), from the
+    content.
+
+    A file that passes the strict safetensors validation is safetensors, whatever its name or
+    first byte (a header length of 0x80 mod 256 starts like a pickle's PROTO opcode); the
+    zip signature cannot begin a valid safetensors file (its length would be over the cap).
+    """
+    with open_regular(path) as f:
         head = f.read(8)
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return "zip"
-    if head[:1] == b"\x80" and path.suffix in PICKLE_SUFFIXES:
-        return "pickle"
-    if path.suffix in PICKLE_SUFFIXES and head[:1] != b"\x80" and len(head) == 8:
-        # A .pt that is really safetensors is read as safetensors (the safe reading).
-        try:
-            read_header(path)
-            return "safetensors"
-        except HeaderError:
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip", None
+    try:
+        return "safetensors", read_header(path)
+    except HeaderError:
+        if head[:1] == b"\x80" and path.suffix in PICKLE_SUFFIXES:
+            return "pickle", None
+        if path.suffix in PICKLE_SUFFIXES:
             what = describe_non_checkpoint(path)
             if what is None:
                 raise InputError(path, "not a torch checkpoint nor a safetensors file") from None
             raise InputError(path, f"not a checkpoint: {what}") from None
-    return "safetensors"
+    return "safetensors", None  # the safetensors reader says what is wrong with it
 
 
 def _refuse_foreign_zip(path: Path) -> None:
@@ -185,19 +207,25 @@ def _check_regular_file(path: Path) -> None:
         raise InputError(path, "permission denied; check the file's permissions")
 
 
-def _open_safetensors(path: Path) -> Checkpoint:
+def _open_safetensors(path: Path, header: Header | None) -> Checkpoint:
     try:
-        header: Header = read_header(path)
+        header = header or read_header(path)
     except HeaderError as err:
         raise InputError(path, not_safetensors_message(path, err)) from None
     except OSError as err:
         raise InputError(path, f"cannot read: {err.strerror}") from None
-    st = os.stat(path)
-    ckpt = Checkpoint(path, header.tensors, header.metadata, _stat=(st.st_size, st.st_mtime_ns))
-    if header.data_bytes:
-        with open(path, "rb") as f:
-            ckpt._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        ckpt._data_start = header.data_start
+    with open_regular(path) as f:
+        st = os.fstat(f.fileno())
+        if st.st_size != header.data_start + header.data_bytes:
+            raise InputError(path, "changed while reading (its size moved); run again")
+        ckpt = Checkpoint(
+            path,
+            header.tensors,
+            header.metadata,
+            _data_start=header.data_start,
+            _stat=(st.st_size, st.st_mtime_ns),
+        )
+        ckpt.adopt(os.dup(f.fileno()))
     return ckpt
 
 
@@ -243,6 +271,12 @@ def _check_zip(path: Path) -> None:
         ) from None
     if len(infos) > 1_000_000:
         raise UnsafeInputError(path, f"archive has {len(infos)} members; refusing to read it")
+    if any(_is_torchscript_member(i.filename) for i in infos):
+        raise InputError(
+            path,
+            "this is a TorchScript archive (torch.jit.save), not a state dict; "
+            "save model.state_dict() with torch.save instead",
+        )
     size = os.path.getsize(path)
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
@@ -253,6 +287,12 @@ def _check_zip(path: Path) -> None:
             )
     if sum(i.file_size for i in infos) > size:
         raise UnsafeInputError(path, "archive members claim more bytes than the file holds")
+
+
+def _is_torchscript_member(name: str) -> bool:
+    """torch.jit.save stores the model's code and constants; torch.save never does."""
+    parts = name.split("/")
+    return len(parts) >= 2 and (parts[1] == "code" or parts[1] == "constants.pkl")
 
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -305,9 +345,48 @@ def _state_dict(path: Path, loaded: object) -> tuple[dict[str, torch.Tensor], li
             continue
         if not isinstance(key, str):
             raise InputError(path, f"tensor key {key!r} is not a string")
+        _check_tensor_name(path, key)
         _check_plain_tensor(path, key, value)
-        state[key] = value
+        state[key] = value.detach()  # nn.Parameter / requires_grad: ordinary weights here
+    _check_claimed_bytes(path, state)
     return state, skipped
+
+
+def _check_tensor_name(path: Path, name: str) -> None:
+    """Names a safetensors output can hold: UTF-8 text, and not the reserved metadata key."""
+    if name == "__metadata__":
+        raise InputError(
+            path,
+            "a tensor named '__metadata__' cannot be written (safetensors reserves the "
+            "name for metadata); rename it",
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(
+            path, f"tensor name {name!r} holds a lone surrogate (not UTF-8 text); rename it"
+        ) from None
+
+
+def _check_claimed_bytes(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """Refuse views that claim far more bytes than the file stores, before any is materialised."""
+    storages: dict[int, int] = {}
+    claimed = 0
+    for t in state.values():
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    stored = sum(storages.values())
+    allowed = max(MAX_CLAIM_RATIO * stored, MIN_CLAIM_BYTES)
+    for name, t in state.items():
+        claimed += t.numel() * t.element_size()
+        if claimed > allowed:
+            raise UnsafeInputError(
+                path,
+                f"its tensors claim {claimed:,} bytes (so far) but the file stores {stored:,}: "
+                f"expanded (stride-0) or repeated views, over the {MAX_CLAIM_RATIO}x / 1 GiB "
+                "limit; refusing to expand them (save real tensors, e.g. t.contiguous().clone())",
+                name,
+            )
 
 
 def _check_plain_tensor(path: Path, name: str, t: torch.Tensor) -> None:

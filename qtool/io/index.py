@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from qtool.errors import InputError
+from qtool.io.safeopen import read_bounded
 from qtool.io.stformat import HeaderError, read_header, strict_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -38,9 +39,9 @@ def is_sharded(path: Path) -> bool:
 def find_index(path: Path) -> Path:
     """The index file named by `path`, or the single one inside the directory `path`."""
     if not path.is_dir():
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise InputError(path, "no such file or directory; check the path")
-        return path
+        return path  # anything but a regular file is refused when it is read
     found = sorted(p for p in path.iterdir() if p.name.endswith(INDEX_SUFFIX))
     if len(found) != 1:
         what = "no" if not found else f"{len(found)}"
@@ -86,10 +87,8 @@ def check_inside(directory: Path, path: Path) -> None:
 def load_index(path: Path) -> ShardedInput:
     """Parse and validate an index and every shard header it names (no tensor data is read)."""
     index = find_index(path)
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise InputError(index, "index file is over 100 MB; refusing to parse it")
     try:
-        doc = strict_json(index.read_bytes())
+        doc = strict_json(read_bounded(index, MAX_INDEX_BYTES, "index file"))
     except HeaderError as err:
         raise InputError(index, f"not a valid index: {err}") from None
     if not isinstance(doc, dict):
@@ -127,7 +126,7 @@ def _check_shards_agree(sharded: ShardedInput) -> None:
     for shard in sharded.shards:
         shard_path = sharded.directory / shard
         check_inside(sharded.directory, shard_path)
-        if not shard_path.is_file():
+        if not os.path.lexists(shard_path):
             raise InputError(shard_path, "shard named by the index is missing")
         try:
             header = read_header(shard_path)

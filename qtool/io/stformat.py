@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from qtool.dtypes import DTYPE_BITS
+from qtool.io.safeopen import open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the reference's cap (decimal MB)
 
@@ -66,7 +67,7 @@ class Header:
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at `path` (HeaderError if bad)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         header_len = _header_length(prefix, size)

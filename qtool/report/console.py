@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from qtool.errors import QtoolError
+from qtool.errors import OutputError, QtoolError
 from qtool.gates import GateResult
 from qtool.results import (
     CompareSummary,
@@ -74,6 +75,11 @@ def _env_int(name: str, default: int) -> int:
 
 def emit(stream: IO[str], *renderables: Any) -> None:
     """Print to a stream; off a terminal, without the padding Rich adds at line ends."""
+    with _report_stream():
+        _emit(stream, *renderables)
+
+
+def _emit(stream: IO[str], *renderables: Any) -> None:
     con = console(stream)
     if con.is_terminal:
         for r in renderables:
@@ -96,11 +102,36 @@ def safe(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
+def json_text(doc: object, indent: int | None = None) -> str:
+    """JSON, UTF-8 safe: lone surrogates (undecodable bytes of a file name) become \\uDCxx
+    escapes, which Python's json reads back to the same name, instead of failing to encode."""
+    text = json.dumps(doc, indent=indent, ensure_ascii=False, allow_nan=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@contextmanager
+def _report_stream() -> Iterator[None]:
+    """A report that cannot be written (stdout on a full disk, closed, EIO) is a clear error."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        what = err.strerror or str(err)
+        raise OutputError(
+            "stdout", f"cannot write the report: {what} (any output files are complete)"
+        ) from None
+
+
 def print_json(doc: dict[str, Any]) -> None:
     """One JSON document on stdout, UTF-8 whatever the locale, no NaN/Infinity."""
-    data = json.dumps(doc, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    sys.stdout.buffer.write(data.encode("utf-8"))
-    sys.stdout.flush()
+    data = json_text(doc, indent=2) + "\n"
+    with _report_stream():
+        sys.stdout.buffer.write(data.encode("utf-8"))
+        sys.stdout.flush()
 
 
 def print_error(err: QtoolError | str, as_json: bool = False) -> None:
@@ -111,7 +142,7 @@ def print_error(err: QtoolError | str, as_json: bool = False) -> None:
         if isinstance(err, QtoolError):
             detail |= {"code": err.code, "path": err.path, "tensor": err.tensor}
         doc = {"ok": False, "error": detail}
-        sys.stderr.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        sys.stderr.write(json_text(doc) + "\n")
         return
     line = Text.assemble(("qtool: error: ", "bold red"), message)
     console(sys.stderr).print(line, soft_wrap=True)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from qtool.cli import app
-from qtool.report import json_number
+from qtool.report.json import json_number
 
 
 def invoke(*args: str) -> tuple[int, str, str]:

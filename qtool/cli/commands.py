@@ -34,6 +34,7 @@ from qtool.errors import (
     UsageError,
 )
 from qtool.report import console as report
+from qtool.report import json as documents
 from qtool.spec import (
     Granularity,
     PerChannel,
@@ -441,7 +442,7 @@ def quantize(
         report.arrange(summary.rows, sort.value if sort else None, top),
         gate,
         as_json,
-        lambda rows: report.print_json(report.quantize_json(summary, rows, gate)),
+        lambda rows: report.print_json(documents.quantize_json(summary, rows, gate)),
         lambda rows: report.print_quantize(summary, rows, gate),
     )
 
@@ -562,7 +563,7 @@ def compare(
         report.arrange(summary.rows, sort.value if sort else None, top),
         gate,
         as_json,
-        lambda rows: report.print_json(report.compare_json(summary, rows, gate)),
+        lambda rows: report.print_json(documents.compare_json(summary, rows, gate)),
         lambda rows: report.print_compare(summary, rows, gate),
     )
 
@@ -621,7 +622,7 @@ def dequantize(
         summary = api.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
         _print_notes(summary.notes)
     if as_json:
-        report.print_json(report.dequantize_json(summary))
+        report.print_json(documents.dequantize_json(summary))
     else:
         report.print_dequantize(summary)
 
@@ -670,7 +671,7 @@ def plot(
         target = api.output_path(out, default, (".png",), "plot")
         info = api.plot_tensor(checkpoint, tensor, spec, target, force=force)
     if as_json:
-        report.print_json(report.plot_json(str(checkpoint), str(target), info))
+        report.print_json(documents.plot_json(str(checkpoint), str(target), info))
     else:
         report.print_line(f"wrote {target} ({info['spec']}, SQNR {info['sqnr_db']:.1f} dB)")
 
@@ -693,7 +694,7 @@ def inspect(
     with user_errors(as_json):
         summary = api.inspect(path)
     if as_json:
-        report.print_json(report.inspect_json(summary))
+        report.print_json(documents.inspect_json(summary))
     else:
         report.print_inspect(summary)
 

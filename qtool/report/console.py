@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from rich.text import Text
 
 from qtool.errors import OutputError, QtoolError
 from qtool.gates import GateResult
+from qtool.report.json import json_text
 from qtool.results import (
     CompareSummary,
     DequantizeSummary,
@@ -42,9 +42,7 @@ from qtool.results import (
     TensorRow,
     natural_key,
 )
-from qtool.spec import QSpec
 
-SCHEMA_VERSION = 2
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -102,16 +100,6 @@ def safe(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
-def json_text(doc: object, indent: int | None = None) -> str:
-    """JSON, UTF-8 safe: lone surrogates (undecodable bytes of a file name) become \\uDCxx
-    escapes, which Python's json reads back to the same name, instead of failing to encode."""
-    text = json.dumps(doc, indent=indent, ensure_ascii=False, allow_nan=False)
-    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 @contextmanager
 def _report_stream() -> Iterator[None]:
     """A report that cannot be written (stdout on a full disk, closed, EIO) is a clear error."""
@@ -166,17 +154,6 @@ def print_warning(message: str) -> None:
 # ---- numbers -----------------------------------------------------------------------------------
 
 
-JsonNumber = float | str
-
-
-def json_number(value: float) -> JsonNumber:
-    """A finite float as a JSON number; +-inf and NaN as the strings "Infinity", "-Infinity"
-    and "NaN" (the protobuf JSON mapping's spelling; float() in Python reads them back)."""
-    if math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-
-
 def _fmt_sqnr(value: float) -> str:
     if value == math.inf:
         return "exact"
@@ -224,30 +201,6 @@ def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[Te
     return rows[:top] if top is not None else rows
 
 
-def gate_json(result: GateResult | None) -> dict[str, Any] | None:
-    if result is None or not result.gate.active:
-        return None
-    g = result.gate
-    return {
-        "passed": result.passed,
-        "bounds": {
-            "max_mse": g.max_mse,
-            "min_sqnr_db": g.min_sqnr,
-            "min_overall_sqnr_db": g.min_overall_sqnr,
-        },
-        "violations": [
-            {
-                "tensor": v.tensor,
-                "metric": v.metric,
-                "value": None if v.value is None else json_number(v.value),
-                "bound": v.bound,
-                "detail": v.detail,
-            }
-            for v in result.violations
-        ],
-    }
-
-
 def _gate_text(result: GateResult | None) -> Text | None:
     if result is None or not result.gate.active:
         return None
@@ -262,69 +215,6 @@ def _gate_text(result: GateResult | None) -> Text | None:
 
 
 # ---- quantize ----------------------------------------------------------------------------------
-
-
-def error_json(stats: ErrorStats | None) -> dict[str, JsonNumber | None]:
-    """The three figures; null when there are none (a kept tensor, a mismatch)."""
-    if stats is None:
-        return {"mse": None, "max_abs_error": None, "sqnr_db": None, "mse_gain": None}
-    return {
-        "mse": json_number(stats.mse),
-        "max_abs_error": json_number(stats.max_abs),
-        "sqnr_db": json_number(stats.sqnr_db),
-        "mse_gain": json_number(stats.mse_gain) if stats.mse_gain is not None else None,
-    }
-
-
-def spec_json(spec: QSpec) -> dict[str, Any]:
-    """The run's quantization spec, field by field, with its table label."""
-    return {"label": spec.describe(), **spec.to_json()}
-
-
-def quantize_json(
-    summary: QuantizeSummary,
-    rows: list[TensorRow] | None = None,
-    gate: GateResult | None = None,
-) -> dict[str, Any]:
-    tensors = []
-    for r in summary.rows if rows is None else rows:
-        item: dict[str, Any] = {
-            "name": r.name,
-            "shape": list(r.shape),
-            "dtype": r.dtype,
-            "out_dtype": r.out_dtype,
-            "quantized": r.quantized,
-            "detail": r.detail,
-            "bytes_in": r.bytes_in,
-            "bytes_out": r.bytes_out,
-            **error_json(r.errors),
-        }
-        if r.scale_range is not None:
-            item["scale_min"], item["scale_max"] = r.scale_range
-        tensors.append(item)
-    quantized = summary.quantized
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "ok": True,
-        "command": "quantize",
-        "dry_run": summary.dry_run,
-        "inputs": summary.inputs,
-        "outputs": summary.outputs,
-        "spec": spec_json(summary.spec),
-        "device": summary.device,
-        "tensors": tensors,
-        "totals": {
-            "tensors": len(summary.rows),
-            "quantized": len(quantized),
-            "kept": len(summary.rows) - len(quantized),
-            "bytes_in": summary.bytes_in,
-            "bytes_out": summary.bytes_out,
-            "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,
-            **error_json(summary.overall),
-        },
-        "skipped_non_tensors": summary.skipped,
-        "gate": gate_json(gate),
-    }
 
 
 NARROW = 110  # below this terminal width, the shape and max-error columns are left out
@@ -427,37 +317,6 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
 # ---- compare -----------------------------------------------------------------------------------
 
 
-def compare_json(
-    summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None
-) -> dict[str, Any]:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "ok": True,
-        "command": "compare",
-        "inputs": summary.inputs,
-        "tensors": [
-            {
-                "name": r.name,
-                "shape": list(r.shape),
-                "dtype_a": r.dtype,
-                "dtype_b": r.out_dtype,
-                "compared": r.compared,
-                "mismatch": r.mismatch,
-                "detail": r.detail,
-                **error_json(r.errors),
-            }
-            for r in rows
-        ],
-        "totals": {
-            "tensors": len(summary.rows),
-            "compared": len(summary.compared),
-            "mismatches": len(summary.mismatches),
-            **error_json(summary.overall),
-        },
-        "gate": gate_json(gate),
-    }
-
-
 def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
@@ -480,34 +339,6 @@ def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResu
 # ---- dequantize --------------------------------------------------------------------------------
 
 
-def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
-    restored = sum(r.restored for r in summary.rows)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "ok": True,
-        "command": "dequantize",
-        "inputs": summary.inputs,
-        "sidecars": summary.sidecars,
-        "outputs": summary.outputs,
-        "tensors": [
-            {
-                "name": r.name,
-                "shape": list(r.shape),
-                "dtype": r.dtype,
-                "restored": r.restored,
-                "bytes": r.bytes_out,
-            }
-            for r in summary.rows
-        ],
-        "totals": {
-            "tensors": len(summary.rows),
-            "restored": restored,
-            "copied": len(summary.rows) - restored,
-            "bytes": sum(r.bytes_out for r in summary.rows),
-        },
-    }
-
-
 def print_dequantize(summary: DequantizeSummary) -> None:
     restored = sum(r.restored for r in summary.rows)
     total = sum(r.bytes_out for r in summary.rows)
@@ -522,54 +353,6 @@ def print_dequantize(summary: DequantizeSummary) -> None:
 
 
 # ---- plot --------------------------------------------------------------------------------------
-
-
-def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, Any]:
-    """What `qtool plot` drew: the tensor, its spec and its error figures."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "command": "plot",
-        "inputs": [checkpoint],
-        "outputs": [target],
-        "tensor": info["tensor"],
-        "spec": info["spec"],
-        "mse": info["mse"],
-        "max_abs_error": info["max_abs_error"],
-        "sqnr_db": json_number(float(info["sqnr_db"])),
-    }
-
-
-# ---- inspect -----------------------------------------------------------------------------------
-
-
-def inspect_json(summary: InspectSummary) -> dict[str, Any]:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "ok": True,
-        "command": "inspect",
-        "path": summary.path,
-        "kind": summary.kind,
-        "shards": summary.shards,
-        "tensors": [
-            {
-                "name": r.name,
-                "dtype": r.dtype,
-                "shape": list(r.shape),
-                "numel": r.numel,
-                "bytes": r.nbytes,
-                **({"quantization": r.qinfo} if r.qinfo else {}),
-            }
-            for r in summary.rows
-        ],
-        "totals": {
-            "tensors": len(summary.rows),
-            "numel": summary.total_numel,
-            "bytes": summary.total_bytes,
-        },
-        "metadata": summary.metadata,
-        "manifest": summary.manifest,
-        "notes": summary.notes,
-    }
 
 
 def print_inspect(summary: InspectSummary) -> None:

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from qtool import cli, pipeline
+from qtool import api
 from qtool.cli import app
+from qtool.cli import commands as cli
 from qtool.engine.plan import QuantizeOptions
 from qtool.formats.qtool import SIDECAR_KEY, sidecar_path
 from qtool.io.checkpoint import open_checkpoint
@@ -79,7 +80,8 @@ def test_truncated_while_reading_is_an_error_not_sigbus(tmp_path: Path) -> None:
 _TRUNCATE_MID_RUN = """
 import os, sys
 from pathlib import Path
-from qtool import cli, kernels
+from qtool.cli import commands as cli
+from qtool.numerics import kernels
 src = Path(sys.argv[1])
 real = kernels.quantize_tensor
 def truncating(x, *args, **kwargs):
@@ -189,7 +191,7 @@ def test_undecodable_file_names_reach_json_as_escapes(tmp_path: Path) -> None:
 def test_sidecar_name_in_metadata_must_be_a_plain_file_name(tmp_path: Path, name: str) -> None:
     src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     _weights(src)
-    pipeline.quantize_file(src, out, QuantizeOptions(), device="cpu")
+    api.quantize(src, out, QuantizeOptions(), device="cpu")
     header = read_header(out)
     save_file(load_file(out), out, metadata={**(header.metadata or {}), SIDECAR_KEY: name})
     result = CliRunner().invoke(app, ["inspect", str(out), "--json"])
@@ -273,7 +275,7 @@ def _limit_file_size() -> None:
 def test_dequantize_to_pt_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     src, q = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     save_file({"w": torch.randn(256, 256)}, src)
-    pipeline.quantize_file(src, q, QuantizeOptions(), device="cpu")
+    api.quantize(src, q, QuantizeOptions(), device="cpu")
     proc = _run("dequantize", str(q), "-o", str(tmp_path / "d.pt"), preexec=_limit_file_size)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith(f"qtool: error: {tmp_path / 'd.pt'}: cannot write"), proc.stderr
@@ -310,7 +312,7 @@ def test_sigterm_after_the_commit_names_the_written_outputs(
     src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     _weights(src)
 
-    def terminated_while_plotting(*args: object) -> None:
+    def terminated_while_plotting(*args: object, **kwargs: object) -> None:
         raise cli.Terminated
 
     import qtool.engine.plots

@@ -72,7 +72,8 @@ def _figure(plt: Any, rows: int, cols: int) -> tuple[Any, Any]:
 
 
 def _worst(rows: list[TensorRow]) -> list[TensorRow]:
-    scored = [r for r in rows if r.errors is not None and math.isfinite(r.errors.sqnr_db)]
+    """The lowest SQNRs, -inf (all error) first; exact tensors are never among them."""
+    scored = [r for r in rows if r.errors is not None and r.errors.sqnr_db != math.inf]
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
 
 

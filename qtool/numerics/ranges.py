@@ -46,7 +46,8 @@ class IntRange:
     @classmethod
     def of(cls, spec: QSpec) -> IntRange:
         """The integer side of a spec."""
-        return cls(spec.qmin, spec.qmax, spec.scheme is Scheme.SYM, spec.symmetric_zero_point)
+        symmetric = spec.scheme is Scheme.SYM
+        return cls(spec.qmin, spec.qmax, symmetric, spec.symmetric_zero_point if symmetric else 0)
 
     @property
     def bits(self) -> int:

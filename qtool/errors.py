@@ -16,13 +16,15 @@ class QtoolError(Exception):
         message: str,
         tensor: str | None = None,
         *,
-        hint: str | None = None,
+        hint: str | tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.path = str(path) if path is not None else None
         self.tensor = tensor
         self.message = message
-        self.hint = hint  # what the user can change, as a code the CLI turns into flag names
+        # What the user can change, as codes the CLI turns into its option names (a recipe or a
+        # library caller has other means than command-line flags).
+        self.hints: tuple[str, ...] = (hint,) if isinstance(hint, str) else hint
 
     def __str__(self) -> str:
         where = [self.path] if self.path else []

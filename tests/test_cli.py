@@ -247,3 +247,19 @@ def test_sample_weights_regenerate_byte_for_byte(tmp_path: Path) -> None:
     for path in shipped.rglob("*"):
         if path.is_file():
             assert (tmp_path / path.relative_to(shipped)).read_bytes() == path.read_bytes(), path
+
+
+def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(samples: Path) -> None:
+    """Lower layers name no command-line flag (a recipe or a library caller has other means);
+    the CLI turns their hints into its own option names."""
+    from qtool import api
+    from qtool.engine.plan import QuantizeOptions
+    from qtool.errors import OutputError
+
+    src, out = samples / "mlp.safetensors", samples / "exists.safetensors"
+    out.write_bytes(b"")
+    with pytest.raises(OutputError) as info:
+        api.quantize(src, out, QuantizeOptions(), device="cpu")
+    assert "--" not in str(info.value) and info.value.hints == ("force",)
+    code, stdout, stderr = invoke("quantize", str(src), "-o", str(out))
+    assert code == 1 and stdout == "" and stderr.rstrip().endswith("(pass --force)")

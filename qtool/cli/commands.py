@@ -261,7 +261,7 @@ def user_errors(as_json: bool) -> Iterator[RunState]:
     except QtoolError as err:
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise
-        report.print_error(err, as_json)
+        report.print_error(with_option_names(err), as_json)
         raise typer.Exit(2 if isinstance(err, UsageError) else 1) from None
     except KeyboardInterrupt:
         report.print_error(InterruptError(None, _stopped("interrupted", run)), as_json)
@@ -269,6 +269,29 @@ def user_errors(as_json: bool) -> Iterator[RunState]:
     except Terminated:
         report.print_error(TerminatedError(None, _stopped("terminated", run)), as_json)
         raise typer.Exit(143) from None
+
+
+# How the command line spells what the engine's hints ask of the user.
+OPTION_HINTS = {
+    "axis": "--axis N",
+    "device": "--device cpu",
+    "estimate": "--estimate",
+    "exclude": "--exclude NAME",
+    "force": "pass --force",
+    "keep-nonfinite": "--keep-nonfinite",
+    "qparams": "--qparams PATH",
+    "restore-dtype": "--to float32",
+}
+
+
+def with_option_names(err: QtoolError) -> QtoolError:
+    """The error with its hints spelled as this command line's options, e.g. `(pass --force)`."""
+    names = [OPTION_HINTS[h] for h in err.hints if h in OPTION_HINTS]
+    if not names:
+        return err
+    rendered = type(err).__new__(type(err))  # (copy.copy would re-run __init__ with args)
+    rendered.__dict__.update(err.__dict__, message=f"{err.message} ({'; '.join(names)})")
+    return rendered
 
 
 @dataclass

@@ -127,7 +127,7 @@ def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
                 f"axis {g.axis} is out of range for this {ndim}-D tensor; "
                 f"choose an axis in [{-ndim}, {ndim - 1}] or exclude the tensor",
                 entry.name,
-                hint="axis",
+                hint=("axis", "exclude"),
             )
         return TensorPlan(entry, replace(spec, granularity=PerChannel(g.axis % ndim)))
     return TensorPlan(entry, spec)

@@ -169,7 +169,9 @@ def plot_quantize(
     plt = _pyplot()
     worst = _worst(summary.rows)
     if not worst and not any(r.errors for r in summary.rows):
-        raise QtoolError(path, "no error figures to plot; drop --dry-run or add --estimate")
+        raise QtoolError(
+            path, "no error figures to plot: a plain dry run measures nothing", hint="estimate"
+        )
     pairs = _requantize(Path(summary.inputs[0]), [r.name for r in worst], options)
     fig, axes = _figure(plt, 2, WORST)
     grid = axes[0, 0].get_gridspec()

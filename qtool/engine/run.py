@@ -60,7 +60,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise DeviceError(
-            None, "--device cuda: no CUDA device is available here; use --device cpu or auto"
+            None, f"device {name}: no CUDA device is available here; run on the CPU", hint="device"
         )
     return torch.device(name)
 
@@ -311,15 +311,19 @@ def _quantize_one(
                 ckpt.path,
                 f"holds {plan.entry.dtype} values beyond float32's range (largest magnitude "
                 f"{float(x.abs().max()):.3g}), which cannot be quantized in float32; "
-                "--exclude this tensor or rescale it",
+                "exclude this tensor or rescale it",
                 plan.entry.name,
+                hint="exclude",
             ) from None
         raise NumericError(
             ckpt.path,
             f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "
-            "--exclude this tensor, or pass --keep-nonfinite to keep such tensors as they are",
+            "exclude this tensor, or keep such tensors as they are",
             plan.entry.name,
+            hint=("exclude", "keep-nonfinite"),
         ) from None
+    except kernels.GridOverflow as err:
+        raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
 

@@ -161,7 +161,11 @@ def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     if outdir.exists() and not outdir.is_dir():
         raise OutputError(outdir, "exists and is not a directory")
     if outdir.is_dir() and any(not p.name.startswith(".") for p in outdir.iterdir()) and not force:
-        raise OutputError(outdir, "already exists and is not empty; pass --force to replace files")
+        raise OutputError(
+            outdir,
+            "already exists and is not empty; its files are replaced only when asked",
+            hint="force",
+        )
     if not outdir.parent.is_dir():
         raise OutputError(outdir, f"directory {outdir.parent} does not exist; create it first")
     created = not outdir.exists()

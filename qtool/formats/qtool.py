@@ -146,8 +146,9 @@ def parse_manifest(path: Path, metadata: dict[str, str] | None) -> Manifest:
     if text is None:
         raise SidecarError(
             path,
-            "not a qtool sidecar (no qtool.qparams manifest); pass the .qparams.safetensors "
-            "file written beside the quantized file, or leave out --qparams to use it",
+            "not a qtool sidecar (no qtool.qparams manifest); give the .qparams.safetensors "
+            "file written beside the quantized file, or none to use that one",
+            hint="qparams",
         )
     try:
         doc = strict_json(text.encode("utf-8"))

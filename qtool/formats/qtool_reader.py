@@ -43,7 +43,8 @@ class QtoolReader:
             ckpt.close()
             raise SidecarError(
                 self.sidecar_path,
-                f"no qparams sidecar for {src.name}; pass --qparams PATH if it was moved",
+                f"no qparams sidecar for {src.name}; name it if it was moved",
+                hint="qparams",
             )
         sidecar = open_checkpoint(self.sidecar_path)
         try:
@@ -102,8 +103,9 @@ class QtoolReader:
             raise NumericError(
                 self.path,
                 f"dequantized values overflow {TORCH_TO_ST[target]} to infinity; "
-                "use --to float32 (or bfloat16) for this checkpoint",
+                "restore this checkpoint as float32 (or bfloat16)",
                 name,
+                hint="restore-dtype",
             )
         return out
 

@@ -264,7 +264,7 @@ def _check_output(out: Path, guarded: dict[FileId, Path], force: bool) -> None:
     if st is not None:
         _refuse_special(out)
         if not force:
-            raise OutputError(out, "already exists; pass --force to replace it")
+            raise OutputError(out, "already exists; it is replaced only when asked", hint="force")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise OutputError(out, f"directory {out.parent} is not writable; choose another location")
 

@@ -110,11 +110,15 @@ def check_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec
     above float32's largest value (a causal mask filled with finfo(float32).min does)."""
     reach = torch.maximum((spec.qmax - zero_point).abs(), (spec.qmin - zero_point).abs())
     if not math.isfinite(float((reach * scale).amax())):
-        raise ValueError(
+        raise GridOverflow(
             "values reach the float32 limit (about 3.4e38, e.g. a mask filled with "
             "finfo(float32).min): their reconstruction would overflow to infinity; "
-            "--exclude this tensor to keep it as it is"
+            "exclude this tensor to keep it as it is"
         )
+
+
+class GridOverflow(ValueError):
+    """The qparams' extreme codes would dequantize to +-inf."""
 
 
 def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:

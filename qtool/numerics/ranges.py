@@ -77,7 +77,7 @@ def qparams_from_range(
     if not bool(torch.isfinite(scale).all()):
         if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             raise NonFiniteInput()
-        raise ValueError("value range overflows float32; use --scheme sym for such tensors")
+        raise ValueError("value range overflows float32; quantize such tensors symmetrically")
     return _finish(scale, span, lo, qmin, qmax, symmetric, sym_zero_point, scale_dtype)
 
 

@@ -8,7 +8,6 @@ need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -17,7 +16,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -26,6 +24,27 @@ import typer
 from typer.core import TyperCommand
 
 from qtool import __version__, api
+from qtool.cli.options import (
+    MAX_THREADS,
+    AxisOpt,
+    Device,
+    DtypeOpt,
+    ForceOpt,
+    GroupSizeOpt,
+    JsonOpt,
+    MaxMseOpt,
+    MinOverallOpt,
+    MinSqnrOpt,
+    OutDtype,
+    PerChannelOpt,
+    PlotOpt,
+    RangeOpt,
+    SchemeOpt,
+    SortOpt,
+    TopOpt,
+    build_spec,
+    thread_count,
+)
 from qtool.errors import (
     InternalError,
     InterruptError,
@@ -36,11 +55,6 @@ from qtool.errors import (
 from qtool.report import console as report
 from qtool.report import json as documents
 from qtool.spec import (
-    Granularity,
-    PerChannel,
-    PerGroup,
-    PerTensor,
-    QSpec,
     RangeMethod,
     Scheme,
     StorageDtype,
@@ -71,176 +85,7 @@ app = typer.Typer(
 )
 
 
-class Device(str, Enum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class OutDtype(str, Enum):
-    ORIGINAL = "original"
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-
-
-class SortKey(str, Enum):
-    NAME = "name"
-    MSE = "mse"
-    SQNR = "sqnr"
-    SIZE = "size"
-
-
-def _thread_count(value: int | None) -> int | None:
-    if value is not None and not 1 <= value <= MAX_THREADS:
-        raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
-    return value
-
-
-def _at_least_one(value: int | None) -> int | None:
-    """Typer's own `min=1` would print `[x>=1]` in the help; the check is the same."""
-    if value is not None and value < 1:
-        raise typer.BadParameter("must be at least 1")
-    return value
-
-
-def _finite_bound(value: float | None) -> float | None:
-    """Gate bounds are finite numbers: nan would pass everything, inf means no bound."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number; give a finite bound")
-    return value
-
-
-def _mse_bound(value: float | None) -> float | None:
-    value = _finite_bound(value)
-    if value is not None and value < 0:
-        raise typer.BadParameter(f"{value} is negative; an MSE bound is >= 0 (0: exact)")
-    return value
-
-
-JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
-]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace existing output files.")]
-MaxMseOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if any tensor's MSE is above this.",
-        show_default=False,
-        callback=_mse_bound,
-    ),
-]
-MinSqnrOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if any tensor's SQNR (dB) is below this.",
-        show_default=False,
-        callback=_finite_bound,
-    ),
-]
-MinOverallOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.",
-        show_default=False,
-        callback=_finite_bound,
-    ),
-]
-SortOpt = Annotated[
-    SortKey | None,
-    typer.Option(
-        help="Order rows: name, mse/sqnr (worst first), size (largest first) "
-        "[default: file order].",
-        show_default=False,
-    ),
-]
-TopOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="Show only the first N rows (after --sort).",
-        callback=_at_least_one,
-        metavar="N",
-        show_default=False,
-    ),
-]
-PlotOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--plot",
-        help="Also draw per-layer SQNR and the worst layers' error histograms to this PNG "
-        "(needs qtool[plot]).",
-        show_default=False,
-    ),
-]
-SchemeOpt = Annotated[
-    Scheme,
-    typer.Option(help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."),
-]
-DtypeOpt = Annotated[
-    StorageDtype,
-    typer.Option(help="Integer type of the codes; int4/uint4 are packed two per byte."),
-]
-PerChannelOpt = Annotated[
-    bool,
-    typer.Option(
-        "--per-channel/--per-tensor", help="One scale per channel along --axis, or one per tensor."
-    ),
-]
-AxisOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="Channel axis for --per-channel (negative counts from the end) [default: 0].",
-        show_default=False,
-    ),
-]
-GroupSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--group-size",
-        metavar="G",
-        help="One scale per G consecutive elements of each row (the input dimension of a "
-        "Linear weight), e.g. 128 or 32. G >= 2.",
-        show_default=False,
-    ),
-]
-RangeOpt = Annotated[
-    RangeMethod,
-    typer.Option(
-        "--range",
-        help="minmax: the full range of each group; mse: the clipped or stretched range with "
-        "the least squared error (never worse than minmax).",
-    ),
-]
 GATE_FAILED = 3
-MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
-
-
-def build_spec(
-    scheme: Scheme,
-    dtype: StorageDtype,
-    per_channel: bool,
-    axis: int | None,
-    group_size: int | None,
-    range_method: RangeMethod,
-) -> QSpec:
-    """The QSpec the options describe; typer.BadParameter (exit 2) for a contradiction."""
-    if not per_channel and axis is not None:
-        raise typer.BadParameter("goes with --per-channel, not --per-tensor", param_hint="--axis")
-    if group_size is None:
-        granularity: Granularity = PerChannel(axis or 0) if per_channel else PerTensor()
-        return QSpec(scheme, dtype, granularity, range_method)
-    if group_size < 2:
-        raise typer.BadParameter(f"must be at least 2, got {group_size}", param_hint="--group-size")
-    if not per_channel:
-        raise typer.BadParameter(
-            "groups are not per tensor; drop --per-tensor", param_hint="--group-size"
-        )
-    if axis not in (None, 0):
-        raise typer.BadParameter(
-            "groups run along the rows of the first dimension; drop --axis",
-            param_hint="--group-size",
-        )
-    return QSpec(scheme, dtype, PerGroup(group_size), range_method)
 
 
 class Terminated(BaseException):
@@ -418,7 +263,7 @@ def quantize(
         int | None,
         typer.Option(
             help=f"CPU threads for torch, 1 to {MAX_THREADS} [default: all cores].",
-            callback=_thread_count,
+            callback=thread_count,
             metavar="N",
             show_default=False,
         ),

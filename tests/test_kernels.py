@@ -315,7 +315,7 @@ def test_a_causal_mask_never_dequantizes_to_infinity(spec: QSpec) -> None:
             kernels.quantize_tensor(mask, spec)
         return
     result = kernels.quantize_tensor(mask, spec)
-    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec)
     assert bool(x_hat.isfinite().all()) and result.errors is not None and result.errors.finite
 
 
@@ -323,7 +323,7 @@ def test_a_causal_mask_never_dequantizes_to_infinity(spec: QSpec) -> None:
 def test_near_limit_values_that_fit_give_finite_reconstructions(spec: QSpec) -> None:
     x = torch.tensor([[1.6e38, -0.5e38], [0.5e38, -1.6e38]])  # asym: hi - lo fits float32
     result = kernels.quantize_tensor(x, spec)
-    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec.axis)
+    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec)
     assert bool(x_hat.isfinite().all())
     assert result.errors is not None and result.errors.finite
     assert result.errors.sqnr_db > 30

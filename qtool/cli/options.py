@@ -125,7 +125,10 @@ PlotOpt = Annotated[
 ]
 SchemeOpt = Annotated[
     Scheme,
-    typer.Option(help="sym: scale = max|x|/127, zero point fixed; asym: affine over [min, max]."),
+    typer.Option(
+        help="sym: scale from max|x| (max|x|/127 for 8-bit), zero point fixed; "
+        "asym: affine over [min, max]."
+    ),
 ]
 DtypeOpt = Annotated[
     StorageDtype,

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import BinaryIO
 
 from qtool.errors import OutputError, UsageError
+from qtool.io.safeopen import file_kind
 
 _TEMP_RE = re.compile(r"^\..+\.qtool-tmp-(\d+)-[0-9a-f]+$")
 STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are removed
@@ -283,19 +284,9 @@ def _refuse_special(out: Path) -> None:
             return  # a dangling link: replacing it loses nothing
     if not stat.S_ISREG(st.st_mode):
         raise OutputError(
-            out, f"is {_kind(st.st_mode)}, not a regular file; qtool replaces only regular files"
+            out,
+            f"is {file_kind(st.st_mode)}, not a regular file; qtool replaces only regular files",
         )
-
-
-def _kind(mode: int) -> str:
-    kinds = [
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-    ]
-    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _refuse_collisions(outputs: Sequence[Path]) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from qtool.errors import InputError
-from qtool.io.safeopen import read_bounded
+from qtool.io.safeopen import file_kind, read_bounded
 from qtool.io.stformat import HeaderError, read_header, strict_json
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -66,7 +66,7 @@ def companion_problem(directory: Path, path: Path) -> str | None:
     except OSError as err:
         return f"cannot read: {err.strerror}"
     if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+        return f"not a regular file ({file_kind(st.st_mode)})"
     return None
 
 

@@ -28,7 +28,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise InputError(Path(path), f"not a regular file ({_kind(mode)}); give a file")
+            raise InputError(Path(path), f"not a regular file ({file_kind(mode)}); give a file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -45,7 +45,8 @@ def read_bounded(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     return data
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages: 'a FIFO', 'a device', ..."""
     if stat.S_ISDIR(mode):
         return "a directory"
     if stat.S_ISFIFO(mode):

@@ -186,3 +186,12 @@ def test_readme_numpy_snippet_dequantizes_without_qtool(samples: Path, spec: QSp
     assert ours.keys() == restored.keys()
     for name, x in restored.items():
         np.testing.assert_array_equal(ours[name], x.numpy(), err_msg=name)
+
+
+def test_plot_draws_group_scales_and_the_4bit_grid(samples: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = samples / "g.png"
+    spec = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32), RangeMethod.MSE)
+    info = api.plot_tensor(samples / "mlp.safetensors", "layers.0.fc2.weight", spec, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert info["spec"] == "sym int4 group 32 mse" and 15 < float(str(info["sqnr_db"])) < 40

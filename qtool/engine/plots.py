@@ -285,14 +285,18 @@ def plot_tensor(
     for ax, (title, values, cmap) in zip(axes.flat, panels, strict=False):
         _heatmap(fig, ax, values, title, cmap)
     _value_histogram(axes[1, 1], x, result, spec)
-    axes[1, 2].axis("off")
     stats = result.errors
     assert stats is not None
     text = (
-        f"{tensor}\n{list(x.shape)} {entry.dtype}\n{spec.describe()}\n\n"
-        f"MSE {stats.mse:.3g}\nmax |err| {stats.max_abs:.3g}\nSQNR {stats.sqnr_db:.1f} dB"
+        f"{tensor}  {list(x.shape)} {entry.dtype}  {spec.describe()}  ·  MSE {stats.mse:.3g}  "
+        f"max |err| {stats.max_abs:.3g}  SQNR {stats.sqnr_db:.1f} dB"
     )
-    axes[1, 2].text(0.0, 1.0, text, va="top", family="monospace", fontsize=10)
+    if result.scale.ndim == 2:  # groups: where each row's scales jump (outlier groups)
+        _heatmap(fig, axes[1, 2], result.scale, "scale of each group (row x group)", "magma")
+    else:
+        axes[1, 2].axis("off")
+        axes[1, 2].text(0.0, 1.0, text.replace("  ", "\n"), va="top", family="monospace")
+    fig.suptitle(text, fontsize=10)
     fig.tight_layout()
     _save(fig, path, protected, force)
     plt.close(fig)
@@ -354,6 +358,13 @@ def _value_histogram(
         narrow = int((high - low).argmin())
         ax.axvspan(float(low[narrow]), float(high[narrow]), color="#2ca02c", alpha=0.2,
                    label="narrowest group's range")  # fmt: skip
+    if spec.dtype.bits == 4:  # sixteen levels: draw the grid of the widest group itself
+        widest_group = int((high - low).reshape(-1).argmax())
+        step = float(result.scale.reshape(-1)[widest_group])
+        zero = float(result.zero_point.reshape(-1)[widest_group])
+        for level in range(spec.qmin, spec.qmax + 1):
+            ax.axvline((level - zero) * step, color="#1f77b4", linewidth=0.6, alpha=0.7,
+                       label="4-bit grid (widest group)" if level == spec.qmin else None)  # fmt: skip
     ax.axvline(0.0, color="black", linewidth=0.5)
     ax.set_title("values and the quantization grid's range", fontsize=10)
     ax.legend(fontsize=8)

@@ -29,13 +29,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qtool.numerics import kernels
-from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, Scheme, StorageDtype
+from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 
 SHAPES = [(4096, 4096), (4096, 11008)]
 GiB = 1 << 30
@@ -125,7 +126,32 @@ def kernel_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
             for errors in (False, True):
                 label = f"qtool {spec.describe()}" + (" + error stats" if errors else "")
                 methods[label] = qtool_run(spec, errors)
+    for dtype in (StorageDtype.INT4, StorageDtype.UINT4):
+        spec = QSpec(Scheme.SYM, dtype, PerGroup(128))
+        methods[f"qtool {spec.describe()} + error stats (packed)"] = qtool_run(spec, True)
     return methods
+
+
+def bench_range_search(repeat: int) -> list[dict[str, object]]:
+    """--range mse on one 4096x4096 fp32 tensor (compute-bound: tens of candidate passes), next
+    to min-max on the same tensor in the same run."""
+    x = weights(0.0625, torch.float32)[0]
+    nbytes = x.numel() * x.element_size()
+    rows: list[dict[str, object]] = []
+    for dtype in (StorageDtype.INT8, StorageDtype.INT4):
+        for granularity in (PerChannel(0), PerGroup(128)):
+            for method in RangeMethod:
+                spec = QSpec(Scheme.SYM, dtype, granularity, method)
+                seconds = median_seconds(partial(kernels.quantize_tensor, x, spec), repeat)
+                rows.append(
+                    {
+                        "input": "float32 4096x4096",
+                        "method": f"qtool {spec.describe()} + error stats",
+                        "seconds": round(seconds, 4),
+                        "gb_per_s": round(nbytes / seconds / 1e9, 3),
+                    }
+                )
+    return rows
 
 
 def bench_kernels(gib: float, repeat: int) -> list[dict[str, object]]:
@@ -301,6 +327,8 @@ def print_tables(report: dict[str, Any]) -> None:
     print(f"machine: {json.dumps(report['machine'])}")
     if report["kernels"]:
         print_kernels(report)
+    for row in report.get("range_search", []):
+        print(f"{row['method']:<44} {row['gb_per_s']:>8.3f} GB/s  ({row['seconds']} s)")
     if report.get("end_to_end"):
         print_end_to_end(report["end_to_end"])
 
@@ -318,6 +346,7 @@ def main() -> None:
         "machine": machine(),
         "kernel_gib": args.gib,
         "kernels": [] if args.skip_kernels else bench_kernels(args.gib, args.repeat),
+        "range_search": [] if args.skip_kernels else bench_range_search(min(args.repeat, 3)),
     }
     if not args.skip_e2e:
         workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))

@@ -196,7 +196,7 @@ def test_a_wrong_qparams_file_says_what_to_pass(samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
     code, _, stderr = invoke("dequantize", str(q), "--qparams", str(samples / MLP))
-    assert code == 1 and "pass the .qparams.safetensors file" in stderr
+    assert code == 1 and "the .qparams.safetensors file written beside" in stderr
 
 
 # ---- piped tables and name order (14) ----------------------------------------------------------

@@ -137,7 +137,7 @@ def test_existing_output_needs_force_and_input_is_never_overwritten(samples: Pat
     before = src.read_bytes()
     out = samples / "o.safetensors"
     api.quantize(src, out, QuantizeOptions(), device="cpu")
-    with pytest.raises(OutputError, match="--force"):
+    with pytest.raises(OutputError, match="only when asked"):
         api.quantize(src, out, QuantizeOptions(), device="cpu")
     api.quantize(src, out, QuantizeOptions(), device="cpu", force=True)
     with pytest.raises(OutputError, match="overwrite the input"):

@@ -145,7 +145,7 @@ def test_output_directory_rules(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="input directory"):
         api.quantize(tmp_path / "m", tmp_path / "m", QuantizeOptions(), device="cpu")
     api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
-    with pytest.raises(OutputError, match="--force"):
+    with pytest.raises(OutputError, match="only when asked"):
         api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu")
     api.quantize(tmp_path / "m", tmp_path / "o", QuantizeOptions(), device="cpu", force=True)
 

@@ -195,3 +195,52 @@ def test_plot_draws_group_scales_and_the_4bit_grid(samples: Path) -> None:
     info = api.plot_tensor(samples / "mlp.safetensors", "layers.0.fc2.weight", spec, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert info["spec"] == "sym int4 group 32 mse" and 15 < float(str(info["sqnr_db"])) < 40
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--group-size", "0"], "--group-size: must be at least 2, got 0"),
+        (["--group-size", "1"], "--group-size: must be at least 2, got 1"),
+        (["--group-size", "-8"], "--group-size: must be at least 2, got -8"),
+        (["--group-size", "x"], "--group-size"),
+        (["--group-size", "32", "--per-tensor"], "groups are not per tensor"),
+        (["--group-size", "32", "--axis", "1"], "groups run along the rows"),
+        (["--dtype", "int2"], "--dtype"),
+        (["--range", "best"], "--range"),
+    ],
+    ids=["zero", "one", "negative", "not-a-number", "per-tensor", "axis", "dtype", "range"],
+)
+def test_group_and_range_usage_errors_are_one_line_exit_2(
+    samples: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    from qtool.cli import main
+
+    out = samples / "q.safetensors"
+    with pytest.raises(SystemExit) as info:
+        main(["quantize", str(samples / "mlp.safetensors"), "-o", str(out), *args])
+    captured = capsys.readouterr()
+    assert info.value.code == 2 and captured.out == "" and not out.exists()
+    assert captured.err.count("\n") == 1 and says in captured.err
+
+
+def test_a_group_longer_than_a_row_is_per_channel_and_says_so(samples: Path) -> None:
+    options = QuantizeOptions(QSpec(granularity=PerGroup(4096)))
+    summary = api.plan(samples / "mlp.safetensors", None, options)
+    assert summary is not None
+    row = next(r for r in summary.rows if r.name == "layers.0.fc2.weight")
+    assert row.detail == "sym int8 axis 0 (group 4096 >= row length 128: per channel)"
+
+
+def test_mse_with_nonfinite_values_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    from qtool.errors import NumericError
+
+    w = torch.randn(8, 64)
+    w[3, 5] = float("nan")
+    save_file({"w": w}, tmp_path / "m.safetensors")
+    spec = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32), RangeMethod.MSE)
+    with pytest.raises(NumericError, match="1 NaN/Inf") as info:
+        api.quantize(tmp_path / "m.safetensors", None, QuantizeOptions(spec), device="cpu")
+    assert info.value.tensor == "w" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "m.safetensors"
+    ]

@@ -364,7 +364,9 @@ def _value_histogram(
         zero = float(result.zero_point.reshape(-1)[widest_group])
         for level in range(spec.qmin, spec.qmax + 1):
             label = "4-bit grid (widest group)" if level == spec.qmin else None
-            ax.axvline((level - zero) * step, color="#1f77b4", linewidth=0.6, alpha=0.7, label=label)
+            ax.axvline(
+                (level - zero) * step, color="#1f77b4", linewidth=0.6, alpha=0.7, label=label
+            )
     ax.axvline(0.0, color="black", linewidth=0.5)
     ax.set_title("values and the quantization grid's range", fontsize=10)
     ax.legend(fontsize=8)

@@ -10,6 +10,7 @@ import torch
 
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import NumericError, SidecarError
+from qtool.formats.dense import DenseReader
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -31,8 +32,9 @@ from qtool.numerics import kernels
 from qtool.spec import QSpec, packed_shape
 
 
-class QtoolReader:
-    """A quantized file and its validated sidecar, read as float tensors."""
+class QtoolReader(DenseReader):
+    """A quantized file and its validated sidecar, read as float tensors (tensors that were not
+    quantized read as in any checkpoint)."""
 
     def __init__(self, src: Path, qparams: Path | None = None) -> None:
         self.path = src
@@ -55,17 +57,9 @@ class QtoolReader:
             ckpt.close()
             sidecar.close()
             raise
-        self.ckpt, self.sidecar = ckpt, sidecar
-        self._entries = ckpt.by_name()
+        super().__init__(src, ckpt)
+        self.sidecar = sidecar
         self._side_entries = sidecar.by_name()
-
-    @property
-    def names(self) -> list[str]:
-        return [e.name for e in self.ckpt.entries]
-
-    @property
-    def metadata(self) -> dict[str, str] | None:
-        return self.ckpt.metadata
 
     def entry(self, name: str) -> TensorEntry:
         """The tensor as stored in the quantized file (codes for a quantized tensor)."""
@@ -109,23 +103,8 @@ class QtoolReader:
             )
         return out
 
-    def raw(self, name: str) -> memoryview:
-        return self.ckpt.raw(self._entries[name])
-
-    def nbytes(self, name: str) -> int:
-        return self._entries[name].nbytes
-
-    def stored_dtype(self, name: str) -> str:
-        return self._entries[name].dtype
-
-    def release(self, name: str) -> None:
-        self.ckpt.release(self._entries[name])
-
-    def check_unchanged(self) -> None:
-        self.ckpt.check_unchanged()
-
     def close(self) -> None:
-        self.ckpt.close()
+        super().close()
         self.sidecar.close()
 
 

@@ -43,10 +43,17 @@ class _Scanner:
     def document(self) -> None:
         table: TomlPath = ()
         while self._skip_blank(newlines=True):
+            start = self.pos
             if self._peek() == "[":
                 table = self._header()
             else:
                 self._keyval(table)
+            self._ensure_progress(start)
+
+    def _ensure_progress(self, start: int) -> None:
+        """Never loop on text this scanner does not understand (at worst, a line is off)."""
+        if self.pos == start:
+            self._advance()
 
     def _peek(self, n: int = 1) -> str:
         return self.text[self.pos : self.pos + n]
@@ -134,8 +141,10 @@ class _Scanner:
             if self._peek() == ",":
                 self._advance()
                 continue
+            start = self.pos
             self._record((*path, index), self.line)
             self._value((*path, index))
+            self._ensure_progress(start)
             index += 1
         self._advance()
 
@@ -145,7 +154,9 @@ class _Scanner:
             if self._peek() == ",":
                 self._advance()
                 continue
+            start = self.pos
             self._keyval(path)
+            self._ensure_progress(start)
         self._advance()
 
     def _string(self) -> None:

@@ -17,14 +17,13 @@ from qtool.recipe import (
     Rule,
     RuleKind,
     SpecPatch,
-    load_recipe,
-    parse_recipe,
     parse_spec_label,
     resolve,
     rules_from_cli,
     spec_label,
     unmatched,
 )
+from qtool.recipe_file import load_recipe, parse_recipe
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 
 ROOT = Path(__file__).parent.parent

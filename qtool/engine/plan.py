@@ -13,13 +13,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
+from qtool.dtypes import DTYPE_BITS
 from qtool.errors import InputError
 from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
+from qtool.recipe import Keep, Recipe, Rule, resolve, rules_from_cli
 from qtool.results import QuantizeSummary, TensorRow
 from qtool.spec import (
     PerChannel,
@@ -39,6 +40,14 @@ class QuantizeOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
+    recipe: Recipe | None = None  # per-tensor rules, tried after --exclude, before --include
+    target_sqnr: float | None = None  # error budget for the tensors no recipe rule fixed
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """Every rule in the order tried: --exclude, the recipe's, --include."""
+        recipe_rules = self.recipe.rules if self.recipe is not None else ()
+        return rules_from_cli(self.include, self.exclude, recipe_rules)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class TensorPlan:
     spec: QSpec | None
     reason: str = ""
     note: str = ""
+    rule: str = ""  # with a recipe: the rule that decided ("rule 3 'mlp.*'"), shown in tables
+    budget: bool = False  # the error budget (--target-sqnr) decides this tensor's spec
 
     @property
     def out_dtype(self) -> str:
@@ -88,21 +99,14 @@ def plan_tensors(
 
 
 def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> TensorPlan:
-    plan = TensorPlan(entry, None)
-    excluded = _first_match(entry.name, options.exclude)
-    included = _first_match(entry.name, options.include)
-    if excluded is not None:
-        return plan.kept(f"excluded by --exclude '{excluded}'")
-    if options.include and included is None:
-        return plan.kept("not matched by --include")
-    if entry.dtype not in FLOAT_DTYPES:
-        return plan.kept(_non_float_reason(entry.dtype))
-    if entry.numel == 0:
-        return plan.kept("empty tensor")
-    ndim = len(entry.shape)
-    if ndim < 2 and included is None:
-        return plan.kept("0-d scalar" if ndim == 0 else "1-D (bias/norm)")
-    return _fit_plan(path, entry, options.spec)
+    """The first matching rule decides (recipe.resolve); without a recipe, exactly the
+    --include/--exclude selection."""
+    found = resolve(options.rules, entry, options.spec, checkpoint=path)
+    rule = found.rule.describe() if options.recipe is not None and found.rule else ""
+    if isinstance(found.action, Keep):
+        return TensorPlan(entry, None, found.action.reason, rule=rule)
+    budget = options.target_sqnr is not None and found.from_command_line
+    return TensorPlan(entry, found.action, note=found.note, rule=rule, budget=budget)
 
 
 def fit_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
@@ -145,16 +149,6 @@ def _first_match(name: str, patterns: tuple[str, ...]) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
 
-def _non_float_reason(dtype: str) -> str:
-    if dtype == "BOOL":
-        return "bool tensor"
-    if dtype.startswith(("I", "U")):
-        return "integer tensor"
-    if dtype.startswith("F8") or dtype.startswith(("F4", "F6")):
-        return f"already low-precision ({dtype})"
-    return f"not a real float tensor ({dtype})"
-
-
 def default_quantized_path(src: Path, dtype: str) -> Path:
     """`model.safetensors` -> `model.int8.safetensors` beside it."""
     return src.with_name(f"{src.stem}.{dtype}.safetensors")
@@ -173,6 +167,8 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         detail = f"{detail} ({c}x{n} groups)"
     if plan.note:
         detail = f"{detail} ({plan.note})"
+    if plan.rule:
+        detail = f"{detail} [{plan.rule}]"
     return TensorRow(
         e.name,
         e.shape,

@@ -116,6 +116,8 @@ class QuantizeSummary:
     stale_temps_removed: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
+    # --target-sqnr: the output size with the budget's tensors all int8 / all float
+    budget_sizes: tuple[int, int] | None = None
 
     @property
     def quantized(self) -> list[TensorRow]:

@@ -41,6 +41,7 @@ from qtool.cli.options import (
     RangeOpt,
     SchemeOpt,
     SortOpt,
+    TargetSqnrOpt,
     TopOpt,
     build_spec,
     thread_count,
@@ -232,11 +233,22 @@ def quantize(
         list[str] | None,
         typer.Option(
             "--exclude",
-            help="Glob of tensor names to keep as they are (repeatable; wins over --include).",
+            help="Glob of tensor names to keep as they are (repeatable; tried first, see "
+            "'Recipes' in the README for the order).",
             metavar="GLOB",
             show_default=False,
         ),
     ] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(
+            "--recipe",
+            help="TOML file of per-tensor rules: a spec or keep-in-float per name pattern.",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ] = None,
+    target_sqnr: TargetSqnrOpt = None,
     device: Annotated[
         Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
     ] = Device.AUTO,
@@ -289,9 +301,23 @@ def quantize(
             "add --estimate (or drop --dry-run)",
             param_hint="--dry-run",
         )
+    if dry_run and not estimate and target_sqnr is not None:
+        raise typer.BadParameter(
+            "the error budget measures each tensor, which a plain dry run does not; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--target-sqnr",
+        )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
-    options = api.QuantizeOptions(spec, tuple(include or ()), tuple(exclude or ()), keep_nonfinite)
     with user_errors(as_json) as run:
+        loaded = api.load_recipe(recipe) if recipe is not None else None
+        options = api.QuantizeOptions(
+            spec,
+            tuple(include or ()),
+            tuple(exclude or ()),
+            keep_nonfinite,
+            recipe=loaded,
+            target_sqnr=target_sqnr,
+        )
         plot = _plot_target(plot, src, "quantize")
         summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
@@ -329,10 +355,14 @@ def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
     for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
         for pattern in api.unmatched_globs(names, patterns):
             report.print_warning(f"{flag} {pattern!r} matches no tensor name")
+    if options.recipe is not None:
+        for rule in api.unmatched_rules(options.recipe.rules, names):
+            where = f"{options.recipe.path}: line {rule.line}: {rule.describe()}"
+            report.print_warning(f"{where} matches no tensor")
     if not any(r.quantized for r in rows):
         report.print_warning(
             f"0 of {len(rows)} tensors selected for quantization; see the kept reasons "
-            "and check --include/--exclude"
+            "and check --include/--exclude/--recipe"
         )
 
 

@@ -162,6 +162,8 @@ def quantized_output(src: Path, out: Path | None, dtype: str) -> Path:
 def planned_row(plan: TensorPlan) -> TensorRow:
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    if plan.budget and plan.spec is None:
+        detail = plan.reason  # "kept float: best 22.3 dB < 24"
     if plan.spec is not None and isinstance(plan.spec.granularity, PerGroup):
         c, n = qparam_shape(plan.spec.granularity, e.shape)
         detail = f"{detail} ({c}x{n} groups)"

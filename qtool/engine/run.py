@@ -47,9 +47,11 @@ from qtool.io.atomic import (
 )
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.numerics import kernels
+from qtool.numerics import budget, kernels
 from qtool.numerics.ranges import NonFiniteInput
+from qtool.recipe import fit_spec
 from qtool.results import Progress, QuantizeSummary, TensorRow
+from qtool.spec import QSpec
 
 BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
 
@@ -109,7 +111,10 @@ def quantize(
     writer_format = output_format(fmt)
     shards = _Shards(source, options)
     try:
-        plans = shards.plans()
+        shards.plans()
+        if options.target_sqnr is not None:
+            shards.apply_budget(run.device, options.target_sqnr, _ladder(options))
+        plans = shards.plans_now()
         summary = _Summary(source, target, writer_format, options, run, started, shards)
         if dry_run:
             preflight(also, source.protected, force=force)
@@ -153,7 +158,24 @@ class _Shards:
             entries, metadata = self._entries(shard)
             refuse_quantized(shard, metadata, [e.name for e in entries])
             self._plans[shard] = plan_tensors(shard, entries, self.options)
+        return self.plans_now()
+
+    def plans_now(self) -> list[TensorPlan]:
+        """The plans as they stand (after the budget, if any), in shard and file order."""
         return [p for shard in self.source.shards for p in self._plans[shard]]
+
+    def apply_budget(self, dev: torch.device, target: float, ladder: Sequence[QSpec]) -> None:
+        """Choose the spec of every tensor the budget decides (one in-memory pass per tensor);
+        the checkpoint stays open for the writing pass."""
+        for shard in self.source.shards:
+            ckpt = self._checkpoint(shard)
+            workspace = kernels.Workspace(dev)
+            self._plans[shard] = [
+                choose_plan(ckpt, p, ladder, target, workspace, self.options.keep_nonfinite)
+                if p.budget
+                else p
+                for p in self._plans[shard]
+            ]
 
     def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
         ckpt = self._checkpoint(shard)
@@ -203,7 +225,7 @@ def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
 def _write(shards: _Shards, target: Target, fmt: OutputFormat, run: Run) -> list[TensorRow]:
     """Every shard through the format's writer, then (sharded) companions and the index."""
     if run.progress is not None:
-        run.progress.start(sum(p.entry.nbytes for p in shards.plans()))
+        run.progress.start(sum(p.entry.nbytes for p in shards.plans_now()))
     rows: list[TensorRow] = []
     with OutputSet() as outputs:
         for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
@@ -328,6 +350,36 @@ def _quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
 
 
+def _ladder(options: QuantizeOptions) -> tuple[QSpec, ...]:
+    recipe = options.recipe
+    return recipe.ladder if recipe is not None and recipe.ladder else budget.DEFAULT_LADDER
+
+
+def choose_plan(
+    ckpt: Checkpoint,
+    plan: TensorPlan,
+    ladder: Sequence[QSpec],
+    target: float,
+    workspace: kernels.Workspace,
+    keep_nan: bool,
+) -> TensorPlan:
+    """The plan with the budget's choice: the cheapest ladder spec reaching `target`, or kept
+    in float; NaN/Inf tensors are left to --keep-nonfinite (or fail as in a plain run)."""
+    x = ckpt.tensor(plan.entry).to(workspace.device)
+    try:
+        choice = budget.choose(x, ladder, target, workspace=workspace)
+    except NonFiniteInput:
+        if keep_nan:
+            return plan
+        _quantize_one(ckpt, plan, workspace)  # raises the run's own NumericError
+        raise
+    finally:
+        ckpt.release(plan.entry)
+    if choice.spec is None:
+        return replace(plan, spec=None, reason=choice.reason(), note="")
+    return replace(plan, spec=choice.spec, note=choice.reason())
+
+
 def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
     """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each)."""
     out = []
@@ -337,7 +389,7 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
             lo, hi = torch.aminmax(x)  # no full-size temporaries; NaN/Inf show up here
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 bad = int((~torch.isfinite(x)).sum())
-                plan = plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)")
+                plan = replace(plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)"), budget=False)
             ckpt.release(plan.entry)
         out.append(plan)
     return out
@@ -373,4 +425,22 @@ class _Summary:
             dry_run=dry_run,
             skipped=self.shards.skipped_entries,
             seconds=time.perf_counter() - self.started,
+            budget_sizes=self._budget_sizes(),
         )
+
+    def _budget_sizes(self) -> tuple[int, int] | None:
+        """With --target-sqnr: the output size had the budget's tensors all been int8 (sym,
+        per channel, min-max), and had they all stayed float."""
+        if self.options.target_sqnr is None:
+            return None
+        int8, flt = 0, 0
+        for plan in self.shards.plans_now():
+            as_float = replace(plan, spec=None)
+            if plan.budget:
+                spec, _ = fit_spec(budget.INT8_CHANNEL, plan.entry.shape)
+                as_int8 = replace(plan, spec=spec)
+            else:
+                as_int8 = as_float = plan
+            int8 += as_int8.out_nbytes + as_int8.qparam_nbytes
+            flt += as_float.out_nbytes + as_float.qparam_nbytes
+        return int8, flt

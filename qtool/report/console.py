@@ -323,6 +323,12 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
         parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
+    if summary.budget_sizes is not None:
+        int8, flt = summary.budget_sizes
+        parts.append(
+            f"budget: {_fmt_bytes(summary.bytes_out)} vs all-int8 {_fmt_bytes(int8)}, "
+            f"all-float {_fmt_bytes(flt)}"
+        )
     return " · ".join(parts)
 
 

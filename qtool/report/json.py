@@ -123,6 +123,7 @@ def quantize_json(
             "bytes_out": summary.bytes_out,
             "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,
             **error_json(summary.overall),
+            **_budget_json(summary),
         },
         "skipped_non_tensors": summary.skipped,
         "gate": gate_json(gate),
@@ -235,3 +236,11 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
         "manifest": summary.manifest,
         "notes": summary.notes,
     }
+
+
+def _budget_json(summary: QuantizeSummary) -> dict[str, int]:
+    """With --target-sqnr: the sizes the budget's choice is measured against."""
+    if summary.budget_sizes is None:
+        return {}
+    int8, flt = summary.budget_sizes
+    return {"bytes_all_int8": int8, "bytes_all_float": flt}

@@ -314,7 +314,8 @@ def test_load_recipe_errors_are_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match="latin1.toml: the recipe is not UTF-8 text") as info:
         load_recipe(latin1)
     assert isinstance(info.value, QtoolError)
-    assert info.value.usage is True and info.value.code == "recipe" and info.value.hints == ("recipe",)
+    assert info.value.usage is True and info.value.code == "recipe"
+    assert info.value.hints == ("recipe",)
     assert QtoolError(None, "x").usage is False
 
 

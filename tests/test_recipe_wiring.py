@@ -218,3 +218,23 @@ def test_parse_recipe_inline_rules_resolve_like_tables() -> None:
     a = parse_recipe('[[rule]]\nmatch = "a.*"\nkeep = "x"\n', "a.toml")
     b = parse_recipe('rule = [{ match = "a.*", keep = "x" }]\n', "a.toml")
     assert [r.action for r in a.rules] == [r.action for r in b.rules]
+
+
+def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(tmp_path: Path) -> None:
+    x = torch.randn(8, 32)
+    x[1, 2] = float("nan")
+    src = tmp_path / "nan.safetensors"
+    save_file({"w": x, "ok": torch.randn(8, 32)}, src)
+    code, _, err = invoke("quantize", str(src), "--target-sqnr", "20")
+    assert code == 1 and "'w'" in err and "NaN" in err
+    assert not list(tmp_path.glob("nan.int8*"))
+    summary = api.quantize(
+        src, None, QuantizeOptions(keep_nonfinite=True, target_sqnr=20.0), device="cpu"
+    )
+    rows = {r.name: r for r in summary.rows}
+    assert rows["w"].detail == "kept: 1 NaN/Inf values (--keep-nonfinite)"
+    assert "dB >= 20" in rows["ok"].detail
+
+
+def test_header_only_plan_defers_to_the_data_with_a_budget(samples: Path) -> None:
+    assert api.plan(samples / "mlp.safetensors", None, _options(20.0)) is None

@@ -186,7 +186,10 @@ def planned_row(plan: TensorPlan) -> TensorRow:
 
 def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
     """The plan of a safetensors or sharded input from its headers alone (no torch import);
-    None for a torch pickle, which has to be loaded to be planned."""
+    None for a torch pickle, which has to be loaded to be planned, and with an error budget,
+    whose choices need the data."""
+    if options.target_sqnr is not None:
+        return None
     if is_sharded(src):
         sharded = load_index(src)
         refuse_file_name_for_directory(out, "quantize")

@@ -148,9 +148,9 @@ def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
 
 def load_recipe(path: Path) -> Recipe:
     """Read and check a recipe file; RecipeError (a usage error) naming file, line and key."""
-    from qtool.recipe_file import load_recipe as load
+    from qtool.recipe_file import load_recipe as read_recipe
 
-    return load(path)
+    return read_recipe(path)
 
 
 def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:

@@ -163,7 +163,7 @@ def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:
     """Refuse, before anything is read, outputs that would replace an input (or its sidecar),
     an existing file without `force`, or anything but a regular file."""
-    from qtool.engine.run import check_output
+    from qtool.engine.source import check_output
 
     for out in outputs:
         check_output(out, inputs, force)

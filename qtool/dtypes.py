@@ -15,7 +15,7 @@ class Dtype:
 
     bits: int
     torch_name: str | None
-    kind: str  # "float", "int", "bool" or "low-float" (fp8/fp6/fp4)
+    kind: str  # "float", "int", "bool", "complex" or "low-float" (fp8/fp6/fp4)
 
 
 DTYPES: dict[str, Dtype] = {

@@ -1,4 +1,4 @@
-"""Result value objects the pipeline returns and the report renders (torch-free)."""
+"""Result value objects the engine returns and the report renders (torch-free)."""
 
 from __future__ import annotations
 

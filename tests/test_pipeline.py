@@ -326,3 +326,30 @@ def test_a_sidecar_whose_scales_dequantize_to_infinity_is_refused() -> None:
     validate_qparams(Path("s"), "w", record, torch.tensor([1.0, 2e36]), zero_point)
     with pytest.raises(SidecarError, match="dequantize to infinity"):
         validate_qparams(Path("s"), "w", record, torch.tensor([1.0, 3e36]), zero_point)
+
+
+def test_a_renamed_quantized_file_still_finds_its_sidecar(samples: Path) -> None:
+    q = samples / "q.safetensors"
+    api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
+    moved = q.rename(samples / "renamed.safetensors")
+    summary = api.dequantize(moved, samples / "r.safetensors")
+    assert summary.sidecars == [str(samples / "q.qparams.safetensors")]
+    assert api.inspect(moved).notes == []
+
+
+def test_inspect_reports_a_newer_sidecar_instead_of_refusing(samples: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file as load_tensors
+
+    from qtool.formats.qtool import MANIFEST_KEY
+
+    q = samples / "q.safetensors"
+    api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
+    side = sidecar_path(q)
+    with safe_open(side, "pt") as f:
+        doc = json.loads(f.metadata()[MANIFEST_KEY])
+    doc["format_version"] = 3
+    save_file(load_tensors(side), side, {MANIFEST_KEY: json.dumps(doc)})
+    notes = api.inspect(q).notes
+    assert len(notes) == 1 and "version 3 is not supported" in notes[0]

@@ -239,3 +239,19 @@ def test_plot_into_a_sharded_run_is_checked_with_its_outputs(tmp_path: Path) -> 
     with pytest.raises(OutputError, match="two outputs of this run"):
         api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu", also=[clash])
     assert list((tmp_path / "q").iterdir()) == []
+
+
+def test_a_sidecar_path_for_a_sharded_checkpoint_is_a_usage_error(tmp_path: Path) -> None:
+    from qtool.errors import UsageError
+
+    make_sharded(tmp_path / "m")
+    api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
+    with pytest.raises(UsageError, match="one sidecar per shard"):
+        api.dequantize(tmp_path / "q", tmp_path / "r", qparams=tmp_path / "x.safetensors")
+
+
+def test_an_index_that_names_no_tensor_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(InputError, match="names no tensor"):
+        api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")

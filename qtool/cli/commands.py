@@ -1,4 +1,4 @@
-"""The `qtool` command line: options -> pipeline -> report, and exit codes.
+"""The `qtool` command line: options -> api -> report, and exit codes.
 
 The only module that imports typer. Exit codes: 0 success, 1 a clear error, 2 a usage error,
 3 a quality gate failed (outputs are still written), 130 interrupted (Ctrl-C), 143 terminated

@@ -9,16 +9,16 @@ from array import array
 from dataclasses import replace
 from pathlib import Path
 
-from qtool.errors import InputError
+from qtool.errors import InputError, SidecarError
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
-    SIDECAR_KEY,
     Manifest,
     binding_digest,
     data_digest,
     is_quantized,
+    locate_sidecar,
     parse_manifest,
     scale_name,
 )
@@ -78,12 +78,8 @@ def _row(entry: TensorEntry, qinfo: dict[str, object] | None = None) -> InspectR
 def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
     metadata = header.metadata or {}
     notes: list[str] = []
-    default = f"{path.stem}.qparams.safetensors"
-    named = metadata.get(SIDECAR_KEY, default)
-    if not _plain_file_name(named):
-        notes.append(f"sidecar name {named!r} in the metadata is not a plain file name; ignored")
-        named = default
-    side = path.with_name(named)
+    side, note = locate_sidecar(path, metadata)
+    notes += [note] if note else []
     qinfo: dict[str, dict[str, object]] = {}
     if side.is_file():
         try:
@@ -91,7 +87,7 @@ def _inspect_quantized(path: Path, header: Header) -> InspectSummary:
             manifest = parse_manifest(side, side_header.metadata)
             qinfo = _qinfo(side, side_header, manifest)
             notes += _binding_notes(header, side, side_header)
-        except (HeaderError, InputError) as err:
+        except (HeaderError, InputError, SidecarError) as err:
             notes.append(f"sidecar {side.name} unreadable: {err}")
     else:
         notes.append(f"sidecar {side.name} not found beside the file")
@@ -112,11 +108,6 @@ def _binding_notes(header: Header, side: Path, side_header: Header) -> list[str]
     if BINDING_KEY not in metadata:
         return ["written by qtool 0.1.0: the binding covers the sidecar's data, not its manifest"]
     return []
-
-
-def _plain_file_name(name: str) -> bool:
-    """A name for a file beside this one: no directory part, no '.', '..' or NUL."""
-    return name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def _qinfo(side: Path, header: Header, manifest: Manifest) -> dict[str, dict[str, object]]:

@@ -23,7 +23,7 @@ import torch
 from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
 from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
-from qtool.formats.qtool import is_quantized
+from qtool.formats.detect import refuse_quantized
 from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
@@ -258,12 +258,7 @@ def plot_tensor(
     plt = _pyplot()
     ckpt = open_checkpoint(checkpoint)
     try:
-        if is_quantized(ckpt.metadata):
-            raise QtoolError(
-                checkpoint,
-                "is a qtool-quantized file (codes, not floats); plot the float checkpoint it "
-                "was made from (qtool dequantize makes one)",
-            )
+        refuse_quantized(checkpoint, ckpt.metadata, [e.name for e in ckpt.entries])
         entry = ckpt.by_name().get(tensor)
         if entry is None:
             raise QtoolError(checkpoint, "no such tensor; list them with qtool inspect", tensor)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtool.engine.source import finish_directory, open_source, prepared, target_for
+from qtool.errors import UsageError
 from qtool.formats.dense import write_dense
 from qtool.formats.qtool import sidecar_path
 from qtool.formats.qtool_reader import QtoolReader
@@ -44,6 +45,13 @@ def dequantize(
         out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
     else:
         refuse_file_name_for_directory(out, "dequantize")
+        if qparams is not None:
+            raise UsageError(
+                qparams,
+                "a sharded checkpoint has one sidecar per shard, found beside each shard; "
+                "give no sidecar",
+                hint="qparams",
+            )
     target = target_for(source, out, default_dequantized_path(src), "dequantized")
     if source.index is not None:
         for shard in source.shards:

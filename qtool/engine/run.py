@@ -31,7 +31,6 @@ from qtool.engine.source import (
     finish_directory,
     open_source,
     prepared,
-    protected_paths,
     target_for,
 )
 from qtool.errors import DeviceError, NumericError, OutputError
@@ -65,13 +64,6 @@ def resolve_device(name: str) -> torch.device:
             None, f"device {name}: no CUDA device is available here; run on the CPU", hint="device"
         )
     return torch.device(name)
-
-
-def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
-    """Before any data is read: refuse an output that would overwrite an input (or its
-    sidecar), an existing file (without --force) or anything but a regular file, or that cannot
-    be written (missing, read-only, full directory). One output; see atomic.preflight."""
-    preflight([out], protected_paths(inputs), force=force, needed_bytes=needed_bytes)
 
 
 @dataclass(frozen=True)
@@ -154,6 +146,9 @@ class _Shards:
         self.skipped: list[str] = []
 
     def plans(self) -> list[TensorPlan]:
+        """Every shard's plans, in order (planned once, from the headers)."""
+        if self._plans:
+            return [p for shard in self.source.shards for p in self._plans[shard]]
         for shard in self.source.shards:
             entries, metadata = self._entries(shard)
             refuse_quantized(shard, metadata, [e.name for e in entries])

@@ -57,6 +57,13 @@ def protected_paths(inputs: Iterable[Path]) -> list[Path]:
     return [q for p in inputs for q in (p, sidecar_path(p))]
 
 
+def check_output(out: Path, inputs: list[Path], force: bool, needed_bytes: int = 0) -> None:
+    """Before any data is read: refuse an output that would overwrite an input (or its
+    sidecar), an existing file (without --force) or anything but a regular file, or that cannot
+    be written (missing, read-only, full directory). One output; see atomic.preflight."""
+    preflight([out], protected_paths(inputs), force=force, needed_bytes=needed_bytes)
+
+
 def open_source(path: Path) -> Source:
     """A single checkpoint file, or a sharded checkpoint (its index, or its directory)."""
     if not is_sharded(path):

@@ -11,7 +11,7 @@ import torch
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import OutputError
 from qtool.formats.base import FloatReader
-from qtool.formats.qtool_writer import carried_metadata
+from qtool.formats.qtool import carried_metadata
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import (
     ST_TO_TORCH,
@@ -85,7 +85,7 @@ def write_dense(
 ) -> list[DequantizedRow]:
     """A float checkpoint with the original names and shapes: a torch pickle when `out` ends in
     .pt/.pth/.bin, else safetensors (streamed; tensors that were not quantized byte for byte)."""
-    if out.suffix in (".pt", ".pth", ".bin"):
+    if out.suffix.lower() in (".pt", ".pth", ".bin"):
         return _write_pickle(reader, out, outputs, dtype)
     names = reader.names
     specs = [(n, restored_dtype(reader, n, dtype), reader.shape(n)) for n in names]
@@ -119,6 +119,7 @@ def _write_pickle(
         t = reader.values(name, ST_TO_TORCH[restored_dtype(reader, name, dtype)])
         state[name] = t if restored else t.clone()
         rows.append(DequantizedRow(name, tuple(t.shape), TORCH_TO_ST[t.dtype], restored, t.nbytes))
+    reader.check_unchanged()
     try:
         torch.save(state, outputs.create(out))
     except OSError as err:

@@ -80,6 +80,24 @@ class Manifest:
     qtool_version: str = __version__
 
 
+def locate_sidecar(quantized: Path, metadata: dict[str, str] | None) -> tuple[Path, str | None]:
+    """The sidecar of a quantized file: the name its metadata records (so a renamed quantized
+    file still finds its sidecar), else the default name; and a note when the recorded name is
+    not a plain file name beside it (then ignored)."""
+    named = (metadata or {}).get(SIDECAR_KEY)
+    if named is None:
+        return sidecar_path(quantized), None
+    if named in ("", ".", "..") or any(c in named for c in "/\\\0"):
+        note = f"sidecar name {named!r} in the metadata is not a plain file name; ignored"
+        return sidecar_path(quantized), note
+    return quantized.with_name(named), None
+
+
+def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
+    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
+
+
 def sidecar_path(quantized: Path) -> Path:
     """`model.int8.safetensors` -> `model.int8.qparams.safetensors`, beside it."""
     return quantized.with_name(f"{quantized.stem}.qparams.safetensors")

@@ -20,9 +20,9 @@ from qtool.formats.qtool import (
     binding_digest,
     data_digest,
     grid_reach,
+    locate_sidecar,
     parse_manifest,
     scale_name,
-    sidecar_path,
     validate_qparams,
     zero_point_name,
 )
@@ -38,9 +38,9 @@ class QtoolReader(DenseReader):
 
     def __init__(self, src: Path, qparams: Path | None = None) -> None:
         self.path = src
-        self.sidecar_path = qparams or sidecar_path(src)
         ckpt = open_checkpoint(src)
         _refuse_sidecar_as_input(src, ckpt)
+        self.sidecar_path = qparams or locate_sidecar(src, ckpt.metadata)[0]
         if not self.sidecar_path.exists():
             ckpt.close()
             raise SidecarError(
@@ -48,14 +48,16 @@ class QtoolReader(DenseReader):
                 f"no qparams sidecar for {src.name}; name it if it was moved",
                 hint="qparams",
             )
-        sidecar = open_checkpoint(self.sidecar_path)
+        sidecar = None
         try:
+            sidecar = open_checkpoint(self.sidecar_path)
             self.manifest: Manifest = parse_manifest(self.sidecar_path, sidecar.metadata)
             _check_binding(src, ckpt, self.sidecar_path)
             _check_pair(src, ckpt, self.sidecar_path, sidecar, self.manifest)
         except Exception:
             ckpt.close()
-            sidecar.close()
+            if sidecar is not None:
+                sidecar.close()
             raise
         super().__init__(src, ckpt)
         self.sidecar = sidecar
@@ -84,7 +86,7 @@ class QtoolReader(DenseReader):
         record = self.record(name)
         entry = self._entries[name]
         if record is None:
-            return self.ckpt.tensor(entry)
+            return super().values(name, dtype)
         scale = self.sidecar.tensor(self._side_entries[scale_name(name)])
         zero_point = self.sidecar.tensor(self._side_entries[zero_point_name(name)])
         target = dtype or ST_TO_TORCH[record.orig_dtype]

@@ -17,6 +17,7 @@ from qtool.formats.qtool import (
     SIDECAR_KEY,
     Manifest,
     Record,
+    carried_metadata,
     choice_name,
     manifest_metadata,
     scale_name,
@@ -31,11 +32,6 @@ from qtool.numerics.kernels import QuantizedTensor, search_candidates
 from qtool.spec import QSpec, packed_shape
 
 _PLACEHOLDER_DIGEST = "0" * 64
-
-
-def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
-    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
 
 
 def stored_dtype_shape(entry: TensorEntry, spec: QSpec | None) -> tuple[str, tuple[int, ...]]:

@@ -345,7 +345,7 @@ def resolve_output(
 
 def refuse_file_name_for_directory(out: Path | None, what: str) -> None:
     """A sharded output is a directory: a weight-file name for it is a mistake, not a wish."""
-    if out is not None and out.suffix in _KNOWN_EXTENSIONS and not out.is_dir():
+    if out is not None and out.suffix.lower() in _KNOWN_EXTENSIONS and not out.is_dir():
         raise UsageError(
             out,
             f"{what} of a sharded checkpoint writes a directory of shards; "

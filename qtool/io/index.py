@@ -96,6 +96,8 @@ def load_index(path: Path) -> ShardedInput:
     weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise InputError(index, "not a valid index: 'weight_map' must map tensor names to files")
+    if not weight_map:
+        raise InputError(index, "not a valid index: 'weight_map' names no tensor")
     metadata = doc.get("metadata")
     if not isinstance(metadata, dict):
         metadata = {}

@@ -39,14 +39,13 @@ from qtool.spec import (
     qparam_shape,
 )
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TORCH_STORAGE = {
     StorageDtype.INT8: torch.int8,
     StorageDtype.UINT8: torch.uint8,
     StorageDtype.INT4: torch.int8,  # codes and zero points unpacked, one per byte
     StorageDtype.UINT4: torch.uint8,
 }
-SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
 DEFAULT_BLOCK_ELEMS = 1 << 21  # 8 MiB of float32: stays in L3 and amortises per-op overhead
 
 Box = tuple[int, int, int, int, int, int]  # (i0, i1, c0, c1, p0, p1) in the (pre, C, post) view
@@ -565,7 +564,7 @@ def _slabs(shape: tuple[int, int, int], block_elems: int) -> Iterator[Box]:
 
 
 def _check_float(x: torch.Tensor) -> None:
-    if x.dtype not in FLOAT_DTYPES:
+    if x.dtype not in FLOAT_TORCH_DTYPES:
         raise ValueError(f"can only quantize float16/bfloat16/float32/float64, got {x.dtype}")
 
 

@@ -53,11 +53,6 @@ class IntRange:
     def bits(self) -> int:
         return 4 if self.qmax - self.qmin < 16 else 8
 
-    @property
-    def code_dtype(self) -> torch.dtype:
-        """int8 for signed codes, uint8 for unsigned (4-bit codes unpacked, one per byte)."""
-        return torch.int8 if self.qmin < 0 else torch.uint8
-
 
 def qparams_from_range(
     lo: torch.Tensor,

@@ -148,7 +148,7 @@ class _Shards:
     def plans(self) -> list[TensorPlan]:
         """Every shard's plans, in order (planned once, from the headers)."""
         if self._plans:
-            return [p for shard in self.source.shards for p in self._plans[shard]]
+            return self.plans_now()
         for shard in self.source.shards:
             entries, metadata = self._entries(shard)
             refuse_quantized(shard, metadata, [e.name for e in entries])

@@ -133,8 +133,8 @@ def _parse_group(name: str, g: object, top_format: object) -> CtGroup:
         raise ValueError(f"config group {name} is not an object")
     fmt = g.get("format") or top_format
     if fmt not in READ_FORMATS:
-        raise ValueError(f"config group {name}: format {fmt!r} is not supported (qtool reads "
-                         f"{', '.join(READ_FORMATS)})")  # fmt: skip
+        readable = ", ".join(READ_FORMATS)
+        raise ValueError(f"config group {name}: format {fmt!r} is not supported ({readable})")
     if g.get("output_activations") is not None:
         raise ValueError(f"config group {name}: output activation quantization is not supported")
     if g.get("input_activations") is not None and fmt != "int-quantized":
@@ -171,10 +171,13 @@ def parse_args(group: str, w: Mapping[str, object], fmt: str) -> CtArgs:
     strategy = w.get("strategy") or _inferred_strategy(group_size)
     if strategy not in STRATEGIES:
         raise ValueError(f"{where}: strategy {strategy!r} is not supported")
-    if strategy == "group" and (type(group_size) is not int or group_size < 1):
-        raise ValueError(f"{where}: group strategy needs a positive group_size")
     size = group_size if strategy == "group" else None
-    return CtArgs(bits, w.get("symmetric", True) is not False, str(strategy), size)  # type: ignore[arg-type]
+    if size is not None and (type(size) is not int or size < 1):
+        raise ValueError(f"{where}: group strategy needs a positive group_size")
+    if strategy == "group" and size is None:
+        raise ValueError(f"{where}: group strategy needs a group_size")
+    symmetric = w.get("symmetric", True) is not False
+    return CtArgs(bits, symmetric, str(strategy), size if isinstance(size, int) else None)
 
 
 def _inferred_strategy(group_size: object) -> str:
@@ -233,13 +236,11 @@ class CtModule:
 
 def quantized_modules(names: Iterable[str], config: CtConfig) -> list[CtModule]:
     """Every module holding quantized tensors (`weight_packed`, or `weight_scale` beside an
-    int8 `weight`), with its resolved group; InputError-free ValueError when one is not
-    targeted by any group or holds a `weight_g_idx`."""
+    int8 `weight`), with its resolved group; ValueError when one is not targeted by any
+    group or holds a `weight_g_idx`."""
     names = set(names)
-    modules = sorted(
-        {n[: -len(suffix)] for n in names for suffix in (".weight_packed", ".weight_scale")
-         if n.endswith(suffix)}
-    )  # fmt: skip
+    suffixes = (".weight_packed", ".weight_scale")
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(suffixes)})
     found = []
     for m in modules:
         if f"{m}.weight_g_idx" in names:
@@ -254,3 +255,25 @@ def quantized_modules(names: Iterable[str], config: CtConfig) -> list[CtModule]:
 def packed_words(n: int, bits: int) -> int:
     """int32 words holding n codes of `bits` bits."""
     return math.ceil(n * bits / 32)
+
+
+COMPONENTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight")
+"""A quantized module's tensors (`weight` holds the int8 codes of naive/int-quantized)."""
+
+
+def restore_plan(names: Iterable[str], config: CtConfig) -> list[tuple[str, CtModule | None]]:
+    """(output tensor name, module to dequantize into it or None to copy the tensor as is), in
+    input order: a quantized module becomes one `P.weight` where its first tensor was."""
+    names = list(names)
+    modules = {m.module: m for m in quantized_modules(names, config)}
+    plan: list[tuple[str, CtModule | None]] = []
+    done: set[str] = set()
+    for name in names:
+        module, _, local = name.rpartition(".")
+        if module in modules and local in COMPONENTS:
+            if module not in done:
+                plan.append((f"{module}.weight", modules[module]))
+                done.add(module)
+            continue
+        plan.append((name, None))
+    return plan

@@ -17,13 +17,13 @@ integer difference and the product are exact in float32 for bf16/fp16 scales, so
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from qtool.formats.compressed_tensors import check_spec
-from qtool.formats.ct_read import NAIVE_FORMATS, CtArgs, packed_words
+from qtool.formats.ct_read import COMPONENTS, NAIVE_FORMATS, CtArgs, CtModule, packed_words
 from qtool.numerics import kernels
 from qtool.numerics.packing import pack_to_int32, unpack_nibbles
 from qtool.spec import PerGroup, PerTensor, QSpec, Scheme
@@ -188,3 +188,16 @@ def dequantize_module(tensors: Mapping[str, torch.Tensor], args: CtArgs, fmt: st
     else:
         out = (q.float() - zp.float().reshape(zp.shape[0], -1)) * scale.float().reshape(-1, 1)
     return out.to(scale.dtype)
+
+
+def dequantize_named(
+    module: CtModule, read: Callable[[str], torch.Tensor], names: Iterable[str]
+) -> torch.Tensor:
+    """`module`'s float weight, reading its tensors by full name with `read` (ValueError
+    prefixed with the module name when they do not fit its scheme)."""
+    local = module.tensor_names(names)
+    try:
+        tensors = {k: read(full) for k, full in local.items() if k in COMPONENTS}
+        return dequantize_module(tensors, module.group.weights, module.group.format)
+    except ValueError as err:
+        raise ValueError(f"{module.module}: {err}") from None

@@ -427,6 +427,7 @@ def test_encode_decode_matches_the_kernels_bit_for_bit(spec: QSpec, dtype: torch
             f"torch.{DTYPES[want_dtype].torch_name}",
             want_shape,
         )
+        assert t.is_contiguous(), local  # safetensors writes contiguous tensors only
     args = ct_read.parse_args("g", ct.weights_args(spec), "pack-quantized")
     decoded = dequantize_module(encoded.tensors, args, "pack-quantized")
     assert decoded.dtype == dtype
@@ -675,3 +676,26 @@ def test_restore_plan_and_named_dequantization() -> None:
         )
     with pytest.raises(ValueError, match="weight_g_idx"):
         ct_read.quantized_modules(["x.weight_packed", "x.weight_g_idx"], cfg)
+
+
+def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": config({"g": group("g", ["Linear"])})})
+    )
+    code = (
+        "import sys\n"
+        "from qtool.formats import compressed_tensors as ct, ct_read\n"
+        "from qtool.io.stformat import TensorEntry\n"
+        "e = [TensorEntry('a.weight', 'BF16', (16, 64), 0, 0)]\n"
+        "s = ct.select_tensors(e, {}, ct.QSpec())\n"
+        "ct.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
+        "from pathlib import Path\n"
+        f"cfg = ct_read.read_config(Path({str(tmp_path)!r}))\n"
+        "ct_read.restore_plan(['a.weight_packed'], cfg)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -57,7 +57,7 @@ def encode_weight(weight: torch.Tensor, spec: QSpec, *, with_errors: bool = True
         zero_point = _per_row(qt.zero_point, spec, n).to(torch.int8)
         tensors["weight_zero_point"] = pack_to_int32(zero_point, bits, dim=0)
     tensors["weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
-    return Encoded(tensors, qt)
+    return Encoded({name: t.contiguous() for name, t in tensors.items()}, qt)  # as writers need
 
 
 def _check_weight(weight: torch.Tensor, spec: QSpec) -> None:

@@ -520,7 +520,7 @@ def test_resolution_exact_beats_regex_beats_class_and_ignore_wins() -> None:
                 "g_regex": group("g_regex", ["re:.*down_proj$"], 5),
                 "g_exact": group("g_exact", ["model.layers.0.mlp.down_proj"], 6),
             },
-            ignore=["re:.*lm_head$"],
+            ignore=["re:.*lm_head$", "LayerNorm"],
         )
     )
 

@@ -8,7 +8,7 @@ back; its activation scheme is a runtime matter). Anything else is refused by na
 Scheme resolution follows vLLM and transformers' default path (compressed-tensors
 utils/match.py): an `ignore` entry wins; then exact module names, then `re:` regexes (re.match,
 anchored at the start only), then class names; alphabetical within a kind. A checkpoint holds
-no module classes: a class target (`Linear`) matches every module that holds quantized tensors.
+no module classes: a Linear class target matches every module that holds quantized tensors.
 """
 
 from __future__ import annotations
@@ -191,12 +191,14 @@ def _inferred_strategy(group_size: object) -> str:
 
 
 def target_matches(target: str, module: str) -> int | None:
-    """0 exact name, 1 `re:` regex, 2 class name (any quantized module); None: no match."""
+    """0 exact name, 1 `re:` regex, 2 a Linear class name (`Linear`, vLLM's `LinearBase`:
+    every module holding quantized tensors is one); None: no match (other class names, such
+    as `LayerNorm` in an ignore list, name no quantized module)."""
     if target.startswith("re:"):
         return 1 if re.match(target[3:], module) else None
     if target == module:
         return 0
-    return 2 if _is_class_name(target) else None
+    return 2 if _is_class_name(target) and "Linear" in target else None
 
 
 def _is_class_name(target: str) -> bool:

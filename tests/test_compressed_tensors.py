@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from qtool.dtypes import DTYPES
 from qtool.errors import InputError
 from qtool.formats import compressed_tensors as ct
+from qtool.formats import ct_config as ctc
 from qtool.formats import ct_read
 from qtool.formats.ct_tensors import (
     dequantize_module,
@@ -309,7 +310,7 @@ def test_group_fallback_channel_and_keep() -> None:
 
 def test_config_for_symmetric_int8_channel_is_exact() -> None:
     sel = ct.select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH)
-    assert ct.quantization_config(sel, "0.1.0") == {
+    assert ctc.quantization_config(sel, "0.1.0") == {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "quantization_status": "compressed",
@@ -344,7 +345,7 @@ def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
         for s in plan
     ]
     plan = ct.resolve_groups(plan, ct.GroupFallback.CHANNEL)
-    q = ct.quantization_config(plan, "0.1.0", {"group": [1.0, 0.9]})
+    q = ctc.quantization_config(plan, "0.1.0", {"group": [1.0, 0.9]})
     groups = q["config_groups"]
     assert isinstance(groups, dict) and list(groups) == ["group_0", "group_1"]
     assert groups["group_0"]["targets"] == ["model.layers.0.mlp.down_proj"]
@@ -365,20 +366,20 @@ def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
         "mse_algorithm": "qtool-mse-v1",
         "mse_candidates": {"group": [1.0, 0.9]},
     }
-    assert any("several schemes" in w for w in ct.export_warnings(plan))
+    assert any("several schemes" in w for w in ctc.export_warnings(plan))
 
 
 def test_per_tensor_is_written_as_channel() -> None:
     spec = QSpec(granularity=PerTensor())
-    assert ct.weights_args(spec)["strategy"] == "channel"
+    assert ctc.weights_args(spec)["strategy"] == "channel"
     sel = ct.select_tensors([entry("a.weight", (9, 32))], {}, spec)
     assert ct.output_tensors(sel[0])["a.weight_scale"] == ("BF16", (9, 1))
 
 
 def test_existing_quantization_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="already quantized"):
-        ct.with_quantization_config({"quantization_config": {"x": 1}}, {}, tmp_path)
-    assert ct.with_quantization_config({"a": 1}, {"b": 2}, tmp_path) == {
+        ctc.with_quantization_config({"quantization_config": {"x": 1}}, {}, tmp_path)
+    assert ctc.with_quantization_config({"a": 1}, {"b": 2}, tmp_path) == {
         "a": 1,
         "quantization_config": {"b": 2},
     }
@@ -388,11 +389,11 @@ def test_warnings() -> None:
     asym8 = ct.select_tensors(
         [entry("a.weight", (9, 96))], {}, QSpec(Scheme.ASYM, granularity=PerGroup(48))
     )
-    got = ct.export_warnings(asym8)
+    got = ctc.export_warnings(asym8)
     assert any(w.startswith("asymmetric int8 runs on few vLLM kernels") for w in got)
     assert any(w.startswith("group size 48:") for w in got)
     assert any("dequantize=True" in w for w in got)
-    assert ct.export_warnings(ct.select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
+    assert ctc.export_warnings(ct.select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
     tiny = torch.tensor([[1e-6], [1.0]], dtype=torch.float16)
     assert fp16_underflow_warning("a.weight", tiny) == (
         "a.weight: 1 of 2 float16 scales are subnormal (< 6.1e-05) and lose precision; "
@@ -428,7 +429,7 @@ def test_encode_decode_matches_the_kernels_bit_for_bit(spec: QSpec, dtype: torch
             want_shape,
         )
         assert t.is_contiguous(), local  # safetensors writes contiguous tensors only
-    args = ct_read.parse_args("g", ct.weights_args(spec), "pack-quantized")
+    args = ct_read.parse_args("g", ctc.weights_args(spec), "pack-quantized")
     decoded = dequantize_module(encoded.tensors, args, "pack-quantized")
     assert decoded.dtype == dtype
     assert torch.equal(decoded, kernel_dequantized(encoded, spec, (9, 48), dtype))
@@ -687,11 +688,11 @@ def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None
     )
     code = (
         "import sys\n"
-        "from qtool.formats import compressed_tensors as ct, ct_read\n"
+        "from qtool.formats import compressed_tensors as ct, ct_config, ct_read\n"
         "from qtool.io.stformat import TensorEntry\n"
         "e = [TensorEntry('a.weight', 'BF16', (16, 64), 0, 0)]\n"
         "s = ct.select_tensors(e, {}, ct.QSpec())\n"
-        "ct.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
+        "ctc.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
         "from pathlib import Path\n"
         f"cfg = ct_read.read_config(Path({str(tmp_path)!r}))\n"
         "ct_read.restore_plan(['a.weight_packed'], cfg)\n"

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from qtool import __version__  # noqa: E402
 from qtool.formats import compressed_tensors as ct  # noqa: E402
+from qtool.formats import ct_config as ctc  # noqa: E402
 from qtool.formats import ct_read  # noqa: E402
 from qtool.formats.ct_tensors import dequantize_named, encode_weight  # noqa: E402
 from qtool.io.stformat import read_header  # noqa: E402
@@ -112,8 +113,8 @@ def export(
         out |= {f"{s.module}.{local}": t for local, t in encoded.tensors.items()}
     dst.mkdir()
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    qconfig = ct.quantization_config(selections, __version__)
-    full = ct.with_quantization_config(config, qconfig, src / "config.json")
+    qconfig = ctc.quantization_config(selections, __version__)
+    full = ctc.with_quantization_config(config, qconfig, src / "config.json")
     (dst / "config.json").write_text(json.dumps(full, indent=2))
     for extra in src.iterdir():
         if extra.name not in ("config.json", "model.safetensors"):

@@ -692,7 +692,7 @@ def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None
         "from qtool.io.stformat import TensorEntry\n"
         "e = [TensorEntry('a.weight', 'BF16', (16, 64), 0, 0)]\n"
         "s = ct.select_tensors(e, {}, ct.QSpec())\n"
-        "ctc.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
+        "ct_config.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
         "from pathlib import Path\n"
         f"cfg = ct_read.read_config(Path({str(tmp_path)!r}))\n"
         "ct_read.restore_plan(['a.weight_packed'], cfg)\n"

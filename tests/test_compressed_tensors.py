@@ -287,7 +287,7 @@ def test_group_violations_name_every_tensor() -> None:
     ]
     with pytest.raises(InputError, match=r"b.weight \(K=96, G=64\), c.weight \(K=100") as err:
         ct.resolve_groups(plan, ct.GroupFallback.ERROR)
-    assert err.value.hint == "group-fallback"
+    assert err.value.hints == ("group-fallback",)
 
 
 def test_group_fallback_channel_and_keep() -> None:

@@ -83,6 +83,16 @@ class Selection:
     def quantized(self) -> bool:
         return self.spec is not None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in the export (header excluded)."""
+        return output_nbytes(self)
+
+    @property
+    def stored_dtype(self) -> str:
+        """I32 (packed codes) when quantized, else the tensor's dtype."""
+        return "I32" if self.spec is not None else self.entry.dtype
+
 
 # ---------------------------------------------------------------- which tensors
 

@@ -47,17 +47,27 @@ def encode_weight(weight: torch.Tensor, spec: QSpec, *, with_errors: bool = True
     _check_weight(weight, spec)
     n, k = weight.shape
     qt = kernels.quantize_tensor(weight, spec, with_errors=with_errors, scale_dtype=weight.dtype)
-    codes = unpack_nibbles(qt.q, k, signed=True) if spec.dtype.packed else qt.q  # int8 [N, K]
+    return Encoded(encode_result(qt, spec, (n, k), weight.dtype), qt)
+
+
+def encode_result(
+    qt: kernels.QuantizedTensor, spec: QSpec, shape: tuple[int, int], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The pack-quantized tensors (local names, on the CPU) of the kernels' result for an
+    N x K weight of `dtype`, quantized with scales already rounded to `dtype`."""
+    n, k = shape
+    q = qt.q.cpu()
+    codes = unpack_nibbles(q, k, signed=True) if spec.dtype.packed else q  # int8 [N, K]
     bits = spec.dtype.bits
     tensors = {
         "weight_packed": pack_to_int32(codes, bits, dim=1),
-        "weight_scale": _per_row(qt.scale, spec, n).to(weight.dtype),
+        "weight_scale": _per_row(qt.scale.cpu(), spec, n).to(dtype),
     }
     if spec.scheme is Scheme.ASYM:
-        zero_point = _per_row(qt.zero_point, spec, n).to(torch.int8)
+        zero_point = _per_row(qt.zero_point.cpu(), spec, n).to(torch.int8)
         tensors["weight_zero_point"] = pack_to_int32(zero_point, bits, dim=0)
     tensors["weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
-    return Encoded({name: t.contiguous() for name, t in tensors.items()}, qt)  # as writers need
+    return {name: t.contiguous() for name, t in tensors.items()}  # as writers need
 
 
 def _check_weight(weight: torch.Tensor, spec: QSpec) -> None:

@@ -29,7 +29,10 @@ def output_format(name: str, context: FormatContext | None = None) -> OutputForm
 
 def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
     """Any checkpoint as float tensors: a qtool-quantized file (with its sidecar, or `qparams`)
-    is dequantized on the fly; a plain checkpoint is read as it is."""
+    and a compressed-tensors model directory are dequantized on the fly; a plain checkpoint
+    (or model directory) is read as it is."""
+    from qtool.formats.ct_read import is_model_directory
+    from qtool.formats.ct_reader import ModelReader
     from qtool.formats.dense import DenseReader
     from qtool.formats.qtool import is_quantized
     from qtool.formats.qtool_reader import QtoolReader
@@ -37,6 +40,8 @@ def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
 
     if qparams is not None:
         return QtoolReader(path, qparams)
+    if is_model_directory(path):
+        return ModelReader(path)
     probe = open_checkpoint(path)
     if not is_quantized(probe.metadata):
         return DenseReader(path, probe)

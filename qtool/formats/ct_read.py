@@ -22,6 +22,8 @@ from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.formats.compressed_tensors import FORMAT, PACK_QUANTIZED
+from qtool.io.index import INDEX_SUFFIX, load_index
+from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, Scheme, StorageDtype
 
 NAIVE_FORMATS = ("naive-quantized", "int-quantized")
 READ_FORMATS = (PACK_QUANTIZED, *NAIVE_FORMATS)
@@ -279,3 +281,37 @@ def restore_plan(names: Iterable[str], config: CtConfig) -> list[tuple[str, CtMo
             continue
         plan.append((name, None))
     return plan
+
+
+# ---------------------------------------------------------------- model directories
+
+SINGLE_FILE = "model.safetensors"
+
+
+def is_model_directory(path: Path) -> bool:
+    """A directory holding a config.json and model.safetensors or an index (or that config)."""
+    directory = path.parent if path.name == "config.json" else path
+    if not directory.is_dir() or not (directory / "config.json").is_file():
+        return False
+    has_index = any(p.name.endswith(INDEX_SUFFIX) for p in directory.iterdir())
+    return has_index or (directory / SINGLE_FILE).is_file()
+
+
+def model_shards(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory: its index's shards, or model.safetensors."""
+    if any(p.name.endswith(INDEX_SUFFIX) for p in directory.iterdir()):
+        index = load_index(directory)
+        return [index.directory / s for s in index.shards]
+    return [directory / SINGLE_FILE]
+
+
+def args_spec(args: CtArgs) -> QSpec:
+    """The closest QSpec (qtool has int8 and int4 codes; 2-7 bits count as their container)."""
+    dtype = StorageDtype.INT4 if args.num_bits <= 4 else StorageDtype.INT8
+    if args.strategy == "group":
+        assert args.group_size is not None
+        return QSpec(
+            Scheme.SYM if args.symmetric else Scheme.ASYM, dtype, PerGroup(args.group_size)
+        )
+    granularity = PerChannel(0) if args.strategy == "channel" else PerTensor()
+    return QSpec(Scheme.SYM if args.symmetric else Scheme.ASYM, dtype, granularity)

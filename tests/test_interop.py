@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +29,13 @@ transformers = pytest.importorskip("transformers", reason=REASON)
 pytest.importorskip("compressed_tensors", reason=REASON)
 
 import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
-from qtool import __version__  # noqa: E402
-from qtool.formats import compressed_tensors as ct  # noqa: E402
-from qtool.formats import ct_config as ctc  # noqa: E402
-from qtool.formats import ct_read  # noqa: E402
-from qtool.formats.ct_tensors import dequantize_named, encode_weight  # noqa: E402
+from qtool import api  # noqa: E402
+from qtool.api import QuantizeOptions  # noqa: E402
+from qtool.cli import app  # noqa: E402
+from qtool.formats import ct_read, open_reader  # noqa: E402
 from qtool.io.stformat import read_header  # noqa: E402
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, Scheme, StorageDtype  # noqa: E402
 
@@ -94,46 +92,24 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
 # ---------------------------------------------------------------- qtool's side
 
 
-def export(
-    src: Path, dst: Path, spec: QSpec, adapt: Callable[[ct.Selection], ct.Selection] = lambda s: s
-) -> None:
-    """Write `src` as a compressed-tensors model directory with qtool's format functions."""
-    config = json.loads((src / "config.json").read_text())
-    entries = read_header(src / "model.safetensors").tensors
-    selections = [adapt(s) for s in ct.select_tensors(entries, config, spec)]
-    assert ct.fused_inconsistencies(selections) == []
-    assert ct.group_violations(selections) == []
-    tensors = load_file(src / "model.safetensors")
-    out: dict[str, torch.Tensor] = {}
-    for s in selections:
-        if s.spec is None or s.module is None:
-            out[s.entry.name] = tensors[s.entry.name]
-            continue
-        encoded = encode_weight(tensors[s.entry.name], s.spec, with_errors=False)
-        out |= {f"{s.module}.{local}": t for local, t in encoded.tensors.items()}
-    dst.mkdir()
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    qconfig = ctc.quantization_config(selections, __version__)
-    full = ctc.with_quantization_config(config, qconfig, src / "config.json")
-    (dst / "config.json").write_text(json.dumps(full, indent=2))
-    for extra in src.iterdir():
-        if extra.name not in ("config.json", "model.safetensors"):
-            shutil.copy(extra, dst / extra.name)
+def export(src: Path, dst: Path, spec: QSpec, fallback: str = "error") -> None:
+    """Write `src` as a compressed-tensors model directory the way `qtool quantize --format
+    compressed-tensors` does (the same engine call)."""
+    options = QuantizeOptions(spec, format="compressed-tensors", group_fallback=fallback)
+    summary = api.quantize(src, dst, options, device="cpu")
+    assert summary.outputs == [str(dst)]
+    names = {p.name for p in src.iterdir()}
+    assert names <= {p.name for p in dst.iterdir()}  # config, weights and companions
 
 
 def qtool_read(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a compressed-tensors directory as qtool restores it: `P.weight` for each
-    quantized module (float, the scale dtype), other tensors as they are."""
-    config = ct_read.read_config(path)
-    stored: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        stored |= load_file(f)
-    out = {}
-    for name, module in ct_read.restore_plan(stored, config):
-        out[name] = (
-            stored[name] if module is None else dequantize_named(module, stored.__getitem__, stored)
-        )
-    return out
+    """Every tensor of a compressed-tensors directory as qtool restores it (open_reader, as
+    inspect/dequantize/compare do): `P.weight` for each quantized module, others as they are."""
+    reader = open_reader(path)
+    try:
+        return {name: reader.values(name).clone() for name in reader.names}
+    finally:
+        reader.close()
 
 
 # ---------------------------------------------------------------- compressed-tensors' side
@@ -265,18 +241,12 @@ CASES = [
 ]
 
 
-def adapter(case: Case) -> Callable[[ct.Selection], ct.Selection]:
-    """For mixed cases: group 512 divides only down_proj's K; the rest falls back to channel."""
-    if not case.mixed:
-        return lambda s: s
-    return lambda s: ct.apply_group_fallback(s, ct.GroupFallback.CHANNEL)
-
-
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Model]) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qtool-ct")
     for case in CASES:
-        export(models[case.model].path, root / case.id, case.spec, adapter(case))
+        fallback = "channel" if case.mixed else "error"  # group 512 divides down_proj's K only
+        export(models[case.model].path, root / case.id, case.spec, fallback)
     return {case.id: root / case.id for case in CASES}
 
 
@@ -377,3 +347,26 @@ def test_qtool_reads_compressed_tensors_exports_bit_exact(
         assert torch.equal(w, ours[module_weight]), module_weight
     float_names = set(load_file(models[model_name].path / "model.safetensors"))
     assert set(ours) == float_names
+
+
+def test_cli_gates_and_dequantizes_a_compressed_tensors_export(
+    models: dict[str, Model], tmp_path: Path
+) -> None:
+    """`qtool compare float/ ct/ --min-sqnr` and `qtool dequantize ct/` on compressed-tensors'
+    own export, from the command line: the gate passes, the restored file has the float names
+    and compressed-tensors' own values."""
+    model = models["llama"]
+    ct_dir = tmp_path / "ct"
+    ct_export(model, ct_dir, {"num_bits": 8, "symmetric": True, "strategy": "channel"})
+    runner = CliRunner()
+    result = runner.invoke(app, ["compare", str(model.path), str(ct_dir), "--min-sqnr", "30"])
+    assert result.exit_code == 0, result.stderr
+    result = runner.invoke(app, ["inspect", str(ct_dir)])
+    assert result.exit_code == 0 and "sym int8 axis 0" in result.stdout
+    out = tmp_path / "restored.safetensors"
+    result = runner.invoke(app, ["dequantize", str(ct_dir), "-o", str(out)])
+    assert result.exit_code == 0, result.stderr
+    restored = load_file(out)
+    assert set(restored) == set(load_file(model.path / "model.safetensors"))
+    for name, w in ct_decompress(ct_dir).items():
+        assert torch.equal(restored[name], w), name

@@ -370,3 +370,26 @@ def test_cli_gates_and_dequantizes_a_compressed_tensors_export(
     assert set(restored) == set(load_file(model.path / "model.safetensors"))
     for name, w in ct_decompress(ct_dir).items():
         assert torch.equal(restored[name], w), name
+
+
+def test_readme_loads_the_sample_export_in_three_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's transformers snippet runs on the README's export of the sample model."""
+    import re
+
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    snippet = next(b for b in blocks if "build/tiny-llama-w4a16" in b)
+    assert len(snippet.strip().splitlines()) == 3
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "build").mkdir()  # the README's `mkdir -p build`
+    result = CliRunner().invoke(app, [
+        "quantize", str(root / "sample_weights" / "tiny-llama"), "--format", "compressed-tensors",
+        "--dtype", "int4", "--group-size", "32", "-o", "build/tiny-llama-w4a16",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    capsys.readouterr()
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "torch.Size([1, 3, 128])"

@@ -263,3 +263,10 @@ def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(samples: P
     assert "--" not in str(info.value) and info.value.hints == ("force",)
     code, stdout, stderr = invoke("quantize", str(src), "-o", str(out))
     assert code == 1 and stdout == "" and stderr.rstrip().endswith("(pass --force)")
+
+
+def test_piped_tables_keep_every_column_whatever_columns_says(samples: Path) -> None:
+    args = ["quantize", str(samples / "mlp.safetensors"), "--dry-run", "--estimate"]
+    result = qtool(*args, env={**os.environ, "COLUMNS": "80"})
+    header = next(line for line in result.stdout.splitlines() if "tensor" in line)
+    assert result.returncode == 0 and "shape" in header and "max err" in header

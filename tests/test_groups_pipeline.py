@@ -244,3 +244,28 @@ def test_mse_with_nonfinite_values_is_refused_naming_the_tensor(tmp_path: Path) 
     assert info.value.tensor == "w" and sorted(p.name for p in tmp_path.iterdir()) == [
         "m.safetensors"
     ]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
+def test_bytes_out_counts_everything_the_two_files_hold(samples: Path, spec: QSpec) -> None:
+    from qtool.io.stformat import read_header
+
+    q = samples / "q.safetensors"
+    summary = api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(spec), device="cpu")
+    written = sum(read_header(p).data_bytes for p in (q, sidecar_path(q)))
+    assert summary.bytes_out == written
+
+
+def test_plot_refuses_a_quantized_file_and_its_json_says_ok(samples: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qtool.errors import QtoolError
+
+    q = samples / "q.safetensors"
+    api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")
+    with pytest.raises(QtoolError, match="is a qtool-quantized file"):
+        api.plot_tensor(q, "head.weight", QSpec(), samples / "p.png")
+    from qtool.report.json import plot_json
+
+    info = api.plot_tensor(samples / "mlp.safetensors", "head.weight", QSpec(), samples / "p.png")
+    doc = plot_json("m", "p.png", info)
+    assert doc["ok"] is True and doc["spec"]["granularity"] == {"kind": "channel", "axis": 0}

@@ -78,7 +78,7 @@ class _Command(TyperCommand):
 
 app = typer.Typer(
     name="qtool",
-    help="Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports.",
+    help="Quantize model checkpoints to 8- or 4-bit integers, exactly, with per-layer errors.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -187,7 +187,7 @@ def _main(
         typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
     ] = False,
 ) -> None:
-    """Quantize model checkpoints to int8/uint8, exactly, with per-layer error reports."""
+    """Quantize model checkpoints to 8- or 4-bit integers, exactly, with per-layer error reports."""
     warnings.showwarning = _warning_line
 
 
@@ -532,7 +532,11 @@ def dequantize(
 ) -> None:
     """Turn a quantized file back into a float checkpoint with the original names and dtypes."""
     if to is not None and old_dtype is not None and to != old_dtype:
-        raise typer.BadParameter("--dtype (the old name of --to) disagrees", param_hint="--to")
+        raise typer.BadParameter(
+            f"{to.value} disagrees with --dtype {old_dtype.value} (the old name of --to); "
+            "give one of them",
+            param_hint="--to",
+        )
     dtype = (to or old_dtype or OutDtype.ORIGINAL).value
     with user_errors(as_json):
         summary = api.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)

@@ -26,6 +26,7 @@ from qtool.spec import (
     PerGroup,
     PerTensor,
     QSpec,
+    RangeMethod,
     matrix_shape,
     packed_shape,
     qparam_shape,
@@ -70,10 +71,13 @@ class TensorPlan:
 
     @property
     def qparam_nbytes(self) -> int:
-        """Bytes of the float32 scales and 1-byte zero points this tensor adds."""
+        """Bytes this tensor adds to the sidecar: a float32 scale and a 1-byte zero point per
+        group, and with --range mse the 1-byte index of the range each group kept (0 when the
+        format counts its qparams in `stored_nbytes`)."""
         if self.spec is None or self.stored_nbytes is not None:
             return 0
-        return math.prod(qparam_shape(self.spec.granularity, self.entry.shape)) * 5
+        per_group = 6 if self.spec.range_method is RangeMethod.MSE else 5
+        return math.prod(qparam_shape(self.spec.granularity, self.entry.shape)) * per_group
 
     @property
     def out_nbytes(self) -> int:

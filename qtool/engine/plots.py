@@ -23,6 +23,7 @@ import torch
 from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
 from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
+from qtool.formats.qtool import is_quantized
 from qtool.io.atomic import preflight, write_file
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
@@ -257,6 +258,12 @@ def plot_tensor(
     plt = _pyplot()
     ckpt = open_checkpoint(checkpoint)
     try:
+        if is_quantized(ckpt.metadata):
+            raise QtoolError(
+                checkpoint,
+                "is a qtool-quantized file (codes, not floats); plot the float checkpoint it "
+                "was made from (qtool dequantize makes one)",
+            )
         entry = ckpt.by_name().get(tensor)
         if entry is None:
             raise QtoolError(checkpoint, "no such tensor; list them with qtool inspect", tensor)
@@ -303,6 +310,7 @@ def plot_tensor(
     return {
         "tensor": tensor,
         "spec": spec.describe(),
+        "qspec": spec,
         "mse": stats.mse,
         "max_abs_error": stats.max_abs,
         "sqnr_db": stats.sqnr_db,

@@ -329,12 +329,13 @@ def resolve_output(
     name, and a UsageError for any other name."""
     if out is None:
         return default
-    if out.suffix in accepted:  # even a directory named so: that is refused later, clearly
+    if out.suffix.lower() in accepted:  # even a directory named so: refused later, clearly
         return out
     if out.is_dir():
         return out / default.name
-    stem = out.stem if out.suffix in _KNOWN_EXTENSIONS else out.name
-    has = f"ends in {out.suffix}" if out.suffix in _KNOWN_EXTENSIONS else "has no file extension"
+    known = out.suffix.lower() in _KNOWN_EXTENSIONS
+    stem = out.stem if known else out.name
+    has = f"ends in {out.suffix}" if known else "has no file extension"
     raise UsageError(
         out,
         f"{what} writes {' or '.join(accepted)} files but this name {has}; "

@@ -154,6 +154,18 @@ def print_warning(message: str) -> None:
 # ---- numbers -----------------------------------------------------------------------------------
 
 
+def _terminal_width() -> int | None:
+    """The width a table must fit: a terminal's; None in a pipe or file, where lines may be
+    long (every column kept, names never wrapped, so CI logs stay greppable)."""
+    return console(sys.stdout).width if sys.stdout.isatty() else None
+
+
+def _fmt_db(value: float) -> str:
+    """'48.0 dB', or 'exact' for an exact reconstruction."""
+    text = _fmt_sqnr(value)
+    return text if text == "exact" else f"{text} dB"
+
+
 def _fmt_sqnr(value: float) -> str:
     if value == math.inf:
         return "exact"
@@ -285,7 +297,7 @@ def print_quantize(
     title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
-    table = quantize_table(shown, title, failed, width=console(sys.stdout).width)
+    table = quantize_table(shown, title, failed, width=_terminal_width())
     lines: list[Any] = [table, Text(_quantize_totals(summary))]
     if len(shown) < len(summary.rows):
         lines.append(Text(f"(showing {len(shown)} of {len(summary.rows)} tensors)", style="dim"))
@@ -308,7 +320,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     ]
     overall = summary.overall
     if overall is not None:
-        parts.append(f"overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB")
+        parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     return " · ".join(parts)
@@ -320,7 +332,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
 def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
-    width = console(sys.stdout).width
+    width = _terminal_width()
     table = quantize_table(rows, title, failed, width=width, headers=("dtype A→B", "compared"))
     overall = summary.overall
     totals = (
@@ -328,7 +340,7 @@ def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResu
         f"{len(summary.mismatches)} mismatched"
     )
     if overall is not None:
-        totals += f" · overall SQNR {_fmt_sqnr(overall.sqnr_db)} dB"
+        totals += f" · overall SQNR {_fmt_db(overall.sqnr_db)}"
     lines: list[Any] = [table, Text(totals)]
     gate_line = _gate_text(gate)
     if gate_line is not None:

@@ -195,11 +195,12 @@ def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, A
     """What `qtool plot` drew: the tensor, its spec and its error figures."""
     return {
         "schema_version": SCHEMA_VERSION,
+        "ok": True,
         "command": "plot",
         "inputs": [checkpoint],
         "outputs": [target],
         "tensor": info["tensor"],
-        "spec": info["spec"],
+        "spec": spec_json(info["qspec"]),
         "mse": info["mse"],
         "max_abs_error": info["max_abs_error"],
         "sqnr_db": json_number(float(info["sqnr_db"])),

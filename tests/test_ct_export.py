@@ -224,3 +224,21 @@ def test_gates_apply(llama: Path, tmp_path: Path) -> None:
 def test_qtool_options_refuse_format_only_flags(llama: Path) -> None:
     code, _, err = invoke("quantize", str(llama / "model.safetensors"), "--group-fallback", "keep")
     assert code == 2 and "--format compressed-tensors" in err
+
+
+@pytest.mark.parametrize("fmt", [(), CT], ids=["qtool", "compressed-tensors"])
+@pytest.mark.parametrize("where", ["in-place", "moved"])
+def test_a_compressed_tensors_shard_is_not_quantized_again(
+    llama: Path, tmp_path: Path, fmt: tuple[str, ...], where: str
+) -> None:
+    """By the config beside it, or (moved away from it) by its tensor names."""
+    export = tmp_path / "ct"
+    assert invoke("quantize", str(llama), *CT, "-o", str(export))[0] == 0
+    shard = export / "model.safetensors"
+    if where == "moved":
+        shard = shard.rename(tmp_path / "moved.safetensors")
+    extra = ("--config", str(llama / "config.json")) if fmt else ()
+    again = tmp_path / ("again" if fmt else "again.safetensors")
+    code, _, err = invoke("quantize", str(shard), *fmt, *extra, "-o", str(again))
+    assert code == 1 and "compressed-tensors" in err and "not a float checkpoint" in err
+    assert not again.exists()

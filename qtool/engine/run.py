@@ -130,7 +130,10 @@ def quantize_model(
         preflight(also, model.source.protected, force=force)
         notes = companions(model)[1]
         with building(out) as temp:
-            rows = _write_model(shards, model, model_target(model, temp), fmt, run)
+            target = model_target(model, temp)
+            needed = sum(p.out_nbytes for p in plans)
+            preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
+            rows = _write_model(shards, model, target, fmt, run)
         return _with_format(summary.of(rows), fmt, shards.plans(), notes)
     finally:
         shards.close()

@@ -242,3 +242,28 @@ def test_a_compressed_tensors_shard_is_not_quantized_again(
     code, _, err = invoke("quantize", str(shard), *fmt, *extra, "-o", str(again))
     assert code == 1 and "compressed-tensors" in err and "not a float checkpoint" in err
     assert not again.exists()
+
+
+def test_keep_nonfinite_keeps_the_set_alike_or_refuses(llama: Path, tmp_path: Path) -> None:
+    """A NaN tensor kept by --keep-nonfinite is float and in `ignore`, and its size is its own;
+    a kept q_proj whose k/v siblings were quantized is refused, and nothing is written."""
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code, stdout, err = invoke("quantize", str(llama), *CT, "--keep-nonfinite", "--json",
+                               "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["ignore"] == ["lm_head", "model.layers.1.mlp.down_proj"]
+    row = next(
+        t for t in json.loads(stdout)["tensors"] if t["name"].endswith("1.mlp.down_proj.weight")
+    )
+    assert (row["quantized"], row["out_dtype"], row["bytes_out"]) == (False, "BF16", 64 * 128 * 2)
+    tensors["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = invoke(
+        "quantize", str(llama), *CT, "--keep-nonfinite", "-o", str(tmp_path / "b")
+    )
+    assert code == 1 and "quantized alike" in err
+    assert not (tmp_path / "b").exists() and leftovers(tmp_path) == []

@@ -87,7 +87,8 @@ class TensorPlan:
         return math.prod(self.out_shape) * DTYPE_BITS[self.out_dtype] // 8
 
     def kept(self, reason: str) -> TensorPlan:
-        return replace(self, spec=None, reason=reason)
+        """The tensor stored as it is (its size and dtype in any format: its own)."""
+        return replace(self, spec=None, reason=reason, stored_nbytes=None, stored_dtype=None)
 
 
 def plan_tensors(

@@ -272,6 +272,7 @@ class _Shards:
         plans = self._plans[shard]
         if self.options.keep_nonfinite:
             plans = keep_nonfinite(ckpt, plans)
+            self._plans[shard] = plans  # what was written: a format's files describe it
         return ckpt, plans
 
     def done(self, shard: Path) -> None:

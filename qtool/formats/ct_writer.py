@@ -54,6 +54,17 @@ def _selection(planned: Planned, config: dict[str, object]) -> ct.Selection:
     return ct.Selection(entry, ct.classify(entry, config).module, None)
 
 
+def _check_fused(selections: Sequence[ct.Selection]) -> None:
+    """InputError when sibling Linears vLLM fuses (q/k/v, gate/up) are treated differently."""
+    problems = ct.fused_inconsistencies(selections)
+    if problems:
+        raise InputError(
+            None,
+            "vLLM fuses these Linears, so they must be quantized alike: " + "; ".join(problems),
+            hint="exclude",
+        )
+
+
 class CompressedTensorsFormat:
     """compressed-tensors `pack-quantized`: a model directory transformers and vLLM load."""
 
@@ -89,13 +100,7 @@ class CompressedTensorsFormat:
         except ValueError as err:
             raise InputError(None, str(err), hint="dtype") from None
         chosen = ct.resolve_groups(chosen, self.fallback)
-        problems = ct.fused_inconsistencies(chosen)
-        if problems:
-            raise InputError(
-                None,
-                "vLLM fuses these Linears, so they must be quantized alike: " + "; ".join(problems),
-                hint="exclude",
-            )
+        _check_fused(chosen)
         return list(chosen)
 
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
@@ -109,7 +114,10 @@ class CompressedTensorsFormat:
         return list(ct.output_tensors(_selection(planned, self.config)))
 
     def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        """config.json with the quantization_config of what was written; InputError when a
+        tensor kept after planning (--keep-nonfinite) split a fused set."""
         selections = [_selection(p, self.config) for p in planned]
+        _check_fused(selections)
         candidates = {
             p.entry.name: list(c)
             for p in planned

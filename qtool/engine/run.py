@@ -10,7 +10,7 @@ nothing of Rich or Typer.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -133,7 +133,8 @@ def quantize_model(
             target = model_target(model, temp)
             needed = sum(p.out_nbytes for p in plans)
             preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
-            rows = _write_model(shards, model, target, fmt, run)
+            finish = _finish_model(model, temp, fmt, shards)
+            rows = _write(shards, target, fmt, run, finish)
         return _with_format(summary.of(rows), fmt, shards.plans(), notes)
     finally:
         shards.close()
@@ -147,29 +148,15 @@ def _with_format(
     return replace(summary, notes=[*notes, *warnings], format=fmt.name, ignore=fmt.ignore(plans))
 
 
-def _write_model(
-    shards: _Shards, model: ModelInput, target: Target, fmt: OutputFormat, run: Run
-) -> list[TensorRow]:
-    """Every shard through the format's writer into `target`, then the format's files, the
-    companions and the index (with the names the format stores each tensor under)."""
-    plans = shards.plans()
-    if run.progress is not None:
-        run.progress.start(sum(p.entry.nbytes for p in plans))
-    rows: list[TensorRow] = []
-    weight_map: dict[str, str] = {}
-    with OutputSet() as outputs:
-        for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
-            ckpt, shard_plans = shards.checkpoint_plans(shard)
-            writer = fmt.writer(shard_plans, ckpt.metadata, out, outputs)
-            rows += write_shard(ckpt, shard_plans, writer, run)
-            weight_map |= {n: out.name for p in shard_plans for n in fmt.tensor_names(p)}
-            shards.done(shard)
-        assert target.directory is not None
-        total = sum(r.bytes_out for r in rows)
+def _finish_model(model: ModelInput, directory: Path, fmt: OutputFormat, shards: _Shards) -> Finish:
+    """A model directory's last files: the format's own (config.json), the companions, and
+    the index with the names the format stores each tensor under."""
+
+    def finish(outputs: OutputSet, weight_map: dict[str, str], total: int) -> None:
         files = fmt.directory_files(shards.plans())
-        finish_model_directory(outputs, model, target.directory, files, weight_map, total)
-        outputs.commit()
-    return rows
+        finish_model_directory(outputs, model, directory, files, weight_map, total)
+
+    return finish
 
 
 def quantize(
@@ -313,19 +300,32 @@ def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     return rows
 
 
-def _write(shards: _Shards, target: Target, fmt: OutputFormat, run: Run) -> list[TensorRow]:
-    """Every shard through the format's writer, then (sharded) companions and the index."""
+Finish = Callable[[OutputSet, dict[str, str], int], None]
+"""Writes a run's last files given the output index's weight map and total size."""
+
+
+def _write(
+    shards: _Shards, target: Target, fmt: OutputFormat, run: Run, finish: Finish | None = None
+) -> list[TensorRow]:
+    """Every shard through the format's writer, then `finish` (default: for a sharded output,
+    the companions and the index)."""
     if run.progress is not None:
         run.progress.start(sum(p.entry.nbytes for p in shards.plans()))
     rows: list[TensorRow] = []
+    weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
         for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
             ckpt, plans = shards.checkpoint_plans(shard)
             writer = fmt.writer(plans, ckpt.metadata, out, outputs)
             rows += write_shard(ckpt, plans, writer, run)
+            weight_map |= {n: out.name for p in plans for n in fmt.tensor_names(p)}
             shards.done(shard)
         total = sum(r.bytes_out for r in rows)
-        finish_directory(outputs, shards.source, target, total, _index_section(shards, target))
+        if finish is None:
+            section = _index_section(shards, target)
+            finish_directory(outputs, shards.source, target, total, section)
+        else:
+            finish(outputs, weight_map, total)
         outputs.commit()
     return rows
 

@@ -4,6 +4,10 @@ A format says what it can store (`supports`), which files one output shard occup
 takes the tensors of one shard from the quantize loop (`writer`), and gives any file it wrote
 back as float tensors (`reader`, chosen by `detect`). The loop in engine/run.py knows nothing
 else about it, so a second format (compressed-tensors) plugs in without touching the loop.
+A format may also choose the tensors itself over the whole model (`select`), store a tensor
+under other names (`tensor_names`, for the output index), write a model directory's own files
+(`directory_files`: config.json), round scales to the weight's dtype before the codes are
+computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warnings`, `ignore`).
 """
 
 from __future__ import annotations

@@ -116,6 +116,8 @@ class QuantizeSummary:
     stale_temps_removed: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
+    format: str = "qtool"
+    ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property
     def quantized(self) -> list[TensorRow]:

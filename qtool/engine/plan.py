@@ -39,6 +39,9 @@ class QuantizeOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
+    format: str = "qtool"  # the output format (formats.FORMAT_NAMES)
+    config: Path | None = None  # the model's config.json, for a single-file model export
+    group_fallback: str = "error"  # K not a multiple of G: error | channel | keep
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,13 @@ class TensorPlan:
     spec: QSpec | None
     reason: str = ""
     note: str = ""
+    stored_nbytes: int | None = None  # bytes in the output, when the format says (else qtool's)
+    stored_dtype: str | None = None  # the codes' dtype, when the format says (else qtool's)
 
     @property
     def out_dtype(self) -> str:
+        if self.stored_dtype is not None:
+            return self.stored_dtype
         return self.spec.dtype.safetensors_dtype if self.spec else self.entry.dtype
 
     @property
@@ -65,8 +72,9 @@ class TensorPlan:
     @property
     def qparam_nbytes(self) -> int:
         """Bytes this tensor adds to the sidecar: a float32 scale and a 1-byte zero point per
-        group, and with --range mse the 1-byte index of the range each group kept."""
-        if self.spec is None:
+        group, and with --range mse the 1-byte index of the range each group kept (0 when the
+        format counts its qparams in `stored_nbytes`)."""
+        if self.spec is None or self.stored_nbytes is not None:
             return 0
         per_group = 6 if self.spec.range_method is RangeMethod.MSE else 5
         return math.prod(qparam_shape(self.spec.granularity, self.entry.shape)) * per_group
@@ -74,10 +82,13 @@ class TensorPlan:
     @property
     def out_nbytes(self) -> int:
         """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
+        if self.stored_nbytes is not None:
+            return self.stored_nbytes
         return math.prod(self.out_shape) * DTYPE_BITS[self.out_dtype] // 8
 
     def kept(self, reason: str) -> TensorPlan:
-        return replace(self, spec=None, reason=reason)
+        """The tensor stored as it is (its size and dtype in any format: its own)."""
+        return replace(self, spec=None, reason=reason, stored_nbytes=None, stored_dtype=None)
 
 
 def plan_tensors(
@@ -188,7 +199,10 @@ def planned_row(plan: TensorPlan) -> TensorRow:
 
 def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
     """The plan of a safetensors or sharded input from its headers alone (no torch import);
-    None for a torch pickle, which has to be loaded to be planned."""
+    None for a torch pickle, which has to be loaded to be planned, and for another output
+    format than qtool's (the run plans those)."""
+    if options.format != "qtool":
+        return None
     if is_sharded(src):
         sharded = load_index(src)
         refuse_file_name_for_directory(out, "quantize")

@@ -157,7 +157,7 @@ def finish_directory(
     if source.index is None or target.directory is None:
         return
     for companion in companion_files(source.index)[0]:
-        _copy_into(outputs, companion, target.directory / companion.name)
+        copy_into(outputs, companion, target.directory / companion.name)
     _write_index(outputs, source.index, target.directory / source.index.index.name, total, section)
 
 
@@ -180,7 +180,7 @@ def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     return created
 
 
-def _copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
+def copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
     """Copy a companion: the resolved file, opened without following links, if regular."""
     try:
         fd = os.open(os.path.realpath(src), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -58,9 +58,32 @@ class QtoolFormat:
     """qtool's own format: codes under the original names, and a sidecar of qparams."""
 
     name = "qtool"
+    model_directory = False
+    scales_in_weight_dtype = False
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         return None  # every granularity, storage dtype and range method
+
+    def select(
+        self,
+        entries: Sequence[TensorEntry],
+        spec: QSpec,
+        include: Sequence[str],
+        exclude: Sequence[str],
+    ) -> None:
+        return None  # the engine's default: every float tensor of 2 or more dimensions
+
+    def tensor_names(self, planned: Planned) -> list[str]:
+        return [planned.entry.name]
+
+    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        return {}
+
+    def warnings(self, planned: Sequence[Planned]) -> list[str]:
+        return []
+
+    def ignore(self, planned: Sequence[Planned]) -> None:
+        return None
 
     def layout(self, out: Path) -> list[Path]:
         return [out, sidecar_path(out)]

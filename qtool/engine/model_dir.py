@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtool.engine.source import WEIGHT_SUFFIXES, Source, Target, copy_into, open_source
+from qtool.engine.source import Source, Target, companions_in, copy_into, open_source
 from qtool.errors import InputError, OutputError, UsageError
 from qtool.io.atomic import OutputSet
-from qtool.io.index import INDEX_SUFFIX, companion_problem, find_index
+from qtool.io.index import INDEX_SUFFIX, find_index
 
 SINGLE_SHARD_NAME = "model.safetensors"
 
@@ -74,25 +74,10 @@ def model_target(model: ModelInput, directory: Path) -> Target:
 
 
 def companions(model: ModelInput) -> tuple[list[Path], list[str]]:
-    """The input directory's other files (not weights, not the index, not hidden, regular), and
-    a note per file skipped."""
+    """The input directory's other files (see companions_in), and a note per file skipped."""
     if model.directory is None:
         return [], []
-    files, notes = [], []
-    for p in sorted(model.directory.iterdir()):
-        if (
-            p.name.startswith(".")
-            or p.name.endswith(WEIGHT_SUFFIXES)
-            or p.name.endswith(INDEX_SUFFIX)
-            or (p.is_dir() and not p.is_symlink())
-        ):
-            continue
-        why = companion_problem(model.directory, p)
-        if why is None:
-            files.append(p)
-        else:
-            notes.append(f"{p}: not copied: {why}")
-    return files, notes
+    return companions_in(model.directory)
 
 
 def check_output_dir(out: Path, model: ModelInput, force: bool) -> None:

@@ -131,6 +131,9 @@ class Resolution:
     rule: Rule | None
     action: QSpec | Keep
     note: str = ""
+    by_rule: bool = False
+    """The rule's own decision (its keep or its spec; --include matching nothing counts), not
+    the default selection nor a tensor the rule could not quantize (1-D, integer)."""
 
     @property
     def spec(self) -> QSpec | None:
@@ -165,10 +168,10 @@ def resolve(
     RecipeError / InputError (naming `checkpoint`) for an axis the tensor lacks."""
     rule = next((r for r in rules if r.matches(entry.name)), None)
     if rule is None and any(r.kind is RuleKind.INCLUDE for r in rules):
-        return Resolution(None, Keep("not matched by --include"))
+        return Resolution(None, Keep("not matched by --include"), by_rule=True)
     action = rule.action if rule is not None else SpecPatch()
     if isinstance(action, Keep):
-        return Resolution(rule, action)
+        return Resolution(rule, action, by_rule=True)
     reason = selection_reason(entry, small=rule is not None and rule.kind is RuleKind.INCLUDE)
     if reason is not None:
         return Resolution(rule, Keep(reason))
@@ -176,7 +179,7 @@ def resolve(
         fitted, note = fit_spec(action.apply(base), entry.shape)
     except ValueError as err:
         raise _axis_error(rule, entry, str(err), checkpoint) from None
-    return Resolution(rule, fitted, note)
+    return Resolution(rule, fitted, note, by_rule=rule is not None)
 
 
 def selection_reason(entry: Entry, *, small: bool = False) -> str | None:

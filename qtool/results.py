@@ -118,6 +118,8 @@ class QuantizeSummary:
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
     # --target-sqnr: the output size with the budget's tensors all int8 / all float
     budget_sizes: tuple[int, int] | None = None
+    format: str = "qtool"
+    ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property
     def quantized(self) -> list[TensorRow]:

@@ -7,6 +7,9 @@ mlp:      embedding, two Linear layers with biases, a LayerNorm, a head with one
 convnet:  two Conv2d layers with BatchNorm (running stats, int64 num_batches_tracked), a Linear.
 mlp-bf16: the mlp in bfloat16, as most LLM checkpoints ship.
 sharded-mlp/: the bf16 mlp split in two shards with an HF-style index and a config.json.
+tiny-llama/: a Hugging Face model directory (config.json, generation_config.json, bf16
+          model.safetensors) of a 2-layer Llama that transformers loads: the
+          compressed-tensors export example. Random weights, so its outputs mean nothing.
 The .pt files are torch.save state dicts; convnet.pt is wrapped as {"state_dict": ..., "epoch": 7}.
 """
 
@@ -70,6 +73,61 @@ def main(outdir: Path) -> None:
     torch.save(models["mlp"], outdir / "mlp.pt")
     torch.save({"state_dict": models["convnet"], "epoch": 7}, outdir / "convnet.pt")
     write_sharded(models["mlp-bf16"], outdir / "sharded-mlp")
+    write_tiny_llama(outdir / "tiny-llama")
+
+
+TINY_LLAMA_CONFIG: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-06,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "dtype": "bfloat16",
+}
+
+
+def tiny_llama() -> dict[str, torch.Tensor]:
+    """The weights of TINY_LLAMA_CONFIG under transformers' names, in bfloat16."""
+    gen = torch.Generator().manual_seed(4242)
+    h, i, kv, layers = 64, 128, 2 * 16, 2  # hidden, intermediate, KV heads x head_dim, layers
+    sd = {"model.embed_tokens.weight": torch.randn(128, h, generator=gen) * 0.02}
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+    for layer in range(layers):
+        p = f"model.layers.{layer}"
+        sd[f"{p}.input_layernorm.weight"] = torch.ones(h)
+        sd[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
+        for name, (n, k) in shapes.items():
+            sd[f"{p}.{name}.weight"] = _linear(gen, n, k)[0]
+    sd["model.norm.weight"] = torch.ones(h)
+    sd["lm_head.weight"] = torch.randn(128, h, generator=gen) * 0.02
+    return {k: v.to(torch.bfloat16) for k, v in sd.items()}
+
+
+def write_tiny_llama(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tiny_llama(), directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.dumps(TINY_LLAMA_CONFIG, indent=2) + "\n"
+    (directory / "config.json").write_text(config)
+    generation = {"bos_token_id": 1, "eos_token_id": 2}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def write_sharded(sd: dict[str, torch.Tensor], directory: Path) -> None:

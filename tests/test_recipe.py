@@ -75,11 +75,13 @@ def test_first_matching_rule_wins() -> None:
         '[[rule]]\nmatch = "*.weight"\nkeep = "third"\n'
     )
     fc1, fc2, head = (entry(n) for n in ("layers.0.fc1.weight", "layers.0.fc2.weight", "head.w"))
-    assert resolve(rules, fc1, QSpec()) == Resolution(rules[0], Keep("first"))
+    assert resolve(rules, fc1, QSpec()) == Resolution(rules[0], Keep("first"), by_rule=True)
     assert resolve(rules, fc2, QSpec()).action == INT4_G32
     assert resolve(rules, fc2, QSpec()).rule == rules[1]
+    assert resolve(rules, fc2, QSpec()).by_rule
     assert resolve(rules, head, QSpec()).rule is None  # no rule: the command-line spec
     assert resolve(rules, head, QSpec()).action == QSpec()
+    assert not resolve(rules, head, QSpec()).by_rule
 
 
 @pytest.mark.parametrize(
@@ -115,7 +117,8 @@ def test_cli_rules_order_exclude_recipe_include() -> None:
     assert fate["layers.0.fc1.weight"].action == INT4_G32  # the recipe beats --include
     assert fate["head.weight"].action == QSpec()
     assert fate["head.bias"].action == QSpec(granularity=PerTensor())  # --include selects 1-D
-    assert fate["embed.weight"] == Resolution(None, Keep("not matched by --include"))
+    not_matched = Resolution(None, Keep("not matched by --include"), by_rule=True)
+    assert fate["embed.weight"] == not_matched
     # a recipe rule does not quantize 1-D tensors: only --include does
     assert fate["layers.0.fc1.bias"].action == Keep("1-D (bias/norm)")
     assert fate["layers.0.fc1.bias"].rule == recipe[0]

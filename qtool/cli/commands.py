@@ -30,12 +30,14 @@ from qtool.cli.options import (
     Device,
     DtypeOpt,
     ForceOpt,
+    GroupFallbackName,
     GroupSizeOpt,
     JsonOpt,
     MaxMseOpt,
     MinOverallOpt,
     MinSqnrOpt,
     OutDtype,
+    OutputFormatName,
     PerChannelOpt,
     PlotOpt,
     RangeOpt,
@@ -120,10 +122,13 @@ def user_errors(as_json: bool) -> Iterator[RunState]:
 # How the command line spells what the engine's hints ask of the user.
 OPTION_HINTS = {
     "axis": "--axis N",
+    "config": "--config PATH",
     "device": "--device cpu",
+    "dtype": "--dtype int8|int4",
     "estimate": "--estimate",
     "exclude": "--exclude NAME",
     "force": "pass --force",
+    "group-fallback": "--group-fallback channel|keep",
     "keep-nonfinite": "--keep-nonfinite",
     "qparams": "--qparams PATH",
     "restore-dtype": "--to float32",
@@ -209,7 +214,7 @@ def quantize(
             "--out",
             "-o",
             help="Output .safetensors file, or an existing directory to put the default name in "
-            "(for sharded input: the output directory) "
+            "(for sharded input, and for --format compressed-tensors: the output directory) "
             "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
             show_default=False,
         ),
@@ -249,6 +254,32 @@ def quantize(
         ),
     ] = None,
     target_sqnr: TargetSqnrOpt = None,
+    fmt: Annotated[
+        OutputFormatName,
+        typer.Option(
+            "--format",
+            help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
+            "(pack-quantized) that transformers and vLLM load; needs -o DIR.",
+        ),
+    ] = OutputFormatName.QTOOL,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="The model's config.json, for --format compressed-tensors from a single "
+            ".safetensors file [default: INPUT/config.json for a model directory].",
+            metavar="PATH",
+            show_default=False,
+        ),
+    ] = None,
+    group_fallback: Annotated[
+        GroupFallbackName,
+        typer.Option(
+            "--group-fallback",
+            help="compressed-tensors, when --group-size does not divide a tensor's row length: "
+            "error (name them), channel (those per channel) or keep (those in float).",
+        ),
+    ] = GroupFallbackName.ERROR,
     device: Annotated[
         Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
     ] = Device.AUTO,
@@ -289,7 +320,8 @@ def quantize(
     as_json: JsonOpt = False,
     force: ForceOpt = False,
 ) -> None:
-    """Quantize every selected float tensor of INPUT; write the codes and a qparams sidecar."""
+    """Quantize every selected float tensor of INPUT; write the codes and a qparams sidecar
+    (or, with --format compressed-tensors, a model directory transformers and vLLM load)."""
     from qtool.gates import Gate, evaluate
 
     if estimate and not dry_run:
@@ -308,6 +340,11 @@ def quantize(
             param_hint="--target-sqnr",
         )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
+    if fmt is OutputFormatName.QTOOL and (config is not None or group_fallback.value != "error"):
+        raise typer.BadParameter(
+            "--config and --group-fallback go with --format compressed-tensors",
+            param_hint="--format",
+        )
     with user_errors(as_json) as run:
         loaded = api.load_recipe(recipe) if recipe is not None else None
         options = api.QuantizeOptions(
@@ -315,6 +352,9 @@ def quantize(
             tuple(include or ()),
             tuple(exclude or ()),
             keep_nonfinite,
+            format=fmt.value,
+            config=config,
+            group_fallback=group_fallback.value,
             recipe=loaded,
             target_sqnr=target_sqnr,
         )
@@ -327,6 +367,9 @@ def quantize(
             )
         run.written = [] if summary.dry_run else list(summary.outputs)
         _print_notes(summary.notes)
+        if summary.ignore is not None:
+            kept = ", ".join(summary.ignore) or "none"
+            report.print_note(f"ignore (Linear layers kept in float): {kept}")
         if plot is not None:
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")

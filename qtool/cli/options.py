@@ -28,6 +28,17 @@ class Device(str, Enum):
     CUDA = "cuda"
 
 
+class OutputFormatName(str, Enum):
+    QTOOL = "qtool"
+    COMPRESSED_TENSORS = "compressed-tensors"
+
+
+class GroupFallbackName(str, Enum):
+    ERROR = "error"
+    CHANNEL = "channel"
+    KEEP = "keep"
+
+
 class OutDtype(str, Enum):
     ORIGINAL = "original"
     FLOAT32 = "float32"

@@ -16,15 +16,19 @@ from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats import open_reader
 from qtool.formats.base import FloatReader
+from qtool.formats.ct_read import is_compressed_tensors
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics.metrics import count_nonfinite, error_stats
 from qtool.results import CompareSummary, TensorRow
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B; sharded sets shard by shard.
+    """One row per tensor name of A, then those only in B; sharded sets shard by shard; a
+    compressed-tensors model directory (either side) as a whole, dequantized on the fly.
     InputError when no tensor of the two could be compared (unrelated files)."""
-    if is_sharded(a) or is_sharded(b):
+    if is_compressed_tensors(a) or is_compressed_tensors(b):  # whole models, by float names
+        summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+    elif is_sharded(a) or is_sharded(b):
         summary = _compare_sharded(a, b)
     else:
         summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))

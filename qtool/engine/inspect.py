@@ -10,6 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from qtool.errors import InputError, SidecarError
+from qtool.formats.ct_read import (
+    args_spec,
+    config_path,
+    is_compressed_tensors,
+    model_shards,
+    quantized_modules,
+    read_config,
+)
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -37,6 +45,8 @@ def inspect_path(path: Path) -> InspectSummary:
 
 
 def _inspect_any(path: Path) -> InspectSummary:
+    if is_compressed_tensors(path):
+        return _inspect_compressed_tensors(path)
     if path.is_dir() or path.name.endswith(INDEX_SUFFIX):
         return _inspect_sharded(path)
     if not path.exists():
@@ -146,6 +156,38 @@ def _inspect_sharded(path: Path) -> InspectSummary:
     return InspectSummary(
         str(sharded.index), kind, rows, None, notes=notes, shards=len(sharded.shards)
     )
+
+
+def _inspect_compressed_tensors(path: Path) -> InspectSummary:
+    """Every stored tensor; each quantized module's scheme on its codes' row (torch-free)."""
+    directory = config_path(path).parent
+    config = read_config(directory)
+    headers = [read_header(shard) for shard in model_shards(directory)]
+    entries = [e for h in headers for e in h.tensors]
+    try:
+        modules = quantized_modules([e.name for e in entries], config)
+    except ValueError as err:
+        raise InputError(config_path(path), str(err)) from None
+    by_name = {e.name: e for e in entries}
+    qinfo: dict[str, dict[str, object]] = {}
+    for m in modules:
+        codes = f"{m.module}.weight_packed"
+        codes = codes if codes in by_name else f"{m.module}.weight"
+        scale = by_name.get(f"{m.module}.weight_scale")
+        qinfo[codes] = {
+            **args_spec(m.group.weights).to_json(),
+            "dtype": f"int{m.group.weights.num_bits}",
+            "bits": m.group.weights.num_bits,
+            "orig_dtype": scale.dtype if scale is not None else "?",
+            "format": m.group.format,
+        }
+    rows = [_row(e, qinfo.get(e.name)) for e in entries]
+    notes = [f"compressed-tensors: {len(modules)} quantized modules; ignore: "
+             f"{', '.join(config.ignore) or 'none'}"]  # fmt: skip
+    return InspectSummary(
+        str(directory), "compressed-tensors", rows, headers[0].metadata, notes=notes,
+        shards=len(headers),
+    )  # fmt: skip
 
 
 def _inspect_pickle(path: Path) -> InspectSummary:

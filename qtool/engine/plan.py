@@ -42,6 +42,9 @@ class QuantizeOptions:
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
     recipe: Recipe | None = None  # per-tensor rules, tried after --exclude, before --include
     target_sqnr: float | None = None  # error budget for the tensors no recipe rule fixed
+    format: str = "qtool"  # the output format (formats.FORMAT_NAMES)
+    config: Path | None = None  # the model's config.json, for a single-file model export
+    group_fallback: str = "error"  # K not a multiple of G: error | channel | keep
 
     @property
     def rules(self) -> tuple[Rule, ...]:
@@ -61,9 +64,14 @@ class TensorPlan:
     note: str = ""
     rule: str = ""  # with a recipe: the rule that decided ("rule 3 'mlp.*'"), shown in tables
     budget: bool = False  # the error budget (--target-sqnr) decides this tensor's spec
+    by_rule: bool = False  # a rule decided by name (recipe.Resolution.by_rule)
+    stored_nbytes: int | None = None  # bytes in the output, when the format says (else qtool's)
+    stored_dtype: str | None = None  # the codes' dtype, when the format says (else qtool's)
 
     @property
     def out_dtype(self) -> str:
+        if self.stored_dtype is not None:
+            return self.stored_dtype
         return self.spec.dtype.safetensors_dtype if self.spec else self.entry.dtype
 
     @property
@@ -76,8 +84,9 @@ class TensorPlan:
     @property
     def qparam_nbytes(self) -> int:
         """Bytes this tensor adds to the sidecar: a float32 scale and a 1-byte zero point per
-        group, and with --range mse the 1-byte index of the range each group kept."""
-        if self.spec is None:
+        group, and with --range mse the 1-byte index of the range each group kept (0 when the
+        format counts its qparams in `stored_nbytes`)."""
+        if self.spec is None or self.stored_nbytes is not None:
             return 0
         per_group = 6 if self.spec.range_method is RangeMethod.MSE else 5
         return math.prod(qparam_shape(self.spec.granularity, self.entry.shape)) * per_group
@@ -85,10 +94,13 @@ class TensorPlan:
     @property
     def out_nbytes(self) -> int:
         """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
+        if self.stored_nbytes is not None:
+            return self.stored_nbytes
         return math.prod(self.out_shape) * DTYPE_BITS[self.out_dtype] // 8
 
     def kept(self, reason: str) -> TensorPlan:
-        return replace(self, spec=None, reason=reason)
+        """The tensor stored as it is (its size and dtype in any format: its own)."""
+        return replace(self, spec=None, reason=reason, stored_nbytes=None, stored_dtype=None)
 
 
 def plan_tensors(
@@ -104,9 +116,11 @@ def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> Tenso
     found = resolve(options.rules, entry, options.spec, checkpoint=path)
     rule = found.rule.describe() if options.recipe is not None and found.rule else ""
     if isinstance(found.action, Keep):
-        return TensorPlan(entry, None, found.action.reason, rule=rule)
+        return TensorPlan(entry, None, found.action.reason, rule=rule, by_rule=found.by_rule)
     budget = options.target_sqnr is not None and found.from_command_line
-    return TensorPlan(entry, found.action, note=found.note, rule=rule, budget=budget)
+    return TensorPlan(
+        entry, found.action, note=found.note, rule=rule, budget=budget, by_rule=found.by_rule
+    )
 
 
 def fit_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
@@ -186,9 +200,10 @@ def planned_row(plan: TensorPlan) -> TensorRow:
 
 def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
     """The plan of a safetensors or sharded input from its headers alone (no torch import);
-    None for a torch pickle, which has to be loaded to be planned, and with an error budget,
-    whose choices need the data."""
-    if options.target_sqnr is not None:
+    None for a torch pickle, which has to be loaded to be planned, with an error budget,
+    whose choices need the data, and for another output format than qtool's (the run plans
+    those)."""
+    if options.target_sqnr is not None or options.format != "qtool":
         return None
     if is_sharded(src):
         sharded = load_index(src)

@@ -9,11 +9,14 @@ from pathlib import Path
 
 from qtool.engine.source import finish_directory, open_source, prepared, target_for
 from qtool.errors import UsageError
+from qtool.formats.ct_read import config_path, is_compressed_tensors, model_shards
+from qtool.formats.ct_reader import ModelReader
 from qtool.formats.dense import write_dense
 from qtool.formats.qtool import sidecar_path
 from qtool.formats.qtool_reader import QtoolReader
 from qtool.io.atomic import (
     OutputSet,
+    preflight,
     refuse_file_name_for_directory,
     remove_stale_temps,
     resolve_output,
@@ -39,6 +42,8 @@ def dequantize(
 ) -> DequantizeSummary:
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
     `qparams` names the sidecar of a single file that was moved away from it."""
+    if is_compressed_tensors(src):
+        return dequantize_model(src, out, dtype=dtype, force=force)
     source = open_source(src)
     if source.index is None:
         default = default_dequantized_path(src)
@@ -76,6 +81,28 @@ def dequantize(
         outputs=[str(p) for p in target.named],
         rows=rows,
         notes=notes,
+    )
+
+
+def dequantize_model(
+    src: Path, out: Path | None, *, dtype: str = "original", force: bool = False
+) -> DequantizeSummary:
+    """A compressed-tensors model directory (whoever wrote it) as one float safetensors (or
+    torch) file with the original names; default `<directory>.dequantized.safetensors`."""
+    directory = config_path(src).parent
+    default = directory.with_name(f"{directory.name}.dequantized.safetensors")
+    out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
+    reader = ModelReader(directory)
+    try:
+        preflight([out], [directory / "config.json", *model_shards(directory)], force=force)
+        remove_stale_temps(out.parent)
+        with OutputSet() as outputs:
+            rows = write_dense(reader, out, outputs, dtype)
+            outputs.commit()
+    finally:
+        reader.close()
+    return DequantizeSummary(
+        inputs=[str(directory)], sidecars=[], outputs=[str(out)], rows=rows, notes=[]
     )
 
 

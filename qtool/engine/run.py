@@ -9,14 +9,24 @@ nothing of Rich or Typer.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from qtool.engine.model_dir import (
+    ModelInput,
+    building,
+    check_output_dir,
+    companions,
+    finish_model_directory,
+    model_target,
+    open_model,
+)
 from qtool.engine.plan import (
     QuantizeOptions,
     TensorPlan,
@@ -33,9 +43,9 @@ from qtool.engine.source import (
     prepared,
     target_for,
 )
-from qtool.errors import DeviceError, NumericError, OutputError
+from qtool.errors import DeviceError, NumericError, OutputError, UsageError
 from qtool.formats import output_format
-from qtool.formats.base import OutputFormat, ShardWriter
+from qtool.formats.base import Choice, FormatContext, OutputFormat, ShardWriter
 from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import (
@@ -68,11 +78,80 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Run:
-    """How a run goes: where the kernels run, what it writes over, what it reports to."""
+    """How a run goes: where the kernels run, what it writes over, what it reports to, and
+    whether scales are rounded to the weight's dtype before the codes are computed."""
 
     device: torch.device
     force: bool = False
     progress: Progress | None = None
+    scales_in_weight_dtype: bool = False
+
+
+def quantize_model(
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    *,
+    device: str = "auto",
+    force: bool = False,
+    dry_run: bool = False,
+    estimate: bool = False,
+    progress: Progress | None = None,
+    also: Sequence[Path] = (),
+) -> QuantizeSummary:
+    """Export a model to a format whose output is a model directory (compressed-tensors):
+    the same loop, planned from headers first; the directory is built under a temporary name
+    and appears complete or not at all."""
+    started = time.perf_counter()
+    if out is None:
+        raise UsageError(
+            None, f"--format {options.format} writes a model directory: name it with -o"
+        )
+    model = open_model(src, options.config)
+    context = FormatContext(model.config, options.group_fallback)
+    fmt = output_format(options.format, context)
+    run = Run(resolve_device(device), force, progress, fmt.scales_in_weight_dtype)
+    shards = _Shards(model.source, options, fmt)
+    try:
+        plans = shards.planned(run)
+        summary = _Summary(
+            model.source, model_target(model, out), fmt, options, run, started, shards
+        )
+        if dry_run:
+            preflight(also, model.source.protected, force=force)
+            rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
+            return _with_format(summary.of(rows, dry_run=True), fmt, plans, [])
+        check_output_dir(out, model, force)
+        preflight(also, model.source.protected, force=force)
+        notes = companions(model)[1]
+        with building(out) as temp:
+            target = model_target(model, temp)
+            needed = sum(p.out_nbytes for p in plans)
+            preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
+            finish = _finish_model(model, temp, fmt, shards)
+            rows = _write(shards, target, fmt, run, finish)
+        return _with_format(summary.of(rows), fmt, shards.plans(), notes)
+    finally:
+        shards.close()
+
+
+def _with_format(
+    summary: QuantizeSummary, fmt: OutputFormat, plans: list[TensorPlan], notes: list[str]
+) -> QuantizeSummary:
+    """The summary with the format's warnings (one line each) and its ignore list."""
+    warnings = fmt.warnings(plans)
+    return replace(summary, notes=[*notes, *warnings], format=fmt.name, ignore=fmt.ignore(plans))
+
+
+def _finish_model(model: ModelInput, directory: Path, fmt: OutputFormat, shards: _Shards) -> Finish:
+    """A model directory's last files: the format's own (config.json), the companions, and
+    the index with the names the format stores each tensor under."""
+
+    def finish(outputs: OutputSet, weight_map: dict[str, str], total: int) -> None:
+        files = fmt.directory_files(shards.plans())
+        finish_model_directory(outputs, model, directory, files, weight_map, total)
+
+    return finish
 
 
 def quantize(
@@ -80,7 +159,6 @@ def quantize(
     out: Path | None,
     options: QuantizeOptions,
     *,
-    fmt: str = "qtool",
     device: str = "auto",
     force: bool = False,
     dry_run: bool = False,
@@ -91,6 +169,11 @@ def quantize(
     """Quantize a checkpoint file or a sharded checkpoint. A dry run only plans (from headers);
     with `estimate` it also measures the error, and writes nothing either way. `also`: files the
     caller writes afterwards (a plot), checked with the run's outputs."""
+    if options.format != "qtool":
+        return quantize_model(
+            src, out, options, device=device, force=force, dry_run=dry_run,
+            estimate=estimate, progress=progress, also=also,
+        )  # fmt: skip
     started = time.perf_counter()
     run = Run(resolve_device(device), force, progress)
     source = open_source(src)
@@ -100,13 +183,10 @@ def quantize(
     else:
         refuse_file_name_for_directory(out, "quantize")
     target = target_for(source, out, default_quantized_path(src, dtype), dtype)
-    writer_format = output_format(fmt)
-    shards = _Shards(source, options)
+    writer_format = output_format(options.format)
+    shards = _Shards(source, options, writer_format)
     try:
-        shards.plans()
-        if options.target_sqnr is not None:
-            shards.apply_budget(run.device, options.target_sqnr, _ladder(options))
-        plans = shards.plans_now()
+        plans = shards.planned(run)
         summary = _Summary(source, target, writer_format, options, run, started, shards)
         if dry_run:
             preflight(also, source.protected, force=force)
@@ -139,44 +219,83 @@ class _Shards:
     """The shards of a source, planned from their headers first and opened one at a time
     (a torch pickle must be loaded to be planned; it is loaded once)."""
 
-    def __init__(self, source: Source, options: QuantizeOptions) -> None:
-        self.source, self.options = source, options
+    def __init__(self, source: Source, options: QuantizeOptions, fmt: OutputFormat) -> None:
+        self.source, self.options, self.fmt = source, options, fmt
         self._open: dict[Path, Checkpoint] = {}
         self._plans: dict[Path, list[TensorPlan]] = {}
         self.skipped: list[str] = []
 
     def plans(self) -> list[TensorPlan]:
-        """Every shard's plans, in order (planned once, from the headers)."""
-        if self._plans:
-            return self.plans_now()
-        for shard in self.source.shards:
-            entries, metadata = self._entries(shard)
-            refuse_quantized(shard, metadata, [e.name for e in entries])
-            self._plans[shard] = plan_tensors(shard, entries, self.options)
+        """Every tensor's plan, in shard order: the rules' (from the headers), narrowed by the
+        format (planned once)."""
+        if not self._plans:
+            for shard in self.source.shards:
+                entries, metadata = self._entries(shard)
+                refuse_quantized(shard, metadata, [e.name for e in entries])
+                self._plans[shard] = plan_tensors(shard, entries, self.options)
+            self._format_selection()
+        return self.plans_now()
+
+    def planned(self, run: Run) -> list[TensorPlan]:
+        """The plans, with the error budget's choices when the run has one."""
+        self.plans()
+        if self.options.target_sqnr is not None:
+            self.apply_budget(run, self.options.target_sqnr, _ladder(self.options))
         return self.plans_now()
 
     def plans_now(self) -> list[TensorPlan]:
         """The plans as they stand (after the budget, if any), in shard and file order."""
         return [p for shard in self.source.shards for p in self._plans[shard]]
 
-    def apply_budget(self, dev: torch.device, target: float, ladder: Sequence[QSpec]) -> None:
-        """Choose the spec of every tensor the budget decides (one in-memory pass per tensor);
-        the checkpoint stays open for the writing pass."""
+    def _format_selection(self) -> None:
+        """The format's own narrowing over the whole model, where it has one."""
+        choices = self.fmt.select(self.plans_now())
+        if choices is None:
+            return
+        it = iter(choices)
+        for shard in self.source.shards:
+            self._plans[shard] = [_chosen(p, next(it)) for p in self._plans[shard]]
+
+    def apply_budget(self, run: Run, target: float, ladder: Sequence[QSpec]) -> None:
+        """Choose the spec of every tensor the budget decides (one in-memory pass per tensor,
+        the format's fused siblings aligned); the checkpoints stay open for the writing pass."""
         for shard in self.source.shards:
             ckpt = self._checkpoint(shard)
-            workspace = kernels.Workspace(dev)
+            workspace = kernels.Workspace(run.device)
             self._plans[shard] = [
-                choose_plan(ckpt, p, ladder, target, workspace, self.options.keep_nonfinite)
-                if p.budget
-                else p
+                self._choose(ckpt, p, ladder, target, workspace, run) if p.budget else p
                 for p in self._plans[shard]
             ]
+        aligned = iter(align_fused(self.plans_now(), self.fmt.fused_key))
+        for shard in self.source.shards:
+            self._plans[shard] = [next(aligned) for _ in self._plans[shard]]
+        self._format_selection()
+
+    def _choose(
+        self,
+        ckpt: Checkpoint,
+        plan: TensorPlan,
+        ladder: Sequence[QSpec],
+        target: float,
+        workspace: kernels.Workspace,
+        run: Run,
+    ) -> TensorPlan:
+        entry = plan.entry
+        fitting = [
+            s for s in budget.candidates(ladder, entry.shape) if not self.fmt.supports(entry, s)
+        ]
+        if not fitting:
+            return plan.kept(f"kept float: no ladder spec fits {self.fmt.name} for this tensor")
+        keep_nan = self.options.keep_nonfinite
+        weight_dtype = run.scales_in_weight_dtype
+        return choose_plan(ckpt, plan, fitting, target, workspace, keep_nan, weight_dtype)
 
     def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
         ckpt = self._checkpoint(shard)
         plans = self._plans[shard]
         if self.options.keep_nonfinite:
             plans = keep_nonfinite(ckpt, plans)
+            self._plans[shard] = plans  # what was written: a format's files describe it
         return ckpt, plans
 
     def done(self, shard: Path) -> None:
@@ -212,24 +331,37 @@ def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     rows: list[TensorRow] = []
     for shard in shards.source.shards:
         ckpt, plans = shards.checkpoint_plans(shard)
-        rows += estimate_rows(ckpt, plans, run.device)
+        rows += estimate_rows(ckpt, plans, run.device, run.scales_in_weight_dtype)
         shards.done(shard)
     return rows
 
 
-def _write(shards: _Shards, target: Target, fmt: OutputFormat, run: Run) -> list[TensorRow]:
-    """Every shard through the format's writer, then (sharded) companions and the index."""
+Finish = Callable[[OutputSet, dict[str, str], int], None]
+"""Writes a run's last files given the output index's weight map and total size."""
+
+
+def _write(
+    shards: _Shards, target: Target, fmt: OutputFormat, run: Run, finish: Finish | None = None
+) -> list[TensorRow]:
+    """Every shard through the format's writer, then `finish` (default: for a sharded output,
+    the companions and the index)."""
     if run.progress is not None:
         run.progress.start(sum(p.entry.nbytes for p in shards.plans_now()))
     rows: list[TensorRow] = []
+    weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
         for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
             ckpt, plans = shards.checkpoint_plans(shard)
             writer = fmt.writer(plans, ckpt.metadata, out, outputs)
             rows += write_shard(ckpt, plans, writer, run)
+            weight_map |= {n: out.name for p in plans for n in fmt.tensor_names(p)}
             shards.done(shard)
         total = sum(r.bytes_out for r in rows)
-        finish_directory(outputs, shards.source, target, total, _index_section(shards, target))
+        if finish is None:
+            section = _index_section(shards, target)
+            finish_directory(outputs, shards.source, target, total, section)
+        else:
+            finish(outputs, weight_map, total)
         outputs.commit()
     return rows
 
@@ -257,7 +389,7 @@ def write_shard(
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
-                result = _quantize_one(ckpt, plan, workspaces[k % 2])
+                result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
                 background.submit(entry, writer.quantized, entry, plan.spec, result)
                 rows[entry.name] = _quantized_row(plan, result)
             if run.progress is not None:
@@ -302,26 +434,30 @@ class _BackgroundWriter:
             pending.result()
 
 
-def estimate_rows(ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device) -> list[TensorRow]:
-    """The rows a real run would report, error figures included, without writing anything."""
+def estimate_rows(
+    ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device, weight_dtype: bool = False
+) -> list[TensorRow]:
+    """The rows a real run would report, error figures included, without writing anything
+    (`weight_dtype`: scales rounded to the weight's dtype, as the format stores them)."""
     workspace = kernels.Workspace(dev)
     rows = []
     for plan in plans:
         if plan.spec is None:
             rows.append(planned_row(plan))
             continue
-        rows.append(_quantized_row(plan, _quantize_one(ckpt, plan, workspace)))
+        rows.append(_quantized_row(plan, _quantize_one(ckpt, plan, workspace, weight_dtype)))
         ckpt.release(plan.entry)
     return rows
 
 
 def _quantize_one(
-    ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace
+    ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace, weight_dtype: bool = False
 ) -> kernels.QuantizedTensor:
     assert plan.spec is not None
     x = ckpt.tensor(plan.entry).to(workspace.device)
+    scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        return kernels.quantize_tensor(x, plan.spec, workspace=workspace)
+        return kernels.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
     except NonFiniteInput as err:
         if err.count == 0:  # finite float64 values whose float32 range overflows
             raise NumericError(
@@ -357,12 +493,15 @@ def choose_plan(
     target: float,
     workspace: kernels.Workspace,
     keep_nan: bool,
+    weight_dtype: bool = False,
 ) -> TensorPlan:
     """The plan with the budget's choice: the cheapest ladder spec reaching `target`, or kept
-    in float; NaN/Inf tensors are left to --keep-nonfinite (or fail as in a plain run)."""
+    in float; NaN/Inf tensors are left to --keep-nonfinite (or fail as in a plain run).
+    `weight_dtype`: scales rounded to the weight's dtype, as the format stores them."""
     x = ckpt.tensor(plan.entry).to(workspace.device)
+    scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        choice = budget.choose(x, ladder, target, workspace=workspace)
+        choice = budget.choose(x, ladder, target, scale_dtype=scale_dtype, workspace=workspace)
     except NonFiniteInput:
         if keep_nan:
             return plan
@@ -373,6 +512,58 @@ def choose_plan(
     if choice.spec is None:
         return replace(plan, spec=None, reason=choice.reason(), note="")
     return replace(plan, spec=choice.spec, note=choice.reason())
+
+
+def align_fused(plans: Sequence[TensorPlan], key: Callable[[str], str | None]) -> list[TensorPlan]:
+    """The plans with each set of fused siblings (same `key`) quantized alike: the budget's
+    tensors take the spec of a sibling a rule fixed, else the dearest of their own choices
+    (kept float is dearest), so that every member still meets the target as far as the
+    ladder is ordered by quality. A member moved off its own choice says so in its note."""
+    sets: dict[str, list[int]] = {}
+    for i, p in enumerate(plans):
+        k = key(p.entry.name)
+        if k is not None:
+            sets.setdefault(k, []).append(i)
+    out = list(plans)
+    for k, members in sets.items():
+        chosen = [plans[i] for i in members if plans[i].budget]
+        if not chosen or len({p.spec for p in (plans[i] for i in members)}) == 1:
+            continue
+        fixed = [plans[i] for i in members if not plans[i].budget]
+        pick = fixed[0] if fixed else max(chosen, key=_dearness)
+        for i in members:
+            if plans[i].budget and plans[i].spec != pick.spec:
+                out[i] = _aligned(plans[i], pick, k)
+    return out
+
+
+def _dearness(plan: TensorPlan) -> float:
+    """Order of the budget's choices: bytes per element, kept float last."""
+    if plan.spec is None:
+        return math.inf
+    return budget.bytes_per_tensor(plan.spec, plan.entry.shape) / plan.entry.numel
+
+
+def _aligned(plan: TensorPlan, pick: TensorPlan, key: str) -> TensorPlan:
+    own = plan.note or plan.reason
+    why = f"aligned with its fused siblings {key}; own choice {own}"
+    if pick.spec is None:
+        return replace(plan.kept(f"kept float: {why}"), budget=True)
+    return replace(plan, spec=pick.spec, note=why)
+
+
+def _chosen(plan: TensorPlan, choice: Choice) -> TensorPlan:
+    """A plan with the format's decision (its spec, and what it stores)."""
+    newly_kept = plan.spec is not None and choice.spec is None
+    return replace(
+        plan,
+        spec=choice.spec,
+        reason=choice.reason,
+        note=choice.note,
+        stored_nbytes=choice.nbytes,
+        stored_dtype=choice.stored_dtype,
+        budget=plan.budget and not newly_kept,
+    )
 
 
 def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:

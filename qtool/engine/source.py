@@ -96,19 +96,24 @@ def target_for(source: Source, out: Path | None, default_file: Path, dir_suffix:
 
 
 def companion_files(index: ShardedInput) -> tuple[list[Path], list[str]]:
-    """Files to copy along (config, tokenizer, ...): not weights, not the index, not hidden;
+    """A sharded checkpoint's companions (see companions_in), its index file excluded."""
+    return companions_in(index.directory, skip=index.index)
+
+
+def companions_in(directory: Path, *, skip: Path | None = None) -> tuple[list[Path], list[str]]:
+    """Files to copy along (config, tokenizer, ...): not weights, not an index, not hidden;
     only regular files inside the directory. Returns them and a note per file skipped."""
     files, notes = [], []
-    for p in sorted(index.directory.iterdir()):
+    for p in sorted(directory.iterdir()):
         if (
             p.name.startswith(".")
-            or p == index.index
+            or p == skip
             or p.name.endswith(WEIGHT_SUFFIXES)
             or p.name.endswith(INDEX_SUFFIX)
             or (p.is_dir() and not p.is_symlink())
         ):
             continue
-        why = companion_problem(index.directory, p)
+        why = companion_problem(directory, p)
         if why is None:
             files.append(p)
         else:
@@ -157,7 +162,7 @@ def finish_directory(
     if source.index is None or target.directory is None:
         return
     for companion in companion_files(source.index)[0]:
-        _copy_into(outputs, companion, target.directory / companion.name)
+        copy_into(outputs, companion, target.directory / companion.name)
     _write_index(outputs, source.index, target.directory / source.index.index.name, total, section)
 
 
@@ -180,7 +185,7 @@ def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     return created
 
 
-def _copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
+def copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
     """Copy a companion: the resolved file, opened without following links, if regular."""
     try:
         fd = os.open(os.path.realpath(src), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

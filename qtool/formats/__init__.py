@@ -7,22 +7,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qtool.formats.base import FloatReader, OutputFormat
+    from qtool.formats.base import FloatReader, FormatContext, OutputFormat
 
 
-def output_format(name: str) -> OutputFormat:
-    """The output format registered under `name` (ValueError for an unknown one)."""
+FORMAT_NAMES = ("qtool", "compressed-tensors")
+
+
+def output_format(name: str, context: FormatContext | None = None) -> OutputFormat:
+    """The output format registered under `name`, set up for this run's `context` (ValueError
+    for an unknown name; InputError when the context does not fit the format)."""
+    from qtool.formats.base import FormatContext
+    from qtool.formats.ct_writer import CompressedTensorsFormat
     from qtool.formats.qtool_writer import QtoolFormat
 
-    formats: dict[str, OutputFormat] = {"qtool": QtoolFormat()}
-    if name not in formats:
-        raise ValueError(f"unknown format {name!r}; choose one of {', '.join(formats)}")
-    return formats[name]
+    if name == "qtool":
+        return QtoolFormat()
+    if name == "compressed-tensors":
+        return CompressedTensorsFormat(context or FormatContext())
+    raise ValueError(f"unknown format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
 
 
 def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
     """Any checkpoint as float tensors: a qtool-quantized file (with its sidecar, or `qparams`)
-    is dequantized on the fly; a plain checkpoint is read as it is."""
+    and a compressed-tensors model directory are dequantized on the fly; a plain checkpoint
+    (or model directory) is read as it is."""
+    from qtool.formats.ct_read import is_model_directory
+    from qtool.formats.ct_reader import ModelReader
     from qtool.formats.dense import DenseReader
     from qtool.formats.qtool import is_quantized
     from qtool.formats.qtool_reader import QtoolReader
@@ -30,6 +40,8 @@ def open_reader(path: Path, qparams: Path | None = None) -> FloatReader:
 
     if qparams is not None:
         return QtoolReader(path, qparams)
+    if is_model_directory(path):
+        return ModelReader(path)
     probe = open_checkpoint(path)
     if not is_quantized(probe.metadata):
         return DenseReader(path, probe)

@@ -4,11 +4,16 @@ A format says what it can store (`supports`), which files one output shard occup
 takes the tensors of one shard from the quantize loop (`writer`), and gives any file it wrote
 back as float tensors (`reader`, chosen by `detect`). The loop in engine/run.py knows nothing
 else about it, so a second format (compressed-tensors) plugs in without touching the loop.
+A format may also narrow the rules' plan over the whole model (`select`, `fused_key`), store a
+tensor under other names (`tensor_names`, for the output index), write a model directory's own files
+(`directory_files`: config.json), round scales to the weight's dtype before the codes are
+computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warnings`, `ignore`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,6 +37,27 @@ class Planned(Protocol):
     def spec(self) -> QSpec | None: ...
 
 
+class Ruled(Planned, Protocol):
+    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+
+    @property
+    def reason(self) -> str:
+        """Why it is kept ("" when quantized)."""
+
+    @property
+    def note(self) -> str:
+        """How the spec was adapted to this tensor ("" when it was not)."""
+
+    @property
+    def rule(self) -> str:
+        """The recipe rule that decided, for messages ("" without a recipe)."""
+
+    @property
+    def by_rule(self) -> bool:
+        """True when a rule decided by name (an --exclude, a recipe rule or an --include, or
+        --include matching nothing); False for the default selection."""
+
+
 class ShardWriter(Protocol):
     """Receives the tensors of one shard, in `order`, then writes what remains and closes."""
 
@@ -49,8 +75,70 @@ class ShardWriter(Protocol):
         """Everything after the last tensor (qparams, a rewritten header)."""
 
 
+class Choice(Protocol):
+    """A format's own decision for one tensor (see OutputFormat.select)."""
+
+    @property
+    def entry(self) -> TensorEntry: ...
+
+    @property
+    def spec(self) -> QSpec | None: ...
+
+    @property
+    def reason(self) -> str:
+        """Why it is kept ("" when quantized)."""
+
+    @property
+    def note(self) -> str:
+        """How the spec was adapted to this tensor ("" when it was not)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in this format's output."""
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype its codes are stored as (the tensor's own dtype when kept)."""
+
+
+@dataclass(frozen=True)
+class FormatContext:
+    """What a run knows that a format may need: the model's config.json (None: there is none)
+    and what to do with tensors whose row length the group size does not divide."""
+
+    config: Path | None = None
+    group_fallback: str = "error"
+
+
 class OutputFormat(Protocol):
     name: str
+    model_directory: bool
+    """True: the output is a model directory (config.json from `directory_files`), even for a
+    single input file; it is built under a temporary name and renamed when complete."""
+    scales_in_weight_dtype: bool
+    """True: scales are rounded to the weight's dtype before the codes are computed."""
+
+    def select(self, planned: Sequence[Ruled]) -> list[Choice] | None:
+        """The format's decision for every tensor of the model in order (all shards at once,
+        so a check can span shards), given the rules' plan; None: the plan stands as it is.
+        Deciding again on its own output changes nothing."""
+
+    def fused_key(self, name: str) -> str | None:
+        """Tensors with the same key must be quantized alike (a consumer fuses them); None
+        for a tensor with no such siblings."""
+
+    def tensor_names(self, planned: Planned) -> list[str]:
+        """The names the tensor is stored under (the output index maps each to its shard)."""
+
+    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        """Files of a model directory output the format writes itself (they replace companions
+        of the same name), given the whole model's plan."""
+
+    def warnings(self, planned: Sequence[Planned]) -> list[str]:
+        """One line per choice that will not run everywhere."""
+
+    def ignore(self, planned: Sequence[Planned]) -> list[str] | None:
+        """What the output's config lists as kept in float; None: the format has no such list."""
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         """None when the format can store `entry` quantized with `spec`; else why not."""

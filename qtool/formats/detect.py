@@ -5,8 +5,8 @@ Quantizing codes would store codes of codes: the int8 tensors would pass through
 tensors", a new, empty sidecar would replace the link to the real one, and dequantize would
 then "restore" raw codes as floats. Each detector looks at what a header shows (metadata,
 tensor names, the file's place on disk) and names the format it recognises. A new quantized
-format adds one detector to DETECTORS, e.g. compressed-tensors: a `config.json` beside the file
-with a `quantization_config`, or tensors named `*.weight_packed` / `*.weight_scale`.
+format adds one detector to DETECTORS; compressed-tensors: a `config.json` beside the file with
+a compressed-tensors `quantization_config`, or tensors named `*.weight_packed` / `*.weight_scale`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import InputError
+from qtool.formats.ct_read import is_compressed_tensors
 from qtool.formats.qtool import MANIFEST_KEY, is_quantized
 
 
@@ -39,7 +40,20 @@ def _qtool_sidecar(view: HeaderView) -> str | None:
     return "a qtool qparams sidecar" if MANIFEST_KEY in view.metadata else None
 
 
-DETECTORS: tuple[Detector, ...] = (_qtool_sidecar, _qtool_quantized)
+_CT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point")
+
+
+def _compressed_tensors(view: HeaderView) -> str | None:
+    """Its tensor names (pack-quantized codes, or naive-quantized scales), or the config.json
+    beside it (a shard of a compressed-tensors model directory)."""
+    if any(n.endswith(_CT_SUFFIXES) for n in view.names):
+        return "a compressed-tensors checkpoint (it holds *.weight_packed / *.weight_scale)"
+    if is_compressed_tensors(view.path.parent):
+        return "a shard of a compressed-tensors model (its config.json has a quantization_config)"
+    return None
+
+
+DETECTORS: tuple[Detector, ...] = (_qtool_sidecar, _qtool_quantized, _compressed_tensors)
 
 
 def quantized_format(view: HeaderView) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.formats.base import Planned
+from qtool.formats.base import Planned, Ruled
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -58,9 +58,29 @@ class QtoolFormat:
     """qtool's own format: codes under the original names, and a sidecar of qparams."""
 
     name = "qtool"
+    model_directory = False
+    scales_in_weight_dtype = False
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         return None  # every granularity, storage dtype and range method
+
+    def select(self, planned: Sequence[Ruled]) -> None:
+        return None  # the rules' plan stands: every float tensor of 2 or more dimensions
+
+    def fused_key(self, name: str) -> None:
+        return None
+
+    def tensor_names(self, planned: Planned) -> list[str]:
+        return [planned.entry.name]
+
+    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        return {}
+
+    def warnings(self, planned: Sequence[Planned]) -> list[str]:
+        return []
+
+    def ignore(self, planned: Sequence[Planned]) -> None:
+        return None
 
     def layout(self, out: Path) -> list[Path]:
         return [out, sidecar_path(out)]

@@ -21,9 +21,10 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -182,6 +183,23 @@ def _try_lock(fd: int) -> bool:
 
 def _locks_enforced(directory: Path) -> bool:
     """Whether two opens of one file in `directory` exclude each other's flock here."""
+    with _interrupts_held():
+        return _probe_locks(directory)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM until the block ends: an interrupt that lands between creating the
+    probe file and recording it would otherwise leave the probe behind."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _probe_locks(directory: Path) -> bool:
     probe = directory / f".lockprobe.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
     fds: list[int] = []
     try:

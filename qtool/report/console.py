@@ -378,7 +378,8 @@ def print_dequantize(summary: DequantizeSummary) -> None:
 
 def print_inspect(summary: InspectSummary) -> None:
     quantized = any(r.qinfo for r in summary.rows)
-    kind = f"{summary.kind}, {summary.shards} shards" if summary.shards else summary.kind
+    shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
+    kind = f"{summary.kind}, {shards}" if summary.shards else summary.kind
     title = f"{safe(summary.path)} ({kind})"
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=12)

@@ -127,6 +127,9 @@ def quantize_json(
         },
         "skipped_non_tensors": summary.skipped,
         "gate": gate_json(gate),
+        "format": summary.format,
+        **({"ignore": summary.ignore} if summary.ignore is not None else {}),
+        "warnings": summary.notes,
     }
 
 

@@ -1,0 +1,346 @@
+"""compressed-tensors export, planned from headers and config.json alone (torch-free).
+
+Which tensors: the 2-D `.weight` of every Linear layer, decided from names, shapes and
+config.json (a checkpoint holds no module types). Embeddings, norms, Conv1D/conv weights and 3-D
+fused experts are not Linear layers and stay float; the output head (`lm_head`, a head tied to
+the input embeddings) and MoE routers/gates are Linear layers kept float by default, and every
+Linear kept float goes into `ignore` by its exact module name. Also here: the group-size checks
+and fallback, the fused-set check, and the tensors each quantized Linear becomes (for dry runs
+and the index). ct_config writes the quantization_config; ct_read and ct_tensors read.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
+from qtool.errors import InputError
+from qtool.formats.base import Ruled
+from qtool.io.stformat import TensorEntry
+from qtool.recipe import Keep, Resolution, resolve, rules_from_cli
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    QSpec,
+    Scheme,
+    StorageDtype,
+    matrix_shape,
+)
+
+FORMAT = "compressed-tensors"
+PACK_QUANTIZED = "pack-quantized"
+SUPPORTED_DTYPES = (StorageDtype.INT8, StorageDtype.INT4)
+"""compressed-tensors stores signed codes and zero points; qtool's uint8/uint4 are refused."""
+VLLM_GROUP_SIZES = (32, 64, 128)
+FUSED_SETS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("w1", "w3"),
+)
+"""Sibling Linears vLLM merges into one layer (qkv_proj, gate_up_proj, Mixtral w13)."""
+CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+"""Models whose 2-D projection weights belong to transformers' Conv1D, not nn.Linear."""
+
+_EMBEDDING = re.compile(r"^(wte|wpe|shared)$|embed(dings?|_tokens|_positions)?$")
+_NORM = re.compile(r"norm", re.IGNORECASE)
+_ROUTER_PARTS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_network"})
+_OUTPUT_HEADS = frozenset({"lm_head", "embed_out"})
+_TIED_HEADS = frozenset({"lm_head", "embed_out", "decoder", "output"})
+
+
+class GroupFallback(str, enum.Enum):
+    """What to do with a tensor whose row length K is not a multiple of the group size G.
+
+    error:   refuse the plan, naming every such tensor (default)
+    channel: quantize that tensor per channel instead
+    keep:    keep that tensor in float (its module goes into `ignore`)
+    """
+
+    ERROR = "error"
+    CHANNEL = "channel"
+    KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One tensor's fate in a compressed-tensors export.
+
+    `module` is the Linear's module name when the tensor is a Linear weight (None otherwise);
+    `spec` is None when the tensor is kept as is, with `reason` saying why; `note` says how
+    the spec was adapted (group fallback).
+    """
+
+    entry: TensorEntry
+    module: str | None
+    spec: QSpec | None
+    reason: str = ""
+    note: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in the export (header excluded)."""
+        return output_nbytes(self)
+
+    @property
+    def stored_dtype(self) -> str:
+        """I32 (packed codes) when quantized, else the tensor's dtype."""
+        return "I32" if self.spec is not None else self.entry.dtype
+
+
+# ---------------------------------------------------------------- which tensors
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a tensor is to the export: `module` names the Linear whose weight it is (None:
+    not a Linear weight); `reason` says why it stays float by default ("" : quantized);
+    `fixed` when no --include can change that."""
+
+    module: str | None
+    reason: str = ""
+    fixed: bool = False
+
+
+def classify(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
+    """Whether `entry` is the weight of a Linear layer, and whether it is quantized by default."""
+    name, ndim = entry.name, len(entry.shape)
+    if entry.dtype not in FLOAT_DTYPES:
+        return Kind(None, f"not a float tensor ({entry.dtype})", True)
+    if ndim == 3:
+        return Kind(None, "3-D (fused MoE experts): not a Linear weight", True)
+    if ndim != 2:
+        what = "0-d/1-D (bias, norm, scalar)" if ndim < 2 else f"{ndim}-D (conv weight)"
+        return Kind(None, what, True)
+    if not name.endswith(".weight"):
+        return Kind(None, "not a .weight tensor", True)
+    module = name[: -len(".weight")]
+    parts = module.split(".")
+    if _NORM.search(parts[-1]):
+        return Kind(None, "norm weight", True)
+    if _is_output_head(parts, entry.shape, config):
+        if _tied(config):
+            return Kind(module, "output head tied to the input embeddings", True)
+        return Kind(module, f"output head ({parts[-1]})")
+    if _EMBEDDING.search(parts[-1]):
+        return Kind(None, "embedding", True)
+    if config.get("model_type") in CONV1D_MODEL_TYPES:
+        return Kind(None, "Conv1D (GPT-2 style, transposed weight): not an nn.Linear", True)
+    if any(p in _ROUTER_PARTS or p.endswith("router") for p in parts):
+        return Kind(module, "MoE router/gate")
+    return Kind(module)
+
+
+def _is_output_head(parts: list[str], shape: tuple[int, ...], config: Mapping[str, object]) -> bool:
+    if parts[-1] in _OUTPUT_HEADS:
+        return True
+    vocab = config.get("vocab_size")
+    return parts[-1] in _TIED_HEADS and isinstance(vocab, int) and shape[0] == vocab
+
+
+def _tied(config: Mapping[str, object]) -> bool:
+    """transformers ties input and output embeddings unless the config says otherwise."""
+    return config.get("tie_word_embeddings", True) is not False
+
+
+def select_planned(planned: Iterable[Ruled], config: Mapping[str, object]) -> list[Selection]:
+    """The fate of every tensor, in order, given the rules' plan (--exclude, a recipe,
+    --include): compressed-tensors quantizes Linear weights only, so every other tensor stays
+    float whatever rule named it, and a Linear kept by default (lm_head, a router, never a
+    tied head) is quantized only when a rule names it. ValueError for a spec it cannot store."""
+    return [_select_one(p, config) for p in planned]
+
+
+def select_tensors(
+    entries: Iterable[TensorEntry],
+    config: Mapping[str, object],
+    spec: QSpec,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> list[Selection]:
+    """select_planned with the rules of --include/--exclude and one spec (no recipe)."""
+    rules = rules_from_cli(include, exclude)
+    return select_planned((_ruled(resolve(rules, e, spec), e) for e in entries), config)
+
+
+def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
+    entry, spec = planned.entry, planned.spec
+    kind = classify(entry, config)
+    if spec is None:
+        reason = planned.reason if planned.by_rule else kind.reason or planned.reason
+        return Selection(entry, kind.module, None, reason)
+    if kind.fixed or (kind.reason and not planned.by_rule):
+        return Selection(entry, kind.module, None, kind.reason)
+    try:
+        check_spec(spec)
+    except ValueError as err:
+        if not planned.rule:
+            raise
+        raise RuleUnstorable(f"{planned.rule} (for {entry.name}): {err}") from None
+    return Selection(entry, kind.module, spec, note=planned.note)
+
+
+class RuleUnstorable(ValueError):
+    """A recipe rule gives a Linear a spec compressed-tensors cannot store."""
+
+
+@dataclass(frozen=True)
+class _RuledEntry:
+    entry: TensorEntry
+    spec: QSpec | None
+    reason: str = ""
+    note: str = ""
+    rule: str = ""
+    by_rule: bool = False
+
+
+def _ruled(found: Resolution, entry: TensorEntry) -> _RuledEntry:
+    keep = found.action if isinstance(found.action, Keep) else None
+    return _RuledEntry(
+        entry, found.spec, keep.reason if keep else "", found.note, by_rule=found.by_rule
+    )
+
+
+def fused_key(module: str) -> str | None:
+    """'model.layers.0.self_attn.{q_proj,k_proj,v_proj}' for a member of a set vLLM fuses."""
+    parent, _, leaf = module.rpartition(".")
+    fused = next((f for f in FUSED_SETS if leaf in f), None)
+    return None if fused is None else f"{parent}.{{{','.join(fused)}}}"
+
+
+def check_spec(spec: QSpec) -> None:
+    """ValueError unless compressed-tensors can store `spec` (signed codes, output channels)."""
+    if spec.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"compressed-tensors stores signed codes: use int8 or int4, not {spec.dtype.value}"
+        )
+    g = spec.granularity
+    if isinstance(g, PerChannel) and g.axis not in (0, -2):
+        raise ValueError("compressed-tensors scales run along output channels (axis 0) only")
+
+
+def ignore_list(selections: Iterable[Selection]) -> list[str]:
+    """Every Linear kept in float, by exact module name, sorted."""
+    return sorted({s.module for s in selections if s.module is not None and s.spec is None})
+
+
+def fused_inconsistencies(selections: Iterable[Selection]) -> list[str]:
+    """One line per set of sibling Linears vLLM fuses (q/k/v, gate/up, w1/w3) whose members
+    are not treated alike (different specs, or some kept float); [] when the plan is fine."""
+    by_parent: dict[tuple[str, tuple[str, ...]], dict[str, QSpec | None]] = {}
+    for s in selections:
+        if s.module is None:
+            continue
+        parent, _, leaf = s.module.rpartition(".")
+        for fused in FUSED_SETS:
+            if leaf in fused:
+                by_parent.setdefault((parent, fused), {})[leaf] = s.spec
+    problems = []
+    for (parent, fused), members in by_parent.items():
+        if len(set(members.values())) > 1:
+            described = ", ".join(f"{leaf}: {_label(members[leaf])}" for leaf in members)
+            problems.append(f"{parent}.{{{','.join(fused)}}} differ ({described})")
+    return problems
+
+
+def _label(spec: QSpec | None) -> str:
+    return spec.describe() if spec is not None else "float"
+
+
+# ---------------------------------------------------------------- groups
+
+
+@dataclass(frozen=True)
+class GroupViolation:
+    """A tensor whose row length K is not a multiple of its group size G."""
+
+    name: str
+    k: int
+    group_size: int
+
+    def describe(self) -> str:
+        return f"{self.name} (K={self.k}, G={self.group_size})"
+
+
+def group_violations(selections: Iterable[Selection]) -> list[GroupViolation]:
+    """Every quantized tensor whose K is not a multiple of its group size (compressed-tensors
+    and vLLM need whole groups)."""
+    found = []
+    for s in selections:
+        if s.spec is not None and isinstance(s.spec.granularity, PerGroup):
+            k, g = matrix_shape(s.entry.shape)[1], s.spec.granularity.size
+            if k % g:
+                found.append(GroupViolation(s.entry.name, k, g))
+    return found
+
+
+def apply_group_fallback(selection: Selection, fallback: GroupFallback) -> Selection:
+    """The selection with the fallback applied when its K is not a multiple of G; InputError
+    (hint "group-fallback") under `error`."""
+    violations = group_violations([selection])
+    if not violations:
+        return selection
+    v = violations[0]
+    if fallback is GroupFallback.CHANNEL:
+        assert selection.spec is not None
+        spec = replace(selection.spec, granularity=PerChannel(0))
+        return replace(selection, spec=spec, note=f"K={v.k} not a multiple of {v.group_size}")
+    if fallback is GroupFallback.KEEP:
+        return replace(selection, spec=None, reason=f"K={v.k} not a multiple of {v.group_size}")
+    raise InputError(
+        None,
+        f"group size {v.group_size} does not divide the row length of {v.describe()}",
+        v.name,
+        hint="group-fallback",
+    )
+
+
+def resolve_groups(selections: Sequence[Selection], fallback: GroupFallback) -> list[Selection]:
+    """Every selection with the fallback applied; under `error`, one InputError naming every
+    tensor whose K is not a multiple of G (hint "group-fallback")."""
+    violations = group_violations(selections)
+    if violations and fallback is GroupFallback.ERROR:
+        listed = ", ".join(v.describe() for v in violations)
+        raise InputError(
+            None,
+            f"the group size must divide the row length K of every quantized tensor: {listed}",
+            hint="group-fallback",
+        )
+    return [apply_group_fallback(s, fallback) for s in selections]
+
+
+# ---------------------------------------------------------------- output tensors
+
+
+def output_tensors(selection: Selection) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} the export writes for this tensor."""
+    e, spec = selection.entry, selection.spec
+    if spec is None or selection.module is None:
+        return {e.name: (e.dtype, e.shape)}
+    n, k = e.shape
+    bits = spec.dtype.bits
+    groups = k // spec.granularity.size if isinstance(spec.granularity, PerGroup) else 1
+    p = selection.module
+    out: dict[str, tuple[str, tuple[int, ...]]] = {
+        f"{p}.weight_packed": ("I32", (n, math.ceil(k * bits / 32))),
+        f"{p}.weight_scale": (e.dtype, (n, groups)),
+    }
+    if spec.scheme is Scheme.ASYM:
+        out[f"{p}.weight_zero_point"] = ("I32", (math.ceil(n * bits / 32), groups))
+    out[f"{p}.weight_shape"] = ("I64", (2,))
+    return out
+
+
+def output_nbytes(selection: Selection) -> int:
+    """Bytes this tensor takes in the export (header excluded)."""
+    return sum(
+        math.prod(shape) * DTYPE_BITS[dtype] // 8
+        for dtype, shape in output_tensors(selection).values()
+    )

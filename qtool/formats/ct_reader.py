@@ -1,0 +1,140 @@
+"""A Hugging Face model directory as float tensors: every shard (by its index, or the one
+model.safetensors) behind one FloatReader; a compressed-tensors model is dequantized on the
+fly under the original names (`P.weight`), whoever wrote it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qtool.errors import InputError
+from qtool.formats.ct_read import (
+    COMPONENTS,
+    CtModule,
+    args_spec,
+    config_path,
+    is_compressed_tensors,
+    model_shards,
+    read_config,
+    restore_plan,
+)
+from qtool.formats.ct_tensors import dequantize_named
+from qtool.io.checkpoint import Checkpoint, open_checkpoint
+from qtool.io.stformat import TensorEntry
+from qtool.spec import QSpec
+
+
+class ModelReader:
+    """A model directory's tensors by their float names (FloatReader)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = config_path(path).parent
+        config = read_config(self.path) if is_compressed_tensors(self.path) else None
+        self._ckpts: list[Checkpoint] = []
+        try:
+            for shard in model_shards(self.path):
+                self._ckpts.append(open_checkpoint(shard))
+        except BaseException:
+            self.close()
+            raise
+        self._where = {e.name: (c, e) for c in self._ckpts for e in c.entries}
+        stored = [e.name for c in self._ckpts for e in c.entries]
+        try:
+            plan = restore_plan(stored, config) if config is not None else []
+        except ValueError as err:
+            self.close()
+            raise InputError(config_path(self.path), str(err)) from None
+        self._modules: dict[str, CtModule] = {n: m for n, m in plan if m is not None}
+        self._names = [n for n, _ in plan] if plan else stored
+        self._stored = stored
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return self._names
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return self._ckpts[0].metadata if self._ckpts else None
+
+    def _components(self, name: str) -> dict[str, str]:
+        local = self._modules[name].tensor_names(self._stored)
+        return {k: v for k, v in local.items() if k in COMPONENTS}
+
+    def _entry(self, stored: str) -> TensorEntry:
+        return self._where[stored][1]
+
+    def _read(self, stored: str) -> torch.Tensor:
+        ckpt, entry = self._where[stored]
+        return ckpt.tensor(entry)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._modules:
+            return self._entry(name).shape
+        if name not in self._shapes:
+            parts = self._components(name)
+            if "weight" in parts:
+                self._shapes[name] = self._entry(parts["weight"]).shape
+            else:
+                shape = self._read(parts["weight_shape"]) if "weight_shape" in parts else None
+                if shape is None or shape.numel() != 2:
+                    raise InputError(self.path, "weight_shape missing or not [N, K]", name)
+                self._shapes[name] = (int(shape[0]), int(shape[1]))
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        if name not in self._modules:
+            return self._entry(name).dtype
+        parts = self._components(name)
+        if "weight_scale" not in parts:
+            raise InputError(self.path, "quantized module without weight_scale", name)
+        return self._entry(parts["weight_scale"]).dtype
+
+    def quantization(self, name: str) -> QSpec | None:
+        module = self._modules.get(name)
+        return args_spec(module.group.weights) if module is not None else None
+
+    def scheme(self, name: str) -> str | None:
+        """compressed-tensors' own description ('sym int4 group 128'), None when not quantized."""
+        module = self._modules.get(name)
+        return module.group.weights.describe() if module is not None else None
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self._modules:
+            t = self._read(name)
+        else:
+            try:
+                t = dequantize_named(self._modules[name], self._read, self._stored)
+            except ValueError as err:
+                raise InputError(self.path, str(err), name) from None
+        return t if dtype is None else t.to(dtype)
+
+    def raw(self, name: str) -> memoryview:
+        ckpt, entry = self._where[name]
+        return ckpt.raw(entry)
+
+    def nbytes(self, name: str) -> int:
+        if name not in self._modules:
+            return self._entry(name).nbytes
+        return sum(self._entry(s).nbytes for s in self._components(name).values())
+
+    def stored_dtype(self, name: str) -> str:
+        if name not in self._modules:
+            return self._entry(name).dtype
+        parts = self._components(name)
+        return self._entry(parts.get("weight_packed", parts.get("weight", ""))).dtype
+
+    def release(self, name: str) -> None:
+        stored = self._components(name).values() if name in self._modules else [name]
+        for s in stored:
+            ckpt, entry = self._where[s]
+            ckpt.release(entry)
+
+    def check_unchanged(self) -> None:
+        for ckpt in self._ckpts:
+            ckpt.check_unchanged()
+
+    def close(self) -> None:
+        for ckpt in self._ckpts:
+            ckpt.close()

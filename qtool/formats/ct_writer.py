@@ -1,0 +1,206 @@
+"""Writing compressed-tensors: the output format the quantize loop feeds (formats/base.py).
+
+Selection, group fallback and the fused-set check come from formats/compressed_tensors.py (over
+the whole model, before any data is read), config.json from ct_config.py, the tensors of each
+quantized Linear from ct_tensors.py. A shard is written with its header first and each tensor
+at its offset, so one input tensor can become several output tensors of different dtypes
+(which safetensors lays out apart) while only one tensor is held at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from qtool import __version__
+from qtool.errors import InputError, OutputError
+from qtool.formats import compressed_tensors as ct
+from qtool.formats import ct_config
+from qtool.formats.base import Choice, FormatContext, Planned, Ruled
+from qtool.formats.ct_tensors import encode_result, fp16_underflow_warning
+from qtool.io.atomic import OutputSet, describe_os_error
+from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
+from qtool.io.stformat import TensorEntry, build_header
+from qtool.numerics.kernels import QuantizedTensor, search_candidates
+from qtool.spec import PerGroup, QSpec
+
+
+def read_model_config(path: Path | None) -> dict[str, object]:
+    """config.json as a dict (InputError naming the file when it is missing or malformed)."""
+    if path is None:
+        raise InputError(
+            None,
+            "a compressed-tensors export needs the model's config.json: give a model "
+            "directory, or --config PATH with a single .safetensors file",
+            hint="config",
+        )
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(path, f"cannot read the model config: {err}") from None
+    if not isinstance(doc, dict):
+        raise InputError(path, "is not a model config (a JSON object)")
+    ct_config.check_not_quantized(doc, path)
+    return doc
+
+
+def _selection(planned: Planned, config: dict[str, object]) -> ct.Selection:
+    """The export's view of one planned tensor: its Linear module (None: not a Linear)."""
+    entry = planned.entry
+    if planned.spec is not None:
+        return ct.Selection(entry, entry.name[: -len(".weight")], planned.spec)
+    return ct.Selection(entry, ct.classify(entry, config).module, None)
+
+
+def _check_fused(selections: Sequence[ct.Selection]) -> None:
+    """InputError when sibling Linears vLLM fuses (q/k/v, gate/up) are treated differently."""
+    problems = ct.fused_inconsistencies(selections)
+    if problems:
+        raise InputError(
+            None,
+            "vLLM fuses these Linears, so they must be quantized alike: " + "; ".join(problems),
+            hint="exclude",
+        )
+
+
+class CompressedTensorsFormat:
+    """compressed-tensors `pack-quantized`: a model directory transformers and vLLM load."""
+
+    name = ct.FORMAT
+    model_directory = True
+    scales_in_weight_dtype = True
+
+    def __init__(self, context: FormatContext) -> None:
+        self.context = context
+        self.config_path = context.config
+        self.config = read_model_config(context.config)
+        self.fallback = ct.GroupFallback(context.group_fallback)
+        self.data_warnings: list[str] = []
+
+    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+        """Why `entry` cannot be stored with `spec` (unsigned codes, another axis, groups that
+        do not divide its rows), or None."""
+        try:
+            ct.check_spec(spec)
+        except ValueError as err:
+            return str(err)
+        g = spec.granularity
+        if isinstance(g, PerGroup) and len(entry.shape) == 2 and entry.shape[1] % g.size:
+            return f"group size {g.size} does not divide K = {entry.shape[1]}"
+        return None
+
+    def select(self, planned: Sequence[Ruled]) -> list[Choice]:
+        """Linear weights by name, shape and config.json; the group fallback; InputError for a
+        spec it cannot store or a plan vLLM would refuse (fused siblings treated differently)."""
+        try:
+            chosen = ct.select_planned(planned, self.config)
+        except ct.RuleUnstorable as err:
+            raise InputError(None, str(err)) from None
+        except ValueError as err:
+            raise InputError(None, str(err), hint="dtype") from None
+        chosen = ct.resolve_groups(chosen, self.fallback)
+        _check_fused(chosen)
+        return list(chosen)
+
+    def fused_key(self, name: str) -> str | None:
+        return ct.fused_key(name.removesuffix(".weight"))
+
+    def ignore(self, planned: Sequence[Planned]) -> list[str]:
+        """Every Linear kept in float, by exact module name."""
+        return ct.ignore_list([_selection(p, self.config) for p in planned])
+
+    def layout(self, out: Path) -> list[Path]:
+        return [out]
+
+    def tensor_names(self, planned: Planned) -> list[str]:
+        return list(ct.output_tensors(_selection(planned, self.config)))
+
+    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        """config.json with the quantization_config of what was written; InputError when a
+        tensor kept after planning (--keep-nonfinite) split a fused set."""
+        selections = [_selection(p, self.config) for p in planned]
+        _check_fused(selections)
+        candidates = {
+            p.entry.name: list(c)
+            for p in planned
+            if p.spec is not None and (c := search_candidates(p.spec, p.entry.shape)) is not None
+        }
+        qconfig = ct_config.quantization_config(selections, __version__, candidates)
+        assert self.config_path is not None
+        doc = ct_config.with_quantization_config(self.config, qconfig, self.config_path)
+        text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        return {"config.json": text.encode()}
+
+    def warnings(self, planned: Sequence[Planned]) -> list[str]:
+        """The scheme's warnings, then those found in the data written so far (fp16 scales)."""
+        selections = [_selection(p, self.config) for p in planned]
+        return ct_config.export_warnings(selections) + self.data_warnings
+
+    def writer(
+        self,
+        planned: Sequence[Planned],
+        metadata: dict[str, str] | None,
+        out: Path,
+        outputs: OutputSet,
+    ) -> CtShardWriter:
+        return CtShardWriter([_selection(p, self.config) for p in planned], out, outputs, self)
+
+
+class CtShardWriter:
+    """One output shard: the header first, then each tensor at its offset as it arrives."""
+
+    def __init__(
+        self,
+        selections: Sequence[ct.Selection],
+        out: Path,
+        outputs: OutputSet,
+        fmt: CompressedTensorsFormat,
+    ) -> None:
+        self._out, self._fmt = out, fmt
+        self._modules = {s.entry.name: s.module for s in selections}
+        specs = [
+            (name, dtype, shape)
+            for s in selections
+            for name, (dtype, shape) in ct.output_tensors(s).items()
+        ]
+        header_bytes, header = build_header(specs, {"format": "pt"})
+        self._base = len(header_bytes)
+        self._entries = {e.name: e for e in header.tensors}
+        self._left = set(self._entries)
+        self._f: BinaryIO = outputs.create(out, last=True)
+        self._put(0, header_bytes)
+        self.order = [s.entry for s in selections]
+
+    def _put(self, offset: int, data: bytes | memoryview) -> None:
+        try:
+            self._f.seek(offset)
+            self._f.write(data)
+        except OSError as err:
+            raise OutputError(self._out, f"cannot write: {describe_os_error(err)}") from None
+
+    def _tensor(self, name: str, data: memoryview) -> None:
+        entry = self._entries[name]
+        if data.nbytes != entry.nbytes:
+            raise AssertionError(f"writer expected {name} ({entry.nbytes} B), got {data.nbytes}")
+        self._put(self._base + entry.begin, data)
+        self._left.discard(name)
+
+    def keep(self, entry: TensorEntry, data: memoryview) -> None:
+        self._tensor(entry.name, data)
+
+    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+        module = self._modules[entry.name]
+        assert module is not None
+        n, k = entry.shape
+        tensors = encode_result(result, spec, (n, k), ST_TO_TORCH[entry.dtype])
+        for local, t in tensors.items():
+            self._tensor(f"{module}.{local}", tensor_bytes(t))
+        warning = fp16_underflow_warning(entry.name, tensors["weight_scale"])
+        if warning is not None:
+            self._fmt.data_warnings.append(warning)
+
+    def finish(self) -> None:
+        if self._left:
+            raise AssertionError(f"{len(self._left)} tensors were never written")

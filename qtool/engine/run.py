@@ -619,14 +619,18 @@ class _Summary:
         per channel, min-max), and had they all stayed float."""
         if self.options.target_sqnr is None:
             return None
-        int8, flt = 0, 0
-        for plan in self.shards.plans_now():
-            as_float = replace(plan, spec=None)
-            if plan.budget:
-                spec, _ = fit_spec(budget.INT8_CHANNEL, plan.entry.shape)
-                as_int8 = replace(plan, spec=spec)
-            else:
-                as_int8 = as_float = plan
-            int8 += as_int8.out_nbytes + as_int8.qparam_nbytes
-            flt += as_float.out_nbytes + as_float.qparam_nbytes
-        return int8, flt
+
+        def as_int8(plan: TensorPlan) -> TensorPlan:
+            spec, _ = fit_spec(budget.INT8_CHANNEL, plan.entry.shape)
+            return replace(plan.kept(""), spec=spec)
+
+        return self._size_if(as_int8), self._size_if(lambda plan: plan.kept(""))
+
+    def _size_if(self, decide: Callable[[TensorPlan], TensorPlan]) -> int:
+        """The output size (codes and qparams) with `decide` applied to the budget's tensors,
+        as the format would store them."""
+        plans = [decide(p) if p.budget else p for p in self.shards.plans_now()]
+        choices = self.fmt.select(plans)
+        if choices is not None:
+            plans = [_chosen(p, c) for p, c in zip(plans, choices, strict=True)]
+        return sum(p.out_nbytes + p.qparam_nbytes for p in plans)

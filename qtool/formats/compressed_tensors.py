@@ -302,12 +302,17 @@ def apply_group_fallback(selection: Selection, fallback: GroupFallback) -> Selec
     )
 
 
+LISTED_VIOLATIONS = 3  # a model's every layer breaks alike: name a few, count the rest
+
+
 def resolve_groups(selections: Sequence[Selection], fallback: GroupFallback) -> list[Selection]:
     """Every selection with the fallback applied; under `error`, one InputError naming every
     tensor whose K is not a multiple of G (hint "group-fallback")."""
     violations = group_violations(selections)
     if violations and fallback is GroupFallback.ERROR:
-        listed = ", ".join(v.describe() for v in violations)
+        listed = ", ".join(v.describe() for v in violations[:LISTED_VIOLATIONS])
+        if len(violations) > LISTED_VIOLATIONS:
+            listed += f" and {len(violations) - LISTED_VIOLATIONS} more"
         raise InputError(
             None,
             f"the group size must divide the row length K of every quantized tensor: {listed}",

@@ -131,6 +131,8 @@ class Resolution:
     rule: Rule | None
     action: QSpec | Keep
     note: str = ""
+    asked: QSpec | None = None
+    """The spec as the rule (or the command line) gave it, before it was fitted to the tensor."""
     by_rule: bool = False
     """The rule's own decision (its keep or its spec; --include matching nothing counts), not
     the default selection nor a tensor the rule could not quantize (1-D, integer)."""
@@ -175,11 +177,12 @@ def resolve(
     reason = selection_reason(entry, small=rule is not None and rule.kind is RuleKind.INCLUDE)
     if reason is not None:
         return Resolution(rule, Keep(reason))
+    asked = action.apply(base)
     try:
-        fitted, note = fit_spec(action.apply(base), entry.shape)
+        fitted, note = fit_spec(asked, entry.shape)
     except ValueError as err:
         raise _axis_error(rule, entry, str(err), checkpoint) from None
-    return Resolution(rule, fitted, note, by_rule=rule is not None)
+    return Resolution(rule, fitted, note, asked, by_rule=rule is not None)
 
 
 def selection_reason(entry: Entry, *, small: bool = False) -> str | None:

@@ -73,18 +73,26 @@ def json_rows(stdout: str) -> dict[str, dict[str, object]]:
 
 def test_llm_recipe_writes_one_config_group_per_spec(llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "mixed"
-    code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(EXAMPLES / "llm.toml"),
-                          "-o", str(out))  # fmt: skip
+    recipe = str(EXAMPLES / "llm.toml")
+    code, _, err = invoke("quantize", str(llama), *CT, "--recipe", recipe, "-o", str(out))
+    assert code == 1  # its MLP rule's groups of 128 are longer than the sample's rows of 64
+    assert "model.layers.0.mlp.gate_proj.weight (K=64, G=128)" in err
+    assert "--group-fallback channel|keep" in err and not out.exists()
+    code, _, err = invoke("quantize", str(llama), *CT, "--recipe", recipe,
+                          "--group-fallback", "channel", "-o", str(out))  # fmt: skip
     assert code == 0, err
     q = qconfig(out)
     groups = list(q["config_groups"].values())  # type: ignore[union-attr]
-    assert len(groups) == 2 and groups[-1]["targets"] == ["Linear"]  # the catch-all last
-    assert sorted(groups[0]["targets"]) == [
-        f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("down", "gate", "up")
+    assert len(groups) == 3 and groups[-1]["targets"] == ["Linear"]  # the catch-all last
+    layers = (0, 1)
+    assert [sorted(g["targets"]) for g in groups[:2]] == [
+        [f"model.layers.{i}.mlp.down_proj" for i in layers],  # K = 128: groups of 128
+        [f"model.layers.{i}.mlp.{p}_proj" for i in layers for p in ("gate", "up")],  # fallback
     ]
     assert q["ignore"] == ["lm_head"]
     bits = module_bits(out)
-    assert bits["model.layers.0.mlp.up_proj"] == (4, "channel")  # g128 >= K = 64: per channel
+    assert bits["model.layers.0.mlp.up_proj"] == (4, "channel")  # the fallback
+    assert bits["model.layers.0.mlp.down_proj"] == (4, "group")
     assert bits["model.layers.1.self_attn.k_proj"] == (8, "channel")
     stored = load_file(out / "model.safetensors")
     assert torch.equal(
@@ -96,7 +104,9 @@ def test_llm_recipe_writes_one_config_group_per_spec(llama: Path, tmp_path: Path
 def test_recipe_specs_round_trip_through_dequantize(llama: Path, tmp_path: Path) -> None:
     out, restored = tmp_path / "mixed", tmp_path / "restored.safetensors"
     recipe = EXAMPLES / "llm.toml"
-    assert invoke("quantize", str(llama), *CT, "--recipe", str(recipe), "-o", str(out))[0] == 0
+    code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
+                          "--group-fallback", "channel", "-o", str(out))  # fmt: skip
+    assert code == 0, err
     code, stdout, _ = invoke("inspect", str(out), "--json")
     assert code == 0
     specs = {t["name"]: t.get("quantization") for t in json.loads(stdout)["tensors"]}

@@ -238,3 +238,65 @@ def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(tmp_path: Path) -> No
 
 def test_header_only_plan_defers_to_the_data_with_a_budget(samples: Path) -> None:
     assert api.plan(samples / "mlp.safetensors", None, _options(20.0)) is None
+
+
+@pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
+def test_budget_reads_each_tensor_once_and_writes_what_it_measured(
+    samples: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The choosing pass keeps the chosen codes for the writing pass: no tensor is read from
+    the input twice, and the output equals a run told each chosen spec by a recipe."""
+    from collections import Counter
+
+    from qtool.io.checkpoint import Checkpoint
+
+    src = samples / ("tiny-llama" if fmt != "qtool" else "mlp.safetensors")
+    reads: Counter[str] = Counter()
+    original = Checkpoint.tensor
+
+    def counting(self: Checkpoint, entry: object) -> torch.Tensor:
+        reads[entry.name] += 1  # type: ignore[attr-defined]
+        return original(self, entry)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpoint, "tensor", counting)
+    budget_out, told_out = (
+        tmp_path / d / ("q.safetensors" if fmt == "qtool" else "") for d in ("budget", "told")
+    )
+    for out in (budget_out, told_out):
+        out.parent.mkdir(exist_ok=True)
+    options = QuantizeOptions(QSpec(), target_sqnr=20.0, format=fmt)
+    summary = api.quantize(src, budget_out, options, device="cpu")
+    chosen = {r.name: r for r in summary.rows if r.quantized}
+    assert chosen and all(reads[name] == 1 for name in chosen), reads
+    monkeypatch.setattr(Checkpoint, "tensor", original)
+
+    rules = "".join(
+        f'[[rule]]\nmatch = "{name}"\n{_keys(row.detail.split(" (")[0])}\n'
+        for name, row in chosen.items()
+    )
+    (tmp_path / "told.toml").write_text(rules)
+    told = QuantizeOptions(QSpec(), recipe=api.load_recipe(tmp_path / "told.toml"), format=fmt)
+    api.quantize(src, told_out, told, device="cpu")
+    for a, b in zip(_outputs(budget_out), _outputs(told_out), strict=True):
+        x, y = load_file(a), load_file(b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), a.name
+
+
+def _keys(described: str) -> str:
+    """Recipe keys of a spec as the table describes it ('sym int4 axis 0 mse')."""
+    words = described.split()
+    keys = [f'scheme = "{words[0]}"', f'dtype = "{words[1]}"']
+    if "group" in words:
+        keys.append(f"group_size = {words[words.index('group') + 1]}")
+    elif "axis" in words:
+        keys.append(f"axis = {words[words.index('axis') + 1]}")
+    else:
+        keys.append('granularity = "tensor"')
+    keys.append(f'range = "{"mse" if "mse" in words else "minmax"}"')
+    return "\n".join(keys)
+
+
+def _outputs(out: Path) -> list[Path]:
+    if out.suffix == ".safetensors":
+        return [out, out.with_name(out.stem + ".qparams.safetensors")]
+    return sorted(out.glob("*.safetensors"))

@@ -65,6 +65,7 @@ class TensorPlan:
     rule: str = ""  # with a recipe: the rule that decided ("rule 3 'mlp.*'"), shown in tables
     budget: bool = False  # the error budget (--target-sqnr) decides this tensor's spec
     by_rule: bool = False  # a rule decided by name (recipe.Resolution.by_rule)
+    asked: QSpec | None = None  # the spec before it was fitted to the tensor (a format may refuse)
     stored_nbytes: int | None = None  # bytes in the output, when the format says (else qtool's)
     stored_dtype: str | None = None  # the codes' dtype, when the format says (else qtool's)
 
@@ -119,7 +120,13 @@ def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> Tenso
         return TensorPlan(entry, None, found.action.reason, rule=rule, by_rule=found.by_rule)
     budget = options.target_sqnr is not None and found.from_command_line
     return TensorPlan(
-        entry, found.action, note=found.note, rule=rule, budget=budget, by_rule=found.by_rule
+        entry,
+        found.action,
+        note=found.note,
+        rule=rule,
+        budget=budget,
+        by_rule=found.by_rule,
+        asked=found.asked,
     )
 
 

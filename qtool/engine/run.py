@@ -43,6 +43,7 @@ from qtool.engine.source import (
     prepared,
     target_for,
 )
+from qtool.engine.spill import Figures, Spill
 from qtool.errors import DeviceError, NumericError, OutputError, UsageError
 from qtool.formats import output_format
 from qtool.formats.base import Choice, FormatContext, OutputFormat, ShardWriter
@@ -113,21 +114,23 @@ def quantize_model(
     run = Run(resolve_device(device), force, progress, fmt.scales_in_weight_dtype)
     shards = _Shards(model.source, options, fmt)
     try:
-        plans = shards.planned(run)
+        plans = shards.plans()
         summary = _Summary(
             model.source, model_target(model, out), fmt, options, run, started, shards
         )
         if dry_run:
             preflight(also, model.source.protected, force=force)
+            shards.decide_budget(run, None)
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
-            return _with_format(summary.of(rows, dry_run=True), fmt, plans, [])
+            return _with_format(summary.of(rows, dry_run=True), fmt, shards.plans_now(), [])
         check_output_dir(out, model, force)
         preflight(also, model.source.protected, force=force)
         notes = companions(model)[1]
         with building(out) as temp:
             target = model_target(model, temp)
-            needed = sum(p.out_nbytes for p in plans)
+            needed = _needed_bytes(plans)
             preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
+            shards.decide_budget(run, temp.parent)
             finish = _finish_model(model, temp, fmt, shards)
             rows = _write(shards, target, fmt, run, finish)
         return _with_format(summary.of(rows), fmt, shards.plans(), notes)
@@ -186,17 +189,20 @@ def quantize(
     writer_format = output_format(options.format)
     shards = _Shards(source, options, writer_format)
     try:
-        plans = shards.planned(run)
+        plans = shards.plans()
         summary = _Summary(source, target, writer_format, options, run, started, shards)
         if dry_run:
             preflight(also, source.protected, force=force)
+            shards.decide_budget(run, None)
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
             return summary.of(rows, dry_run=True)
-        needed = sum(p.out_nbytes for p in plans)
+        needed = _needed_bytes(plans)
         for out_file in target.shard_outputs:
             _check_recordable_name(out_file)
         with prepared(source, target, writer_format.layout, force, also, needed) as notes:
-            stale = remove_stale_temps(target.directory or target.shard_outputs[0].parent)
+            directory = target.directory or target.shard_outputs[0].parent
+            stale = remove_stale_temps(directory)
+            shards.decide_budget(run, directory)
             rows = _write(shards, target, writer_format, run)
         return replace(summary.of(rows), stale_temps_removed=stale, notes=notes)
     finally:
@@ -224,6 +230,7 @@ class _Shards:
         self._open: dict[Path, Checkpoint] = {}
         self._plans: dict[Path, list[TensorPlan]] = {}
         self.skipped: list[str] = []
+        self.spill: Spill | None = None
 
     def plans(self) -> list[TensorPlan]:
         """Every tensor's plan, in shard order: the rules' (from the headers), narrowed by the
@@ -236,12 +243,13 @@ class _Shards:
             self._format_selection()
         return self.plans_now()
 
-    def planned(self, run: Run) -> list[TensorPlan]:
-        """The plans, with the error budget's choices when the run has one."""
-        self.plans()
+    def decide_budget(self, run: Run, spill_directory: Path | None) -> None:
+        """With an error budget, its choices (see apply_budget), their codes kept in a
+        temporary file in `spill_directory` for the writing pass (None: a dry run, which keeps
+        only their figures)."""
         if self.options.target_sqnr is not None:
+            self.spill = Spill(spill_directory)
             self.apply_budget(run, self.options.target_sqnr, _ladder(self.options))
-        return self.plans_now()
 
     def plans_now(self) -> list[TensorPlan]:
         """The plans as they stand (after the budget, if any), in shard and file order."""
@@ -288,7 +296,9 @@ class _Shards:
             return plan.kept(f"kept float: no ladder spec fits {self.fmt.name} for this tensor")
         keep_nan = self.options.keep_nonfinite
         weight_dtype = run.scales_in_weight_dtype
-        return choose_plan(ckpt, plan, fitting, target, workspace, keep_nan, weight_dtype)
+        return choose_plan(
+            ckpt, plan, fitting, target, workspace, keep_nan, weight_dtype, self.spill
+        )
 
     def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
         ckpt = self._checkpoint(shard)
@@ -307,6 +317,8 @@ class _Shards:
     def close(self) -> None:
         for shard in list(self._open):
             self.done(shard)
+        if self.spill is not None:
+            self.spill.close()
 
     @property
     def skipped_entries(self) -> list[str]:
@@ -331,7 +343,7 @@ def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     rows: list[TensorRow] = []
     for shard in shards.source.shards:
         ckpt, plans = shards.checkpoint_plans(shard)
-        rows += estimate_rows(ckpt, plans, run.device, run.scales_in_weight_dtype)
+        rows += estimate_rows(ckpt, plans, run, shards.spill)
         shards.done(shard)
     return rows
 
@@ -353,7 +365,7 @@ def _write(
         for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
             ckpt, plans = shards.checkpoint_plans(shard)
             writer = fmt.writer(plans, ckpt.metadata, out, outputs)
-            rows += write_shard(ckpt, plans, writer, run)
+            rows += write_shard(ckpt, plans, writer, run, shards.spill)
             weight_map |= {n: out.name for p in plans for n in fmt.tensor_names(p)}
             shards.done(shard)
         total = sum(r.bytes_out for r in rows)
@@ -372,9 +384,14 @@ def _index_section(shards: _Shards, target: Target) -> dict[str, object]:
 
 
 def write_shard(
-    ckpt: Checkpoint, plans: list[TensorPlan], writer: ShardWriter, run: Run
+    ckpt: Checkpoint,
+    plans: list[TensorPlan],
+    writer: ShardWriter,
+    run: Run,
+    spill: Spill | None = None,
 ) -> list[TensorRow]:
     """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
+    A tensor the error budget already quantized comes from `spill`, not from the input.
 
     Tensor k is handed to the writer by a background thread while tensor k+1 is quantized (the
     write syscalls and the torch kernels both release the GIL). Two workspaces alternate, so
@@ -389,7 +406,10 @@ def write_shard(
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
-                result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+                result = spill.take(entry.name, plan.spec) if spill is not None else None
+                if result is None:
+                    workspace = workspaces[k % 2]
+                    result = _quantize_one(ckpt, plan, workspace, run.scales_in_weight_dtype)
                 background.submit(entry, writer.quantized, entry, plan.spec, result)
                 rows[entry.name] = _quantized_row(plan, result)
             if run.progress is not None:
@@ -435,18 +455,22 @@ class _BackgroundWriter:
 
 
 def estimate_rows(
-    ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device, weight_dtype: bool = False
+    ckpt: Checkpoint, plans: list[TensorPlan], run: Run, spill: Spill | None = None
 ) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything
-    (`weight_dtype`: scales rounded to the weight's dtype, as the format stores them)."""
-    workspace = kernels.Workspace(dev)
+    (the figures of the tensors the error budget measured come from `spill`)."""
+    workspace = kernels.Workspace(run.device)
     rows = []
     for plan in plans:
         if plan.spec is None:
             rows.append(planned_row(plan))
             continue
-        rows.append(_quantized_row(plan, _quantize_one(ckpt, plan, workspace, weight_dtype)))
-        ckpt.release(plan.entry)
+        figures = spill.figures(plan.entry.name, plan.spec) if spill is not None else None
+        if figures is None:
+            result = _quantize_one(ckpt, plan, workspace, run.scales_in_weight_dtype)
+            figures = Figures(result.errors, (float(result.scale.min()), float(result.scale.max())))
+            ckpt.release(plan.entry)
+        rows.append(_measured_row(plan, figures))
     return rows
 
 
@@ -494,10 +518,12 @@ def choose_plan(
     workspace: kernels.Workspace,
     keep_nan: bool,
     weight_dtype: bool = False,
+    spill: Spill | None = None,
 ) -> TensorPlan:
     """The plan with the budget's choice: the cheapest ladder spec reaching `target`, or kept
     in float; NaN/Inf tensors are left to --keep-nonfinite (or fail as in a plain run).
-    `weight_dtype`: scales rounded to the weight's dtype, as the format stores them."""
+    `weight_dtype`: scales rounded to the weight's dtype, as the format stores them; `spill`
+    keeps the chosen quantization for the writing pass."""
     x = ckpt.tensor(plan.entry).to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
@@ -510,8 +536,10 @@ def choose_plan(
     finally:
         ckpt.release(plan.entry)
     if choice.spec is None:
-        return replace(plan, spec=None, reason=choice.reason(), note="")
-    return replace(plan, spec=choice.spec, note=choice.reason())
+        return replace(plan, spec=None, reason=choice.reason(), note="", asked=None)
+    if spill is not None and choice.result is not None:
+        spill.put(plan.entry.name, choice.spec, choice.result)
+    return replace(plan, spec=choice.spec, note=choice.reason(), asked=None)
 
 
 def align_fused(plans: Sequence[TensorPlan], key: Callable[[str], str | None]) -> list[TensorPlan]:
@@ -548,8 +576,8 @@ def _aligned(plan: TensorPlan, pick: TensorPlan, key: str) -> TensorPlan:
     own = plan.note or plan.reason
     why = f"aligned with its fused siblings {key}; own choice {own}"
     if pick.spec is None:
-        return replace(plan.kept(f"kept float: {why}"), budget=True)
-    return replace(plan, spec=pick.spec, note=why)
+        return replace(plan.kept(f"kept float: {why}"), budget=True, asked=None)
+    return replace(plan, spec=pick.spec, note=why, asked=None)
 
 
 def _chosen(plan: TensorPlan, choice: Choice) -> TensorPlan:
@@ -583,7 +611,17 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
 
 def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
     scale_range = (float(result.scale.min()), float(result.scale.max()))
-    return replace(planned_row(plan), errors=result.errors, scale_range=scale_range)
+    return _measured_row(plan, Figures(result.errors, scale_range))
+
+
+def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:
+    return replace(planned_row(plan), errors=figures.errors, scale_range=figures.scale_range)
+
+
+def _needed_bytes(plans: Sequence[TensorPlan]) -> int:
+    """Free space to ask for: the outputs, with each tensor the error budget decides counted
+    at its float size, twice (the output, and its codes kept between the two passes)."""
+    return sum(2 * p.entry.nbytes if p.budget else p.out_nbytes for p in plans)
 
 
 @dataclass(frozen=True)
@@ -622,7 +660,7 @@ class _Summary:
 
         def as_int8(plan: TensorPlan) -> TensorPlan:
             spec, _ = fit_spec(budget.INT8_CHANNEL, plan.entry.shape)
-            return replace(plan.kept(""), spec=spec)
+            return replace(plan.kept(""), spec=spec, asked=None)
 
         return self._size_if(as_int8), self._size_if(lambda plan: plan.kept(""))
 

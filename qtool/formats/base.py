@@ -53,6 +53,11 @@ class Ruled(Planned, Protocol):
         """The recipe rule that decided, for messages ("" without a recipe)."""
 
     @property
+    def asked(self) -> QSpec | None:
+        """The spec before qtool fitted it to the tensor (a group longer than a row is per
+        channel for qtool; a format may refuse it instead); None: as `spec`."""
+
+    @property
     def by_rule(self) -> bool:
         """True when a rule decided by name (an --exclude, a recipe rule or an --include, or
         --include matching nothing); False for the default selection."""

@@ -171,7 +171,10 @@ def select_tensors(
 
 
 def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
-    entry, spec = planned.entry, planned.spec
+    """The export takes the spec as asked: a group longer than a row breaks K like any other
+    group that does not divide it (see GroupFallback)."""
+    entry = planned.entry
+    spec = planned.asked if planned.spec is not None and planned.asked is not None else planned.spec
     kind = classify(entry, config)
     if spec is None:
         reason = planned.reason if planned.by_rule else kind.reason or planned.reason
@@ -199,12 +202,14 @@ class _RuledEntry:
     note: str = ""
     rule: str = ""
     by_rule: bool = False
+    asked: QSpec | None = None
 
 
 def _ruled(found: Resolution, entry: TensorEntry) -> _RuledEntry:
     keep = found.action if isinstance(found.action, Keep) else None
+    reason = keep.reason if keep else ""
     return _RuledEntry(
-        entry, found.spec, keep.reason if keep else "", found.note, by_rule=found.by_rule
+        entry, found.spec, reason, found.note, by_rule=found.by_rule, asked=found.asked
     )
 
 

@@ -244,12 +244,12 @@ class _Shards:
         return self.plans_now()
 
     def decide_budget(self, run: Run, spill_directory: Path | None) -> None:
-        """With an error budget, its choices (see apply_budget), their codes kept in a
+        """With an error budget, its choices (see _apply_budget), their codes kept in a
         temporary file in `spill_directory` for the writing pass (None: a dry run, which keeps
         only their figures)."""
         if self.options.target_sqnr is not None:
             self.spill = Spill(spill_directory)
-            self.apply_budget(run, self.options.target_sqnr, _ladder(self.options))
+            self._apply_budget(run, self.options.target_sqnr, _ladder(self.options))
 
     def plans_now(self) -> list[TensorPlan]:
         """The plans as they stand (after the budget, if any), in shard and file order."""
@@ -264,7 +264,7 @@ class _Shards:
         for shard in self.source.shards:
             self._plans[shard] = [_chosen(p, next(it)) for p in self._plans[shard]]
 
-    def apply_budget(self, run: Run, target: float, ladder: Sequence[QSpec]) -> None:
+    def _apply_budget(self, run: Run, target: float, ladder: Sequence[QSpec]) -> None:
         """Choose the spec of every tensor the budget decides (one in-memory pass per tensor,
         the format's fused siblings aligned); the checkpoints stay open for the writing pass."""
         for shard in self.source.shards:

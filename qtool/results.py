@@ -196,6 +196,8 @@ class InspectSummary:
     manifest: dict[str, object] | None = None
     notes: list[str] = field(default_factory=list)  # warnings: a missing sidecar, ...
     shards: int = 0
+    quantized_modules: int | None = None  # compressed-tensors: modules its config quantizes
+    ignore: list[str] | None = None  # compressed-tensors: the config's `ignore` list
 
     @property
     def total_bytes(self) -> int:

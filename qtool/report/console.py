@@ -412,6 +412,11 @@ def print_inspect(summary: InspectSummary) -> None:
         lines.append(Text("metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))))
     if summary.manifest:
         lines.append(Text(_manifest_text(summary.manifest)))
+    if summary.quantized_modules is not None:
+        ignore = ", ".join(summary.ignore or []) or "none"
+        lines.append(
+            Text(f"{summary.quantized_modules} quantized modules; ignore (kept float): {ignore}")
+        )
     emit(sys.stdout, *lines)
     for note in summary.notes:
         print_warning(note)

@@ -237,6 +237,11 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
         },
         "metadata": summary.metadata,
         "manifest": summary.manifest,
+        **(
+            {"quantized_modules": summary.quantized_modules, "ignore": summary.ignore}
+            if summary.quantized_modules is not None
+            else {}
+        ),
         "notes": summary.notes,
     }
 

@@ -148,6 +148,11 @@ class Resolution:
         return self.spec is not None and (self.rule is None or self.rule.kind is RuleKind.INCLUDE)
 
 
+INT8_CHANNEL = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.MINMAX)
+"""Sym int8 per output channel, min-max: the error budget's all-int8 reference, and the spec a
+tensor the budget decides holds until the budget has chosen (every format stores it)."""
+
+
 # -- resolving ------------------------------------------------------------------------------
 
 

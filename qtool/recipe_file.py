@@ -27,7 +27,8 @@ from typing import NoReturn, TypeVar
 
 import tomllib
 
-from qtool.errors import RecipeError
+from qtool.errors import InputError, RecipeError
+from qtool.io.safeopen import read_bounded
 from qtool.recipe import Keep, Recipe, Rule, RuleKind, SpecPatch, parse_spec_label
 from qtool.spec import (
     Granularity,
@@ -45,6 +46,7 @@ SPEC_KEYS = ("scheme", "dtype", "granularity", "axis", "group_size", "range")
 RULE_KEYS = ("match", "keep", *SPEC_KEYS)
 LADDER_KEYS = ("scheme", "dtype", "granularity", "group_size", "range")
 TOP_KEYS = ("rule", "ladder")
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of rules; a bigger file is a wrong path
 
 _E = TypeVar("_E", Scheme, StorageDtype, RangeMethod)
 
@@ -52,9 +54,9 @@ _E = TypeVar("_E", Scheme, StorageDtype, RangeMethod)
 def load_recipe(path: Path | str) -> Recipe:
     """Read and check a recipe file; RecipeError naming the file, line and key otherwise."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as err:
-        raise RecipeError(path, f"cannot read the recipe: {err.strerror or err}") from None
+        text = read_bounded(path, MAX_RECIPE_BYTES, "the recipe").decode("utf-8-sig")
+    except InputError as err:
+        raise RecipeError(path, f"cannot read the recipe: {err.message}") from None
     except UnicodeDecodeError:
         raise RecipeError(path, "the recipe is not UTF-8 text") from None
     return parse_recipe(text, str(path))
@@ -66,6 +68,8 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(path, f"not valid TOML: {err}") from None
+    except RecursionError:
+        raise RecipeError(path, "not valid TOML: nested too deeply") from None
     check = _Checker(path, toml_lines(text))
     for key in doc:
         if key not in TOP_KEYS:
@@ -123,7 +127,10 @@ class _Checker:
             except ValueError as err:
                 self.fail(at, str(err))
         else:
-            spec = self._patch(at, self._table(at, item, LADDER_KEYS)).apply(QSpec())
+            table = self._table(at, item, LADDER_KEYS)
+            if "dtype" not in table:
+                self.fail(at, 'a ladder entry names its dtype (dtype = "int4", ...)')
+            spec = self._patch(at, table).apply(QSpec())
         if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
             self.fail(at, "ladder channels are along axis 0 (write channel)")
         return spec

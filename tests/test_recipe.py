@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -465,3 +466,28 @@ def test_encoder_example_recipe() -> None:
     ):
         res = resolve(recipe.rules, entry(name), QSpec())
         assert res.from_command_line  # left to --target-sqnr and the ladder
+
+
+def test_recipe_file_must_be_a_small_regular_utf8_file(tmp_path: Path) -> None:
+    """A FIFO is refused unread (no hang), a device or a huge file is not slurped, a BOM is
+    fine, deep nesting is a recipe error (tomllib recurses)."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(RecipeError, match="not a regular file"):
+        load_recipe(fifo)
+    with pytest.raises(RecipeError, match="not a regular file"):
+        load_recipe("/dev/zero")
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 200_000)
+    with pytest.raises(RecipeError, match="over 1,048,576 bytes"):
+        load_recipe(big)
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b'\xef\xbb\xbf[[rule]]\nmatch = "a"\nkeep = "x"\n')
+    assert len(load_recipe(bom).rules) == 1
+    with pytest.raises(RecipeError, match="nested too deeply"):
+        parse_recipe("x = " + "[" * 3000 + "]" * 3000)
+
+
+def test_a_ladder_table_names_its_dtype() -> None:
+    with pytest.raises(RecipeError, match="line 1: .*names its dtype"):
+        parse_recipe("ladder = [{}]\n", "r.toml")

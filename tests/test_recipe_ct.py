@@ -129,9 +129,10 @@ def test_a_rule_compressed_tensors_cannot_store_is_refused(llama: Path, tmp_path
     )
     code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
                           "-o", str(tmp_path / "out"))  # fmt: skip
-    assert code == 1
+    assert code == 2  # the recipe is wrong for this format: a usage error
     line = err.strip().splitlines()[-1]
-    assert "rule 1 '*.q_proj.weight'" in line and "model.layers.0.self_attn.q_proj.weight" in line
+    assert f"{recipe}: line 1: rule 1 '*.q_proj.weight'" in line
+    assert "model.layers.0.self_attn.q_proj.weight" in line
     assert "signed codes" in line
     assert not (tmp_path / "out").exists()
 
@@ -249,3 +250,55 @@ def test_align_fused_follows_a_sibling_a_rule_fixed() -> None:
     aligned = align_fused(plans, key)
     assert [p.spec for p in aligned] == [g32, g32]
     assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].note
+
+
+def test_a_rule_fixing_one_fused_sibling_leaves_the_budget_the_rest(
+    llama: Path, tmp_path: Path
+) -> None:
+    """The budget's siblings follow the rule's spec; the size references (all-int8, all-float)
+    are the format's bytes, computed without its plan checks (they once failed the run after
+    the output was written)."""
+    recipe = write_recipe(
+        tmp_path, '[[rule]]\nmatch = "*q_proj*"\ndtype = "int8"\ngranularity = "channel"\n'
+    )
+    out = tmp_path / "out"
+    code, stdout, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
+                               "--target-sqnr", "20", "--json", "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    rows = json_rows(stdout)
+    for p in "kv":
+        detail = str(rows[f"model.layers.0.self_attn.{p}_proj.weight"]["detail"])
+        assert detail.startswith("sym int8 axis 0") and "aligned" in detail
+    totals = json.loads(stdout)["totals"]
+    assert totals["bytes_out"] < totals["bytes_all_int8"] < totals["bytes_all_float"]
+
+
+def test_the_budget_never_checks_the_command_line_spec(llama: Path, tmp_path: Path) -> None:
+    """With --target-sqnr the spec options do not apply to the budget's tensors: a group size
+    or dtype compressed-tensors refuses is not held against them."""
+    for spec in (("--group-size", "48"), ("--scheme", "asym", "--dtype", "uint8")):
+        out = tmp_path / "-".join(spec)
+        code, _, err = invoke("quantize", str(llama), *CT, *spec, "--target-sqnr", "20",
+                              "-o", str(out))  # fmt: skip
+        assert code == 0, (spec, err)
+
+
+def test_a_group_the_export_takes_as_asked_drops_the_fitting_note(
+    llama: Path, tmp_path: Path
+) -> None:
+    code, stdout, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size",
+                               "128", "--group-fallback", "channel", "--dry-run", "--json",
+                               "-o", str(tmp_path / "out"))  # fmt: skip
+    assert code == 0, err
+    detail = str(json_rows(stdout)["model.layers.0.mlp.down_proj.weight"]["detail"])
+    assert detail.startswith("sym int4 group 128") and "per channel" not in detail
+
+
+def test_an_unsigned_ladder_says_why_nothing_fits(llama: Path, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, 'ladder = ["asym uint8 channel"]\n')
+    code, stdout, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
+                               "--target-sqnr", "20", "--dry-run", "--estimate", "--json",
+                               "-o", str(tmp_path / "out"))  # fmt: skip
+    assert code == 0, err
+    detail = str(json_rows(stdout)["model.layers.0.mlp.up_proj.weight"]["detail"])
+    assert "no ladder spec fits compressed-tensors" in detail and "signed codes" in detail

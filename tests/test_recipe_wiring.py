@@ -300,3 +300,61 @@ def _outputs(out: Path) -> list[Path]:
     if out.suffix == ".safetensors":
         return [out, out.with_name(out.stem + ".qparams.safetensors")]
     return sorted(out.glob("*.safetensors"))
+
+
+def test_summary_and_json_name_each_tensors_own_spec(samples: Path, tmp_path: Path) -> None:
+    """A rule that changes only the range method still makes the specs per tensor (the summary
+    once compared description prefixes); the JSON gives every quantized tensor its spec."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[[rule]]\nmatch = "*fc1*"\nrange = "mse"\n')
+    args = ("quantize", str(samples / "mlp.safetensors"), "--group-size", "32",
+            "--recipe", str(recipe), "--dry-run")  # fmt: skip
+    code, out, err = invoke(*args)
+    assert code == 0, err
+    assert "(specs per tensor)" in out
+    code, out, _ = invoke(*args, "--json")
+    specs = {t["name"]: t.get("spec") for t in json.loads(out)["tensors"]}
+    assert specs["layers.0.fc1.weight"]["range_method"] == "mse"
+    assert specs["layers.0.fc2.weight"]["range_method"] == "minmax"
+    assert specs["embed.weight"]["granularity"] == {"kind": "group", "size": 32}
+    assert specs["head.bias"] is None  # kept
+    code, out, _ = invoke("quantize", str(samples / "mlp.safetensors"), "--dry-run")
+    assert "(specs per tensor)" not in out and "(sym int8 axis 0)" in out
+
+
+def test_excluded_rows_do_not_repeat_the_rule(samples: Path) -> None:
+    code, out, _ = invoke("quantize", str(samples / "mlp.safetensors"), "--recipe",
+                          str(MLP_RECIPE), "--exclude", "head.*", "--dry-run", "--json")  # fmt: skip
+    assert code == 0
+    detail = {t["name"]: t["detail"] for t in json.loads(out)["tensors"]}["head.weight"]
+    assert detail == "kept: excluded by --exclude 'head.*'"
+
+
+def test_a_ladder_without_a_target_is_reported_unused(samples: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('ladder = ["int8"]\n[[rule]]\nmatch = "embed.*"\nkeep = "x"\n')
+    code, _, err = invoke("quantize", str(samples / "mlp.safetensors"), "--recipe", str(recipe),
+                          "--dry-run")  # fmt: skip
+    assert code == 0 and "its ladder applies only with --target-sqnr" in err
+
+
+def test_free_space_asks_for_what_the_budget_can_take_not_twice_the_float(
+    samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept float (or the dearest candidate) plus the dearest candidate's codes kept between
+    the passes: 1 + 1.04/4 of fp32, not 2x (a 64 MiB file on 100 MiB free was refused)."""
+    from qtool.engine import run
+
+    asked: list[int] = []
+    real = run.prepared
+
+    def recording(*args: object, **kwargs: object) -> object:
+        asked.append(int(args[-1]))  # type: ignore[call-overload]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(run, "prepared", recording)
+    src = samples / "mlp.safetensors"
+    summary = api.quantize(src, samples / "q.safetensors", _options(20.0, None), device="cpu")
+    budget_in = sum(r.bytes_in for r in summary.rows if r.quantized or "kept float" in r.detail)
+    assert asked and asked[0] < 1.5 * summary.bytes_in
+    assert asked[0] >= budget_in  # at least: every budget tensor kept float

@@ -402,10 +402,15 @@ def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
         for rule in api.unmatched_rules(options.recipe.rules, names):
             where = f"{options.recipe.path}: line {rule.line}: {rule.describe()}"
             report.print_warning(f"{where} matches no tensor")
+        if options.recipe.ladder is not None and options.target_sqnr is None:
+            report.print_warning(
+                f"{options.recipe.path}: its ladder applies only with --target-sqnr"
+            )
     if not any(r.quantized for r in rows):
+        flags = "--include/--exclude/--recipe" + ("/--target-sqnr" if options.target_sqnr else "")
         report.print_warning(
             f"0 of {len(rows)} tensors selected for quantization; see the kept reasons "
-            "and check --include/--exclude/--recipe"
+            f"and check {flags}"
         )
 
 

@@ -105,7 +105,7 @@ TargetSqnrOpt = Annotated[
     typer.Option(
         "--target-sqnr",
         help="Error budget: per tensor, the cheapest ladder spec whose SQNR reaches DB, "
-        "else float.",
+        "else float (with --dry-run, add --estimate).",
         metavar="DB",
         show_default=False,
         callback=_finite_bound,

@@ -20,15 +20,13 @@ from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
-from qtool.recipe import Keep, Recipe, Rule, resolve, rules_from_cli
+from qtool.recipe import INT8_CHANNEL, Keep, Recipe, Rule, RuleKind, resolve, rules_from_cli
+from qtool.recipe import fit_spec as fit_to_shape
 from qtool.results import QuantizeSummary, TensorRow
 from qtool.spec import (
-    PerChannel,
     PerGroup,
-    PerTensor,
     QSpec,
     RangeMethod,
-    matrix_shape,
     packed_shape,
     qparam_shape,
 )
@@ -63,8 +61,10 @@ class TensorPlan:
     reason: str = ""
     note: str = ""
     rule: str = ""  # with a recipe: the rule that decided ("rule 3 'mlp.*'"), shown in tables
+    rule_origin: str = ""  # where a recipe rule is written ("llm.toml: line 12: ")
     budget: bool = False  # the error budget (--target-sqnr) decides this tensor's spec
     by_rule: bool = False  # a rule decided by name (recipe.Resolution.by_rule)
+    own_spec: bool = False  # a recipe rule or the budget chose the spec, not the command line
     asked: QSpec | None = None  # the spec before it was fitted to the tensor (a format may refuse)
     stored_nbytes: int | None = None  # bytes in the output, when the format says (else qtool's)
     stored_dtype: str | None = None  # the codes' dtype, when the format says (else qtool's)
@@ -118,56 +118,43 @@ def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> Tenso
     rule = found.rule.describe() if options.recipe is not None and found.rule else ""
     if isinstance(found.action, Keep):
         return TensorPlan(entry, None, found.action.reason, rule=rule, by_rule=found.by_rule)
-    budget = options.target_sqnr is not None and found.from_command_line
+    if options.target_sqnr is not None and found.from_command_line:
+        # the budget decides: the command-line spec does not apply, nor may a format check it
+        spec, _ = fit_to_shape(INT8_CHANNEL, entry.shape)
+        return TensorPlan(entry, spec, rule=rule, budget=True, by_rule=found.by_rule, own_spec=True)
     return TensorPlan(
         entry,
         found.action,
         note=found.note,
         rule=rule,
-        budget=budget,
+        rule_origin=_origin(found.rule),
         by_rule=found.by_rule,
         asked=found.asked,
+        own_spec=not found.from_command_line,
     )
 
 
+def _origin(rule: Rule | None) -> str:
+    """Where a recipe rule is written, for messages ("" for a command-line rule)."""
+    if rule is None or rule.kind is not RuleKind.RECIPE:
+        return ""
+    return f"{rule.file}: line {rule.line}: "
+
+
 def fit_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
-    """The spec as it applies to this tensor (see _fit_plan)."""
-    fitted = _fit_plan(path, entry, spec).spec
-    assert fitted is not None
-    return fitted
-
-
-def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
-    """The spec as it applies to this tensor: axis normalised, a 0-d/1-D tensor named by
-    --include quantized per tensor, a group at least as long as a row is per channel."""
-    g, ndim = spec.granularity, len(entry.shape)
-    if ndim < 2 and not isinstance(g, PerTensor):
-        return TensorPlan(entry, replace(spec, granularity=PerTensor()))
-    if isinstance(g, PerGroup):
-        _, k = matrix_shape(entry.shape)
-        if g.size >= k:
-            note = f"group {g.size} >= row length {k}: per channel"
-            return TensorPlan(entry, replace(spec, granularity=PerChannel(0)), note=note)
-    if isinstance(g, PerChannel):
-        if not -ndim <= g.axis < ndim:
-            raise InputError(
-                path,
-                f"axis {g.axis} is out of range for this {ndim}-D tensor; "
-                f"choose an axis in [{-ndim}, {ndim - 1}] or exclude the tensor",
-                entry.name,
-                hint=("axis", "exclude"),
-            )
-        return TensorPlan(entry, replace(spec, granularity=PerChannel(g.axis % ndim)))
-    return TensorPlan(entry, spec)
+    """The spec as it applies to this tensor (recipe.fit_spec); InputError naming `path` and
+    the tensor for a channel axis it lacks."""
+    try:
+        return fit_to_shape(spec, entry.shape)[0]
+    except ValueError as err:
+        raise InputError(
+            path, f"{err} or exclude the tensor", entry.name, hint=("axis", "exclude")
+        ) from None
 
 
 def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """The patterns that match none of `names` (a typo, or a glob for another model)."""
     return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-
-
-def _first_match(name: str, patterns: tuple[str, ...]) -> str | None:
-    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
 
 def default_quantized_path(src: Path, dtype: str) -> Path:
@@ -190,7 +177,7 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         detail = f"{detail} ({c}x{n} groups)"
     if plan.note:
         detail = f"{detail} ({plan.note})"
-    if plan.rule:
+    if plan.rule and plan.rule not in detail:  # "excluded by --exclude 'x'" names it already
         detail = f"{detail} [{plan.rule}]"
     return TensorRow(
         e.name,
@@ -202,6 +189,8 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         e.nbytes,
         plan.out_nbytes,
         bytes_qparams=plan.qparam_nbytes,
+        spec=plan.spec,
+        spec_chosen=plan.own_spec and plan.spec is not None,
     )
 
 

@@ -59,7 +59,7 @@ from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import budget, kernels
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.recipe import fit_spec
+from qtool.recipe import INT8_CHANNEL, fit_spec
 from qtool.results import Progress, QuantizeSummary, TensorRow
 from qtool.spec import QSpec
 
@@ -128,7 +128,7 @@ def quantize_model(
         notes = companions(model)[1]
         with building(out) as temp:
             target = model_target(model, temp)
-            needed = _needed_bytes(plans)
+            needed = _needed_bytes(plans, options)
             preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
             shards.decide_budget(run, temp.parent)
             finish = _finish_model(model, temp, fmt, shards)
@@ -196,7 +196,7 @@ def quantize(
             shards.decide_budget(run, None)
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
             return summary.of(rows, dry_run=True)
-        needed = _needed_bytes(plans)
+        needed = _needed_bytes(plans, options)
         for out_file in target.shard_outputs:
             _check_recordable_name(out_file)
         with prepared(source, target, writer_format.layout, force, also, needed) as notes:
@@ -289,11 +289,11 @@ class _Shards:
         run: Run,
     ) -> TensorPlan:
         entry = plan.entry
-        fitting = [
-            s for s in budget.candidates(ladder, entry.shape) if not self.fmt.supports(entry, s)
-        ]
+        refusals = {s: self.fmt.supports(entry, s) for s in budget.candidates(ladder, entry.shape)}
+        fitting = [s for s, refused in refusals.items() if refused is None]
         if not fitting:
-            return plan.kept(f"kept float: no ladder spec fits {self.fmt.name} for this tensor")
+            why = next(iter(refusals.values()), None)
+            return plan.kept(f"kept float: no ladder spec fits {self.fmt.name} ({why})")
         keep_nan = self.options.keep_nonfinite
         weight_dtype = run.scales_in_weight_dtype
         return choose_plan(
@@ -618,10 +618,19 @@ def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:
     return replace(planned_row(plan), errors=figures.errors, scale_range=figures.scale_range)
 
 
-def _needed_bytes(plans: Sequence[TensorPlan]) -> int:
-    """Free space to ask for: the outputs, with each tensor the error budget decides counted
-    at its float size, twice (the output, and its codes kept between the two passes)."""
-    return sum(2 * p.entry.nbytes if p.budget else p.out_nbytes for p in plans)
+def _needed_bytes(plans: Sequence[TensorPlan], options: QuantizeOptions) -> int:
+    """Free space to ask for: the outputs, each tensor the error budget decides counted at the
+    most it can take (kept float, or its dearest candidate) plus its dearest candidate again
+    (its codes kept between the two passes)."""
+    ladder = _ladder(options)
+    total = 0
+    for p in plans:
+        if p.budget:
+            dearest = max(budget.bytes_per_tensor(s, p.entry.shape) for s in ladder)
+            total += max(p.entry.nbytes, dearest) + dearest
+        else:
+            total += p.out_nbytes
+    return total
 
 
 @dataclass(frozen=True)
@@ -658,17 +667,19 @@ class _Summary:
         if self.options.target_sqnr is None:
             return None
 
-        def as_int8(plan: TensorPlan) -> TensorPlan:
-            spec, _ = fit_spec(budget.INT8_CHANNEL, plan.entry.shape)
-            return replace(plan.kept(""), spec=spec, asked=None)
+        return self._size_if(INT8_CHANNEL), self._size_if(None)
 
-        return self._size_if(as_int8), self._size_if(lambda plan: plan.kept(""))
-
-    def _size_if(self, decide: Callable[[TensorPlan], TensorPlan]) -> int:
-        """The output size (codes and qparams) with `decide` applied to the budget's tensors,
-        as the format would store them."""
-        plans = [decide(p) if p.budget else p for p in self.shards.plans_now()]
-        choices = self.fmt.select(plans)
-        if choices is not None:
-            plans = [_chosen(p, c) for p, c in zip(plans, choices, strict=True)]
-        return sum(p.out_nbytes + p.qparam_nbytes for p in plans)
+    def _size_if(self, spec: QSpec | None) -> int:
+        """The output size (codes and qparams) had every tensor the budget decided been
+        quantized with `spec` (None: kept), as the format stores it."""
+        total = 0
+        for plan in self.shards.plans_now():
+            if plan.budget:
+                fitted = fit_spec(spec, plan.entry.shape)[0] if spec is not None else None
+                plan = TensorPlan(plan.entry, fitted)
+                stored = self.fmt.stored_nbytes(plan.entry, fitted)
+                if stored is not None:
+                    total += stored
+                    continue
+            total += plan.out_nbytes + plan.qparam_nbytes
+        return total

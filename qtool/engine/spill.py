@@ -11,6 +11,8 @@ figures alone.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,7 @@ class Spill:
         """`directory`: where the temporary file goes; None keeps the figures alone."""
         self._directory = directory
         self._file: BinaryIO | None = None
+        self._end = 0  # where the next part goes
         self._stored: dict[str, _Stored] = {}
 
     def put(self, name: str, spec: QSpec, result: QuantizedTensor) -> None:
@@ -86,30 +89,36 @@ class Spill:
         return QuantizedTensor(t["q"], t["scale"], t["zero_point"], errors, t.get("choice"))
 
     def close(self) -> None:
+        """Drop the temporary file (unbuffered: closing cannot fail on unwritten data)."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
         self._stored.clear()
 
     def _append(self, t: torch.Tensor) -> _Part:
-        assert self._directory is not None
-        f = self._open()
-        offset = f.seek(0, 2)
+        fd, offset = self._open().fileno(), self._end
+        data = tensor_bytes(t)
         try:
-            f.write(tensor_bytes(t))
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
         except OSError as err:
             raise OutputError(
                 self._directory, f"cannot keep the budget's choices: {describe_os_error(err)}"
             ) from None
+        self._end += len(data)
         return _Part(offset, t.dtype, tuple(t.shape))
 
     def _read(self, part: _Part) -> torch.Tensor:
-        f = self._open()
-        f.seek(part.offset)
+        fd = self._open().fileno()
         out = torch.empty(part.shape, dtype=part.dtype)
-        view = tensor_bytes(out)
-        if f.readinto(view) != len(view):  # type: ignore[attr-defined]
-            raise OutputError(self._directory, "the budget's temporary file was cut short")
+        view, done = tensor_bytes(out), 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], part.offset + done)
+            if n == 0:
+                raise OutputError(self._directory, "the budget's temporary file was cut short")
+            done += n
         return out
 
     def _open(self) -> BinaryIO:
@@ -118,7 +127,7 @@ class Spill:
             try:
                 # closed by close(), which the run calls when it ends, however it ends
                 self._file = tempfile.TemporaryFile(  # noqa: SIM115
-                    dir=self._directory, prefix=".qtool-spill-"
+                    buffering=0, dir=self._directory, prefix=".qtool-spill-"
                 )
             except OSError as err:
                 raise OutputError(

@@ -53,6 +53,10 @@ class Ruled(Planned, Protocol):
         """The recipe rule that decided, for messages ("" without a recipe)."""
 
     @property
+    def rule_origin(self) -> str:
+        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
+
+    @property
     def asked(self) -> QSpec | None:
         """The spec before qtool fitted it to the tensor (a group longer than a row is per
         channel for qtool; a format may refuse it instead); None: as `spec`."""
@@ -147,6 +151,10 @@ class OutputFormat(Protocol):
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         """None when the format can store `entry` quantized with `spec`; else why not."""
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int | None:
+        """Bytes `entry` takes in this format's output quantized with `spec` (None: kept);
+        None: qtool's count (its codes and a float32 scale and a zero point per group)."""
 
     def layout(self, out: Path) -> list[Path]:
         """Every file one output shard named `out` occupies (checked before writing)."""

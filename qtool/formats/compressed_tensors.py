@@ -173,8 +173,9 @@ def select_tensors(
 def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
     """The export takes the spec as asked: a group longer than a row breaks K like any other
     group that does not divide it (see GroupFallback)."""
-    entry = planned.entry
-    spec = planned.asked if planned.spec is not None and planned.asked is not None else planned.spec
+    entry, spec, note = planned.entry, planned.spec, planned.note
+    if spec is not None and planned.asked is not None and planned.asked != spec:
+        spec, note = planned.asked, ""  # qtool's fitting note no longer applies
     kind = classify(entry, config)
     if spec is None:
         reason = planned.reason if planned.by_rule else kind.reason or planned.reason
@@ -186,8 +187,9 @@ def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
     except ValueError as err:
         if not planned.rule:
             raise
-        raise RuleUnstorable(f"{planned.rule} (for {entry.name}): {err}") from None
-    return Selection(entry, kind.module, spec, note=planned.note)
+        where = f"{planned.rule_origin}{planned.rule}"
+        raise RuleUnstorable(f"{where} (for {entry.name}): {err}") from None
+    return Selection(entry, kind.module, spec, note=note)
 
 
 class RuleUnstorable(ValueError):
@@ -201,6 +203,7 @@ class _RuledEntry:
     reason: str = ""
     note: str = ""
     rule: str = ""
+    rule_origin: str = ""
     by_rule: bool = False
     asked: QSpec | None = None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from qtool import __version__
-from qtool.errors import InputError, OutputError
+from qtool.errors import InputError, OutputError, RecipeError
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import ct_config
 from qtool.formats.base import Choice, FormatContext, Planned, Ruled
@@ -97,7 +97,7 @@ class CompressedTensorsFormat:
         try:
             chosen = ct.select_planned(planned, self.config)
         except ct.RuleUnstorable as err:
-            raise InputError(None, str(err)) from None
+            raise RecipeError(None, str(err)) from None
         except ValueError as err:
             raise InputError(None, str(err), hint="dtype") from None
         chosen = ct.resolve_groups(chosen, self.fallback)
@@ -106,6 +106,9 @@ class CompressedTensorsFormat:
 
     def fused_key(self, name: str) -> str | None:
         return ct.fused_key(name.removesuffix(".weight"))
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
+        return ct.output_nbytes(ct.Selection(entry, entry.name.removesuffix(".weight"), spec))
 
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
         """Every Linear kept in float, by exact module name."""

@@ -70,6 +70,9 @@ class QtoolFormat:
     def fused_key(self, name: str) -> None:
         return None
 
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> None:
+        return None
+
     def tensor_names(self, planned: Planned) -> list[str]:
         return [planned.entry.name]
 

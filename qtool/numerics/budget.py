@@ -26,8 +26,6 @@ DEFAULT_LADDER: tuple[QSpec, ...] = tuple(
 """Cheapest first for every [C, K] weight: 0.5 + 5/128, 0.5 + 5/32, 1 + 5/K and 1 + 5/128
 bytes per element (codes, then a float32 scale and a 1-byte zero point per group)."""
 
-INT8_CHANNEL = parse_spec_label("int8 channel")
-"""The all-int8 reference of the size summary: sym int8 per output channel, min-max."""
 
 QPARAM_BYTES = 5  # a float32 scale and a 1-byte zero point per group
 

@@ -314,9 +314,7 @@ def print_quantize(
 def _quantize_totals(summary: QuantizeSummary) -> str:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
-    spec = summary.spec.describe()
-    if not all(r.detail.startswith(spec) for r in summary.quantized):
-        spec = "specs per tensor"  # a recipe or the error budget chose them
+    spec = "specs per tensor" if summary.per_tensor_specs else summary.spec.describe()
     parts = [
         f"{q} of {n} tensors quantized ({spec}), {n - q} kept",
         f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",

@@ -101,6 +101,8 @@ def quantize_json(
             "bytes_out": r.bytes_out,
             **error_json(r.errors),
         }
+        if r.spec is not None:
+            item["spec"] = spec_json(r.spec)
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
         tensors.append(item)

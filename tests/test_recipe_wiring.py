@@ -323,8 +323,9 @@ def test_summary_and_json_name_each_tensors_own_spec(samples: Path, tmp_path: Pa
 
 
 def test_excluded_rows_do_not_repeat_the_rule(samples: Path) -> None:
-    code, out, _ = invoke("quantize", str(samples / "mlp.safetensors"), "--recipe",
-                          str(MLP_RECIPE), "--exclude", "head.*", "--dry-run", "--json")  # fmt: skip
+    src = str(samples / "mlp.safetensors")
+    code, out, _ = invoke("quantize", src, "--recipe", str(MLP_RECIPE), "--exclude", "head.*",
+                          "--dry-run", "--json")  # fmt: skip
     assert code == 0
     detail = {t["name"]: t["detail"] for t in json.loads(out)["tensors"]}["head.weight"]
     assert detail == "kept: excluded by --exclude 'head.*'"

@@ -55,7 +55,7 @@ from qtool.io.atomic import (
 )
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.numerics import kernels
+from qtool.numerics import kernels, select
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeSummary, TensorRow
 
@@ -284,12 +284,18 @@ class _Shards:
 
 def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything."""
+    _expect(shards, run)
     rows: list[TensorRow] = []
     for shard in shards.source.shards:
         ckpt, plans = shards.checkpoint_plans(shard)
         rows += estimate_rows(ckpt, plans, run.device, run.scales_in_weight_dtype)
         shards.done(shard)
     return rows
+
+
+def _expect(shards: _Shards, run: Run) -> None:
+    """Tell the kernel choice how much this run quantizes (numerics/select.py)."""
+    select.expect(run.device, sum(p.entry.nbytes for p in shards.plans() if p.spec is not None))
 
 
 Finish = Callable[[OutputSet, dict[str, str], int], None]
@@ -301,6 +307,7 @@ def _write(
 ) -> list[TensorRow]:
     """Every shard through the format's writer, then `finish` (default: for a sharded output,
     the companions and the index)."""
+    _expect(shards, run)
     if run.progress is not None:
         run.progress.start(sum(p.entry.nbytes for p in shards.plans()))
     rows: list[TensorRow] = []
@@ -413,7 +420,7 @@ def _quantize_one(
     x = ckpt.tensor(plan.entry).to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        return kernels.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+        return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
     except NonFiniteInput as err:
         if err.count == 0:  # finite float64 values whose float32 range overflows
             raise NumericError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numba
 import numpy as np
 import torch
 
@@ -46,6 +47,13 @@ class Fused:
     choice: np.ndarray | None = None  # uint8, the qparam shape (--range mse)
 
 
+def set_threads(n: int) -> None:
+    """Run the parallel kernels on n threads (as many as torch uses; numba's pool is the cap)."""
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+
+
 def supports(spec: QSpec, ndim: int) -> bool:
     """Whether the fused kernels cover this spec on a tensor of `ndim` dims (the mse search is
     fused for rows and groups only; 0-d tensors stay on the torch path)."""
@@ -66,6 +74,8 @@ def quantize_tensor(
         raise ValueError(f"can only quantize float16/bfloat16/float32/float64, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError("cannot quantize an empty tensor")
+    if not supports(spec, x.ndim):
+        raise ValueError(f"the fused kernels do not cover {spec.describe()} on a {x.ndim}-D tensor")
     if scale_dtype not in _SCALE_KINDS:
         raise ValueError(f"scales can be stored as float32, bfloat16 or float16, not {scale_dtype}")
     spec = _normalized(spec, x.ndim)

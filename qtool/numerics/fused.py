@@ -49,7 +49,7 @@ class Fused:
 
 def set_threads(n: int) -> None:
     """Run the parallel kernels on n threads (as many as torch uses; numba's pool is the cap)."""
-    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    n = max(1, min(n, vars(numba.config)["NUMBA_NUM_THREADS"]))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
 

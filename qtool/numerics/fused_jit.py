@@ -22,7 +22,6 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-_EXACT = {"cache": True, "fastmath": False}
 _TINY = np.float32(np.finfo(np.float32).tiny)
 OK, NONFINITE, OVERFLOW = 0, 1, 2
 SCALE_F32, SCALE_BF16, SCALE_F16 = 0, 1, 2
@@ -48,7 +47,7 @@ def _to_f32_impl(v):
     return None
 
 
-@numba.njit(inline="always", **_EXACT)
+@numba.njit(inline="always", cache=True, fastmath=False)
 def _half_to_f32(v):
     """Exact fp16 -> fp32 from the 16-bit word (numba has no float16 on CPU)."""
     h = np.int64(v) & 0xFFFF
@@ -65,19 +64,19 @@ def _half_to_f32(v):
     return np.uint32(o).view(np.float32)
 
 
-@numba.njit(inline="always", **_EXACT)
+@numba.njit(inline="always", cache=True, fastmath=False)
 def _key(f):
     """int32 that orders like the float32 f (-0.0 just below +0.0)."""
     b = np.float32(f).view(np.int32)
     return np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
-@numba.njit(inline="always", **_EXACT)
+@numba.njit(inline="always", cache=True, fastmath=False)
 def _unkey(k):
     return np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _seg_keys(xs):
     """(min key, max key) of a 1-D run, both starting from 0.0 so the range holds 0."""
     klo = np.int32(0)
@@ -89,7 +88,7 @@ def _seg_keys(xs):
     return klo, khi
 
 
-@numba.njit(inline="always", **_EXACT)
+@numba.njit(inline="always", cache=True, fastmath=False)
 def _f32_to_half(f):
     """fp32 -> fp16 word, round to nearest even, overflow to Inf (F. Giesen's rtne method)."""
     u = np.int64(np.float32(f).view(np.uint32))
@@ -107,14 +106,14 @@ def _f32_to_half(f):
     return o | (sign >> 16)
 
 
-@numba.njit(inline="always", **_EXACT)
+@numba.njit(inline="always", cache=True, fastmath=False)
 def _f32_to_bf16(f):
     """fp32 -> bf16 word, round to nearest even (finite inputs)."""
     b = np.int64(np.float32(f).view(np.uint32))
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _round_scale(scale, kind):
     """ranges.round_scale: clamp into the dtype's [smallest subnormal, max], round, widen."""
     if kind == SCALE_BF16:
@@ -126,7 +125,7 @@ def _round_scale(scale, kind):
     return scale
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _finish(scale, span, lo, grid):
     """(scale, zero point as float32) from a finite raw scale, as ranges._finish."""
     sym, divisor, qmin, qmax, zp_sym, kind = grid
@@ -138,7 +137,7 @@ def _finish(scale, span, lo, grid):
     return scale, min(max(zp, qmin), qmax)
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _raw(lo, hi, grid):
     """(raw scale, span, lo clamped to <= 0) as ranges._raw_scale."""
     sym, divisor = grid[0], grid[1]
@@ -150,7 +149,7 @@ def _raw(lo, hi, grid):
     return np.float32(span / divisor), span, lo
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def qparams(lo, hi, grid):
     """(scale, zero_point as float32, status) exactly as ranges.qparams_from_range."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
@@ -162,7 +161,7 @@ def qparams(lo, hi, grid):
     return s, z, OK
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _seg_codes(xs, scale, zp, qmin, qmax, cs, es, with_err):
     """cs = clamp(rint(x / scale) + zp, qmin, qmax); es = x - (q - zp) * scale if with_err."""
     for i in range(xs.size):
@@ -197,7 +196,7 @@ def _seg_sse(es, n):
     return se
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _seg_search(xs, lo, hi, grid, cands, cs, es):
     """--range mse for one group: (scale, zp, choice, sse of min-max, status); candidate 0 is
     min-max, a candidate wins only with a strictly smaller float64 sum of squared errors, and a
@@ -223,7 +222,7 @@ def _seg_search(xs, lo, hi, grid, cands, cs, es):
     return bs, bz, bk, sse0, OK
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _pack_run(cs, out, offset, pad):
     """Nibbles q + offset, element 2i low and 2i+1 high; an odd run ends with `pad` (a code)."""
     n = cs.size
@@ -235,7 +234,7 @@ def _pack_run(cs, out, offset, pad):
         out[n // 2] = np.uint8((np.int64(cs[n - 1]) + offset) | ((np.int64(pad) + offset) << 4))
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _pack_rows(cs, out, width, offset, zrow, gsize):
     """Pack a run of whole last-dim rows of `width` codes; an odd row is padded with the zero
     point of the group holding its last element (zrow: the zero points of this [C, K] row)."""
@@ -248,7 +247,7 @@ def _pack_rows(cs, out, width, offset, zrow, gsize):
 # ---------------------------------------------------------------- parallel kernels
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def rows_kernel(x2, gsize, grid, cands, codes2, out, stats, status, with_err, pack):
     """Groups of gsize along each row of x2 [C, K]: qparams, codes, error sums per row.
 
@@ -293,7 +292,7 @@ def rows_kernel(x2, gsize, grid, cands, codes2, out, stats, status, with_err, pa
                 _pack_rows(cr, packed[r], width, offset, zp2[r], gsize)
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def segs_keys(x1, seg, nq, nch):
     """Min/max keys per qparam index of runs of `seg` elements whose index cycles mod nq."""
     nseg = (x1.size + seg - 1) // seg
@@ -310,7 +309,7 @@ def segs_keys(x1, seg, nq, nch):
     return klo, khi
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def qparams_many(klo, khi, grid, scale, zp):
     """qparams of every index from its (nch, nq) key partials; returns the worst status."""
     worst = 0
@@ -321,7 +320,7 @@ def qparams_many(klo, khi, grid, scale, zp):
     return worst
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def segs_codes(x1, seg, grid, scale, zp, codes1, stats, with_err):
     """Codes and error sums of runs of `seg` elements, qparams index = run number mod nq."""
     qmin, qmax = grid[2], grid[3]
@@ -341,7 +340,7 @@ def segs_codes(x1, seg, grid, scale, zp, codes1, stats, with_err):
         stats[ch, 0], stats[ch, 1], stats[ch, 2] = sx, se, em
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def pack_flat(codes1, width, offset, seg, zp, packed):
     """Pack flat codes by last-dim rows; an odd row is padded with its last element's zp."""
     nrows = codes1.size // width
@@ -351,7 +350,7 @@ def pack_flat(codes1, width, offset, seg, zp, packed):
         _pack_run(codes1[j * width : (j + 1) * width], packed[j * wp : (j + 1) * wp], offset, pad_j)
 
 
-@numba.njit(**_EXACT)
+@numba.njit(cache=True, fastmath=False)
 def _row_codes(xs, scale, zp, qmin, qmax, cs, es, with_err):
     """_seg_codes with one (scale, zp) per element (per channel on a late axis)."""
     for i in range(xs.size):
@@ -362,7 +361,7 @@ def _row_codes(xs, scale, zp, qmin, qmax, cs, es, with_err):
             es[i] = v - np.float32(np.float32(t - zp[i]) * scale[i])
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def cols_keys(x2, nch):
     """Min/max keys of every column of x2 [pre, W], as (nch, W) partials."""
     rows, width = x2.shape
@@ -377,7 +376,7 @@ def cols_keys(x2, nch):
     return klo, khi
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def cols_codes(x2, scale, zp, grid, codes2, stats, with_err):
     """Codes and error sums of x2 [pre, W] with per-column qparams scale/zp [W]."""
     qmin, qmax = grid[2], grid[3]
@@ -432,7 +431,7 @@ def _store_impl(out, i, f):
     return None
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def dq_rows(q2, gsize, scale2, zp2, out2):
     """out2[r, i] = (q - zp) * scale of i's group, in float32, stored as out2's dtype."""
     rows, k = q2.shape
@@ -444,7 +443,7 @@ def dq_rows(q2, gsize, scale2, zp2, out2):
                 _store(orow, i, np.float32(np.float32(q2[r, i]) - z) * s)
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def dq_segs(q1, seg, scale, zp, out1):
     """Runs of `seg` codes, qparams index = run number mod scale.size."""
     nseg = (q1.size + seg - 1) // seg
@@ -455,7 +454,7 @@ def dq_segs(q1, seg, scale, zp, out1):
             _store(out1, i, np.float32(np.float32(q1[i]) - z) * s)
 
 
-@numba.njit(parallel=True, **_EXACT)
+@numba.njit(parallel=True, cache=True, fastmath=False)
 def unpack_flat(packed, width, offset, codes1):
     """Inverse of the packing: codes1 (flat, storage dtype) from nibbles q + offset."""
     wp = (width + 1) // 2

@@ -138,6 +138,7 @@ def _fused_for(
     kernel = requested()
     if kernel is Kernel.TORCH or device.type != "cpu" or ndim == 0:
         return None
+    module: ModuleType | None
     if kernel is Kernel.FUSED:
         module = _LOADER.now()
     else:

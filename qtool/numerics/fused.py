@@ -106,12 +106,14 @@ def quantize(
     axis = gran.axis if isinstance(gran, PerChannel) else 0
     if _row_layout(spec, words.ndim):
         cands = np.asarray(search_candidates(spec, words.shape), np.float32)
-        return _by_rows(words, spec, grid, cands, with_errors)
-    if axis > 0 and _segment(words.shape, spec) < MIN_SEG:
+        result = _by_rows(words, spec, grid, cands, with_errors)
+    elif axis > 0 and _segment(words.shape, spec) < MIN_SEG:
         result = _by_columns(words, spec, grid, axis, with_errors)
     else:
         result = _by_segments(words, spec, grid, with_errors)
-    return _packed(result, spec) if spec.dtype.packed else result
+    # Rows of 2+-D tensors are packed in the row kernel; everything else is packed here.
+    in_kernel = _row_layout(spec, words.ndim) and words.ndim >= 2
+    return _packed(result, spec) if spec.dtype.packed and not in_kernel else result
 
 
 def dequantize_tensor(

@@ -87,7 +87,7 @@ def test_fused_without_numba_is_a_usage_error_naming_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(select.ENV, "fused")
-    with pytest.raises(UsageError, match=r"install them with pip install 'qtool\[fast\]'"):
+    with pytest.raises(UsageError, match=r"install it with pip install 'qtool\[fast\]'"):
         select.expect(CPU, 0)
     with pytest.raises(UsageError, match="QTOOL_KERNEL=fused"):
         select.quantize_tensor(weights(), QSpec())
@@ -263,3 +263,18 @@ def test_both_paths_export_the_same_compressed_tensors_model(
     assert "model.safetensors" in outputs["torch"]
     assert select._LOADER.module is not None  # the fused run did use the fused kernels
     assert outputs["torch"] == outputs["fused"]
+
+
+def test_fused_with_an_unwritable_cache_names_numba_cache_dir(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """numba raises at import when neither NUMBA_CACHE_DIR, the package's __pycache__ nor
+    ~/.cache can be written; auto then stays on torch, a forced choice says what to set."""
+
+    def uncached(name: str) -> object:
+        raise RuntimeError("cannot cache function '_key': no locator available for file 'x.py'")
+
+    monkeypatch.setattr(select.importlib, "import_module", uncached)
+    monkeypatch.setenv(select.ENV, "fused")
+    with pytest.raises(UsageError, match="set NUMBA_CACHE_DIR to a writable directory"):
+        select.expect(CPU, 0)

@@ -79,11 +79,7 @@ class _Loader:
             if self.module is None:
                 self._import()
         if self.module is None:
-            raise UsageError(
-                None,
-                f"{ENV}=fused: the fused kernels cannot be loaded ({self.error}); "
-                f"install them with {INSTALL_HINT}, or unset {ENV}",
-            )
+            raise UsageError(None, f"{ENV}=fused: {_why(self.error)}, or unset {ENV}")
         return self.module
 
     def start(self, warm: Callable[[ModuleType], object]) -> None:
@@ -118,6 +114,16 @@ class _Loader:
             self.module = importlib.import_module("qtool.numerics.fused")
         except Exception as err:
             self.error = err
+
+
+def _why(error: BaseException | None) -> str:
+    """What stopped the fused kernels from loading, and what to do about it."""
+    if isinstance(error, ImportError) or error is None:
+        return f"numba is not installed ({error}); install it with {INSTALL_HINT}"
+    if "cannot cache" in str(error):
+        where = "set NUMBA_CACHE_DIR to a writable directory"
+        return f"numba has nowhere to keep its cache ({error}); {where}"
+    return f"the fused kernels cannot be loaded ({type(error).__name__}: {error})"
 
 
 _LOADER = _Loader()

@@ -197,7 +197,23 @@ def _seg_sse(es, n):
 
 
 @numba.njit(cache=True, fastmath=False)
-def _seg_search(xs, lo, hi, grid, cands, cs, es):
+def _seg_decode(xs, xf):
+    """xf[:n] = the float32 values of the run xs (decoded once for all candidates)."""
+    for i in range(xs.size):
+        xf[i] = _to_f32(xs[i])
+
+
+@numba.njit(cache=True, fastmath=False)
+def _cand_errs(xf, n, scale, zp, qmin, qmax, es):
+    """es[:n] = x - (q - zp) * scale for the codes q of one candidate (no codes stored)."""
+    for i in range(n):
+        v = xf[i]
+        t = min(max(np.float32(np.rint(np.float32(v / scale)) + zp), qmin), qmax)
+        es[i] = v - np.float32(np.float32(t - zp) * scale)
+
+
+@numba.njit(cache=True, fastmath=False)
+def _seg_search(xs, lo, hi, grid, cands, xf, es):
     """--range mse for one group: (scale, zp, choice, sse of min-max, status); candidate 0 is
     min-max, a candidate wins only with a strictly smaller float64 sum of squared errors, and a
     candidate whose widened range overflows is skipped (ranges._candidate_qparams: NaN)."""
@@ -206,7 +222,8 @@ def _seg_search(xs, lo, hi, grid, cands, cs, es):
         return s0, z0, 0, 0.0, st
     qmin, qmax = grid[2], grid[3]
     n = xs.size
-    _seg_codes(xs, s0, z0, qmin, qmax, cs, es, True)
+    _seg_decode(xs, xf)
+    _cand_errs(xf, n, s0, z0, qmin, qmax, es)
     best = _seg_sse(es, n)
     sse0, bs, bz, bk = best, s0, z0, 0
     for k in range(1, cands.size):
@@ -215,7 +232,7 @@ def _seg_search(xs, lo, hi, grid, cands, cs, es):
         if not np.isfinite(raw):
             continue
         s, z = _finish(raw, span, lo_c, grid)
-        _seg_codes(xs, s, z, qmin, qmax, cs, es, True)
+        _cand_errs(xf, n, s, z, qmin, qmax, es)
         sse = _seg_sse(es, n)
         if sse < best:
             best, bs, bz, bk = sse, s, z, k
@@ -262,6 +279,7 @@ def rows_kernel(x2, gsize, grid, cands, codes2, out, stats, status, with_err, pa
     nch = min(rows, 256)
     for ch in prange(nch):
         es = np.empty(min(gsize, k), np.float32)
+        xf = np.empty(min(gsize, k) if cands.size else 0, np.float32)
         tmp = codes2[0].copy()
         for r in range(ch * rows // nch, (ch + 1) * rows // nch):
             cr = tmp if width else codes2[r]
@@ -271,9 +289,7 @@ def rows_kernel(x2, gsize, grid, cands, codes2, out, stats, status, with_err, pa
                 xs = x2[r, a:b]
                 klo, khi = _seg_keys(xs)
                 if cands.size:
-                    s, z, c, e0, st = _seg_search(
-                        xs, _unkey(klo), _unkey(khi), grid, cands, cr[a:b], es
-                    )
+                    s, z, c, e0, st = _seg_search(xs, _unkey(klo), _unkey(khi), grid, cands, xf, es)
                     choice2[r, g] = c
                     s0 += e0
                 else:

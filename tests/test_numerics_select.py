@@ -31,8 +31,6 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[select._Loader]:
     monkeypatch.setattr(select, "_LOADER", loader)
     monkeypatch.delenv(select.ENV, raising=False)
     yield loader
-    if loader._thread is not None:
-        loader._thread.join()
 
 
 @pytest.fixture
@@ -78,7 +76,7 @@ def test_auto_without_numba_runs_the_torch_kernels(fresh_loader: select._Loader)
     got = select.quantize_tensor(x, QSpec())
     want = kernels.quantize_tensor(x, QSpec())
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
-    assert fresh_loader._thread is None and fresh_loader.module is None
+    assert not fresh_loader.tried and fresh_loader.module is None
     assert "qtool.numerics.fused" not in sys.modules
 
 
@@ -120,18 +118,17 @@ def _env() -> dict[str, str]:
 def test_auto_keeps_small_runs_on_torch(fresh_loader: select._Loader) -> None:
     select.expect(CPU, select.AUTO_MIN_BYTES - 1)
     select.quantize_tensor(weights(), QSpec())
-    assert fresh_loader._thread is None and fresh_loader.module is None
+    assert not fresh_loader.tried and fresh_loader.module is None
 
 
 @needs_numba
-def test_auto_loads_in_the_background_then_uses_the_fused_kernels(
+def test_auto_uses_the_fused_kernels_for_big_runs(
     fresh_loader: select._Loader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    select.expect(CPU, select.AUTO_MIN_BYTES)
     x = weights()
-    first = select.quantize_tensor(x, QSpec())  # torch while the fused kernels load
-    assert fresh_loader._thread is not None
-    fresh_loader._thread.join()
+    before = select.quantize_tensor(x, QSpec())  # nothing expected yet: torch
+    assert not fresh_loader.tried
+    select.expect(CPU, select.AUTO_MIN_BYTES)
     assert fresh_loader.module is not None and fresh_loader.error is None
     calls: list[QSpec] = []
     real = fresh_loader.module.quantize_tensor
@@ -141,9 +138,12 @@ def test_auto_loads_in_the_background_then_uses_the_fused_kernels(
         return real(t, spec, **kw)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(fresh_loader.module, "quantize_tensor", counting)
-    second = select.quantize_tensor(x, QSpec())
+    after = select.quantize_tensor(x, QSpec())
     assert calls == [QSpec()]
-    assert torch.equal(first.q, second.q) and torch.equal(first.scale, second.scale)
+    assert torch.equal(before.q, after.q) and torch.equal(before.scale, after.scale)
+    monkeypatch.setenv(select.ENV, "torch")
+    select.quantize_tensor(x, QSpec())
+    assert calls == [QSpec()]  # QTOOL_KERNEL=torch wins over a loaded fused module
 
 
 @needs_numba
@@ -173,10 +173,8 @@ def test_broken_numba_leaves_auto_on_torch(
 
     monkeypatch.setattr(select.importlib, "import_module", broken)
     select.expect(CPU, 1 << 40)
-    for _ in range(2):
-        select.quantize_tensor(weights(), QSpec())
-        if fresh_loader._thread is not None:
-            fresh_loader._thread.join()
+    got = select.quantize_tensor(weights(), QSpec())
+    assert torch.equal(got.q, kernels.quantize_tensor(weights(), QSpec()).q)
     assert isinstance(fresh_loader.error, ImportError) and fresh_loader.module is None
 
 

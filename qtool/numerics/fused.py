@@ -54,6 +54,13 @@ def set_threads(n: int) -> None:
         numba.set_num_threads(n)
 
 
+def warm_up() -> None:
+    """Load the machine code of the common kernels (fp32 and bf16 rows, 8-bit codes) and start
+    numba's thread pool, so that the first real tensor pays only its own time."""
+    for dtype in (torch.float32, torch.bfloat16):
+        quantize_tensor(torch.zeros(2, 2, dtype=dtype), QSpec())
+
+
 def supports(spec: QSpec, ndim: int) -> bool:
     """Whether the fused kernels cover this spec on a tensor of `ndim` dims (the mse search is
     fused for rows and groups only; 0-d tensors stay on the torch path)."""

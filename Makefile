@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot,interop]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot,interop,fast]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,17 +1,22 @@
 """Benchmark qtool against the textbook kernel, torch's own quantizer and the memory/disk limits.
 
     python scripts/bench.py [--gib 1] [--repeat 5] [--json bench.json] [--skip-e2e]
+                            [--sweep-gib 4] [--skip-kernels]
 
 Kernel section (in memory, fp32 and bf16 weights of 4096x4096 and 4096x11008 up to --gib GiB):
-throughput in GB/s of input, median of --repeat runs, every method measured in the same run,
-against the memory limit (a cast into a preallocated int8 buffer: read the input once, write
-one byte per element).
+throughput in GB/s of input, every method timed once per round, round after round (so load
+from other processes hits them alike), median of --repeat rounds; "x limit" is the median of
+the per-round ratios to the memory limit (a cast into a preallocated int8 buffer: read the
+input once, write one byte per element). The fused CPU kernels (numerics/fused.py) are
+measured when numba is installed.
 
 End-to-end section: a deterministic --gib GiB fp32 safetensors checkpoint on disk; wall time of
-`qtool quantize` against the bare `import torch, safetensors` floor and `cp` of the file, peak
-memory (ru_maxrss, and the peak anonymous RSS sampled every 5 ms), a naive load-all/save-all
-quantizer for comparison, and a checkpoint twice as large with the same largest tensor to show
-that memory does not grow with checkpoint size.
+`qtool quantize` (QTOOL_KERNEL auto, torch and fused) paired with the bare
+`import torch, safetensors.torch` floor in every round (median of the per-round differences),
+`cp` of the file, peak memory (the peak anonymous RSS sampled every 5 ms), a naive
+load-all/save-all quantizer, and a checkpoint twice as large with the same largest tensor to
+show that memory does not grow with checkpoint size. --sweep-gib: the same paired measurement
+for checkpoints of 64 MiB up to that size, to show time linear in bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 
 import torch
 
-from qtool.numerics import kernels
+from qtool.numerics import kernels, select
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 
 SHAPES = [(4096, 4096), (4096, 11008)]
@@ -74,16 +79,6 @@ def weights(gib: float, dtype: torch.dtype) -> list[torch.Tensor]:
     return out
 
 
-def median_seconds(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: first touch of buffers, lazy initialisation
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def textbook(x: torch.Tensor) -> torch.Tensor:
     """What most code does: whole-tensor temporaries, one op at a time."""
     scale = x.float().abs().amax(dim=1, keepdim=True) / 127
@@ -99,6 +94,24 @@ def torch_per_channel(x: torch.Tensor) -> torch.Tensor:
 
 
 LIMIT = "memory limit (cast into int8 buffer)"
+FUSED_SPECS = [
+    (QSpec(), True),
+    (QSpec(), False),
+    (QSpec(Scheme.ASYM, StorageDtype.INT8, PerChannel(0)), True),
+    (QSpec(granularity=PerGroup(128)), True),
+    (QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(128)), True),
+    (QSpec(granularity=PerTensor()), True),
+    (QSpec(granularity=PerChannel(1)), True),
+]
+
+
+def fused_module() -> Any:
+    """numerics.fused when numba is installed, else None (the fused rows are left out)."""
+    if not select.numba_installed():
+        return None
+    from qtool.numerics import fused
+
+    return fused
 
 
 def kernel_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
@@ -129,29 +142,73 @@ def kernel_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
     for dtype in (StorageDtype.INT4, StorageDtype.UINT4):
         spec = QSpec(Scheme.SYM, dtype, PerGroup(128))
         methods[f"qtool {spec.describe()} + error stats (packed)"] = qtool_run(spec, True)
-    return methods
+    return methods | fused_methods(xs)
+
+
+def fused_methods(xs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    fused = fused_module()
+    if fused is None:
+        return {}
+
+    def run(spec: QSpec, errors: bool) -> Callable[[], object]:
+        return lambda: [fused.quantize_tensor(x, spec, with_errors=errors) for x in xs]
+
+    return {
+        f"fused {spec.describe()}" + (" + error stats" if errors else ""): run(spec, errors)
+        for spec, errors in FUSED_SPECS
+    }
+
+
+def interleaved(
+    methods: dict[str, Callable[[], object]], repeat: int, limit: str
+) -> dict[str, tuple[float, float]]:
+    """(median seconds, median of per-round limit/method ratios) of every method, timed once
+    per round in turn after one warm-up call each (first touch, cache loads)."""
+    for fn in methods.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeat):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    base = times[limit]
+    return {
+        name: (
+            statistics.median(ts),
+            statistics.median(b / t for b, t in zip(base, ts, strict=True)),
+        )
+        for name, ts in times.items()
+    }
 
 
 def bench_range_search(repeat: int) -> list[dict[str, object]]:
     """--range mse on one 4096x4096 fp32 tensor (compute-bound: tens of candidate passes), next
-    to min-max on the same tensor in the same run."""
+    to min-max and the cast limit on the same tensor in the same rounds."""
     x = weights(0.0625, torch.float32)[0]
     nbytes = x.numel() * x.element_size()
-    rows: list[dict[str, object]] = []
+    out = torch.empty(x.shape, dtype=torch.int8)
+    fused = fused_module()
+    methods: dict[str, Callable[[], object]] = {LIMIT: lambda: out.copy_(x)}
     for dtype in (StorageDtype.INT8, StorageDtype.INT4):
         for granularity in (PerChannel(0), PerGroup(128)):
             for method in RangeMethod:
                 spec = QSpec(Scheme.SYM, dtype, granularity, method)
-                seconds = median_seconds(partial(kernels.quantize_tensor, x, spec), repeat)
-                rows.append(
-                    {
-                        "input": "float32 4096x4096",
-                        "method": f"qtool {spec.describe()} + error stats",
-                        "seconds": round(seconds, 4),
-                        "gb_per_s": round(nbytes / seconds / 1e9, 3),
-                    }
-                )
-    return rows
+                label = f"{spec.describe()} + error stats"
+                methods[f"qtool {label}"] = partial(kernels.quantize_tensor, x, spec)
+                if fused is not None:
+                    methods[f"fused {label}"] = partial(fused.quantize_tensor, x, spec)
+    results = interleaved(methods, repeat, LIMIT)
+    return [
+        {
+            "input": "float32 4096x4096",
+            "method": name,
+            "seconds": round(seconds, 4),
+            "gb_per_s": round(nbytes / seconds / 1e9, 3),
+            "fraction_of_limit": round(ratio, 4),
+        }
+        for name, (seconds, ratio) in results.items()
+    ]
 
 
 def bench_kernels(gib: float, repeat: int) -> list[dict[str, object]]:
@@ -160,17 +217,14 @@ def bench_kernels(gib: float, repeat: int) -> list[dict[str, object]]:
         xs = weights(gib, dtype)
         name = str(dtype).removeprefix("torch.")
         nbytes = sum(x.numel() * x.element_size() for x in xs)
-        results = {m: median_seconds(fn, repeat) for m, fn in kernel_methods(xs).items()}
-        limit_gbs = nbytes / results[LIMIT] / 1e9
-        for method, seconds in results.items():
-            gbs = nbytes / seconds / 1e9
+        for method, (seconds, ratio) in interleaved(kernel_methods(xs), repeat, LIMIT).items():
             rows.append(
                 {
                     "input": name,
                     "method": method,
                     "seconds": round(seconds, 4),
-                    "gb_per_s": round(gbs, 2),
-                    "fraction_of_limit": round(gbs / limit_gbs, 3),
+                    "gb_per_s": round(nbytes / seconds / 1e9, 2),
+                    "fraction_of_limit": round(ratio, 3),
                 }
             )
         ref = [textbook(x) for x in xs]
@@ -199,11 +253,13 @@ def warm(path: Path) -> None:
             pass
 
 
-def run_measured(cmd: list[str]) -> tuple[float, float, float]:
+def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
     """(seconds, peak RSS MiB, peak anonymous RSS MiB) of one child process, sampled every 5 ms
     from /proc (ru_maxrss would report this benchmark's own size: it survives fork and exec)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
+    )
     peaks = {"VmHWM:": 0, "RssAnon:": 0}
 
     def sample() -> None:
@@ -242,59 +298,131 @@ for name, x in sd.items():
         out[name] = x
 save_file(out, sys.argv[2])
 """
+FLOOR = "import torch, safetensors.torch"
+
+Command = tuple[list[str], Path, dict[str, str]]  # argv, the input to warm, extra environment
+
+
+def paired(workdir: Path, commands: dict[str, Command], repeat: int) -> dict[str, Any]:
+    """Every command `repeat` times, each run right after a run of the import floor (both with
+    the input warmed and the previous outputs deleted); medians of the runs and of the per-pair
+    differences, peaks over all runs."""
+    floor = [sys.executable, "-c", FLOOR]
+    runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, (cmd, source, env) in commands.items():
+            warm(source)
+            for leftover in workdir.glob("[qnc]*.safetensors"):
+                if leftover.name.startswith(("q", "naive", "copy")):
+                    leftover.unlink()
+            base = run_measured(floor)[0]
+            seconds, rss, anon = run_measured(cmd, env)
+            runs[name].append((seconds, base, rss, anon))
+    return {
+        name: {
+            "seconds": round(statistics.median(r[0] for r in rs), 3),
+            "floor_seconds": round(statistics.median(r[1] for r in rs), 3),
+            "seconds_above_import_floor": round(statistics.median(r[0] - r[1] for r in rs), 3),
+            "peak_rss_mib": round(max(r[2] for r in rs)),
+            "peak_anon_rss_mib": round(max(r[3] for r in rs)),
+        }
+        for name, rs in runs.items()
+    }
 
 
 def bench_end_to_end(workdir: Path, gib: float, repeat: int) -> dict[str, object]:
+    """Remove the previous outputs before each run, as `cp` truncates its target: on VMs whose
+    freed memory goes back to the host, fresh page-cache pages cost a host fault each, and both
+    sides should pay (or not pay) that the same way."""
     src = workdir / "model.safetensors"
     big = workdir / "model-2x.safetensors"
     write_checkpoint(src, gib)
     write_checkpoint(big, 2 * gib)
     py = sys.executable
-    size = src.stat().st_size
-
-    def median(cmd: list[str], source: Path = src) -> tuple[float, float, float]:
-        runs = []
-        for _ in range(repeat):
-            warm(source)  # every contender starts with its input in the page cache
-            # Remove the previous outputs first, as `cp` truncates its target: on VMs whose
-            # freed memory goes back to the host, fresh page-cache pages cost a host fault
-            # each, and both sides should pay (or not pay) that the same way.
-            for leftover in workdir.glob("[qnc]*.safetensors"):
-                if leftover.name.startswith(("q", "naive", "copy")):
-                    leftover.unlink()
-            runs.append(run_measured(cmd))
-        return (
-            statistics.median(r[0] for r in runs),
-            max(r[1] for r in runs),
-            max(r[2] for r in runs),
-        )
-
     quantize = [py, "-m", "qtool", "quantize", "--force", "-o"]
-    results = {
-        "import floor": median([py, "-c", "import torch, safetensors"]),
-        "cp": median(["cp", str(src), str(workdir / "copy.safetensors")]),
-        "qtool quantize": median([*quantize, str(workdir / "q.safetensors"), str(src)]),
-        "qtool quantize (2x checkpoint)": median(
-            [*quantize, str(workdir / "q2.safetensors"), str(big)], big
-        ),
-        "naive load-all/save_file": median(
-            [py, "-c", NAIVE, str(src), str(workdir / "naive.safetensors")]
-        ),
+    q = [*quantize, str(workdir / "q.safetensors"), str(src)]
+    commands: dict[str, Command] = {
+        "cp": (["cp", str(src), str(workdir / "copy.safetensors")], src, {}),
+        "qtool quantize": (q, src, {}),
+        "qtool quantize, QTOOL_KERNEL=torch": (q, src, {select.ENV: "torch"}),
     }
-    floor = results["import floor"][0]
-    rows = {}
-    for name, (seconds, rss, anon) in results.items():
+    if select.numba_installed():
+        commands["qtool quantize, QTOOL_KERNEL=fused"] = (q, src, {select.ENV: "fused"})
+    commands["qtool quantize (2x checkpoint)"] = (
+        [*quantize, str(workdir / "q2.safetensors"), str(big)],
+        big,
+        {},
+    )
+    naive = [py, "-c", NAIVE, str(src), str(workdir / "naive.safetensors")]
+    commands["naive load-all/save_file"] = (naive, src, {})
+    rows = paired(workdir, commands, repeat)
+    size = src.stat().st_size
+    for name, row in rows.items():
         nbytes = 2 * size if "2x" in name else size
-        above = seconds - floor if name not in ("cp",) else seconds
-        rows[name] = {
-            "seconds": round(seconds, 3),
-            "seconds_above_import_floor": round(seconds - floor, 3),
-            "gb_per_s_above_floor": round(nbytes / above / 1e9, 2) if above > 0 else None,
-            "peak_rss_mib": round(rss),
-            "peak_anon_rss_mib": round(anon),
-        }
+        above = row["seconds"] if name == "cp" else row["seconds_above_import_floor"]
+        row["s_per_gib_above_floor"] = round(above / (nbytes / GiB), 3)
     largest = 4096 * 11008 * 4 / (1 << 20)
     return {"checkpoint_bytes": size, "largest_tensor_mib": largest, "runs": rows}
+
+
+def bench_growth(workdir: Path, max_gib: float, repeat: int) -> list[dict[str, object]]:
+    """`qtool quantize` (auto) of fp32 checkpoints of 64 MiB, x4, .. up to max_gib, paired
+    with the import floor: seconds above the floor per GiB should stay flat."""
+    rows: list[dict[str, object]] = []
+    sizes = [4**k / 16 for k in range(8) if 4**k / 16 <= max_gib]
+    sizes += [max_gib] if max_gib not in sizes else []
+    for gib in sizes:
+        src = workdir / "sweep.safetensors"
+        write_checkpoint(src, gib)
+        size = src.stat().st_size
+        cmd = [sys.executable, "-m", "qtool", "quantize", "--force", "-o"]
+        cmd += [str(workdir / "q-sweep.safetensors"), str(src)]
+        row = paired(workdir, {"qtool quantize": (cmd, src, {})}, repeat)["qtool quantize"]
+        above = row["seconds_above_import_floor"]
+        rows.append(
+            {
+                "checkpoint_gib": round(size / GiB, 3),
+                **row,
+                "s_per_gib_above_floor": round(above / (size / GiB), 3),
+            }
+        )
+        print(f"sweep {size / GiB:.3f} GiB: {rows[-1]}", flush=True)
+        src.unlink()
+    return rows
+
+
+FIRST_CALL = """
+import json, sys, time
+import torch
+from qtool.spec import QSpec
+x = torch.randn(64, 4096)
+t0 = time.perf_counter()
+import numba
+t1 = time.perf_counter()
+from qtool.numerics import fused
+t2 = time.perf_counter()
+fused.quantize_tensor(x, QSpec())
+t3 = time.perf_counter()
+fused.quantize_tensor(x.bfloat16(), QSpec())
+t4 = time.perf_counter()
+print(json.dumps({"import_numba": t1 - t0, "import_fused": t2 - t1,
+                  "first_call_f32": t3 - t2, "first_call_bf16_after": t4 - t3}))
+"""
+
+
+def bench_first_call(repeat: int) -> dict[str, float]:
+    """What a process pays before its first fused call, the on-disk cache warm (medians of
+    fresh processes): import numba, import the kernels, the first call (cache load, numba's
+    typing context, the thread pool), and one more input dtype."""
+    if not select.numba_installed():
+        return {}
+    runs = []
+    for _ in range(repeat + 1):  # the first run may compile (cold cache): dropped
+        out = subprocess.run(
+            [sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, check=True
+        )
+        runs.append(json.loads(out.stdout))
+    return {k: round(statistics.median(r[k] for r in runs[1:]), 3) for k in runs[0]}
 
 
 def print_kernels(report: dict[str, Any]) -> None:
@@ -314,11 +442,12 @@ def print_kernels(report: dict[str, Any]) -> None:
 def print_end_to_end(e2e: dict[str, Any]) -> None:
     print(f"\nend to end, {e2e['checkpoint_bytes'] / GiB:.2f} GiB fp32 safetensors "
           f"(largest tensor {e2e['largest_tensor_mib']:.0f} MiB)")  # fmt: skip
-    header = f"{'command':<34} {'s':>7} {'s above floor':>14} {'peak RSS MiB':>13}"
-    print(header + f" {'peak anon MiB':>14}")
+    header = f"{'command':<38} {'s':>7} {'floor':>6} {'s above floor':>14} {'s/GiB':>6}"
+    print(header + f" {'peak RSS MiB':>13} {'peak anon MiB':>14}")
     for name, r in e2e["runs"].items():
         print(
-            f"{name:<34} {r['seconds']:>7} {r['seconds_above_import_floor']:>14} "
+            f"{name:<38} {r['seconds']:>7} {r['floor_seconds']:>6} "
+            f"{r['seconds_above_import_floor']:>14} {r['s_per_gib_above_floor']:>6} "
             f"{r['peak_rss_mib']:>13} {r['peak_anon_rss_mib']:>14}"
         )
 
@@ -327,16 +456,25 @@ def print_tables(report: dict[str, Any]) -> None:
     print(f"machine: {json.dumps(report['machine'])}")
     if report["kernels"]:
         print_kernels(report)
+    if report.get("range_search"):
+        print("\nrange search, one 4096x4096 fp32 tensor")
     for row in report.get("range_search", []):
-        print(f"{row['method']:<44} {row['gb_per_s']:>8.3f} GB/s  ({row['seconds']} s)")
+        print(f"{row['method']:<48} {row['gb_per_s']:>8.3f} GB/s {row['fraction_of_limit']:>8}")
+    if report.get("first_call"):
+        print(f"\nfirst fused call in a fresh process (s): {json.dumps(report['first_call'])}")
     if report.get("end_to_end"):
         print_end_to_end(report["end_to_end"])
+    for row in report.get("growth", []):
+        print(f"growth {row['checkpoint_gib']:>7} GiB: {row['seconds_above_import_floor']:>7} s "
+              f"above the floor, {row['s_per_gib_above_floor']} s/GiB")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="size of the fp32 weights")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5, help="rounds of the kernel section")
+    parser.add_argument("--e2e-repeat", type=int, default=7, help="paired end-to-end runs")
+    parser.add_argument("--sweep-gib", type=float, default=0.0, help="growth sweep up to this")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
     parser.add_argument("--skip-kernels", action="store_true", help="end to end only")
@@ -344,16 +482,21 @@ def main() -> None:
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": machine(),
+        "load_before": os.getloadavg(),
         "kernel_gib": args.gib,
         "kernels": [] if args.skip_kernels else bench_kernels(args.gib, args.repeat),
         "range_search": [] if args.skip_kernels else bench_range_search(min(args.repeat, 3)),
+        "first_call": {} if args.skip_kernels else bench_first_call(5),
     }
-    if not args.skip_e2e:
-        workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
-        try:
-            report["end_to_end"] = bench_end_to_end(workdir, args.gib, min(args.repeat, 3))
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+    workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
+    try:
+        if not args.skip_e2e:
+            report["end_to_end"] = bench_end_to_end(workdir, args.gib, args.e2e_repeat)
+        if args.sweep_gib:
+            report["growth"] = bench_growth(workdir, args.sweep_gib, 3)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["load_after"] = os.getloadavg()
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -160,6 +160,18 @@ def test_narrow_scales_never_become_zero_or_infinite(scale_dtype: torch.dtype) -
     assert got.scale[1] == torch.finfo(scale_dtype).max or scale_dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("key", [("sym", "int8"), ("sym", "uint8")], ids=["int8", "uint8"])
+def test_codes_are_clamped_when_the_narrow_scale_rounds_down(
+    key: tuple[str, str], device: str
+) -> None:
+    """An fp16 scale can lie well below amax / 127 (its subnormals keep few bits; 65504 caps
+    it), so amax / scale passes qmax: the codes clamp to it instead of wrapping around."""
+    amax = torch.arange(1, 1024, dtype=torch.int16).view(torch.float16).float()
+    x = torch.cat([torch.stack([amax, -amax], dim=1), torch.tensor([[1e30, -1e30]])])
+    for granularity in (PerChannel(0), PerGroup(2)):
+        _check_against_reference(x, granularity, key, device, scale_dtype="float16")
+
+
 # ---- golden vectors, derived by hand ----------------------------------------------------------
 
 

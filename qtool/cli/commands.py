@@ -305,7 +305,7 @@ def quantize(
     threads: Annotated[
         int | None,
         typer.Option(
-            help=f"CPU threads for torch, 1 to {MAX_THREADS} [default: all cores].",
+            help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: all cores].",
             callback=thread_count,
             metavar="N",
             show_default=False,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from qtool.engine.source import finish_directory, open_source, prepared, target_for
 from qtool.errors import UsageError
 from qtool.formats.ct_read import config_path, is_compressed_tensors, model_shards
@@ -22,6 +24,7 @@ from qtool.io.atomic import (
     resolve_output,
 )
 from qtool.io.index import check_inside
+from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
 
 DEQUANTIZED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -63,6 +66,7 @@ def dequantize(
             check_inside(source.index.directory, sidecar_path(shard))
     readers = _open_all(source.shards, qparams)
     try:
+        select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
         protect = [r.sidecar_path for r in readers]
         with prepared(source, target, lambda out: [out], force, protect=protect) as notes:
             remove_stale_temps(target.directory or target.shard_outputs[0].parent)

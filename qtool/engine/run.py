@@ -57,7 +57,7 @@ from qtool.io.atomic import (
 )
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.numerics import budget, kernels
+from qtool.numerics import budget, kernels, select
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.recipe import INT8_CHANNEL, fit_spec
 from qtool.results import Progress, QuantizeSummary, TensorRow
@@ -248,6 +248,7 @@ class _Shards:
         temporary file in `spill_directory` for the writing pass (None: a dry run, which keeps
         only their figures)."""
         if self.options.target_sqnr is not None:
+            _expect(self, run)
             self.spill = Spill(spill_directory)
             self._apply_budget(run, self.options.target_sqnr, _ladder(self.options))
 
@@ -340,12 +341,18 @@ class _Shards:
 
 def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything."""
+    _expect(shards, run)
     rows: list[TensorRow] = []
     for shard in shards.source.shards:
         ckpt, plans = shards.checkpoint_plans(shard)
         rows += estimate_rows(ckpt, plans, run, shards.spill)
         shards.done(shard)
     return rows
+
+
+def _expect(shards: _Shards, run: Run) -> None:
+    """Tell the kernel choice how much this run quantizes (numerics/select.py)."""
+    select.expect(run.device, sum(p.entry.nbytes for p in shards.plans() if p.spec is not None))
 
 
 Finish = Callable[[OutputSet, dict[str, str], int], None]
@@ -357,6 +364,7 @@ def _write(
 ) -> list[TensorRow]:
     """Every shard through the format's writer, then `finish` (default: for a sharded output,
     the companions and the index)."""
+    _expect(shards, run)
     if run.progress is not None:
         run.progress.start(sum(p.entry.nbytes for p in shards.plans_now()))
     rows: list[TensorRow] = []
@@ -481,7 +489,7 @@ def _quantize_one(
     x = ckpt.tensor(plan.entry).to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        return kernels.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+        return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
     except NonFiniteInput as err:
         if err.count == 0:  # finite float64 values whose float32 range overflows
             raise NumericError(

@@ -28,7 +28,7 @@ from qtool.formats.qtool import (
 )
 from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.numerics import kernels
+from qtool.numerics import select
 from qtool.spec import QSpec, packed_shape
 
 
@@ -90,8 +90,8 @@ class QtoolReader(DenseReader):
         scale = self.sidecar.tensor(self._side_entries[scale_name(name)])
         zero_point = self.sidecar.tensor(self._side_entries[zero_point_name(name)])
         target = dtype or ST_TO_TORCH[record.orig_dtype]
-        out = kernels.dequantize(
-            self.ckpt.tensor(entry), scale, zero_point, record.spec, target, shape=record.shape
+        out = select.dequantize(
+            self.ckpt.tensor(entry), scale, zero_point, record.spec, target, record.shape
         )
         # Cheap test first (the grid's extreme in the target dtype), then the exact one.
         fits = bool(grid_reach(record, scale, zero_point).to(target).isfinite())

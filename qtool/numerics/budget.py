@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.numerics.kernels import QuantizedTensor, Workspace, quantize_tensor
+from qtool.numerics.kernels import QuantizedTensor, Workspace
+from qtool.numerics.select import quantize_tensor
 from qtool.recipe import fit_spec, parse_spec_label, spec_label
 from qtool.spec import QSpec, packed_shape, qparam_shape
 

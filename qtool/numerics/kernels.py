@@ -201,7 +201,7 @@ def quantize_tensor(
             )
         else:
             scale, zero_point, choice = ranger.whole(x)
-            own = ranger.candidates is None
+            own = ranger.candidates is None and ranger.exact_scales
             _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, own)
     errors = acc.result() if acc is not None else None
     if errors is not None and ranger.sse_minmax is not None:
@@ -240,6 +240,9 @@ class RangeChooser:
         self.int_range = IntRange.of(spec)
         self.candidates = search_candidates(spec, shape) or None
         self.sse_minmax: float | None = None if self.candidates is None else 0.0
+        # A scale rounded to fp16 can be far below amax / 127 (subnormal scales keep few bits;
+        # 65504 caps it), so |x / scale| may pass qmax: only float32 scales may skip the clamp.
+        self.exact_scales = scale_dtype == torch.float32
 
     def groups(self, xf: torch.Tensor) -> Qparams:
         """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups)."""
@@ -433,7 +436,8 @@ def _quantize_rows(
                 z.copy_(z_new)
                 if choice is not None and k_new is not None:
                     choice[r0:r1, cols][:, g0:g1].copy_(k_new)
-            own = ranger is not None and not searching  # min-max: no value is clipped
+            # min-max with float32 scales: no value is clipped
+            own = ranger is not None and not searching and ranger.exact_scales
             q_slab = q3[r0:r1, g0:g1]
             _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, acc, own)
     shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)

@@ -16,7 +16,8 @@ from qtool.numerics.budget import (
     candidates,
     choose,
 )
-from qtool.numerics.kernels import Workspace, dequantize, quantize_tensor
+from qtool.numerics.kernels import Workspace, dequantize
+from qtool.numerics.select import quantize_tensor  # the kernels the budget runs (QTOOL_KERNEL)
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.recipe import parse_spec_label, spec_label
 from qtool.spec import QSpec

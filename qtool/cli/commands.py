@@ -8,6 +8,7 @@ need it, so `qtool --help` and `qtool inspect model.safetensors` answer at once.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -17,13 +18,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from typer.core import TyperCommand
 
-from qtool import __version__, api
+from qtool import __version__
 from qtool.cli.options import (
     MAX_THREADS,
     AxisOpt,
@@ -54,8 +55,6 @@ from qtool.errors import (
     TerminatedError,
     UsageError,
 )
-from qtool.report import console as report
-from qtool.report import json as documents
 from qtool.spec import (
     RangeMethod,
     Scheme,
@@ -66,6 +65,30 @@ if TYPE_CHECKING:
     from qtool.api import QuantizeOptions
     from qtool.gates import GateResult
     from qtool.results import QuantizeSummary, TensorRow
+
+
+def lazy_module(name: str) -> ModuleType:
+    """The module `name`, executed on its first attribute access (importlib's LazyLoader):
+    `qtool --help` and usage errors never pay for the engine or Rich."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    from qtool import api
+    from qtool.report import console as report
+    from qtool.report import json as documents
+else:
+    api = lazy_module("qtool.api")
+    report = lazy_module("qtool.report.console")
+    documents = lazy_module("qtool.report.json")
 
 
 class _Command(TyperCommand):

@@ -10,13 +10,14 @@ nothing of Rich or Typer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from qtool.engine import batch
 from qtool.engine.model_dir import (
     ModelInput,
     building,
@@ -333,26 +334,43 @@ def write_shard(
     """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
 
     Tensor k is handed to the writer by a background thread while tensor k+1 is quantized (the
-    write syscalls and the torch kernels both release the GIL). Two workspaces alternate, so
-    the codes being written are never the ones being computed."""
+    write syscalls and the torch kernels both release the GIL)."""
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
-    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    order = [by_name[entry.name] for entry in writer.order]
     with _BackgroundWriter(ckpt) as background:
-        for k, entry in enumerate(writer.order):
-            plan = by_name[entry.name]
-            if plan.spec is None:
+        for plan, done in _results(ckpt, order, run):
+            entry = plan.entry
+            if done is None:
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
-                result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
-                background.submit(entry, writer.quantized, entry, plan.spec, result)
-                rows[entry.name] = _quantized_row(plan, result)
+                background.submit(entry, writer.quantized, entry, plan.spec, done.result)
+                rows[entry.name] = _quantized_row(plan, done)
             if run.progress is not None:
                 run.progress.advance(entry.name, entry.nbytes)
     ckpt.check_unchanged()
     writer.finish()
     return [rows[p.entry.name] for p in plans]
+
+
+def _results(
+    ckpt: Checkpoint, order: list[TensorPlan], run: Run
+) -> Iterator[tuple[TensorPlan, batch.Quantized | None]]:
+    """Each plan in `order` with its result (None: kept as it is). Tiny tensors are quantized a
+    batch at a time (engine/batch.py), the others one by one in two alternating workspaces, so
+    the codes being written are never the ones being computed."""
+    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
+    for k, plan in enumerate(order):
+        if plan.spec is None:
+            yield plan, None
+            continue
+        done = tiny.take(k)
+        if done is None:
+            result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+            done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
+        yield plan, done
 
 
 class _BackgroundWriter:
@@ -395,13 +413,9 @@ def estimate_rows(
 ) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything
     (`weight_dtype`: scales rounded to the weight's dtype, as the format stores them)."""
-    workspace = kernels.Workspace(dev)
     rows = []
-    for plan in plans:
-        if plan.spec is None:
-            rows.append(planned_row(plan))
-            continue
-        rows.append(_quantized_row(plan, _quantize_one(ckpt, plan, workspace, weight_dtype)))
+    for plan, done in _results(ckpt, plans, Run(dev, scales_in_weight_dtype=weight_dtype)):
+        rows.append(planned_row(plan) if done is None else _quantized_row(plan, done))
         ckpt.release(plan.entry)
     return rows
 
@@ -452,9 +466,8 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
     return out
 
 
-def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
-    scale_range = (float(result.scale.min()), float(result.scale.max()))
-    return replace(planned_row(plan), errors=result.errors, scale_range=scale_range)
+def _quantized_row(plan: TensorPlan, done: batch.Quantized) -> TensorRow:
+    return replace(planned_row(plan), errors=done.result.errors, scale_range=done.scale_range)
 
 
 @dataclass(frozen=True)

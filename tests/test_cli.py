@@ -270,3 +270,42 @@ def test_piped_tables_keep_every_column_whatever_columns_says(samples: Path) -> 
     result = qtool(*args, env={**os.environ, "COLUMNS": "80"})
     header = next(line for line in result.stdout.splitlines() if "tensor" in line)
     assert result.returncode == 0 and "shape" in header and "max err" in header
+
+
+def test_commands_leave_no_reference_cycles(tmp_path: Path) -> None:
+    """main() pauses the cyclic garbage collector while a command runs: that is safe only while
+    the engine's work creates no reference cycles, whatever the tensor count (imports aside;
+    in a fresh interpreter: other tests leave cyclic garbage of their own, matplotlib's)."""
+    src = tmp_path / "m.safetensors"
+    tensors = {f"l.{i}.weight": torch.randn(4, 8) for i in range(300)}
+    save_file({**tensors, "big.weight": torch.randn(200, 100), "b": torch.zeros(3)}, src)
+    code = f"""
+import gc, sys
+from pathlib import Path
+from qtool import api
+from qtool.engine.plan import QuantizeOptions
+src, out = Path({str(src)!r}), Path({str(tmp_path)!r})
+def commands():
+    api.quantize(src, out / "q.safetensors", QuantizeOptions(), device="cpu", force=True)
+    api.dequantize(out / "q.safetensors", out / "r.safetensors", force=True)
+    api.compare(src, out / "q.safetensors")
+    api.inspect(out / "q.safetensors")
+commands()  # imports (torch's leave some cyclic garbage, once)
+gc.collect()
+gc.disable()
+commands()
+print(gc.collect())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "0", result
+
+
+def test_main_restores_the_garbage_collector() -> None:
+    import gc
+
+    from qtool.cli import main
+
+    assert gc.isenabled()
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert gc.isenabled()

@@ -13,9 +13,13 @@ per tensor (float64 sums, so they agree with the one-tensor path to ~1e-15 relat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from qtool.engine.plan import TensorPlan
@@ -35,10 +39,7 @@ from qtool.spec import (
 )
 
 TINY_ELEMS = 1 << 14  # tensors of at most this many elements are batched with others
-# Elements per batch: below torch's grain size (32768), so that every operation on a batch runs
-# on the calling thread. Above it torch hands each operation to its thread pool, which on a
-# machine whose cores are busy waits milliseconds per operation for a worker to be scheduled.
-BATCH_ELEMS = (1 << 15) - 1
+BATCH_ELEMS = 1 << 16  # elements per batch (256 KiB of float32: stays in cache)
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,32 @@ class TinyBatches:
 
     def _quantize(self, members: list[tuple[int, Layout]]) -> list[Quantized]:
         plans = [self._order[j] for j, _ in members]
-        xs = [self._ckpt.tensor(p.entry) for p in plans]
+        xs = self._ckpt.tensors([p.entry for p in plans])
         layouts = [lay for _, lay in members]
-        return quantize_batch(xs, plans, layouts, self._device, self._scale_dtype)
+        with _one_thread():
+            return quantize_batch(xs, plans, layouts, self._device, self._scale_dtype)
 
     def _scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype if self._weight_dtype else torch.float32
+
+
+@functools.cache
+def _rows_of(spec: QSpec) -> QSpec:
+    """The spec a batch of whole tensors is quantized with: one row per tensor."""
+    return replace(spec, granularity=PerChannel(0))
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's intra-op threads off: no operation on a batch is worth a hand-off to the thread
+    pool, and on a machine whose cores are busy each hand-off waits milliseconds for a worker to
+    be scheduled (measured here: 10 ms per call of round_ on 8,000 elements, 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def layout(plan: TensorPlan) -> Layout | None:
@@ -129,7 +150,7 @@ def layout(plan: TensorPlan) -> Layout | None:
         return None
     g, shape = spec.granularity, entry.shape
     if isinstance(g, PerTensor):
-        rows, k, spec = 1, entry.numel, replace(spec, granularity=PerChannel(0))
+        rows, k, spec = 1, entry.numel, _rows_of(spec)
     elif len(shape) >= 2 and (isinstance(g, PerGroup) or g == PerChannel(0)):
         rows, k = matrix_shape(shape)
     else:
@@ -153,55 +174,51 @@ def quantize_batch(
     rows = [lay.rows for lay in layouts]
     x = torch.cat([t.reshape(r, k) for t, r in zip(xs, rows, strict=True)]).to(device)
     result = kernels.quantize_tensor(x, spec, with_errors=False, scale_dtype=scale_dtype(x.dtype))
-    segments = _Segments(rows, x.device)
+    segments = _Segments(rows)
     errors = _errors(x, result, spec, segments, k)
     lows, highs = segments.extremes(result.scale.reshape(len(x), -1))
-    out = []
-    for i, (plan, r0) in enumerate(zip(plans, segments.starts, strict=True)):
-        part = _share(result, plan, r0, rows[i])
-        out.append(Quantized(replace(part, errors=errors[i]), (lows[i], highs[i])))
-    return out
+    parts = zip(
+        plans,
+        result.q.split_with_sizes(rows),
+        result.scale.split_with_sizes(rows),
+        result.zero_point.split_with_sizes(rows),
+        errors,
+        zip(lows, highs, strict=True),
+        strict=True,
+    )
+    return [
+        Quantized(kernels.QuantizedTensor(*_shaped(plan, q, s, z), errors=e), extremes)
+        for plan, q, s, z, e, extremes in parts
+    ]
 
 
-def _share(
-    result: kernels.QuantizedTensor, plan: TensorPlan, r0: int, rows: int
-) -> kernels.QuantizedTensor:
-    """Rows r0 .. r0 + rows of a batch result, in the shapes of the tensor's own result."""
+def _shaped(
+    plan: TensorPlan, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tensor's rows of a batch result in the shapes of its own result: codes as stored,
+    qparams in the granularity's shape (batched specs have no other channel axis than 0)."""
     assert plan.spec is not None
     shape = plan.entry.shape
     stored = packed_shape(shape) if plan.spec.dtype.packed else shape
-    qshape = qparam_shape(kernels.normalize_spec(plan.spec, len(shape)).granularity, shape)
-    return kernels.QuantizedTensor(
-        q=result.q[r0 : r0 + rows].reshape(stored),
-        scale=result.scale[r0 : r0 + rows].reshape(qshape),
-        zero_point=result.zero_point[r0 : r0 + rows].reshape(qshape),
-        errors=None,
-    )
+    qshape = qparam_shape(plan.spec.granularity, shape)
+    return q.view(stored), scale.view(qshape), zero_point.view(qshape)
 
 
 class _Segments:
-    """Consecutive runs of rows, one per tensor: per-tensor sums and extremes of row values."""
+    """Consecutive runs of rows, one per tensor: per-tensor sums and extremes of row values
+    (numpy's reduceat, in row order; a tensor's rows are few, the batch's tensors many)."""
 
-    def __init__(self, rows: list[int], device: torch.device) -> None:
-        self.count = len(rows)
-        self.starts = [0] * len(rows)
-        for i in range(1, len(rows)):
-            self.starts[i] = self.starts[i - 1] + rows[i - 1]
-        counts = torch.tensor(rows, device=device)
-        self.index = torch.repeat_interleave(torch.arange(len(rows), device=device), counts)
+    def __init__(self, rows: list[int]) -> None:
+        self.starts = [0, *itertools.accumulate(rows[:-1])]
+        self.ends = [*self.starts[1:], self.starts[-1] + rows[-1]]
 
-    def sums(self, per_row: torch.Tensor) -> list[float]:
-        total = torch.zeros(self.count, dtype=per_row.dtype, device=per_row.device)
-        return total.index_add_(0, self.index, per_row).tolist()
-
-    def reduce(self, per_row: torch.Tensor, how: str) -> list[float]:
-        out = torch.empty(self.count, dtype=per_row.dtype, device=per_row.device)
-        reduced = out.scatter_reduce_(0, self.index, per_row, how, include_self=False)
-        return reduced.tolist()
+    def reduce(self, per_row: torch.Tensor, how: np.ufunc) -> list[float]:
+        values = per_row.cpu().numpy()
+        return how.reduceat(values, self.starts).tolist()  # type: ignore[no-any-return]
 
     def extremes(self, values: torch.Tensor) -> tuple[list[float], list[float]]:
         """Per tensor (min, max) of a [rows, n] tensor."""
-        return self.reduce(values.amin(1), "amin"), self.reduce(values.amax(1), "amax")
+        return self.reduce(values.amin(1), np.minimum), self.reduce(values.amax(1), np.maximum)
 
 
 def _errors(
@@ -222,11 +239,10 @@ def _errors(
     assert length is not None
     scale, zero_point = (_per_element(t, length, k) for t in (result.scale, result.zero_point))
     error = torch.addcmul(xf, codes.float().sub_(zero_point), scale, value=-1.0)
-    sq_error = segments.sums(error.double().square_().sum(1))
-    sq_signal = segments.sums(xf.double().square_().sum(1))
-    max_abs = segments.reduce(error.abs_().amax(1), "amax")
-    starts = [*segments.starts[1:], len(x)]
-    numel = [(end - start) * k for start, end in zip(segments.starts, starts, strict=True)]
+    sq_error = segments.reduce(error.double().square_().sum(1), np.add)
+    sq_signal = segments.reduce(xf.double().square_().sum(1), np.add)
+    max_abs = segments.reduce(error.abs_().amax(1), np.maximum)
+    numel = [(end - start) * k for start, end in zip(segments.starts, segments.ends, strict=True)]
     figures = zip(numel, sq_error, sq_signal, max_abs, strict=True)
     return [ErrorStats(n, e, s, m) for n, e, s, m in figures]
 

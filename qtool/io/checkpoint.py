@@ -13,7 +13,7 @@ import os
 import re
 import weakref
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -81,6 +81,22 @@ class Checkpoint:
             return torch.empty(entry.shape, dtype=dtype)
         return self._read(entry).view(dtype).view(entry.shape)
 
+    def tensors(self, entries: Sequence[TensorEntry]) -> list[torch.Tensor]:
+        """Several tensors (of dtypes torch has), as `tensor` gives them; for safetensors each
+        run of entries lying close together in the file is read with one pread (tiny tensors:
+        one read each costs more than the bytes)."""
+        if self._fd < 0 or self._tensors:
+            return [self.tensor(e) for e in entries]
+        out: dict[str, torch.Tensor] = {}
+        for run in _runs(sorted(entries, key=lambda e: e.begin)):
+            first, last = run[0], run[-1]
+            span = TensorEntry(first.name, "U8", (), first.begin, last.end)
+            data = self._read(span)
+            for e in run:
+                piece = data[e.begin - first.begin : e.end - first.begin]
+                out[e.name] = piece.view(ST_TO_TORCH[e.dtype]).view(e.shape)
+        return [out[e.name] for e in entries]
+
     def raw(self, entry: TensorEntry) -> memoryview:
         """The tensor's bytes exactly as stored (little-endian, C order)."""
         if entry.name in self._tensors:
@@ -129,8 +145,32 @@ class Checkpoint:
         self._closer = weakref.finalize(self, os.close, fd)
 
 
+READ_GAP = 1 << 16  # bytes between two tensors read along with them rather than a second pread
+
+
+def _runs(entries: list[TensorEntry]) -> Iterator[list[TensorEntry]]:
+    """Entries (sorted by offset) in runs whose gaps are at most READ_GAP bytes."""
+    run: list[TensorEntry] = []
+    for e in entries:
+        if run and e.begin - run[-1].end > READ_GAP:
+            yield run
+            run = []
+        run.append(e)
+    if run:
+        yield run
+
+
+_NUMPY_DTYPES = frozenset(
+    (torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16)
+    + (torch.int32, torch.int64, torch.bool)
+)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of a CPU tensor in C order (a zero-copy view when it is already contiguous)."""
+    numpy_view = t.is_cpu and t.dtype in _NUMPY_DTYPES and not t.requires_grad
+    if numpy_view and t.is_contiguous() and t.numel():
+        return t.numpy().data.cast("B")  # the same bytes in a third of the time
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

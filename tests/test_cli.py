@@ -309,3 +309,34 @@ def test_main_restores_the_garbage_collector() -> None:
     with pytest.raises(SystemExit):
         main(["--version"])
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("command", ["quantize", "compare"])
+def test_long_tables_show_their_worst_rows_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Over TABLE_MAX_ROWS rows, a table shows its TRIMMED_ROWS worst (lowest SQNR first) and
+    says so; --all shows every row, --top N any number, --json carries every row."""
+    from qtool.cli import commands
+
+    monkeypatch.setattr(commands, "TABLE_MAX_ROWS", 10)
+    monkeypatch.setattr(commands, "TRIMMED_ROWS", 3)
+    src, q = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    save_file({f"l.{i}.weight": torch.randn(8, 8 + i, generator=gen) for i in range(12)}, src)
+    assert invoke("quantize", str(src), "-o", str(q), "--json")[0] == 0
+    args = ["quantize", str(src), "-o", str(q), "--force"] if command == "quantize" else [
+        "compare", str(src), str(q)]  # fmt: skip
+
+    def names(*extra: str) -> list[str]:
+        code, stdout, _ = invoke(*args, *extra)
+        assert code == 0
+        return re.findall(r"^\s*(l\.\d+\.weight)\s", stdout, re.MULTILINE)
+
+    _, doc, _ = invoke(*args, "--json")
+    rows = json.loads(doc)["tensors"]
+    worst = [r["name"] for r in sorted(rows, key=lambda r: r["sqnr_db"])[:3]]
+    assert len(rows) == 12 and names() == worst
+    assert "(showing 3 of 12 tensors; --all shows every one)" in invoke(*args)[1]
+    assert names("--all") == [r["name"] for r in rows]
+    assert len(names("--top", "5")) == 5 and len(names("--sort", "name")) == 3

@@ -28,6 +28,9 @@ from typer.core import TyperCommand
 from qtool import __version__
 from qtool.cli.options import (
     MAX_THREADS,
+    TABLE_MAX_ROWS,
+    TRIMMED_ROWS,
+    AllOpt,
     AxisOpt,
     Device,
     DtypeOpt,
@@ -328,6 +331,7 @@ def quantize(
     min_overall_sqnr: MinOverallOpt = None,
     sort: SortOpt = None,
     top: TopOpt = None,
+    show_all: AllOpt = False,
     plot: PlotOpt = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
@@ -379,7 +383,8 @@ def quantize(
     _warn_selection(summary.rows, options)
     gate = evaluate(bounds, summary.rows, summary.overall, [])
     _show_and_gate(
-        report.arrange(summary.rows, sort.value if sort else None, top),
+        summary.rows,
+        (sort.value if sort else None, top, show_all),
         gate,
         as_json,
         lambda rows: report.print_json(documents.quantize_json(summary, rows, gate)),
@@ -410,13 +415,20 @@ def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
 
 def _show_and_gate(
     rows: list[TensorRow],
+    order: tuple[str | None, int | None, bool],
     gate: GateResult,
     as_json: bool,
     as_json_doc: Callable[[list[TensorRow]], None],
     as_table: Callable[[list[TensorRow]], None],
 ) -> None:
-    """Render the (sorted, trimmed) rows, then exit 3 if a quality gate failed."""
-    (as_json_doc if as_json else as_table)(rows)
+    """Render the rows in `order` (--sort, --top, --all), then exit 3 if a quality gate
+    failed. JSON carries every row (or --top's); a long table only its worst (see --all)."""
+    sort, top, show_all = order
+    if as_json:
+        as_json_doc(report.arrange(rows, sort, top))
+    else:
+        limit = None if show_all else (TABLE_MAX_ROWS, TRIMMED_ROWS)
+        as_table(report.table_rows(rows, sort, top, limit))
     if not gate.passed:
         raise typer.Exit(GATE_FAILED)
 
@@ -479,6 +491,7 @@ def compare(
     min_overall_sqnr: MinOverallOpt = None,
     sort: SortOpt = None,
     top: TopOpt = None,
+    show_all: AllOpt = False,
     plot: PlotOpt = None,
     as_json: JsonOpt = False,
     force: Annotated[
@@ -500,7 +513,8 @@ def compare(
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
     gate = evaluate(bounds, summary.rows, summary.overall, summary.mismatches)
     _show_and_gate(
-        report.arrange(summary.rows, sort.value if sort else None, top),
+        summary.rows,
+        (sort.value if sort else None, top, show_all),
         gate,
         as_json,
         lambda rows: report.print_json(documents.compare_json(summary, rows, gate)),

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from qtool.errors import InputError, UnsafeInputError
+from qtool.io import checkpoint
 from qtool.io.checkpoint import (
     READ_GAP,
     TORCH_TO_ST,
@@ -235,3 +236,30 @@ def test_reading_several_tensors_of_a_file_cut_short_is_an_error(tmp_path: Path)
     os.truncate(path, path.stat().st_size - 100)
     with pytest.raises(InputError, match="changed while reading"):
         ckpt.tensors(list(ckpt.entries))
+
+
+def test_large_tensors_are_handed_to_the_disk_as_they_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor of at least WRITEBACK_MIN_BYTES starts its own writeback (its exact byte
+    range), so the commit's fsync has little left; the file's bytes are unchanged."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(
+        checkpoint, "_FADVISE", lambda fd, off, n, advice: calls.append((off, n, advice))
+    )
+    big = checkpoint.WRITEBACK_MIN_BYTES // 4
+    tensors = {"a": torch.randn(big), "b": torch.randn(3), "c": torch.randn(big + 5)}
+    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    header_bytes, header = build_header(specs)
+    path = tmp_path / "out.safetensors"
+    with open(path, "wb") as f:
+        writer = StreamingWriter(f, header_bytes, header)
+        for entry in header.tensors:
+            writer.write(entry.name, tensor_bytes(tensors[entry.name]))
+        writer.finish()
+    assert path.read_bytes() == save(tensors)
+    start = len(header_bytes)
+    by_name = header.by_name()
+    assert calls == [
+        (start + by_name[n].begin, by_name[n].nbytes, os.POSIX_FADV_DONTNEED) for n in ("a", "c")
+    ]

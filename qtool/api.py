@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qtool.engine.plan import QuantizeOptions
+    from qtool.recipe import Recipe, Rule
     from qtool.results import (
         CompareSummary,
         DequantizeSummary,
@@ -33,6 +34,8 @@ __all__ = [
     "check_outputs",
     "output_path",
     "unmatched_globs",
+    "load_recipe",
+    "unmatched_rules",
     "plot_tensor",
     "quantize",
 ]
@@ -149,6 +152,20 @@ def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     from qtool.engine.plan import unmatched_globs as unmatched
 
     return unmatched(names, patterns)
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Read and check a recipe file; RecipeError (a usage error) naming file, line and key."""
+    from qtool.recipe_file import load_recipe as read_recipe
+
+    return read_recipe(path)
+
+
+def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
+    """The recipe rules whose pattern matches none of `names` (each worth a warning)."""
+    from qtool.recipe import unmatched
+
+    return unmatched(rules, names)
 
 
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:

@@ -9,6 +9,7 @@ class QtoolError(Exception):
     """An expected failure: the CLI prints one line and exits 1."""
 
     code = "error"
+    usage = False  # True: a usage error (exit 2), the command line or a file it names is wrong
 
     def __init__(
         self,
@@ -91,3 +92,14 @@ class InternalError(QtoolError):
     """A bug in qtool: reported in one line (or JSON object), the traceback on request."""
 
     code = "internal"
+
+
+class RecipeError(UsageError):
+    """A recipe file is unreadable, not TOML, or has an unknown key, a bad value or a
+    contradictory rule: a usage error naming the file, line and key."""
+
+    code = "recipe"
+    usage = True
+
+    def __init__(self, path: Path | str | None, message: str, tensor: str | None = None) -> None:
+        super().__init__(path, message, tensor, hint="recipe")

@@ -76,13 +76,16 @@ def combine(stats: list[ErrorStats]) -> ErrorStats:
         sq_error=sum(s.sq_error for s in stats),
         sq_signal=sum(s.sq_signal for s in stats),
         max_abs=max((s.max_abs for s in stats), default=0.0),
-        sq_error_minmax=_sum_known([s.sq_error_minmax for s in stats]),
+        sq_error_minmax=_minmax_total(stats),
     )
 
 
-def _sum_known(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
+def _minmax_total(stats: list[ErrorStats]) -> float | None:
+    """The squared error had every tensor used min-max: a tensor that did counts at its own
+    error (a recipe or a budget mixes range methods); None when none searched."""
+    if all(s.sq_error_minmax is None for s in stats):
+        return None
+    return sum(s.sq_error if s.sq_error_minmax is None else s.sq_error_minmax for s in stats)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class TensorRow:
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
     mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
+    spec: QSpec | None = None  # quantize: the spec it was quantized with
+    spec_chosen: bool = False  # quantize: a recipe rule or the error budget chose `spec`
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
     compared: bool = False  # compare: both sides' values were examined (figures or equality)
 
@@ -116,12 +121,19 @@ class QuantizeSummary:
     stale_temps_removed: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
+    # --target-sqnr: the output size with the budget's tensors all int8 / all float
+    budget_sizes: tuple[int, int] | None = None
     format: str = "qtool"
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property
     def quantized(self) -> list[TensorRow]:
         return [r for r in self.rows if r.quantized]
+
+    @property
+    def per_tensor_specs(self) -> bool:
+        """A recipe or the error budget chose some tensor's spec (not the command line)."""
+        return any(r.spec_chosen for r in self.rows)
 
     @property
     def bytes_in(self) -> int:
@@ -194,6 +206,8 @@ class InspectSummary:
     manifest: dict[str, object] | None = None
     notes: list[str] = field(default_factory=list)  # warnings: a missing sidecar, ...
     shards: int = 0
+    quantized_modules: int | None = None  # compressed-tensors: modules its config quantizes
+    ignore: list[str] | None = None  # compressed-tensors: the config's `ignore` list
 
     @property
     def total_bytes(self) -> int:

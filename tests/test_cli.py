@@ -225,6 +225,7 @@ def test_every_readme_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     import shutil
 
     shutil.copytree(README.parent / "sample_weights", tmp_path / "sample_weights")
+    shutil.copytree(README.parent / "examples", tmp_path / "examples")  # the shipped recipes
     monkeypatch.chdir(tmp_path)
     commands = _readme_commands()
     assert len(commands) >= 10

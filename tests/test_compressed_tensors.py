@@ -290,6 +290,16 @@ def test_group_violations_name_every_tensor() -> None:
     assert err.value.hints == ("group-fallback",)
 
 
+def test_group_refusal_names_a_few_and_counts_the_rest() -> None:
+    tensors = [entry(f"layers.{i}.weight", (16, 96)) for i in range(40)]
+    plan = ct.select_tensors(tensors, {}, QSpec(granularity=PerGroup(64)))
+    with pytest.raises(InputError) as err:
+        ct.resolve_groups(plan, ct.GroupFallback.ERROR)
+    message = str(err.value)
+    assert "layers.2.weight (K=96, G=64) and 37 more" in message
+    assert "layers.3.weight" not in message
+
+
 def test_group_fallback_channel_and_keep() -> None:
     plan = group_plan(QSpec(granularity=PerGroup(64)))
     channel = ct.resolve_groups(plan, ct.GroupFallback.CHANNEL)

@@ -66,8 +66,13 @@ def test_export_is_a_model_directory_with_the_encoder_bytes(llama: Path, tmp_pat
 def test_export_reads_back_with_inspect_dequantize_and_compare(llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "w8"
     assert invoke("quantize", str(llama), *CT, "-o", str(out))[0] == 0
-    code, stdout, _ = invoke("inspect", str(out))
+    code, stdout, err = invoke("inspect", str(out))
     assert code == 0 and "compressed-tensors" in stdout and "sym int8 axis 0" in stdout
+    assert "14 quantized modules; ignore (kept float): lm_head" in stdout
+    assert "warning" not in err  # what the config says is information, not a warning
+    code, stdout, _ = invoke("inspect", str(out), "--json")
+    doc = json.loads(stdout)
+    assert (doc["quantized_modules"], doc["ignore"], doc["notes"]) == (14, ["lm_head"], [])
     code, _, err = invoke("compare", str(llama), str(out), "--min-sqnr", "35")
     assert code == 0, err
     restored = tmp_path / "restored.safetensors"
@@ -130,7 +135,8 @@ def test_group_size_that_breaks_k_is_refused_before_writing(llama: Path, tmp_pat
     code, _, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size", "128",
                           "-o", str(out))  # fmt: skip
     assert code == 1
-    assert "model.layers.0.self_attn.q_proj.weight (K=64, G=128)" in err
+    assert "model.layers.0.mlp.gate_proj.weight (K=64, G=128)" in err
+    assert " and 9 more " in err  # the first three named, the rest counted
     assert "--group-fallback channel|keep" in err
     assert not out.exists() and leftovers(tmp_path) == []
 

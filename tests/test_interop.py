@@ -393,3 +393,38 @@ def test_readme_loads_the_sample_export_in_three_lines(
     capsys.readouterr()
     exec(compile(snippet, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "torch.Size([1, 3, 128])"
+
+
+@pytest.mark.parametrize("how", ["llm-recipe", "recipe-and-budget"])
+def test_transformers_loads_mixed_spec_exports(
+    how: str, models: dict[str, Model], tmp_path: Path
+) -> None:
+    """A recipe (int8 attention, int4 g128 mse MLP), and a recipe (int8 MLP) with an error budget
+    for the rest (int4 g32 mse at 20 dB) give exports with one config group per spec:
+    transformers loads them (default path) to exactly qtool's values, and compressed-tensors
+    decompresses each module as qtool reads it."""
+    model, out = models["llama"], tmp_path / how
+    root = Path(__file__).parent.parent
+    if how == "llm-recipe":
+        recipe = api.load_recipe(root / "examples" / "llm.toml")
+        options = QuantizeOptions(QSpec(), format="compressed-tensors", recipe=recipe)
+    else:
+        path = tmp_path / "mlp-int8.toml"
+        path.write_text('[[rule]]\nmatch = "*.mlp.*"\ndtype = "int8"\ngranularity = "channel"\n')
+        recipe = api.load_recipe(path)
+        options = QuantizeOptions(
+            QSpec(), format="compressed-tensors", recipe=recipe, target_sqnr=20.0
+        )
+    api.quantize(model.path, out, options, device="cpu")
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    specs = {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in groups.values()}
+    assert len(specs) == len(groups)  # one group per distinct spec
+    assert specs == ({(8, None), (4, 128)} if how == "llm-recipe" else {(8, None), (4, 32)})
+    ours = qtool_read(out)
+    for name, w in ct_decompress(out).items():
+        assert torch.equal(w, ours[name]), name
+    loaded = load(model, out, dequantize=False)
+    y = model.output(loaded)
+    for name, w in linear_weights(loaded).items():
+        assert torch.equal(w, ours[name]), name
+    assert torch.equal(y, model.output(float_with(model, ours)))

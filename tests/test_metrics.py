@@ -78,3 +78,13 @@ def test_sqnr_of_an_all_zero_reference_is_minus_infinity() -> None:
     assert error_stats(torch.zeros(3), torch.ones(3)).sqnr_db == -math.inf
     assert sqnr_db(1e-320, 1e10) == -math.inf  # an underflowing ratio, not a math error
     assert math.isnan(sqnr_db(math.nan, 1.0))
+
+
+def test_pooled_mse_gain_counts_min_max_tensors_at_their_own_error() -> None:
+    """A recipe mixes range methods: a min-max tensor adds its error to both sides of the
+    pooled gain (it would have had that error under min-max too)."""
+    searched = ErrorStats(100, sq_error=0.8, sq_signal=100.0, max_abs=1.0, sq_error_minmax=1.0)
+    minmax = ErrorStats(100, sq_error=0.5, sq_signal=100.0, max_abs=1.0)
+    assert combine([searched, minmax]).mse_gain == pytest.approx(1.3 / 1.5 - 1.0)
+    assert combine([searched]).mse_gain == pytest.approx(-0.2)
+    assert combine([minmax, minmax]).mse_gain is None  # nothing searched

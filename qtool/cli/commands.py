@@ -48,6 +48,7 @@ from qtool.cli.options import (
     RangeOpt,
     SchemeOpt,
     SortOpt,
+    TargetSqnrOpt,
     TopOpt,
     build_spec,
     thread_count,
@@ -264,11 +265,22 @@ def quantize(
         list[str] | None,
         typer.Option(
             "--exclude",
-            help="Glob of tensor names to keep as they are (repeatable; wins over --include).",
+            help="Glob of tensor names to keep as they are (repeatable; tried first, see "
+            "'Recipes' in the README for the order).",
             metavar="GLOB",
             show_default=False,
         ),
     ] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(
+            "--recipe",
+            help="TOML file of per-tensor rules: a spec or keep-in-float per name pattern.",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ] = None,
+    target_sqnr: TargetSqnrOpt = None,
     fmt: Annotated[
         OutputFormatName,
         typer.Option(
@@ -349,22 +361,31 @@ def quantize(
             "add --estimate (or drop --dry-run)",
             param_hint="--dry-run",
         )
+    if dry_run and not estimate and target_sqnr is not None:
+        raise typer.BadParameter(
+            "the error budget measures each tensor, which a plain dry run does not; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--target-sqnr",
+        )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
     if fmt is OutputFormatName.QTOOL and (config is not None or group_fallback.value != "error"):
         raise typer.BadParameter(
             "--config and --group-fallback go with --format compressed-tensors",
             param_hint="--format",
         )
-    options = api.QuantizeOptions(
-        spec,
-        tuple(include or ()),
-        tuple(exclude or ()),
-        keep_nonfinite,
-        format=fmt.value,
-        config=config,
-        group_fallback=group_fallback.value,
-    )
     with user_errors(as_json) as run:
+        loaded = api.load_recipe(recipe) if recipe is not None else None
+        options = api.QuantizeOptions(
+            spec,
+            tuple(include or ()),
+            tuple(exclude or ()),
+            keep_nonfinite,
+            format=fmt.value,
+            config=config,
+            group_fallback=group_fallback.value,
+            recipe=loaded,
+            target_sqnr=target_sqnr,
+        )
         plot = _plot_target(plot, src, "quantize")
         summary = api.plan(src, out, options) if dry_run and not estimate else None
         if summary is None:
@@ -406,10 +427,19 @@ def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
     for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
         for pattern in api.unmatched_globs(names, patterns):
             report.print_warning(f"{flag} {pattern!r} matches no tensor name")
+    if options.recipe is not None:
+        for rule in api.unmatched_rules(options.recipe.rules, names):
+            where = f"{options.recipe.path}: line {rule.line}: {rule.describe()}"
+            report.print_warning(f"{where} matches no tensor")
+        if options.recipe.ladder is not None and options.target_sqnr is None:
+            report.print_warning(
+                f"{options.recipe.path}: its ladder applies only with --target-sqnr"
+            )
     if not any(r.quantized for r in rows):
+        flags = "--include/--exclude/--recipe" + ("/--target-sqnr" if options.target_sqnr else "")
         report.print_warning(
             f"0 of {len(rows)} tensors selected for quantization; see the kept reasons "
-            "and check --include/--exclude"
+            f"and check {flags}"
         )
 
 

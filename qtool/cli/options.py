@@ -100,6 +100,17 @@ MinSqnrOpt = Annotated[
         callback=_finite_bound,
     ),
 ]
+TargetSqnrOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--target-sqnr",
+        help="Error budget: per tensor, the cheapest ladder spec whose SQNR reaches DB, "
+        "else float (with --dry-run, add --estimate).",
+        metavar="DB",
+        show_default=False,
+        callback=_finite_bound,
+    ),
+]
 MinOverallOpt = Annotated[
     float | None,
     typer.Option(

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from qtool.engine.plan import TensorPlan
+from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
@@ -56,6 +57,10 @@ class Quantized:
 
     result: kernels.QuantizedTensor
     scale_range: tuple[float, float]
+
+    @property
+    def figures(self) -> Figures:
+        return Figures(self.result.errors, self.scale_range)
 
 
 class TinyBatches:
@@ -142,8 +147,11 @@ def _one_thread() -> Iterator[None]:
 
 def layout(plan: TensorPlan) -> Layout | None:
     """The tensor's place in a batch; None when it is quantized on its own (not tiny, the mse
-    search, per channel on another axis, or 4-bit codes whose packing stacking would change)."""
+    search, per channel on another axis, 4-bit codes whose packing stacking would change, or
+    chosen by the error budget)."""
     spec, entry = plan.spec, plan.entry
+    if plan.budget:  # the error budget quantized it already (engine/spill.py)
+        return None
     if spec is None or not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:
         return None
     if spec.range_method is not RangeMethod.MINMAX:

@@ -182,11 +182,9 @@ def _inspect_compressed_tensors(path: Path) -> InspectSummary:
             "format": m.group.format,
         }
     rows = [_row(e, qinfo.get(e.name)) for e in entries]
-    notes = [f"compressed-tensors: {len(modules)} quantized modules; ignore: "
-             f"{', '.join(config.ignore) or 'none'}"]  # fmt: skip
     return InspectSummary(
-        str(directory), "compressed-tensors", rows, headers[0].metadata, notes=notes,
-        shards=len(headers),
+        str(directory), "compressed-tensors", rows, headers[0].metadata, shards=len(headers),
+        quantized_modules=len(modules), ignore=list(config.ignore),
     )  # fmt: skip
 
 

@@ -13,21 +13,20 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
+from qtool.dtypes import DTYPE_BITS
 from qtool.errors import InputError
 from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
+from qtool.recipe import INT8_CHANNEL, Keep, Recipe, Rule, RuleKind, resolve, rules_from_cli
+from qtool.recipe import fit_spec as fit_to_shape
 from qtool.results import QuantizeSummary, TensorRow
 from qtool.spec import (
-    PerChannel,
     PerGroup,
-    PerTensor,
     QSpec,
     RangeMethod,
-    matrix_shape,
     packed_shape,
     qparam_shape,
 )
@@ -39,9 +38,17 @@ class QuantizeOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
+    recipe: Recipe | None = None  # per-tensor rules, tried after --exclude, before --include
+    target_sqnr: float | None = None  # error budget for the tensors no recipe rule fixed
     format: str = "qtool"  # the output format (formats.FORMAT_NAMES)
     config: Path | None = None  # the model's config.json, for a single-file model export
     group_fallback: str = "error"  # K not a multiple of G: error | channel | keep
+
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """Every rule in the order tried: --exclude, the recipe's, --include."""
+        recipe_rules = self.recipe.rules if self.recipe is not None else ()
+        return rules_from_cli(self.include, self.exclude, recipe_rules)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,12 @@ class TensorPlan:
     spec: QSpec | None
     reason: str = ""
     note: str = ""
+    rule: str = ""  # with a recipe: the rule that decided ("rule 3 'mlp.*'"), shown in tables
+    rule_origin: str = ""  # where a recipe rule is written ("llm.toml: line 12: ")
+    budget: bool = False  # the error budget (--target-sqnr) decides this tensor's spec
+    by_rule: bool = False  # a rule decided by name (recipe.Resolution.by_rule)
+    own_spec: bool = False  # a recipe rule or the budget chose the spec, not the command line
+    asked: QSpec | None = None  # the spec before it was fitted to the tensor (a format may refuse)
     stored_nbytes: int | None = None  # bytes in the output, when the format says (else qtool's)
     stored_dtype: str | None = None  # the codes' dtype, when the format says (else qtool's)
 
@@ -99,71 +112,49 @@ def plan_tensors(
 
 
 def _plan_one(path: Path, entry: TensorEntry, options: QuantizeOptions) -> TensorPlan:
-    plan = TensorPlan(entry, None)
-    excluded = _first_match(entry.name, options.exclude)
-    included = _first_match(entry.name, options.include)
-    if excluded is not None:
-        return plan.kept(f"excluded by --exclude '{excluded}'")
-    if options.include and included is None:
-        return plan.kept("not matched by --include")
-    if entry.dtype not in FLOAT_DTYPES:
-        return plan.kept(_non_float_reason(entry.dtype))
-    if entry.numel == 0:
-        return plan.kept("empty tensor")
-    ndim = len(entry.shape)
-    if ndim < 2 and included is None:
-        return plan.kept("0-d scalar" if ndim == 0 else "1-D (bias/norm)")
-    return _fit_plan(path, entry, options.spec)
+    """The first matching rule decides (recipe.resolve); without a recipe, exactly the
+    --include/--exclude selection."""
+    found = resolve(options.rules, entry, options.spec, checkpoint=path)
+    rule = found.rule.describe() if options.recipe is not None and found.rule else ""
+    if isinstance(found.action, Keep):
+        return TensorPlan(entry, None, found.action.reason, rule=rule, by_rule=found.by_rule)
+    if options.target_sqnr is not None and found.from_command_line:
+        # the budget decides: the command-line spec does not apply, nor may a format check it
+        spec, _ = fit_to_shape(INT8_CHANNEL, entry.shape)
+        return TensorPlan(entry, spec, rule=rule, budget=True, by_rule=found.by_rule, own_spec=True)
+    return TensorPlan(
+        entry,
+        found.action,
+        note=found.note,
+        rule=rule,
+        rule_origin=_origin(found.rule),
+        by_rule=found.by_rule,
+        asked=found.asked,
+        own_spec=not found.from_command_line,
+    )
+
+
+def _origin(rule: Rule | None) -> str:
+    """Where a recipe rule is written, for messages ("" for a command-line rule)."""
+    if rule is None or rule.kind is not RuleKind.RECIPE:
+        return ""
+    return f"{rule.file}: line {rule.line}: "
 
 
 def fit_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
-    """The spec as it applies to this tensor (see _fit_plan)."""
-    fitted = _fit_plan(path, entry, spec).spec
-    assert fitted is not None
-    return fitted
-
-
-def _fit_plan(path: Path, entry: TensorEntry, spec: QSpec) -> TensorPlan:
-    """The spec as it applies to this tensor: axis normalised, a 0-d/1-D tensor named by
-    --include quantized per tensor, a group at least as long as a row is per channel."""
-    g, ndim = spec.granularity, len(entry.shape)
-    if ndim < 2 and not isinstance(g, PerTensor):
-        return TensorPlan(entry, replace(spec, granularity=PerTensor()))
-    if isinstance(g, PerGroup):
-        _, k = matrix_shape(entry.shape)
-        if g.size >= k:
-            note = f"group {g.size} >= row length {k}: per channel"
-            return TensorPlan(entry, replace(spec, granularity=PerChannel(0)), note=note)
-    if isinstance(g, PerChannel):
-        if not -ndim <= g.axis < ndim:
-            raise InputError(
-                path,
-                f"axis {g.axis} is out of range for this {ndim}-D tensor; "
-                f"choose an axis in [{-ndim}, {ndim - 1}] or exclude the tensor",
-                entry.name,
-                hint=("axis", "exclude"),
-            )
-        return TensorPlan(entry, replace(spec, granularity=PerChannel(g.axis % ndim)))
-    return TensorPlan(entry, spec)
+    """The spec as it applies to this tensor (recipe.fit_spec); InputError naming `path` and
+    the tensor for a channel axis it lacks."""
+    try:
+        return fit_to_shape(spec, entry.shape)[0]
+    except ValueError as err:
+        raise InputError(
+            path, f"{err} or exclude the tensor", entry.name, hint=("axis", "exclude")
+        ) from None
 
 
 def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """The patterns that match none of `names` (a typo, or a glob for another model)."""
     return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-
-
-def _first_match(name: str, patterns: tuple[str, ...]) -> str | None:
-    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
-
-
-def _non_float_reason(dtype: str) -> str:
-    if dtype == "BOOL":
-        return "bool tensor"
-    if dtype.startswith(("I", "U")):
-        return "integer tensor"
-    if dtype.startswith("F8") or dtype.startswith(("F4", "F6")):
-        return f"already low-precision ({dtype})"
-    return f"not a real float tensor ({dtype})"
 
 
 def default_quantized_path(src: Path, dtype: str) -> Path:
@@ -179,11 +170,15 @@ def quantized_output(src: Path, out: Path | None, dtype: str) -> Path:
 def planned_row(plan: TensorPlan) -> TensorRow:
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
+    if plan.budget and plan.spec is None:
+        detail = plan.reason  # "kept float: best 22.3 dB < 24"
     if plan.spec is not None and isinstance(plan.spec.granularity, PerGroup):
         c, n = qparam_shape(plan.spec.granularity, e.shape)
         detail = f"{detail} ({c}x{n} groups)"
     if plan.note:
         detail = f"{detail} ({plan.note})"
+    if plan.rule and plan.rule not in detail:  # "excluded by --exclude 'x'" names it already
+        detail = f"{detail} [{plan.rule}]"
     return TensorRow(
         e.name,
         e.shape,
@@ -194,14 +189,17 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         e.nbytes,
         plan.out_nbytes,
         bytes_qparams=plan.qparam_nbytes,
+        spec=plan.spec,
+        spec_chosen=plan.own_spec and plan.spec is not None,
     )
 
 
 def dry_run(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
     """The plan of a safetensors or sharded input from its headers alone (no torch import);
-    None for a torch pickle, which has to be loaded to be planned, and for another output
-    format than qtool's (the run plans those)."""
-    if options.format != "qtool":
+    None for a torch pickle, which has to be loaded to be planned, with an error budget,
+    whose choices need the data, and for another output format than qtool's (the run plans
+    those)."""
+    if options.target_sqnr is not None or options.format != "qtool":
         return None
     if is_sharded(src):
         sharded = load_index(src)

@@ -9,8 +9,9 @@ nothing of Rich or Typer.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,9 +44,10 @@ from qtool.engine.source import (
     prepared,
     target_for,
 )
+from qtool.engine.spill import Figures, Spill
 from qtool.errors import DeviceError, NumericError, OutputError, UsageError
 from qtool.formats import output_format
-from qtool.formats.base import FormatContext, OutputFormat, ShardWriter
+from qtool.formats.base import Choice, FormatContext, OutputFormat, ShardWriter
 from qtool.formats.detect import refuse_quantized
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import (
@@ -56,9 +58,11 @@ from qtool.io.atomic import (
 )
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.numerics import kernels
+from qtool.numerics import budget, kernels
 from qtool.numerics.ranges import NonFiniteInput
+from qtool.recipe import INT8_CHANNEL, fit_spec
 from qtool.results import Progress, QuantizeSummary, TensorRow
+from qtool.spec import QSpec
 
 BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
 
@@ -117,15 +121,17 @@ def quantize_model(
         )
         if dry_run:
             preflight(also, model.source.protected, force=force)
+            shards.decide_budget(run, None)
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
-            return _with_format(summary.of(rows, dry_run=True), fmt, plans, [])
+            return _with_format(summary.of(rows, dry_run=True), fmt, shards.plans_now(), [])
         check_output_dir(out, model, force)
         preflight(also, model.source.protected, force=force)
         notes = companions(model)[1]
         with building(out) as temp:
             target = model_target(model, temp)
-            needed = sum(p.out_nbytes for p in plans)
+            needed = _needed_bytes(plans, options)
             preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
+            shards.decide_budget(run, temp.parent)
             finish = _finish_model(model, temp, fmt, shards)
             rows = _write(shards, target, fmt, run, finish)
         return _with_format(summary.of(rows), fmt, shards.plans(), notes)
@@ -188,13 +194,16 @@ def quantize(
         summary = _Summary(source, target, writer_format, options, run, started, shards)
         if dry_run:
             preflight(also, source.protected, force=force)
+            shards.decide_budget(run, None)
             rows = _estimate(shards, run) if estimate else [planned_row(p) for p in plans]
             return summary.of(rows, dry_run=True)
-        needed = sum(p.out_nbytes for p in plans)
+        needed = _needed_bytes(plans, options)
         for out_file in target.shard_outputs:
             _check_recordable_name(out_file)
         with prepared(source, target, writer_format.layout, force, also, needed) as notes:
-            stale = remove_stale_temps(target.directory or target.shard_outputs[0].parent)
+            directory = target.directory or target.shard_outputs[0].parent
+            stale = remove_stale_temps(directory)
+            shards.decide_budget(run, directory)
             rows = _write(shards, target, writer_format, run)
         return replace(summary.of(rows), stale_temps_removed=stale, notes=notes)
     finally:
@@ -222,30 +231,75 @@ class _Shards:
         self._open: dict[Path, Checkpoint] = {}
         self._plans: dict[Path, list[TensorPlan]] = {}
         self.skipped: list[str] = []
+        self.spill: Spill | None = None
 
     def plans(self) -> list[TensorPlan]:
-        """Every tensor's plan, in shard order (planned once, from the headers)."""
+        """Every tensor's plan, in shard order: the rules' (from the headers), narrowed by the
+        format (planned once)."""
         if not self._plans:
             for shard in self.source.shards:
                 entries, metadata = self._entries(shard)
                 refuse_quantized(shard, metadata, [e.name for e in entries])
                 self._plans[shard] = plan_tensors(shard, entries, self.options)
             self._format_selection()
+        return self.plans_now()
+
+    def decide_budget(self, run: Run, spill_directory: Path | None) -> None:
+        """With an error budget, its choices (see _apply_budget), their codes kept in a
+        temporary file in `spill_directory` for the writing pass (None: a dry run, which keeps
+        only their figures)."""
+        if self.options.target_sqnr is not None:
+            self.spill = Spill(spill_directory)
+            self._apply_budget(run, self.options.target_sqnr, _ladder(self.options))
+
+    def plans_now(self) -> list[TensorPlan]:
+        """The plans as they stand (after the budget, if any), in shard and file order."""
         return [p for shard in self.source.shards for p in self._plans[shard]]
 
     def _format_selection(self) -> None:
-        """The format's own selection over the whole model, where it has one."""
-        entries = [p.entry for shard in self.source.shards for p in self._plans[shard]]
-        o = self.options
-        choices = self.fmt.select(entries, o.spec, o.include, o.exclude)
+        """The format's own narrowing over the whole model, where it has one."""
+        choices = self.fmt.select(self.plans_now())
         if choices is None:
             return
         it = iter(choices)
         for shard in self.source.shards:
+            self._plans[shard] = [_chosen(p, next(it)) for p in self._plans[shard]]
+
+    def _apply_budget(self, run: Run, target: float, ladder: Sequence[QSpec]) -> None:
+        """Choose the spec of every tensor the budget decides (one in-memory pass per tensor,
+        the format's fused siblings aligned); the checkpoints stay open for the writing pass."""
+        for shard in self.source.shards:
+            ckpt = self._checkpoint(shard)
+            workspace = kernels.Workspace(run.device)
             self._plans[shard] = [
-                TensorPlan(c.entry, c.spec, c.reason, c.note, c.nbytes, c.stored_dtype)
-                for c in (next(it) for _ in self._plans[shard])
+                self._choose(ckpt, p, ladder, target, workspace, run) if p.budget else p
+                for p in self._plans[shard]
             ]
+        aligned = iter(align_fused(self.plans_now(), self.fmt.fused_key))
+        for shard in self.source.shards:
+            self._plans[shard] = [next(aligned) for _ in self._plans[shard]]
+        self._format_selection()
+
+    def _choose(
+        self,
+        ckpt: Checkpoint,
+        plan: TensorPlan,
+        ladder: Sequence[QSpec],
+        target: float,
+        workspace: kernels.Workspace,
+        run: Run,
+    ) -> TensorPlan:
+        entry = plan.entry
+        refusals = {s: self.fmt.supports(entry, s) for s in budget.candidates(ladder, entry.shape)}
+        fitting = [s for s, refused in refusals.items() if refused is None]
+        if not fitting:
+            why = next(iter(refusals.values()), None)
+            return plan.kept(f"kept float: no ladder spec fits {self.fmt.name} ({why})")
+        keep_nan = self.options.keep_nonfinite
+        weight_dtype = run.scales_in_weight_dtype
+        return choose_plan(
+            ckpt, plan, fitting, target, workspace, keep_nan, weight_dtype, self.spill
+        )
 
     def checkpoint_plans(self, shard: Path) -> tuple[Checkpoint, list[TensorPlan]]:
         ckpt = self._checkpoint(shard)
@@ -264,6 +318,8 @@ class _Shards:
     def close(self) -> None:
         for shard in list(self._open):
             self.done(shard)
+        if self.spill is not None:
+            self.spill.close()
 
     @property
     def skipped_entries(self) -> list[str]:
@@ -288,7 +344,7 @@ def _estimate(shards: _Shards, run: Run) -> list[TensorRow]:
     rows: list[TensorRow] = []
     for shard in shards.source.shards:
         ckpt, plans = shards.checkpoint_plans(shard)
-        rows += estimate_rows(ckpt, plans, run.device, run.scales_in_weight_dtype)
+        rows += estimate_rows(ckpt, plans, run, shards.spill)
         shards.done(shard)
     return rows
 
@@ -303,14 +359,14 @@ def _write(
     """Every shard through the format's writer, then `finish` (default: for a sharded output,
     the companions and the index)."""
     if run.progress is not None:
-        run.progress.start(sum(p.entry.nbytes for p in shards.plans()))
+        run.progress.start(sum(p.entry.nbytes for p in shards.plans_now()))
     rows: list[TensorRow] = []
     weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
         for shard, out in zip(shards.source.shards, target.shard_outputs, strict=True):
             ckpt, plans = shards.checkpoint_plans(shard)
             writer = fmt.writer(plans, ckpt.metadata, out, outputs)
-            rows += write_shard(ckpt, plans, writer, run)
+            rows += write_shard(ckpt, plans, writer, run, shards.spill)
             weight_map |= {n: out.name for p in plans for n in fmt.tensor_names(p)}
             shards.done(shard)
         total = sum(r.bytes_out for r in rows)
@@ -329,9 +385,14 @@ def _index_section(shards: _Shards, target: Target) -> dict[str, object]:
 
 
 def write_shard(
-    ckpt: Checkpoint, plans: list[TensorPlan], writer: ShardWriter, run: Run
+    ckpt: Checkpoint,
+    plans: list[TensorPlan],
+    writer: ShardWriter,
+    run: Run,
+    spill: Spill | None = None,
 ) -> list[TensorRow]:
     """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
+    A tensor the error budget already quantized comes from `spill`, not from the input.
 
     Tensor k is handed to the writer by a background thread while tensor k+1 is quantized (the
     write syscalls and the torch kernels both release the GIL)."""
@@ -339,14 +400,14 @@ def write_shard(
     rows: dict[str, TensorRow] = {}
     order = [by_name[entry.name] for entry in writer.order]
     with _BackgroundWriter(ckpt) as background:
-        for plan, done in _results(ckpt, order, run):
+        for plan, done in _results(ckpt, order, run, spill=spill):
             entry = plan.entry
             if done is None:
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
                 background.submit(entry, writer.quantized, entry, plan.spec, done.result)
-                rows[entry.name] = _quantized_row(plan, done)
+                rows[entry.name] = _measured_row(plan, done.figures)
             if run.progress is not None:
                 run.progress.advance(entry.name, entry.nbytes)
     ckpt.check_unchanged()
@@ -355,20 +416,28 @@ def write_shard(
 
 
 def _results(
-    ckpt: Checkpoint, order: list[TensorPlan], run: Run
+    ckpt: Checkpoint,
+    order: list[TensorPlan],
+    run: Run,
+    *,
+    spill: Spill | None = None,
+    skip: Collection[str] = (),
 ) -> Iterator[tuple[TensorPlan, batch.Quantized | None]]:
-    """Each plan in `order` with its result (None: kept as it is). Tiny tensors are quantized a
-    batch at a time (engine/batch.py), the others one by one in two alternating workspaces, so
-    the codes being written are never the ones being computed."""
+    """Each plan in `order` with its result (None: kept as it is, or named in `skip`). A tensor
+    the error budget already quantized comes from `spill`; tiny tensors are quantized a batch
+    at a time (engine/batch.py), the others one by one in two alternating workspaces, so the
+    codes being written are never the ones being computed."""
     workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
     tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
     for k, plan in enumerate(order):
-        if plan.spec is None:
+        if plan.spec is None or plan.entry.name in skip:
             yield plan, None
             continue
-        done = tiny.take(k)
+        result = spill.take(plan.entry.name, plan.spec) if spill is not None else None
+        done = tiny.take(k) if result is None else None
         if done is None:
-            result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+            if result is None:
+                result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
             done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
         yield plan, done
 
@@ -409,14 +478,23 @@ class _BackgroundWriter:
 
 
 def estimate_rows(
-    ckpt: Checkpoint, plans: list[TensorPlan], dev: torch.device, weight_dtype: bool = False
+    ckpt: Checkpoint, plans: list[TensorPlan], run: Run, spill: Spill | None = None
 ) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything
-    (`weight_dtype`: scales rounded to the weight's dtype, as the format stores them)."""
+    (the figures of the tensors the error budget measured come from `spill`)."""
+    known = {}
+    if spill is not None:
+        for p in plans:
+            found = spill.figures(p.entry.name, p.spec) if p.spec is not None else None
+            if found is not None:
+                known[p.entry.name] = found
     rows = []
-    for plan, done in _results(ckpt, plans, Run(dev, scales_in_weight_dtype=weight_dtype)):
-        rows.append(planned_row(plan) if done is None else _quantized_row(plan, done))
-        ckpt.release(plan.entry)
+    for plan, done in _results(ckpt, plans, run, skip=known.keys()):
+        if plan.entry.name in known:
+            rows.append(_measured_row(plan, known[plan.entry.name]))
+        else:
+            rows.append(planned_row(plan) if done is None else _measured_row(plan, done.figures))
+            ckpt.release(plan.entry)
     return rows
 
 
@@ -451,6 +529,95 @@ def _quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
 
 
+def _ladder(options: QuantizeOptions) -> tuple[QSpec, ...]:
+    recipe = options.recipe
+    return recipe.ladder if recipe is not None and recipe.ladder else budget.DEFAULT_LADDER
+
+
+def choose_plan(
+    ckpt: Checkpoint,
+    plan: TensorPlan,
+    ladder: Sequence[QSpec],
+    target: float,
+    workspace: kernels.Workspace,
+    keep_nan: bool,
+    weight_dtype: bool = False,
+    spill: Spill | None = None,
+) -> TensorPlan:
+    """The plan with the budget's choice: the cheapest ladder spec reaching `target`, or kept
+    in float; NaN/Inf tensors are left to --keep-nonfinite (or fail as in a plain run).
+    `weight_dtype`: scales rounded to the weight's dtype, as the format stores them; `spill`
+    keeps the chosen quantization for the writing pass."""
+    x = ckpt.tensor(plan.entry).to(workspace.device)
+    scale_dtype = x.dtype if weight_dtype else torch.float32
+    try:
+        choice = budget.choose(x, ladder, target, scale_dtype=scale_dtype, workspace=workspace)
+    except NonFiniteInput:
+        if keep_nan:
+            return plan
+        _quantize_one(ckpt, plan, workspace)  # raises the run's own NumericError
+        raise
+    finally:
+        ckpt.release(plan.entry)
+    if choice.spec is None:
+        return replace(plan, spec=None, reason=choice.reason(), note="", asked=None)
+    if spill is not None and choice.result is not None:
+        spill.put(plan.entry.name, choice.spec, choice.result)
+    return replace(plan, spec=choice.spec, note=choice.reason(), asked=None)
+
+
+def align_fused(plans: Sequence[TensorPlan], key: Callable[[str], str | None]) -> list[TensorPlan]:
+    """The plans with each set of fused siblings (same `key`) quantized alike: the budget's
+    tensors take the spec of a sibling a rule fixed, else the dearest of their own choices
+    (kept float is dearest), so that every member still meets the target as far as the
+    ladder is ordered by quality. A member moved off its own choice says so in its note."""
+    sets: dict[str, list[int]] = {}
+    for i, p in enumerate(plans):
+        k = key(p.entry.name)
+        if k is not None:
+            sets.setdefault(k, []).append(i)
+    out = list(plans)
+    for k, members in sets.items():
+        chosen = [plans[i] for i in members if plans[i].budget]
+        if not chosen or len({p.spec for p in (plans[i] for i in members)}) == 1:
+            continue
+        fixed = [plans[i] for i in members if not plans[i].budget]
+        pick = fixed[0] if fixed else max(chosen, key=_dearness)
+        for i in members:
+            if plans[i].budget and plans[i].spec != pick.spec:
+                out[i] = _aligned(plans[i], pick, k)
+    return out
+
+
+def _dearness(plan: TensorPlan) -> float:
+    """Order of the budget's choices: bytes per element, kept float last."""
+    if plan.spec is None:
+        return math.inf
+    return budget.bytes_per_tensor(plan.spec, plan.entry.shape) / plan.entry.numel
+
+
+def _aligned(plan: TensorPlan, pick: TensorPlan, key: str) -> TensorPlan:
+    own = plan.note or plan.reason
+    why = f"aligned with its fused siblings {key}; own choice {own}"
+    if pick.spec is None:
+        return replace(plan.kept(f"kept float: {why}"), budget=True, asked=None)
+    return replace(plan, spec=pick.spec, note=why, asked=None)
+
+
+def _chosen(plan: TensorPlan, choice: Choice) -> TensorPlan:
+    """A plan with the format's decision (its spec, and what it stores)."""
+    newly_kept = plan.spec is not None and choice.spec is None
+    return replace(
+        plan,
+        spec=choice.spec,
+        reason=choice.reason,
+        note=choice.note,
+        stored_nbytes=choice.nbytes,
+        stored_dtype=choice.stored_dtype,
+        budget=plan.budget and not newly_kept,
+    )
+
+
 def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
     """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each)."""
     out = []
@@ -460,14 +627,29 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
             lo, hi = torch.aminmax(x)  # no full-size temporaries; NaN/Inf show up here
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 bad = int((~torch.isfinite(x)).sum())
-                plan = plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)")
+                plan = replace(plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)"), budget=False)
             ckpt.release(plan.entry)
         out.append(plan)
     return out
 
 
-def _quantized_row(plan: TensorPlan, done: batch.Quantized) -> TensorRow:
-    return replace(planned_row(plan), errors=done.result.errors, scale_range=done.scale_range)
+def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:
+    return replace(planned_row(plan), errors=figures.errors, scale_range=figures.scale_range)
+
+
+def _needed_bytes(plans: Sequence[TensorPlan], options: QuantizeOptions) -> int:
+    """Free space to ask for: the outputs, each tensor the error budget decides counted at the
+    most it can take (kept float, or its dearest candidate) plus its dearest candidate again
+    (its codes kept between the two passes)."""
+    ladder = _ladder(options)
+    total = 0
+    for p in plans:
+        if p.budget:
+            dearest = max(budget.bytes_per_tensor(s, p.entry.shape) for s in ladder)
+            total += max(p.entry.nbytes, dearest) + dearest
+        else:
+            total += p.out_nbytes
+    return total
 
 
 @dataclass(frozen=True)
@@ -495,4 +677,28 @@ class _Summary:
             dry_run=dry_run,
             skipped=self.shards.skipped_entries,
             seconds=time.perf_counter() - self.started,
+            budget_sizes=self._budget_sizes(),
         )
+
+    def _budget_sizes(self) -> tuple[int, int] | None:
+        """With --target-sqnr: the output size had the budget's tensors all been int8 (sym,
+        per channel, min-max), and had they all stayed float."""
+        if self.options.target_sqnr is None:
+            return None
+
+        return self._size_if(INT8_CHANNEL), self._size_if(None)
+
+    def _size_if(self, spec: QSpec | None) -> int:
+        """The output size (codes and qparams) had every tensor the budget decided been
+        quantized with `spec` (None: kept), as the format stores it."""
+        total = 0
+        for plan in self.shards.plans_now():
+            if plan.budget:
+                fitted = fit_spec(spec, plan.entry.shape)[0] if spec is not None else None
+                plan = TensorPlan(plan.entry, fitted)
+                stored = self.fmt.stored_nbytes(plan.entry, fitted)
+                if stored is not None:
+                    total += stored
+                    continue
+            total += plan.out_nbytes + plan.qparam_nbytes
+        return total

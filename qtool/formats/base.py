@@ -4,8 +4,8 @@ A format says what it can store (`supports`), which files one output shard occup
 takes the tensors of one shard from the quantize loop (`writer`), and gives any file it wrote
 back as float tensors (`reader`, chosen by `detect`). The loop in engine/run.py knows nothing
 else about it, so a second format (compressed-tensors) plugs in without touching the loop.
-A format may also choose the tensors itself over the whole model (`select`), store a tensor
-under other names (`tensor_names`, for the output index), write a model directory's own files
+A format may also narrow the rules' plan over the whole model (`select`, `fused_key`), store a
+tensor under other names (`tensor_names`, for the output index), write a model directory's own files
 (`directory_files`: config.json), round scales to the weight's dtype before the codes are
 computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warnings`, `ignore`).
 """
@@ -35,6 +35,36 @@ class Planned(Protocol):
 
     @property
     def spec(self) -> QSpec | None: ...
+
+
+class Ruled(Planned, Protocol):
+    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+
+    @property
+    def reason(self) -> str:
+        """Why it is kept ("" when quantized)."""
+
+    @property
+    def note(self) -> str:
+        """How the spec was adapted to this tensor ("" when it was not)."""
+
+    @property
+    def rule(self) -> str:
+        """The recipe rule that decided, for messages ("" without a recipe)."""
+
+    @property
+    def rule_origin(self) -> str:
+        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
+
+    @property
+    def asked(self) -> QSpec | None:
+        """The spec before qtool fitted it to the tensor (a group longer than a row is per
+        channel for qtool; a format may refuse it instead); None: as `spec`."""
+
+    @property
+    def by_rule(self) -> bool:
+        """True when a rule decided by name (an --exclude, a recipe rule or an --include, or
+        --include matching nothing); False for the default selection."""
 
 
 class ShardWriter(Protocol):
@@ -97,15 +127,14 @@ class OutputFormat(Protocol):
     scales_in_weight_dtype: bool
     """True: scales are rounded to the weight's dtype before the codes are computed."""
 
-    def select(
-        self,
-        entries: Sequence[TensorEntry],
-        spec: QSpec,
-        include: Sequence[str],
-        exclude: Sequence[str],
-    ) -> list[Choice] | None:
-        """Which tensors get which spec, for every entry of the model in order (all shards at
-        once, so a check can span shards); None: the engine's default selection applies."""
+    def select(self, planned: Sequence[Ruled]) -> list[Choice] | None:
+        """The format's decision for every tensor of the model in order (all shards at once,
+        so a check can span shards), given the rules' plan; None: the plan stands as it is.
+        Deciding again on its own output changes nothing."""
+
+    def fused_key(self, name: str) -> str | None:
+        """Tensors with the same key must be quantized alike (a consumer fuses them); None
+        for a tensor with no such siblings."""
 
     def tensor_names(self, planned: Planned) -> list[str]:
         """The names the tensor is stored under (the output index maps each to its shard)."""
@@ -122,6 +151,10 @@ class OutputFormat(Protocol):
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         """None when the format can store `entry` quantized with `spec`; else why not."""
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int | None:
+        """Bytes `entry` takes in this format's output quantized with `spec` (None: kept);
+        None: qtool's count (its codes and a float32 scale and a zero point per group)."""
 
     def layout(self, out: Path) -> list[Path]:
         """Every file one output shard named `out` occupies (checked before writing)."""

@@ -12,7 +12,6 @@ and the index). ct_config writes the quantization_config; ct_read and ct_tensors
 from __future__ import annotations
 
 import enum
-import fnmatch
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,7 +19,9 @@ from dataclasses import dataclass, replace
 
 from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.errors import InputError
+from qtool.formats.base import Ruled
 from qtool.io.stformat import TensorEntry
+from qtool.recipe import Keep, Resolution, resolve, rules_from_cli
 from qtool.spec import (
     PerChannel,
     PerGroup,
@@ -149,6 +150,14 @@ def _tied(config: Mapping[str, object]) -> bool:
     return config.get("tie_word_embeddings", True) is not False
 
 
+def select_planned(planned: Iterable[Ruled], config: Mapping[str, object]) -> list[Selection]:
+    """The fate of every tensor, in order, given the rules' plan (--exclude, a recipe,
+    --include): compressed-tensors quantizes Linear weights only, so every other tensor stays
+    float whatever rule named it, and a Linear kept by default (lm_head, a router, never a
+    tied head) is quantized only when a rule names it. ValueError for a spec it cannot store."""
+    return [_select_one(p, config) for p in planned]
+
+
 def select_tensors(
     entries: Iterable[TensorEntry],
     config: Mapping[str, object],
@@ -156,36 +165,62 @@ def select_tensors(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
 ) -> list[Selection]:
-    """The fate of every tensor, in order: Linear weights get `spec` unless kept by default
-    or by the globs. `exclude` wins; `include` narrows to the tensors it names and can bring
-    back a Linear kept by default (lm_head, a router), but never a tied head or a tensor that
-    is not a Linear weight (compressed-tensors quantizes Linear layers only)."""
-    check_spec(spec)
-    return [_select_one(e, config, spec, include, exclude) for e in entries]
+    """select_planned with the rules of --include/--exclude and one spec (no recipe)."""
+    rules = rules_from_cli(include, exclude)
+    return select_planned((_ruled(resolve(rules, e, spec), e) for e in entries), config)
 
 
-def _select_one(
-    entry: TensorEntry,
-    config: Mapping[str, object],
-    spec: QSpec,
-    include: Sequence[str],
-    exclude: Sequence[str],
-) -> Selection:
+def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
+    """The export takes the spec as asked: a group longer than a row breaks K like any other
+    group that does not divide it (see GroupFallback)."""
+    entry, spec, note = planned.entry, planned.spec, planned.note
+    if spec is not None and planned.asked is not None and planned.asked != spec:
+        spec, note = planned.asked, ""  # qtool's fitting note no longer applies
     kind = classify(entry, config)
-    kept = Selection(entry, kind.module, None, kind.reason)
-    excluded = _first_match(entry.name, exclude)
-    included = _first_match(entry.name, include)
-    if excluded is not None:
-        return replace(kept, reason=f"excluded by --exclude '{excluded}'")
-    if include and included is None:
-        return replace(kept, reason="not matched by --include")
-    if kind.fixed or (kind.reason and included is None):
-        return kept
-    return Selection(entry, kind.module, spec)
+    if spec is None:
+        reason = planned.reason if planned.by_rule else kind.reason or planned.reason
+        return Selection(entry, kind.module, None, reason)
+    if kind.fixed or (kind.reason and not planned.by_rule):
+        return Selection(entry, kind.module, None, kind.reason)
+    try:
+        check_spec(spec)
+    except ValueError as err:
+        if not planned.rule:
+            raise
+        where = f"{planned.rule_origin}{planned.rule}"
+        raise RuleUnstorable(f"{where} (for {entry.name}): {err}") from None
+    return Selection(entry, kind.module, spec, note=note)
 
 
-def _first_match(name: str, patterns: Sequence[str]) -> str | None:
-    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+class RuleUnstorable(ValueError):
+    """A recipe rule gives a Linear a spec compressed-tensors cannot store."""
+
+
+@dataclass(frozen=True)
+class _RuledEntry:
+    entry: TensorEntry
+    spec: QSpec | None
+    reason: str = ""
+    note: str = ""
+    rule: str = ""
+    rule_origin: str = ""
+    by_rule: bool = False
+    asked: QSpec | None = None
+
+
+def _ruled(found: Resolution, entry: TensorEntry) -> _RuledEntry:
+    keep = found.action if isinstance(found.action, Keep) else None
+    reason = keep.reason if keep else ""
+    return _RuledEntry(
+        entry, found.spec, reason, found.note, by_rule=found.by_rule, asked=found.asked
+    )
+
+
+def fused_key(module: str) -> str | None:
+    """'model.layers.0.self_attn.{q_proj,k_proj,v_proj}' for a member of a set vLLM fuses."""
+    parent, _, leaf = module.rpartition(".")
+    fused = next((f for f in FUSED_SETS if leaf in f), None)
+    return None if fused is None else f"{parent}.{{{','.join(fused)}}}"
 
 
 def check_spec(spec: QSpec) -> None:
@@ -275,12 +310,17 @@ def apply_group_fallback(selection: Selection, fallback: GroupFallback) -> Selec
     )
 
 
+LISTED_VIOLATIONS = 3  # a model's every layer breaks alike: name a few, count the rest
+
+
 def resolve_groups(selections: Sequence[Selection], fallback: GroupFallback) -> list[Selection]:
     """Every selection with the fallback applied; under `error`, one InputError naming every
     tensor whose K is not a multiple of G (hint "group-fallback")."""
     violations = group_violations(selections)
     if violations and fallback is GroupFallback.ERROR:
-        listed = ", ".join(v.describe() for v in violations)
+        listed = ", ".join(v.describe() for v in violations[:LISTED_VIOLATIONS])
+        if len(violations) > LISTED_VIOLATIONS:
+            listed += f" and {len(violations) - LISTED_VIOLATIONS} more"
         raise InputError(
             None,
             f"the group size must divide the row length K of every quantized tensor: {listed}",

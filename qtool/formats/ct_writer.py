@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 from qtool import __version__
-from qtool.errors import InputError, OutputError
+from qtool.errors import InputError, OutputError, RecipeError
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import ct_config
-from qtool.formats.base import Choice, FormatContext, Planned
+from qtool.formats.base import Choice, FormatContext, Planned, Ruled
 from qtool.formats.ct_tensors import encode_result, fp16_underflow_warning
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.numerics.kernels import QuantizedTensor, search_candidates
-from qtool.spec import QSpec
+from qtool.spec import PerGroup, QSpec
 
 
 def read_model_config(path: Path | None) -> dict[str, object]:
@@ -80,28 +80,35 @@ class CompressedTensorsFormat:
         self.data_warnings: list[str] = []
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+        """Why `entry` cannot be stored with `spec` (unsigned codes, another axis, groups that
+        do not divide its rows), or None."""
         try:
             ct.check_spec(spec)
         except ValueError as err:
             return str(err)
+        g = spec.granularity
+        if isinstance(g, PerGroup) and len(entry.shape) == 2 and entry.shape[1] % g.size:
+            return f"group size {g.size} does not divide K = {entry.shape[1]}"
         return None
 
-    def select(
-        self,
-        entries: Sequence[TensorEntry],
-        spec: QSpec,
-        include: Sequence[str],
-        exclude: Sequence[str],
-    ) -> list[Choice]:
+    def select(self, planned: Sequence[Ruled]) -> list[Choice]:
         """Linear weights by name, shape and config.json; the group fallback; InputError for a
-        plan vLLM would refuse (fused siblings treated differently)."""
+        spec it cannot store or a plan vLLM would refuse (fused siblings treated differently)."""
         try:
-            chosen = ct.select_tensors(entries, self.config, spec, include, exclude)
+            chosen = ct.select_planned(planned, self.config)
+        except ct.RuleUnstorable as err:
+            raise RecipeError(None, str(err)) from None
         except ValueError as err:
             raise InputError(None, str(err), hint="dtype") from None
         chosen = ct.resolve_groups(chosen, self.fallback)
         _check_fused(chosen)
         return list(chosen)
+
+    def fused_key(self, name: str) -> str | None:
+        return ct.fused_key(name.removesuffix(".weight"))
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
+        return ct.output_nbytes(ct.Selection(entry, entry.name.removesuffix(".weight"), spec))
 
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
         """Every Linear kept in float, by exact module name."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.formats.base import Planned
+from qtool.formats.base import Planned, Ruled
 from qtool.formats.qtool import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -64,14 +64,14 @@ class QtoolFormat:
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         return None  # every granularity, storage dtype and range method
 
-    def select(
-        self,
-        entries: Sequence[TensorEntry],
-        spec: QSpec,
-        include: Sequence[str],
-        exclude: Sequence[str],
-    ) -> None:
-        return None  # the engine's default: every float tensor of 2 or more dimensions
+    def select(self, planned: Sequence[Ruled]) -> None:
+        return None  # the rules' plan stands: every float tensor of 2 or more dimensions
+
+    def fused_key(self, name: str) -> None:
+        return None
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> None:
+        return None
 
     def tensor_names(self, planned: Planned) -> list[str]:
         return [planned.entry.name]

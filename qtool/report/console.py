@@ -329,8 +329,9 @@ def print_quantize(
 def _quantize_totals(summary: QuantizeSummary) -> str:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
+    spec = "specs per tensor" if summary.per_tensor_specs else summary.spec.describe()
     parts = [
-        f"{q} of {n} tensors quantized ({summary.spec.describe()}), {n - q} kept",
+        f"{q} of {n} tensors quantized ({spec}), {n - q} kept",
         f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",
     ]
     overall = summary.overall
@@ -338,6 +339,12 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
         parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
+    if summary.budget_sizes is not None:
+        int8, flt = summary.budget_sizes
+        parts.append(
+            f"budget: {_fmt_bytes(summary.bytes_out)} vs all-int8 {_fmt_bytes(int8)}, "
+            f"all-float {_fmt_bytes(flt)}"
+        )
     return " · ".join(parts)
 
 
@@ -420,6 +427,11 @@ def print_inspect(summary: InspectSummary) -> None:
         lines.append(Text("metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))))
     if summary.manifest:
         lines.append(Text(_manifest_text(summary.manifest)))
+    if summary.quantized_modules is not None:
+        ignore = ", ".join(summary.ignore or []) or "none"
+        lines.append(
+            Text(f"{summary.quantized_modules} quantized modules; ignore (kept float): {ignore}")
+        )
     emit(sys.stdout, *lines)
     for note in summary.notes:
         print_warning(note)

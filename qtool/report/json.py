@@ -123,6 +123,8 @@ def quantize_json(
             "bytes_out": r.bytes_out,
             **error_json(r.errors),
         }
+        if r.spec is not None:
+            item["spec"] = spec_json(r.spec)
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
         tensors.append(item)
@@ -145,6 +147,7 @@ def quantize_json(
             "bytes_out": summary.bytes_out,
             "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,
             **error_json(summary.overall),
+            **_budget_json(summary),
         },
         "skipped_non_tensors": summary.skipped,
         "gate": gate_json(gate),
@@ -258,5 +261,18 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
         },
         "metadata": summary.metadata,
         "manifest": summary.manifest,
+        **(
+            {"quantized_modules": summary.quantized_modules, "ignore": summary.ignore}
+            if summary.quantized_modules is not None
+            else {}
+        ),
         "notes": summary.notes,
     }
+
+
+def _budget_json(summary: QuantizeSummary) -> dict[str, int]:
+    """With --target-sqnr: the sizes the budget's choice is measured against."""
+    if summary.budget_sizes is None:
+        return {}
+    int8, flt = summary.budget_sizes
+    return {"bytes_all_int8": int8, "bytes_all_float": flt}

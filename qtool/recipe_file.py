@@ -1,0 +1,210 @@
+"""Recipe files: TOML text -> Recipe, or a RecipeError naming the file, the line and the key.
+
+    ladder = ["int4 g128 mse", { dtype = "int8", granularity = "channel" }]   # optional
+
+    [[rule]]
+    match = "*embed_tokens*"           # a glob, or "re:" + a regular expression
+    keep = "embeddings stay float"     # either keep = "reason" ...
+
+    [[rule]]
+    match = 're:.*\\.mlp\\..*\\.weight'
+    dtype = "int4"                     # ... or spec keys: scheme, dtype, granularity,
+    group_size = 128                   # axis, group_size, range (see qtool.recipe)
+    range = "mse"
+
+Rules may also be written as `rule = [{ match = ..., ... }, ...]`. A ladder entry is a label
+("int4 g32 mse", see recipe.parse_spec_label) or a table of scheme, dtype, granularity,
+group_size and range; its unnamed fields are QSpec's defaults (sym, int8, per channel on axis
+0, minmax), not the command line's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import tomllib
+
+from qtool.errors import InputError, RecipeError
+from qtool.io.safeopen import read_bounded
+from qtool.recipe import Keep, Recipe, Rule, RuleKind, SpecPatch, parse_spec_label
+from qtool.spec import (
+    Granularity,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+)
+from qtool.tomllines import TomlPath, line_of, toml_lines
+
+SPEC_KEYS = ("scheme", "dtype", "granularity", "axis", "group_size", "range")
+RULE_KEYS = ("match", "keep", *SPEC_KEYS)
+LADDER_KEYS = ("scheme", "dtype", "granularity", "group_size", "range")
+TOP_KEYS = ("rule", "ladder")
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of rules; a bigger file is a wrong path
+
+_E = TypeVar("_E", Scheme, StorageDtype, RangeMethod)
+
+
+def load_recipe(path: Path | str) -> Recipe:
+    """Read and check a recipe file; RecipeError naming the file, line and key otherwise."""
+    try:
+        text = read_bounded(path, MAX_RECIPE_BYTES, "the recipe").decode("utf-8-sig")
+    except InputError as err:
+        raise RecipeError(path, f"cannot read the recipe: {err.message}") from None
+    except UnicodeDecodeError:
+        raise RecipeError(path, "the recipe is not UTF-8 text") from None
+    return parse_recipe(text, str(path))
+
+
+def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
+    """The recipe in TOML `text` (see README "Recipes"); `path` names it in errors."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeError(path, f"not valid TOML: {err}") from None
+    except RecursionError:
+        raise RecipeError(path, "not valid TOML: nested too deeply") from None
+    check = _Checker(path, toml_lines(text))
+    for key in doc:
+        if key not in TOP_KEYS:
+            check.fail((key,), "unknown key; a recipe holds [[rule]] tables and a ladder")
+    tables = doc.get("rule", [])
+    if not isinstance(tables, list):
+        check.fail(("rule",), "write each rule as a [[rule]] table")
+    rules = tuple(check.rule(i, table) for i, table in enumerate(tables))
+    ladder = check.ladder(doc["ladder"]) if "ladder" in doc else None
+    return Recipe(path, rules, ladder)
+
+
+class _Checker:
+    """Turns the parsed TOML into rules, raising RecipeError at the offending line and key."""
+
+    def __init__(self, path: str, lines: dict[TomlPath, int]) -> None:
+        self.path, self.lines = path, lines
+
+    def fail(self, where: TomlPath, message: str) -> NoReturn:
+        """Raise the error for `where` (("rule", 2, "dtype"): rule 3, key 'dtype')."""
+        parts = [f"line {line_of(self.lines, where)}"]
+        if len(where) > 1 and isinstance(where[1], int):
+            parts.append(f"{'rule' if where[0] == 'rule' else 'ladder entry'} {where[1] + 1}")
+            where = where[2:]
+        if where:
+            parts.append(f"key '{where[0]}'")
+        raise RecipeError(self.path, ": ".join([*parts, message]))
+
+    def rule(self, i: int, table: object) -> Rule:
+        at: TomlPath = ("rule", i)
+        table = self._table(at, table, RULE_KEYS)
+        pattern = self._pattern(at, table.get("match"))
+        named = [k for k in SPEC_KEYS if k in table]
+        if "keep" in table:
+            if named:
+                self.fail((*at, named[0]), "a rule that keeps a tensor takes no spec keys")
+            action: SpecPatch | Keep = Keep(self._reason(at, table["keep"]))
+        elif not named:
+            keys = ", ".join(SPEC_KEYS)
+            self.fail(at, f'a rule needs keep = "reason" or at least one of {keys}')
+        else:
+            action = self._patch(at, table)
+        return Rule(i + 1, pattern, action, line_of(self.lines, at), RuleKind.RECIPE, self.path)
+
+    def ladder(self, value: object) -> tuple[QSpec, ...]:
+        if not isinstance(value, list) or not value:
+            self.fail(("ladder",), 'must be a non-empty list such as ["int4 g128 mse", "int8"]')
+        return tuple(self._rung(i, item) for i, item in enumerate(value))
+
+    def _rung(self, i: int, item: object) -> QSpec:
+        at: TomlPath = ("ladder", i)
+        if isinstance(item, str):
+            try:
+                spec = parse_spec_label(item)
+            except ValueError as err:
+                self.fail(at, str(err))
+        else:
+            table = self._table(at, item, LADDER_KEYS)
+            if "dtype" not in table:
+                self.fail(at, 'a ladder entry names its dtype (dtype = "int4", ...)')
+            spec = self._patch(at, table).apply(QSpec())
+        if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
+            self.fail(at, "ladder channels are along axis 0 (write channel)")
+        return spec
+
+    def _table(self, at: TomlPath, value: object, keys: tuple[str, ...]) -> dict[str, object]:
+        if not isinstance(value, dict):
+            self.fail(at, "must be a table of keys (" + ", ".join(keys) + ")")
+        for key in value:
+            if key not in keys:
+                self.fail((*at, key), "unknown key; use " + ", ".join(keys))
+        return value
+
+    def _pattern(self, at: TomlPath, match: object) -> str:
+        if match is None:
+            self.fail((*at, "match"), 'missing; a rule needs match = "GLOB" (or "re:REGEX")')
+        if not isinstance(match, str) or match in ("", "re:"):
+            self.fail((*at, "match"), 'must be a non-empty glob or "re:REGEX"')
+        if match.startswith("re:"):
+            try:
+                re.compile(match[3:])
+            except re.error as err:
+                self.fail((*at, "match"), f"invalid regular expression: {err}")
+        return match
+
+    def _reason(self, at: TomlPath, keep: object) -> str:
+        if not isinstance(keep, str) or not keep.strip():
+            self.fail((*at, "keep"), 'must say why, e.g. keep = "embeddings stay float"')
+        return keep
+
+    def _patch(self, at: TomlPath, table: Mapping[str, object]) -> SpecPatch:
+        return SpecPatch(
+            self._choice(at, table, "scheme", Scheme),
+            self._choice(at, table, "dtype", StorageDtype),
+            self._granularity(at, table),
+            self._choice(at, table, "range", RangeMethod),
+        )
+
+    def _choice(
+        self, at: TomlPath, table: Mapping[str, object], key: str, enum_type: type[_E]
+    ) -> _E | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        for member in enum_type:
+            if member.value == value:
+                return member
+        choices = ", ".join(f'"{m.value}"' for m in enum_type)
+        self.fail((*at, key), f"{value!r} is not one of {choices}")
+
+    def _granularity(self, at: TomlPath, table: Mapping[str, object]) -> Granularity | None:
+        kind = table.get("granularity")
+        axis, size = self._int(at, table, "axis"), self._int(at, table, "group_size")
+        if kind is not None and kind not in ("tensor", "channel", "group"):
+            self.fail((*at, "granularity"), f'{kind!r} is not one of "tensor", "channel", "group"')
+        if size is not None:
+            if size < 2:
+                self.fail((*at, "group_size"), f"{size} is too small; use 2 or more")
+            if kind in ("tensor", "channel"):
+                self.fail((*at, "group_size"), f'needs granularity = "group", not "{kind}"')
+            if axis not in (None, 0):
+                self.fail((*at, "axis"), "groups run along the rows of axis 0; drop axis")
+            return PerGroup(size)
+        if kind == "group":
+            self.fail((*at, "granularity"), '"group" needs group_size = N')
+        if axis is not None and kind == "tensor":
+            self.fail((*at, "axis"), 'has no meaning with granularity = "tensor"')
+        if kind == "tensor":
+            return PerTensor()
+        return PerChannel(axis or 0) if kind == "channel" or axis is not None else None
+
+    def _int(self, at: TomlPath, table: Mapping[str, object], key: str) -> int | None:
+        value = table.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail((*at, key), f"{value!r} is not an integer")
+        return value

@@ -110,6 +110,7 @@ def quantize_json(
     rows: list[TensorRow] | None = None,
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
+    specs: dict[QSpec, dict[str, Any]] = {}
     tensors = []
     for r in summary.rows if rows is None else rows:
         item: dict[str, Any] = {
@@ -123,8 +124,8 @@ def quantize_json(
             "bytes_out": r.bytes_out,
             **error_json(r.errors),
         }
-        if r.spec is not None:
-            item["spec"] = spec_json(r.spec)
+        if r.spec is not None:  # one document per spec, shared by its rows (50,000 of them)
+            item["spec"] = specs.get(r.spec) or specs.setdefault(r.spec, spec_json(r.spec))
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
         tensors.append(item)

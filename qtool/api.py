@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qtool.engine.plan import QuantizeOptions
-
 if TYPE_CHECKING:
+    from qtool.engine.plan import QuantizeOptions
     from qtool.recipe import Recipe, Rule
     from qtool.results import (
         CompareSummary,
@@ -40,6 +39,15 @@ __all__ = [
     "plot_tensor",
     "quantize",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """QuantizeOptions on first use: `inspect` does not load the planner."""
+    if name == "QuantizeOptions":
+        from qtool.engine.plan import QuantizeOptions
+
+        return QuantizeOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def plan(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:

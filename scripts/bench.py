@@ -17,6 +17,11 @@ End-to-end section: a deterministic --gib GiB fp32 safetensors checkpoint on dis
 load-all/save-all quantizer, and a checkpoint twice as large with the same largest tensor to
 show that memory does not grow with checkpoint size. --sweep-gib: the same paired measurement
 for checkpoints of 64 MiB up to that size, to show time linear in bytes.
+
+Start-up section: `qtool --help`, `quantize --help` and `inspect` of a 291-tensor checkpoint
+against bare Python, median of at least 10 interleaved runs. Tiny-tensor section: `qtool
+quantize` of 50,000 fp32 [16, 16] tensors and of a mix of 50,000 small tensors, with --json
+and with the (piped) table; wall and CPU seconds (skip with --skip-startup / --skip-tiny).
 """
 
 from __future__ import annotations
@@ -425,6 +430,98 @@ def bench_first_call(repeat: int) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in runs[1:]), 3) for k in runs[0]}
 
 
+# ---- start-up and many tiny tensors ------------------------------------------------------------
+
+
+def cpu_and_wall(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child) of one run; stdout and stderr discarded."""
+    before = os.times()
+    start = time.perf_counter()
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - start
+    after = os.times()
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.decode()}")
+    return wall, (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+
+
+def median_runs(commands: dict[str, list[str]], repeat: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds of each command, the commands interleaved run by run (so a
+    change of load on a shared machine hits them all alike)."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, cmd in commands.items():
+            runs[name].append(cpu_and_wall(cmd))
+    return {
+        name: {
+            "seconds": round(statistics.median(r[0] for r in rs), 3),
+            "cpu_seconds": round(statistics.median(r[1] for r in rs), 3),
+        }
+        for name, rs in runs.items()
+    }
+
+
+def bench_startup(workdir: Path, repeat: int) -> dict[str, object]:
+    """`qtool --help` and `qtool inspect` of a checkpoint with as many tensors as Llama-2-7B
+    (291), against bare Python; median of `repeat` (at least 10) interleaved runs."""
+    from safetensors.torch import save_file
+
+    model = workdir / "model.safetensors"
+    save_file({f"model.layers.{i}.weight": torch.zeros(64, 64) for i in range(291)}, model)
+    py = sys.executable
+    commands = {
+        "python -c pass": [py, "-c", "pass"],
+        "qtool --help": [py, "-m", "qtool", "--help"],
+        "qtool quantize --help": [py, "-m", "qtool", "quantize", "--help"],
+        "qtool inspect model.safetensors": [py, "-m", "qtool", "inspect", str(model)],
+        "qtool inspect --json": [py, "-m", "qtool", "inspect", str(model), "--json"],
+    }
+    return {"runs": median_runs(commands, max(repeat, 10)), "load": os.getloadavg()[0]}
+
+
+def write_tiny(workdir: Path) -> dict[str, Path]:
+    """50,000 fp32 [16, 16] weights; and a mix of 25,000 small weights (fp32, bf16, fp16;
+    shapes [16, 16], [8, 32], [4, 3, 3], [64, 4], [2, 2]) with 25,000 biases and an int tensor."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    uniform = workdir / "tiny-16x16.safetensors"
+    w = torch.randn(50_000, 16, 16, generator=gen)
+    save_file({f"layers.{i}.weight": w[i].clone() for i in range(50_000)}, uniform)
+    mixed = workdir / "tiny-mix.safetensors"
+    shapes = [((16, 16), torch.float32), ((8, 32), torch.bfloat16), ((4, 3, 3), torch.float16),
+              ((64, 4), torch.float32), ((2, 2), torch.float32)]  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {"steps": torch.arange(10)}
+    for i in range(25_000):
+        shape, dtype = shapes[i % len(shapes)]
+        tensors[f"m.{i}.weight"] = torch.randn(shape, generator=gen).to(dtype)
+        tensors[f"m.{i}.bias"] = torch.randn(16, generator=gen)
+    save_file(tensors, mixed)
+    return {"50,000 x [16, 16] fp32": uniform, "25,000 weights + 25,000 biases": mixed}
+
+
+def bench_tiny(workdir: Path, repeat: int) -> dict[str, object]:
+    """`qtool quantize` of 50,000 tiny tensors (goal: under 10 s), with --json and with the
+    table (piped: it shows the 50 worst rows), median of `repeat` interleaved runs."""
+    py = sys.executable
+    commands = {}
+    for label, src in write_tiny(workdir).items():
+        out = ["-o", str(workdir / f"q-{src.name}"), "--force"]
+        quantize = [py, "-m", "qtool", "quantize", str(src), *out]
+        commands[f"{label}, --json"] = [*quantize, "--json"]
+        commands[f"{label}, table"] = quantize
+    return {"runs": median_runs(commands, repeat), "load": os.getloadavg()[0]}
+
+
+def print_runs(title: str, section: dict[str, Any]) -> None:
+    print(f"\n{title} (load average {section['load']:.1f})")
+    print(f"{'command':<48} {'s':>8} {'CPU s':>8}")
+    for name, r in section["runs"].items():
+        print(f"{name:<48} {r['seconds']:>8} {r['cpu_seconds']:>8}")
+
+
 def print_kernels(report: dict[str, Any]) -> None:
     print(f"\nkernels, in memory ({report['kernel_gib']} GiB of fp32 weights, bf16 half that)")
     print(f"{'input':<9} {'method':<48} {'GB/s':>7} {'x limit':>8}")
@@ -467,6 +564,10 @@ def print_tables(report: dict[str, Any]) -> None:
     for row in report.get("growth", []):
         print(f"growth {row['checkpoint_gib']:>7} GiB: {row['seconds_above_import_floor']:>7} s "
               f"above the floor, {row['s_per_gib_above_floor']} s/GiB")  # fmt: skip
+    if report.get("startup"):
+        print_runs("start-up, median of interleaved runs", report["startup"])
+    if report.get("tiny"):
+        print_runs("many tiny tensors, median of interleaved runs", report["tiny"])
 
 
 def main() -> None:
@@ -479,6 +580,8 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
     parser.add_argument("--skip-kernels", action="store_true", help="end to end only")
     parser.add_argument("--workdir", type=Path, help="where to write the checkpoints")
+    parser.add_argument("--skip-startup", action="store_true", help="no start-up timings")
+    parser.add_argument("--skip-tiny", action="store_true", help="no 50,000-tiny-tensor runs")
     args = parser.parse_args()
     report: dict[str, Any] = {
         "machine": machine(),
@@ -496,10 +599,26 @@ def main() -> None:
             report["growth"] = bench_growth(workdir, args.sweep_gib, 3)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if not (args.skip_startup and args.skip_tiny):
+        report |= bench_small(args)
     report["load_after"] = os.getloadavg()
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def bench_small(args: argparse.Namespace) -> dict[str, Any]:
+    """The start-up and tiny-tensor sections, in a scratch directory of their own."""
+    workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
+    try:
+        report: dict[str, Any] = {}
+        if not args.skip_startup:
+            report["startup"] = bench_startup(workdir, args.repeat)
+        if not args.skip_tiny:
+            report["tiny"] = bench_tiny(workdir, min(args.repeat, 3))
+        return report
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

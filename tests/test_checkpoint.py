@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import save, save_file
 
 from qtool.errors import InputError, UnsafeInputError
+from qtool.io import checkpoint
 from qtool.io.checkpoint import (
+    READ_GAP,
     TORCH_TO_ST,
     StreamingWriter,
     open_checkpoint,
@@ -198,3 +200,66 @@ def test_every_torch_load_passes_weights_only_true_literally() -> None:
         assert "pickle.load" not in source.read_text()
         assert "add_safe_globals" not in source.read_text()
     assert calls == 1
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_reading_several_tensors_at_once_gives_each_as_read_alone(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Tensors read together (one pread per run of nearby tensors) equal one-by-one reads, in
+    the order asked for, across gaps wider than READ_GAP and every dtype."""
+    tensors = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(5).bfloat16(),
+        "c": torch.zeros(READ_GAP // 2 + 7, dtype=torch.uint8),  # a gap if skipped
+        "d": torch.randn(2, 2).half(),
+        "e": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "f": torch.randn(0, 3),
+        "g": torch.randn(7).double(),
+    }
+    path = tmp_path / f"m{suffix}"
+    save_file(tensors, path) if suffix == ".safetensors" else torch.save(tensors, path)
+    ckpt = open_checkpoint(path)
+    entries = ckpt.by_name()
+    wanted = [entries[n] for n in ("g", "a", "d", "b", "f", "e")]
+    together = ckpt.tensors(wanted)
+    for entry, t in zip(wanted, together, strict=True):
+        alone = ckpt.tensor(entry)
+        assert t.dtype == alone.dtype and t.shape == alone.shape and torch.equal(t, alone)
+        assert torch.equal(t, tensors[entry.name])
+
+
+def test_reading_several_tensors_of_a_file_cut_short_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({f"t{i}": torch.randn(4, 4) for i in range(10)}, path)
+    ckpt = open_checkpoint(path)
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(InputError, match="changed while reading"):
+        ckpt.tensors(list(ckpt.entries))
+
+
+def test_large_tensors_are_handed_to_the_disk_as_they_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each tensor of at least WRITEBACK_MIN_BYTES starts its own writeback (its exact byte
+    range), so the commit's fsync has little left; the file's bytes are unchanged."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(
+        checkpoint, "_FADVISE", lambda fd, off, n, advice: calls.append((off, n, advice))
+    )
+    big = checkpoint.WRITEBACK_MIN_BYTES // 4
+    tensors = {"a": torch.randn(big), "b": torch.randn(3), "c": torch.randn(big + 5)}
+    specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    header_bytes, header = build_header(specs)
+    path = tmp_path / "out.safetensors"
+    with open(path, "wb") as f:
+        writer = StreamingWriter(f, header_bytes, header)
+        for entry in header.tensors:
+            writer.write(entry.name, tensor_bytes(tensors[entry.name]))
+        writer.finish()
+    assert path.read_bytes() == save(tensors)
+    start = len(header_bytes)
+    by_name = header.by_name()
+    assert calls == [
+        (start + by_name[n].begin, by_name[n].nbytes, os.POSIX_FADV_DONTNEED) for n in ("a", "c")
+    ]

@@ -271,3 +271,73 @@ def test_piped_tables_keep_every_column_whatever_columns_says(samples: Path) -> 
     result = qtool(*args, env={**os.environ, "COLUMNS": "80"})
     header = next(line for line in result.stdout.splitlines() if "tensor" in line)
     assert result.returncode == 0 and "shape" in header and "max err" in header
+
+
+def test_commands_leave_no_reference_cycles(tmp_path: Path) -> None:
+    """main() pauses the cyclic garbage collector while a command runs: that is safe only while
+    the engine's work creates no reference cycles, whatever the tensor count (imports aside;
+    in a fresh interpreter: other tests leave cyclic garbage of their own, matplotlib's)."""
+    src = tmp_path / "m.safetensors"
+    tensors = {f"l.{i}.weight": torch.randn(4, 8) for i in range(300)}
+    save_file({**tensors, "big.weight": torch.randn(200, 100), "b": torch.zeros(3)}, src)
+    code = f"""
+import gc, sys
+from pathlib import Path
+from qtool import api
+from qtool.engine.plan import QuantizeOptions
+src, out = Path({str(src)!r}), Path({str(tmp_path)!r})
+def commands():
+    api.quantize(src, out / "q.safetensors", QuantizeOptions(), device="cpu", force=True)
+    api.dequantize(out / "q.safetensors", out / "r.safetensors", force=True)
+    api.compare(src, out / "q.safetensors")
+    api.inspect(out / "q.safetensors")
+commands()  # imports (torch's leave some cyclic garbage, once)
+gc.collect()
+gc.disable()
+commands()
+print(gc.collect())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "0", result
+
+
+def test_main_restores_the_garbage_collector() -> None:
+    import gc
+
+    from qtool.cli import main
+
+    assert gc.isenabled()
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("command", ["quantize", "compare"])
+def test_long_tables_show_their_worst_rows_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Over TABLE_MAX_ROWS rows, a table shows its TRIMMED_ROWS worst (lowest SQNR first) and
+    says so; --all shows every row, --top N any number, --json carries every row."""
+    from qtool.cli import commands
+
+    monkeypatch.setattr(commands, "TABLE_MAX_ROWS", 10)
+    monkeypatch.setattr(commands, "TRIMMED_ROWS", 3)
+    src, q = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    save_file({f"l.{i}.weight": torch.randn(8, 8 + i, generator=gen) for i in range(12)}, src)
+    assert invoke("quantize", str(src), "-o", str(q), "--json")[0] == 0
+    args = ["quantize", str(src), "-o", str(q), "--force"] if command == "quantize" else [
+        "compare", str(src), str(q)]  # fmt: skip
+
+    def names(*extra: str) -> list[str]:
+        code, stdout, _ = invoke(*args, *extra)
+        assert code == 0
+        return re.findall(r"^\s*(l\.\d+\.weight)\s", stdout, re.MULTILINE)
+
+    _, doc, _ = invoke(*args, "--json")
+    rows = json.loads(doc)["tensors"]
+    worst = [r["name"] for r in sorted(rows, key=lambda r: r["sqnr_db"])[:3]]
+    assert len(rows) == 12 and names() == worst
+    assert "(showing 3 of 12 tensors; --all shows every one)" in invoke(*args)[1]
+    assert names("--all") == [r["name"] for r in rows]
+    assert len(names("--top", "5")) == 5 and len(names("--sort", "name")) == 3

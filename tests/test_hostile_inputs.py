@@ -41,9 +41,9 @@ def _run(*args: str, preexec: object = None, **kwargs: object) -> subprocess.Com
     )
 
 
-def _weights(path: Path, n: int = 2) -> None:
+def _weights(path: Path, n: int = 2, shape: tuple[int, int] = (64, 32)) -> None:
     gen = torch.Generator().manual_seed(0)
-    save_file({f"l{i}.weight": torch.randn(64, 32, generator=gen) for i in range(n)}, path)
+    save_file({f"l{i}.weight": torch.randn(*shape, generator=gen) for i in range(n)}, path)
 
 
 # ---- 9.10: a file truncated while it is read ------------------------------------------------
@@ -96,7 +96,7 @@ cli.main()
 def test_truncated_mid_run_reports_and_cleans_up(tmp_path: Path) -> None:
     """In a child process: before the fix the mapped read died of SIGBUS, leaving a temp."""
     src = tmp_path / "m.safetensors"
-    _weights(src, n=4)
+    _weights(src, n=4, shape=(256, 128))  # not tiny: each is read just before it is quantized
     proc = subprocess.run(
         [sys.executable, "-c", _TRUNCATE_MID_RUN, str(src), str(tmp_path / "q.safetensors")],
         capture_output=True,

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from qtool.cli import app
-from qtool.report.json import json_number
+from qtool.report.json import json_number, json_text
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -100,3 +100,26 @@ def test_sqnr_bars_label_both_infinities_with_finite_bars() -> None:
     # Finite bars only; the infinities are markers (an exact tensor's and an all-wrong one's).
     assert all(math.isfinite(h) for h in heights)
     assert markers == {"exact (error 0)", "-inf (B all wrong, or A all zero)"}
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [[], [{"name": "a", "shape": [2, 3], "sqnr_db": "Infinity"}], [{"name": n} for n in "xyz"]],
+    ids=["none", "one", "three"],
+)
+def test_json_documents_put_each_tensor_row_on_one_line(tensors: list[dict[str, object]]) -> None:
+    """Indented, but one line per row of `tensors` (grep-able; 4x faster for 50,000 rows);
+    the same document either way, undecodable names escaped as before."""
+    doc = {
+        "ok": True,
+        "tensors": tensors,
+        "totals": {"tensors": len(tensors), "names": ["\udcff", "é"]},
+        "warnings": ['"tensors": []'],
+    }
+    text = json_text(doc, indent=2)
+    assert json.loads(text) == json.loads(json_text(doc))
+    assert json.loads(text)["totals"]["names"] == ["\udcff", "é"]
+    lines = text.splitlines()
+    for row in tensors:
+        assert f"    {json.dumps(row, ensure_ascii=False)}" in {line.rstrip(",") for line in lines}
+    assert lines[0] == "{" and lines[1] == '  "ok": true,' and lines[-1] == "}"

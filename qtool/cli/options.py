@@ -136,6 +136,16 @@ TopOpt = Annotated[
         show_default=False,
     ),
 ]
+TABLE_MAX_ROWS = 1000  # a longer table shows only its TRIMMED_ROWS worst rows unless asked
+TRIMMED_ROWS = 50
+AllOpt = Annotated[
+    bool,
+    typer.Option(
+        "--all",
+        help=f"Show every row in the table (a table of over {TABLE_MAX_ROWS} rows shows its "
+        f"{TRIMMED_ROWS} worst unless --top or --all says otherwise; --json has every row).",
+    ),
+]
 PlotOpt = Annotated[
     Path | None,
     typer.Option(

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from qtool.engine import batch
 from qtool.engine.model_dir import (
     ModelInput,
     building,
@@ -402,29 +403,51 @@ def write_shard(
     A tensor the error budget already quantized comes from `spill`, not from the input.
 
     Tensor k is handed to the writer by a background thread while tensor k+1 is quantized (the
-    write syscalls and the torch kernels both release the GIL). Two workspaces alternate, so
-    the codes being written are never the ones being computed."""
+    write syscalls and the torch kernels both release the GIL)."""
     by_name = {p.entry.name: p for p in plans}
     rows: dict[str, TensorRow] = {}
-    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    order = [by_name[entry.name] for entry in writer.order]
     with _BackgroundWriter(ckpt) as background:
-        for k, entry in enumerate(writer.order):
-            plan = by_name[entry.name]
-            if plan.spec is None:
+        for plan, done in _results(ckpt, order, run, spill=spill):
+            entry = plan.entry
+            if done is None:
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
-                result = spill.take(entry.name, plan.spec) if spill is not None else None
-                if result is None:
-                    workspace = workspaces[k % 2]
-                    result = _quantize_one(ckpt, plan, workspace, run.scales_in_weight_dtype)
-                background.submit(entry, writer.quantized, entry, plan.spec, result)
-                rows[entry.name] = _quantized_row(plan, result)
+                background.submit(entry, writer.quantized, entry, plan.spec, done.result)
+                rows[entry.name] = _measured_row(plan, done.figures)
             if run.progress is not None:
                 run.progress.advance(entry.name, entry.nbytes)
     ckpt.check_unchanged()
     writer.finish()
     return [rows[p.entry.name] for p in plans]
+
+
+def _results(
+    ckpt: Checkpoint,
+    order: list[TensorPlan],
+    run: Run,
+    *,
+    spill: Spill | None = None,
+    skip: Collection[str] = (),
+) -> Iterator[tuple[TensorPlan, batch.Quantized | None]]:
+    """Each plan in `order` with its result (None: kept as it is, or named in `skip`). A tensor
+    the error budget already quantized comes from `spill`; tiny tensors are quantized a batch
+    at a time (engine/batch.py), the others one by one in two alternating workspaces, so the
+    codes being written are never the ones being computed."""
+    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
+    for k, plan in enumerate(order):
+        if plan.spec is None or plan.entry.name in skip:
+            yield plan, None
+            continue
+        result = spill.take(plan.entry.name, plan.spec) if spill is not None else None
+        done = tiny.take(k) if result is None else None
+        if done is None:
+            if result is None:
+                result = _quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+            done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
+        yield plan, done
 
 
 class _BackgroundWriter:
@@ -467,18 +490,19 @@ def estimate_rows(
 ) -> list[TensorRow]:
     """The rows a real run would report, error figures included, without writing anything
     (the figures of the tensors the error budget measured come from `spill`)."""
-    workspace = kernels.Workspace(run.device)
+    known = {}
+    if spill is not None:
+        for p in plans:
+            found = spill.figures(p.entry.name, p.spec) if p.spec is not None else None
+            if found is not None:
+                known[p.entry.name] = found
     rows = []
-    for plan in plans:
-        if plan.spec is None:
-            rows.append(planned_row(plan))
-            continue
-        figures = spill.figures(plan.entry.name, plan.spec) if spill is not None else None
-        if figures is None:
-            result = _quantize_one(ckpt, plan, workspace, run.scales_in_weight_dtype)
-            figures = Figures(result.errors, (float(result.scale.min()), float(result.scale.max())))
+    for plan, done in _results(ckpt, plans, run, skip=known.keys()):
+        if plan.entry.name in known:
+            rows.append(_measured_row(plan, known[plan.entry.name]))
+        else:
+            rows.append(planned_row(plan) if done is None else _measured_row(plan, done.figures))
             ckpt.release(plan.entry)
-        rows.append(_measured_row(plan, figures))
     return rows
 
 
@@ -615,11 +639,6 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
             ckpt.release(plan.entry)
         out.append(plan)
     return out
-
-
-def _quantized_row(plan: TensorPlan, result: kernels.QuantizedTensor) -> TensorRow:
-    scale_range = (float(result.scale.min()), float(result.scale.max()))
-    return _measured_row(plan, Figures(result.errors, scale_range))
 
 
 def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:

@@ -23,7 +23,12 @@ import numpy as np
 import torch
 
 from qtool.numerics import fused_jit as jit
-from qtool.numerics.kernels import QuantizedTensor, check_grid_finite, search_candidates
+from qtool.numerics.kernels import (
+    QuantizedTensor,
+    check_grid_finite,
+    normalize_spec,
+    search_candidates,
+)
 from qtool.numerics.ranges import IntRange, NonFiniteInput
 from qtool.results import ErrorStats
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, qparam_shape
@@ -85,7 +90,7 @@ def quantize_tensor(
         raise ValueError(f"the fused kernels do not cover {spec.describe()} on a {x.ndim}-D tensor")
     if scale_dtype not in _SCALE_KINDS:
         raise ValueError(f"scales can be stored as float32, bfloat16 or float16, not {scale_dtype}")
-    spec = _normalized(spec, x.ndim)
+    spec = normalize_spec(spec, x.ndim)
     words = tensor_words(x)
     r = quantize(words, spec, with_errors=with_errors, scale_kind=_SCALE_KINDS[scale_dtype])
     scale, zp = torch.from_numpy(r.scale), torch.from_numpy(r.zero_point)
@@ -135,7 +140,7 @@ def dequantize_tensor(
     `dtype` (round half to even); 4-bit codes packed two per byte are unpacked to `shape`."""
     if q.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"codes must be int8 or uint8, got {q.dtype}")
-    spec = _normalized(spec, len(shape))
+    spec = normalize_spec(spec, len(shape))
     codes = q.contiguous().numpy()
     if spec.dtype.packed:
         codes = _unpack(codes, spec, shape)
@@ -153,15 +158,6 @@ def dequantize_tensor(
         seg = _segment(shape, spec)
         jit.dq_segs(codes.reshape(-1), seg, s, z, target.reshape(-1))
     return out
-
-
-def _normalized(spec: QSpec, ndim: int) -> QSpec:
-    g = spec.granularity
-    if not isinstance(g, PerChannel):
-        return spec
-    if not -ndim <= g.axis < ndim:
-        raise ValueError(f"axis {g.axis} is out of range for a {ndim}-D tensor")
-    return replace(spec, granularity=PerChannel(g.axis % ndim))
 
 
 def _row_layout(spec: QSpec, ndim: int) -> bool:

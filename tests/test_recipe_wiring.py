@@ -359,3 +359,14 @@ def test_free_space_asks_for_what_the_budget_can_take_not_twice_the_float(
     budget_in = sum(r.bytes_in for r in summary.rows if r.quantized or "kept float" in r.detail)
     assert asked and asked[0] < 1.5 * summary.bytes_in
     assert asked[0] >= budget_in  # at least: every budget tensor kept float
+
+
+def test_a_budget_with_nothing_to_decide_says_so(samples: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "all.toml"
+    recipe.write_text('[[rule]]\nmatch = "*"\ndtype = "int8"\ngranularity = "channel"\n')
+    src = str(samples / "mlp.safetensors")
+    code, _, err = invoke("quantize", src, "--recipe", str(recipe), "--target-sqnr", "30",
+                          "--dry-run", "--estimate")  # fmt: skip
+    assert code == 0 and "--target-sqnr decided no tensor" in err
+    code, _, err = invoke("quantize", src, "--target-sqnr", "30", "--dry-run", "--estimate")
+    assert code == 0 and "decided no tensor" not in err

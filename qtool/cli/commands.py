@@ -402,6 +402,11 @@ def quantize(
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
     _warn_selection(summary.rows, options)
+    if summary.budget_sizes is not None and len(set(summary.budget_sizes)) == 1:
+        report.print_warning(
+            "--target-sqnr decided no tensor: the recipe or --include/--exclude fixed or kept "
+            "every one"
+        )
     gate = evaluate(bounds, summary.rows, summary.overall, [])
     _show_and_gate(
         summary.rows,

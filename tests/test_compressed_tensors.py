@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qtool.dtypes import DTYPES
+from qtool.engine.plan import QuantizeOptions, plan_tensors
 from qtool.errors import InputError
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import ct_config as ctc
@@ -28,6 +29,20 @@ from qtool.formats.ct_tensors import (
 from qtool.io.stformat import TensorEntry
 from qtool.numerics.packing import pack_to_int32
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
+
+
+def select_tensors(
+    entries: list[TensorEntry] | tuple[TensorEntry, ...],
+    config: dict[str, object],
+    spec: QSpec,
+    include: tuple[str, ...] | list[str] = (),
+    exclude: tuple[str, ...] | list[str] = (),
+) -> list[ct.Selection]:
+    """The export's selection over the planner's rules, as `qtool quantize --format
+    compressed-tensors --include/--exclude` makes it."""
+    options = QuantizeOptions(spec, tuple(include), tuple(exclude))
+    return ct.select_planned(plan_tensors(Path("m.safetensors"), tuple(entries), options), config)
+
 
 INT8_CH = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0))
 INT4_G128 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(128))
@@ -137,7 +152,7 @@ def fates(selections: list[ct.Selection]) -> dict[str, str]:
 
 
 def test_llama_quantizes_every_projection_and_ignores_the_head() -> None:
-    sel = ct.select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH)
+    sel = select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH)
     assert fates(sel) == {
         "model.embed_tokens.weight": "embedding",
         **{e.name: "q" for e in LLAMA_LAYER},
@@ -152,9 +167,9 @@ def test_llama_quantizes_every_projection_and_ignores_the_head() -> None:
 
 def test_llama_tied_head_stays_float_even_when_included() -> None:
     tied = {**LLAMA_CONFIG, "tie_word_embeddings": True}
-    sel = ct.select_tensors(LLAMA, tied, INT8_CH, include=["*"])
+    sel = select_tensors(LLAMA, tied, INT8_CH, include=["*"])
     assert fates(sel)["lm_head.weight"] == "output head tied to the input embeddings"
-    untied = ct.select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH, include=["*"])
+    untied = select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH, include=["*"])
     assert fates(untied)["lm_head.weight"] == "q" and ct.ignore_list(untied) == []
 
 
@@ -174,7 +189,7 @@ BERT = [
 
 
 def test_bert_keeps_embeddings_and_the_tied_decoder() -> None:
-    sel = ct.select_tensors(BERT, BERT_CONFIG, INT8_CH)
+    sel = select_tensors(BERT, BERT_CONFIG, INT8_CH)
     assert fates(sel) == {
         "embeddings.word_embeddings.weight": "embedding",
         "embeddings.position_embeddings.weight": "embedding",
@@ -193,7 +208,7 @@ def test_bert_keeps_embeddings_and_the_tied_decoder() -> None:
 def test_gpt2_conv1d_projections_are_not_linear_layers() -> None:
     names = [("transformer.wte.weight", (50, 16)), ("transformer.wpe.weight", (8, 16))]
     names += [(f"transformer.h.0.{p}.weight", (16, 48)) for p in ("attn.c_attn", "mlp.c_fc")]
-    sel = ct.select_tensors([entry(n, s) for n, s in names], {"model_type": "gpt2"}, INT8_CH)
+    sel = select_tensors([entry(n, s) for n, s in names], {"model_type": "gpt2"}, INT8_CH)
     assert [s.reason for s in sel] == ["embedding", "embedding"] + [
         "Conv1D (GPT-2 style, transposed weight): not an nn.Linear"
     ] * 2
@@ -213,7 +228,7 @@ MOE = [
 
 
 def test_moe_routers_stay_float_and_are_ignored() -> None:
-    sel = ct.select_tensors(MOE, {"model_type": "qwen2_moe"}, INT8_CH)
+    sel = select_tensors(MOE, {"model_type": "qwen2_moe"}, INT8_CH)
     assert [s.reason or "q" for s in sel] == [
         "MoE router/gate",
         "q",
@@ -232,7 +247,7 @@ def test_moe_routers_stay_float_and_are_ignored() -> None:
 
 
 def test_globs_override_defaults_but_never_make_a_non_linear_quantized() -> None:
-    sel = ct.select_tensors(
+    sel = select_tensors(
         LLAMA,
         LLAMA_CONFIG,
         INT8_CH,
@@ -253,11 +268,11 @@ def test_globs_override_defaults_but_never_make_a_non_linear_quantized() -> None
 @pytest.mark.parametrize("dtype", [StorageDtype.UINT8, StorageDtype.UINT4], ids=lambda d: d.value)
 def test_unsigned_codes_are_refused(dtype: StorageDtype) -> None:
     with pytest.raises(ValueError, match="signed codes: use int8 or int4"):
-        ct.select_tensors(LLAMA, LLAMA_CONFIG, QSpec(dtype=dtype))
+        select_tensors(LLAMA, LLAMA_CONFIG, QSpec(dtype=dtype))
 
 
 def test_fused_siblings_must_be_treated_alike() -> None:
-    sel = ct.select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH, exclude=["*.k_proj.weight"])
+    sel = select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH, exclude=["*.k_proj.weight"])
     assert ct.fused_inconsistencies(sel) == [
         "model.layers.0.self_attn.{q_proj,k_proj,v_proj} differ "
         "(q_proj: sym int8 axis 0, k_proj: float, v_proj: sym int8 axis 0)"
@@ -276,7 +291,7 @@ def group_plan(spec: QSpec) -> list[ct.Selection]:
         entry("b.weight", (16, 96)),
         entry("c.weight", (16, 100)),
     ]
-    return ct.select_tensors(tensors, {}, spec)
+    return select_tensors(tensors, {}, spec)
 
 
 def test_group_violations_name_every_tensor() -> None:
@@ -292,7 +307,7 @@ def test_group_violations_name_every_tensor() -> None:
 
 def test_group_refusal_names_a_few_and_counts_the_rest() -> None:
     tensors = [entry(f"layers.{i}.weight", (16, 96)) for i in range(40)]
-    plan = ct.select_tensors(tensors, {}, QSpec(granularity=PerGroup(64)))
+    plan = select_tensors(tensors, {}, QSpec(granularity=PerGroup(64)))
     with pytest.raises(InputError) as err:
         ct.resolve_groups(plan, ct.GroupFallback.ERROR)
     message = str(err.value)
@@ -319,7 +334,7 @@ def test_group_fallback_channel_and_keep() -> None:
 
 
 def test_config_for_symmetric_int8_channel_is_exact() -> None:
-    sel = ct.select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH)
+    sel = select_tensors(LLAMA, LLAMA_CONFIG, INT8_CH)
     assert ctc.quantization_config(sel, "0.1.0") == {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -349,7 +364,7 @@ def test_config_for_symmetric_int8_channel_is_exact() -> None:
 
 def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
     spec = QSpec(Scheme.ASYM, StorageDtype.INT4, PerGroup(128), RangeMethod.MSE)
-    plan = ct.select_tensors(LLAMA, LLAMA_CONFIG, spec)
+    plan = select_tensors(LLAMA, LLAMA_CONFIG, spec)
     plan = [
         replace(s, entry=replace(s.entry, shape=(256, 320))) if "down" in s.entry.name else s
         for s in plan
@@ -382,7 +397,7 @@ def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
 def test_per_tensor_is_written_as_channel() -> None:
     spec = QSpec(granularity=PerTensor())
     assert ctc.weights_args(spec)["strategy"] == "channel"
-    sel = ct.select_tensors([entry("a.weight", (9, 32))], {}, spec)
+    sel = select_tensors([entry("a.weight", (9, 32))], {}, spec)
     assert ct.output_tensors(sel[0])["a.weight_scale"] == ("BF16", (9, 1))
 
 
@@ -396,14 +411,14 @@ def test_existing_quantization_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_warnings() -> None:
-    asym8 = ct.select_tensors(
+    asym8 = select_tensors(
         [entry("a.weight", (9, 96))], {}, QSpec(Scheme.ASYM, granularity=PerGroup(48))
     )
     got = ctc.export_warnings(asym8)
     assert any(w.startswith("asymmetric int8 runs on few vLLM kernels") for w in got)
     assert any(w.startswith("group size 48:") for w in got)
     assert any("dequantize=True" in w for w in got)
-    assert ctc.export_warnings(ct.select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
+    assert ctc.export_warnings(select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
     tiny = torch.tensor([[1e-6], [1.0]], dtype=torch.float16)
     assert fp16_underflow_warning("a.weight", tiny) == (
         "a.weight: 1 of 2 float16 scales are subnormal (< 6.1e-05) and lose precision; "
@@ -699,9 +714,10 @@ def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None
     code = (
         "import sys\n"
         "from qtool.formats import compressed_tensors as ct, ct_config, ct_read\n"
+        "from qtool.engine.plan import QuantizeOptions, plan_tensors\n"
         "from qtool.io.stformat import TensorEntry\n"
-        "e = [TensorEntry('a.weight', 'BF16', (16, 64), 0, 0)]\n"
-        "s = ct.select_tensors(e, {}, ct.QSpec())\n"
+        "e = (TensorEntry('a.weight', 'BF16', (16, 64), 0, 0),)\n"
+        "s = ct.select_planned(plan_tensors('m', e, QuantizeOptions()), {})\n"
         "ct_config.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
         "from pathlib import Path\n"
         f"cfg = ct_read.read_config(Path({str(tmp_path)!r}))\n"

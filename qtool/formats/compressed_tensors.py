@@ -21,7 +21,6 @@ from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats.base import Ruled
 from qtool.io.stformat import TensorEntry
-from qtool.recipe import Keep, Resolution, resolve, rules_from_cli
 from qtool.spec import (
     PerChannel,
     PerGroup,
@@ -158,18 +157,6 @@ def select_planned(planned: Iterable[Ruled], config: Mapping[str, object]) -> li
     return [_select_one(p, config) for p in planned]
 
 
-def select_tensors(
-    entries: Iterable[TensorEntry],
-    config: Mapping[str, object],
-    spec: QSpec,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-) -> list[Selection]:
-    """select_planned with the rules of --include/--exclude and one spec (no recipe)."""
-    rules = rules_from_cli(include, exclude)
-    return select_planned((_ruled(resolve(rules, e, spec), e) for e in entries), config)
-
-
 def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
     """The export takes the spec as asked: a group longer than a row breaks K like any other
     group that does not divide it (see GroupFallback)."""
@@ -194,26 +181,6 @@ def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
 
 class RuleUnstorable(ValueError):
     """A recipe rule gives a Linear a spec compressed-tensors cannot store."""
-
-
-@dataclass(frozen=True)
-class _RuledEntry:
-    entry: TensorEntry
-    spec: QSpec | None
-    reason: str = ""
-    note: str = ""
-    rule: str = ""
-    rule_origin: str = ""
-    by_rule: bool = False
-    asked: QSpec | None = None
-
-
-def _ruled(found: Resolution, entry: TensorEntry) -> _RuledEntry:
-    keep = found.action if isinstance(found.action, Keep) else None
-    reason = keep.reason if keep else ""
-    return _RuledEntry(
-        entry, found.spec, reason, found.note, by_rule=found.by_rule, asked=found.asked
-    )
 
 
 def fused_key(module: str) -> str | None:

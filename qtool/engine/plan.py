@@ -22,7 +22,7 @@ from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
 from qtool.recipe import INT8_CHANNEL, Keep, Recipe, Rule, RuleKind, resolve, rules_from_cli
 from qtool.recipe import fit_spec as fit_to_shape
-from qtool.results import QuantizeSummary, TensorRow
+from qtool.results import ErrorStats, QuantizeSummary, TensorRow
 from qtool.spec import (
     PerGroup,
     QSpec,
@@ -167,7 +167,12 @@ def quantized_output(src: Path, out: Path | None, dtype: str) -> Path:
     return resolve_output(out, default_quantized_path(src, dtype), (".safetensors",), "quantize")
 
 
-def planned_row(plan: TensorPlan) -> TensorRow:
+def planned_row(
+    plan: TensorPlan,
+    errors: ErrorStats | None = None,
+    scale_range: tuple[float, float] | None = None,
+) -> TensorRow:
+    """The table row of a plan, with the error figures and scale range once measured."""
     e = plan.entry
     detail = plan.spec.describe() if plan.spec else f"kept: {plan.reason}"
     if plan.budget and plan.spec is None:
@@ -189,6 +194,8 @@ def planned_row(plan: TensorPlan) -> TensorRow:
         e.nbytes,
         plan.out_nbytes,
         bytes_qparams=plan.qparam_nbytes,
+        errors=errors,
+        scale_range=scale_range,
         spec=plan.spec,
         spec_chosen=plan.own_spec and plan.spec is not None,
     )

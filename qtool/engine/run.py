@@ -642,7 +642,7 @@ def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan
 
 
 def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:
-    return replace(planned_row(plan), errors=figures.errors, scale_range=figures.scale_range)
+    return planned_row(plan, figures.errors, figures.scale_range)
 
 
 def _needed_bytes(plans: Sequence[TensorPlan], options: QuantizeOptions) -> int:

@@ -370,3 +370,26 @@ def test_a_budget_with_nothing_to_decide_says_so(samples: Path, tmp_path: Path) 
     assert code == 0 and "--target-sqnr decided no tensor" in err
     code, _, err = invoke("quantize", src, "--target-sqnr", "30", "--dry-run", "--estimate")
     assert code == 0 and "decided no tensor" not in err
+
+
+def test_keep_nonfinite_does_not_read_the_budgets_tensors_again(
+    samples: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget checks NaN/Inf when it measures a tensor; --keep-nonfinite's own pass skips
+    the tensors it decided (it once read every one of them a second time)."""
+    from collections import Counter
+
+    from qtool.io.checkpoint import Checkpoint
+
+    reads: Counter[str] = Counter()
+    original = Checkpoint.tensor
+
+    def counting(self: Checkpoint, entry: object) -> torch.Tensor:
+        reads[entry.name] += 1  # type: ignore[attr-defined]
+        return original(self, entry)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpoint, "tensor", counting)
+    options = QuantizeOptions(QSpec(), keep_nonfinite=True, target_sqnr=20.0)
+    summary = api.quantize(samples / "mlp.safetensors", None, options, device="cpu")
+    chosen = [r.name for r in summary.rows if r.quantized]
+    assert chosen and all(reads[name] == 1 for name in chosen), reads

@@ -561,8 +561,8 @@ def choose_plan(
     try:
         choice = budget.choose(x, ladder, target, scale_dtype=scale_dtype, workspace=workspace)
     except NonFiniteInput:
-        if keep_nan:
-            return plan
+        if keep_nan and (kept := _nonfinite_kept(plan, x)) is not None:
+            return kept
         _quantize_one(ckpt, plan, workspace)  # raises the run's own NumericError
         raise
     finally:
@@ -627,18 +627,26 @@ def _chosen(plan: TensorPlan, choice: Choice) -> TensorPlan:
 
 
 def keep_nonfinite(ckpt: Checkpoint, plans: list[TensorPlan]) -> list[TensorPlan]:
-    """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each)."""
+    """Turn plans whose tensor holds NaN/Inf into pass-throughs (one extra read of each; the
+    error budget's tensors were checked when it measured them)."""
     out = []
     for plan in plans:
-        if plan.spec is not None:
+        if plan.spec is not None and not plan.budget:
             x = ckpt.tensor(plan.entry)
             lo, hi = torch.aminmax(x)  # no full-size temporaries; NaN/Inf show up here
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-                bad = int((~torch.isfinite(x)).sum())
-                plan = replace(plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)"), budget=False)
+                plan = _nonfinite_kept(plan, x) or plan
             ckpt.release(plan.entry)
         out.append(plan)
     return out
+
+
+def _nonfinite_kept(plan: TensorPlan, x: torch.Tensor) -> TensorPlan | None:
+    """The plan kept as it is for the NaN/Inf values `x` holds (None: it holds none)."""
+    bad = int((~torch.isfinite(x)).sum())
+    if not bad:
+        return None
+    return replace(plan.kept(f"{bad} NaN/Inf values (--keep-nonfinite)"), budget=False)
 
 
 def _measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:

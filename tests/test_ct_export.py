@@ -41,6 +41,7 @@ def test_export_is_a_model_directory_with_the_encoder_bytes(llama: Path, tmp_pat
                           "-o", str(out))  # fmt: skip
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
+        ".qtool-export.json",  # what qtool wrote, so that --force replaces only that
         "config.json",
         "generation_config.json",
         "model.safetensors",
@@ -122,7 +123,11 @@ def test_single_file_needs_config(llama: Path, tmp_path: Path) -> None:
     code, _, err = invoke("quantize", str(weights), *CT, "--config", str(llama / "config.json"),
                           "-o", str(out))  # fmt: skip
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".qtool-export.json",
+        "config.json",
+        "model.safetensors",
+    ]
 
 
 def test_output_directory_is_required(llama: Path) -> None:
@@ -164,8 +169,14 @@ def test_existing_output_is_kept_unless_forced(llama: Path, tmp_path: Path) -> N
     (out / "mine.txt").write_text("keep me")
     code, _, err = invoke("quantize", str(llama), *CT, "-o", str(out))
     assert code == 1 and "--force" in err and (out / "mine.txt").exists()
+    # --force replaces only a previous qtool export: a file qtool did not write is never lost
+    code, _, err = invoke("quantize", str(llama), *CT, "-o", str(out), "--force")
+    assert code == 1 and "mine.txt would be lost" in err, err
+    assert (out / "mine.txt").read_text() == "keep me"
+    (out / "mine.txt").unlink()
+    assert invoke("quantize", str(llama), *CT, "-o", str(out))[0] == 0  # empty: no force needed
     assert invoke("quantize", str(llama), *CT, "-o", str(out), "--force")[0] == 0
-    assert not (out / "mine.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()
     assert leftovers(tmp_path) == []
 
 

@@ -1,8 +1,11 @@
 """Model-directory outputs (compressed-tensors): a Hugging Face model directory in, one out.
 
 The input is a model directory (config.json and one safetensors file, or shards with an index)
-or a single safetensors file with `--config`. The output directory is built under a temporary
-name beside its final one and renamed when complete, so it appears whole or not at all. It holds
+or a single safetensors file with `--config`; a directory is opened once and every file in it
+(config, index, shards, companions) is read through that descriptor (safeopen.InputDir). The
+output directory is built by an outdir.DirTransaction: under a locked temporary name beside its
+final one, published without replacing anything but a previous qtool export (with force), so it
+appears whole or not at all and never costs the user a file qtool did not write. It holds
 one shard per input shard under the same name (a single file becomes `model.safetensors`), the
 format's own files (config.json), every other file of the input directory, and a rewritten index
 when the input had one.
@@ -11,18 +14,25 @@ when the input had one.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.engine.source import Source, Target, companions_in, copy_into, open_source
-from qtool.errors import InputError, OutputError, UsageError
+from qtool.engine.source import (
+    Source,
+    Target,
+    companions_in,
+    companions_nbytes,
+    copy_into,
+    open_sharded,
+    open_source,
+)
+from qtool.errors import InputError, UsageError
 from qtool.io.atomic import OutputSet
 from qtool.io.index import INDEX_SUFFIX, find_index
+from qtool.io.outdir import DirTransaction, check_out_dir
+from qtool.io.safeopen import InputDir
 
 SINGLE_SHARD_NAME = "model.safetensors"
 
@@ -34,18 +44,43 @@ class ModelInput:
     source: Source
     config: Path
     directory: Path | None  # None: a single file given with --config (no companions)
+    within: InputDir | None = field(default=None, repr=False, compare=False)
+    config_given: bool = False  # --config names it (read by path); else read via `within`
+
+    @property
+    def config_dir(self) -> InputDir | None:
+        """The directory handle config.json is read through (None: --config, by its path)."""
+        return None if self.config_given else self.within
+
+    @property
+    def protected(self) -> list[Path]:
+        """What no output directory may be, contain or lie inside: the input (directory or
+        file), its index and shards, and the config."""
+        inputs = [self.source.path, *self.source.shards, self.config]
+        return [*([self.directory] if self.directory is not None else []), *inputs]
 
 
 def open_model(src: Path, config: Path | None) -> ModelInput:
     """The model at `src`: a directory (with an index, or one model.safetensors), or a single
-    .safetensors file with `config` (InputError/UsageError saying what is missing)."""
+    .safetensors file with `config` (InputError/UsageError saying what is missing). A directory
+    is opened once; everything in it is read through that descriptor."""
     if src.is_dir():
-        has_index = any(p.name.endswith(INDEX_SUFFIX) for p in src.iterdir())
-        source = open_source(find_index(src)) if has_index else _single(src / SINGLE_SHARD_NAME)
-        return ModelInput(source, config or src / "config.json", src)
+        within = InputDir(src)
+        if any(n.endswith(INDEX_SUFFIX) for n in within.names()):
+            source = open_sharded(find_index(src, within), within)
+        else:
+            source = _single(src / SINGLE_SHARD_NAME, within)
+        return ModelInput(source, config or src / "config.json", src, within, config is not None)
     if src.name.endswith(INDEX_SUFFIX):
         source = open_source(src)
-        return ModelInput(source, config or src.parent / "config.json", src.parent)
+        directory = src.parent
+        return ModelInput(
+            source,
+            config or directory / "config.json",
+            directory,
+            source.within,
+            config is not None,
+        )
     if config is None:
         raise UsageError(
             src,
@@ -53,17 +88,21 @@ def open_model(src: Path, config: Path | None) -> ModelInput:
             "pass --config PATH, or give the model directory",
             hint="config",
         )
-    return ModelInput(_single(src), config, None)
+    return ModelInput(_single(src), config, None, None, True)
 
 
-def _single(path: Path) -> Source:
-    if not path.is_file():
+def _single(path: Path, within: InputDir | None = None) -> Source:
+    if within is not None and not within.exists(path.name):
+        raise InputError(
+            path, "no such file; a model directory holds model.safetensors or an index"
+        )
+    if within is None and not path.is_file():
         raise InputError(
             path, "no such file; a model directory holds model.safetensors or an index"
         )
     if not path.name.endswith(".safetensors"):
         raise InputError(path, "a compressed-tensors export reads .safetensors checkpoints only")
-    return Source(path, (path,))
+    return Source(path, (path,), directory=within)
 
 
 def model_target(model: ModelInput, directory: Path) -> Target:
@@ -75,59 +114,31 @@ def model_target(model: ModelInput, directory: Path) -> Target:
 
 def companions(model: ModelInput) -> tuple[list[Path], list[str]]:
     """The input directory's other files (see companions_in), and a note per file skipped."""
-    if model.directory is None:
+    if model.within is None:
         return [], []
-    return companions_in(model.directory)
+    return companions_in(model.within)
+
+
+def companions_bytes(model: ModelInput) -> int:
+    """Bytes the copied companions take in the output (for the free-space check)."""
+    return companions_nbytes(model.within, companions(model)[0])
 
 
 def check_output_dir(out: Path, model: ModelInput, force: bool) -> None:
-    """Before anything is read: the output directory can be made (or replaced with force)."""
-    inputs = [model.source.path, *(model.directory or model.source.path.parent,)]
-    if out.exists() and any(os.path.samefile(out, p) for p in inputs if p.exists()):
-        raise OutputError(out, "is the input directory; choose another -o")
-    if out.exists() and not out.is_dir():
-        raise OutputError(out, "exists and is not a directory; choose a directory name with -o")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise OutputError(
-            out, "already exists and is not empty; it is replaced only when asked", hint="force"
-        )
-    if not out.parent.is_dir():
-        raise OutputError(out, f"directory {out.parent} does not exist; create it first")
-    if not os.access(out.parent, os.W_OK):
-        raise OutputError(out, f"directory {out.parent} is not writable")
+    """Before anything is read: the output directory can be made, or (with force) replaces a
+    previous qtool export only; never an input, its directory or the config, nor anything
+    containing one or inside one (outdir.check_out_dir)."""
+    check_out_dir(out, model.protected, force)
 
 
 @contextmanager
-def building(out: Path) -> Iterator[Path]:
-    """A temporary directory beside `out` to build in; renamed to `out` when the body succeeds
-    (an existing `out` is replaced), removed when it fails."""
-    temp = out.parent / f".{out.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        temp.mkdir()
-    except OSError as err:
-        raise OutputError(
-            out, f"cannot create a directory in {out.parent}: {err.strerror}"
-        ) from None
-    try:
+def building(out: Path, model: ModelInput | None = None, force: bool = False) -> Iterator[Path]:
+    """A temporary directory beside `out` to build in (locked for its life); published as
+    `out` when the body succeeds (outdir.DirTransaction: nothing that appeared meanwhile is
+    replaced, only a previous qtool export with force), removed when it fails."""
+    protected = model.protected if model is not None else []
+    with DirTransaction(out, force=force, protected=protected) as temp:
         yield temp
-        _replace_dir(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
-def _replace_dir(temp: Path, out: Path) -> None:
-    if not out.exists():
-        os.rename(temp, out)
-        return
-    old = out.parent / f".{out.name}.qtool-old-{os.getpid()}-{secrets.token_hex(4)}"
-    os.rename(out, old)
-    try:
-        os.rename(temp, out)
-    except OSError:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def finish_model_directory(
@@ -144,7 +155,7 @@ def finish_model_directory(
         outputs.create(directory / name).write(data)
     for companion in companions(model)[0]:
         if companion.name not in files:
-            copy_into(outputs, companion, directory / companion.name)
+            copy_into(outputs, companion, directory / companion.name, model.within)
     index = model.source.index
     if index is None:
         return

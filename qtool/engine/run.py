@@ -24,6 +24,7 @@ from qtool.engine.model_dir import (
     building,
     check_output_dir,
     companions,
+    companions_bytes,
     finish_model_directory,
     model_target,
     open_model,
@@ -56,8 +57,8 @@ from qtool.io.atomic import (
     refuse_file_name_for_directory,
     remove_stale_temps,
 )
-from qtool.io.checkpoint import Checkpoint, open_checkpoint
-from qtool.io.stformat import TensorEntry, read_header
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.stformat import TensorEntry
 from qtool.numerics import budget, kernels, select
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.recipe import INT8_CHANNEL, fit_spec
@@ -110,7 +111,7 @@ def quantize_model(
             None, f"--format {options.format} writes a model directory: name it with -o"
         )
     model = open_model(src, options.config)
-    context = FormatContext(model.config, options.group_fallback)
+    context = FormatContext(model.config, options.group_fallback, model.config_dir)
     fmt = output_format(options.format, context)
     run = Run(resolve_device(device), force, progress, fmt.scales_in_weight_dtype)
     shards = _Shards(model.source, options, fmt)
@@ -127,9 +128,9 @@ def quantize_model(
         check_output_dir(out, model, force)
         preflight(also, model.source.protected, force=force)
         notes = companions(model)[1]
-        with building(out) as temp:
+        with building(out, model, force) as temp:
             target = model_target(model, temp)
-            needed = _needed_bytes(plans, options)
+            needed = _needed_bytes(plans, options) + companions_bytes(model)
             preflight(list(target.shard_outputs), [], force=False, needed_bytes=needed)
             shards.decide_budget(run, temp.parent)
             finish = _finish_model(model, temp, fmt, shards)
@@ -329,14 +330,14 @@ class _Shards:
 
     def _entries(self, shard: Path) -> tuple[tuple[TensorEntry, ...], dict[str, str] | None]:
         if self.source.index is not None:  # shards are safetensors, validated with the index
-            header = read_header(shard)
+            header = self.source.header(shard)
             return header.tensors, header.metadata
         ckpt = self._checkpoint(shard)
         return ckpt.entries, ckpt.metadata
 
     def _checkpoint(self, shard: Path) -> Checkpoint:
         if shard not in self._open:
-            self._open[shard] = open_checkpoint(shard)
+            self._open[shard] = self.source.checkpoint(shard)
         return self._open[shard]
 
 

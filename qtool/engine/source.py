@@ -10,26 +10,29 @@ collisions and overwrites are refused before anything is written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtool.errors import InputError, OutputError
+from qtool.errors import InputError, OutputError, UsageError
 from qtool.formats.qtool import sidecar_path
-from qtool.io.atomic import OutputSet, preflight
+from qtool.io.atomic import OutputSet, describe_os_error, preflight
+from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.index import (
     INDEX_SUFFIX,
     ShardedInput,
-    companion_problem,
     default_output_dir,
     is_sharded,
     load_index,
 )
+from qtool.io.outdir import refuse_nesting
+from qtool.io.safeopen import InputDir
+from qtool.io.stformat import Header, read_header, read_header_file
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -41,6 +44,24 @@ class Source:
     path: Path  # what the summary names: the file, or the index
     shards: tuple[Path, ...]
     index: ShardedInput | None = None
+    directory: InputDir | None = None  # a model directory's single file is read through it
+
+    @property
+    def within(self) -> InputDir | None:
+        """The checkpoint directory, held open, that every shard is read through (None: a
+        single file, opened by the path you gave)."""
+        return self.index.within if self.index is not None else self.directory
+
+    def header(self, shard: Path) -> Header:
+        """The shard's validated header (HeaderError when it is not valid safetensors)."""
+        if self.within is None:
+            return read_header(shard)
+        with self.within.open(shard.name) as f:
+            return read_header_file(f)
+
+    def checkpoint(self, shard: Path) -> Checkpoint:
+        """The shard opened for reading (through the directory, for a sharded checkpoint)."""
+        return open_checkpoint(shard, self.within)
 
     @property
     def protected(self) -> list[Path]:
@@ -73,6 +94,12 @@ def open_source(path: Path) -> Source:
     return Source(index.index, shards, index)
 
 
+def open_sharded(path: Path, within: InputDir) -> Source:
+    """The sharded checkpoint in the directory `within` (held open) whose index is `path`."""
+    index = load_index(path, within)
+    return Source(index.index, tuple(index.directory / s for s in index.shards), index)
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a run writes: one output per shard; for a sharded source, a directory."""
@@ -97,28 +124,42 @@ def target_for(source: Source, out: Path | None, default_file: Path, dir_suffix:
 
 def companion_files(index: ShardedInput) -> tuple[list[Path], list[str]]:
     """A sharded checkpoint's companions (see companions_in), its index file excluded."""
-    return companions_in(index.directory, skip=index.index)
+    return companions_in(index.within, skip=index.index)
 
 
-def companions_in(directory: Path, *, skip: Path | None = None) -> tuple[list[Path], list[str]]:
+def companions_in(
+    directory: Path | InputDir, *, skip: Path | None = None
+) -> tuple[list[Path], list[str]]:
     """Files to copy along (config, tokenizer, ...): not weights, not an index, not hidden;
-    only regular files inside the directory. Returns them and a note per file skipped."""
+    only regular files inside the directory (listed and checked through its descriptor).
+    Returns them and a note per file skipped."""
+    within = directory if isinstance(directory, InputDir) else InputDir(directory)
     files, notes = [], []
-    for p in sorted(directory.iterdir()):
+    for name in within.names():
+        p = within.file(name)
         if (
-            p.name.startswith(".")
-            or p == skip
-            or p.name.endswith(WEIGHT_SUFFIXES)
-            or p.name.endswith(INDEX_SUFFIX)
-            or (p.is_dir() and not p.is_symlink())
+            name.startswith(".")
+            or (skip is not None and name == skip.name)
+            or name.endswith(WEIGHT_SUFFIXES)
+            or name.endswith(INDEX_SUFFIX)
+            or within.is_dir(name)
         ):
             continue
-        why = companion_problem(directory, p)
+        why = within.problem(name)
         if why is None:
             files.append(p)
         else:
             notes.append(f"{p}: not copied: {why}")
     return files, notes
+
+
+def companions_nbytes(within: InputDir | None, files: Sequence[Path]) -> int:
+    """Bytes the companions take (for the free-space check)."""
+    total = 0
+    for p in files:
+        st = within.lstat(p.name) if within is not None else None
+        total += st.st_size if st is not None else 0
+    return total
 
 
 @contextmanager
@@ -162,14 +203,18 @@ def finish_directory(
     if source.index is None or target.directory is None:
         return
     for companion in companion_files(source.index)[0]:
-        copy_into(outputs, companion, target.directory / companion.name)
+        copy_into(outputs, companion, target.directory / companion.name, source.index.within)
     _write_index(outputs, source.index, target.directory / source.index.index.name, total, section)
 
 
 def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     """Check the output directory; create it if needed. True when this run created it."""
-    if outdir.exists() and os.path.samefile(outdir, src_dir):  # any spelling, link or mount
-        raise OutputError(outdir, "is the input directory; choose another -o")
+    if outdir.name in ("", ".", ".."):
+        raise UsageError(
+            outdir, "name the output directory itself, not '.' or '..' (e.g. ../NAME)",
+            hint="output",
+        )  # fmt: skip
+    refuse_nesting(outdir, [src_dir])  # any spelling, link or bind mount
     if outdir.exists() and not outdir.is_dir():
         raise OutputError(outdir, "exists and is not a directory")
     if outdir.is_dir() and any(not p.name.startswith(".") for p in outdir.iterdir()) and not force:
@@ -185,16 +230,21 @@ def _prepare_outdir(outdir: Path, src_dir: Path, force: bool) -> bool:
     return created
 
 
-def copy_into(outputs: OutputSet, src: Path, dest: Path) -> None:
-    """Copy a companion: the resolved file, opened without following links, if regular."""
-    try:
-        fd = os.open(os.path.realpath(src), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as err:
-        raise InputError(src, f"cannot read: {err.strerror}") from None
-    with os.fdopen(fd, "rb") as fin:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InputError(src, "changed while reading: no longer a regular file")
-        shutil.copyfileobj(fin, outputs.create(dest), 1 << 20)
+def copy_into(outputs: OutputSet, src: Path, dest: Path, within: InputDir | None = None) -> None:
+    """Copy a companion through the one descriptor its directory (`within`, held open) gives:
+    a regular file inside it, never a link leading out (see safeopen.InputDir)."""
+    within = within or InputDir(src.parent)
+    with within.open(src.name) as fin:
+        fout = outputs.create(dest)
+        try:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        except OSError as err:
+            if err.errno in _WRITE_ERRORS:  # the disk filled up while copying
+                raise OutputError(dest, f"cannot write: {describe_os_error(err)}") from err
+            raise InputError(src, f"cannot read: {err.strerror or err}") from err
+
+
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 def _write_index(

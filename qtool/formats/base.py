@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
 from qtool.spec import QSpec
 
@@ -112,11 +113,13 @@ class Choice(Protocol):
 
 @dataclass(frozen=True)
 class FormatContext:
-    """What a run knows that a format may need: the model's config.json (None: there is none)
-    and what to do with tensors whose row length the group size does not divide."""
+    """What a run knows that a format may need: the model's config.json (None: there is none;
+    read through `config_dir`, the model directory held open, when it lies there) and what to do
+    with tensors whose row length the group size does not divide."""
 
     config: Path | None = None
     group_fallback: str = "error"
+    config_dir: InputDir | None = None
 
 
 class OutputFormat(Protocol):

@@ -22,13 +22,17 @@ from qtool.formats.base import Choice, FormatContext, Planned, Ruled
 from qtool.formats.ct_tensors import encode_result, fp16_underflow_warning
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
+from qtool.io.jsonfile import read_json_object
+from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.numerics.kernels import QuantizedTensor, search_candidates
 from qtool.spec import PerGroup, QSpec
 
 
-def read_model_config(path: Path | None) -> dict[str, object]:
-    """config.json as a dict (InputError naming the file when it is missing or malformed)."""
+def read_model_config(path: Path | None, within: InputDir | None = None) -> dict[str, object]:
+    """config.json as a dict (InputError naming the file when it is missing or malformed), read
+    by the one bounded, regular-file-only reader (through `within` when it is the model
+    directory's)."""
     if path is None:
         raise InputError(
             None,
@@ -36,12 +40,7 @@ def read_model_config(path: Path | None) -> dict[str, object]:
             "directory, or --config PATH with a single .safetensors file",
             hint="config",
         )
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(path, f"cannot read the model config: {err}") from None
-    if not isinstance(doc, dict):
-        raise InputError(path, "is not a model config (a JSON object)")
+    doc = read_json_object(path, within=within, what="model config")
     ct_config.check_not_quantized(doc, path)
     return doc
 
@@ -75,7 +74,7 @@ class CompressedTensorsFormat:
     def __init__(self, context: FormatContext) -> None:
         self.context = context
         self.config_path = context.config
-        self.config = read_model_config(context.config)
+        self.config = read_model_config(context.config, context.config_dir)
         self.fallback = ct.GroupFallback(context.group_fallback)
         self.data_warnings: list[str] = []
 

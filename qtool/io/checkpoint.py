@@ -24,14 +24,16 @@ import torch
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, OutputError, UnsafeInputError
 from qtool.io.atomic import describe_os_error
-from qtool.io.safeopen import open_regular
+from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
     Header,
     HeaderError,
     TensorEntry,
+    describe_head,
     describe_non_checkpoint,
     not_safetensors_message,
     read_header,
+    read_header_file,
 )
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -128,8 +130,9 @@ class Checkpoint:
         with their last reference (kept so callers need not know how a file is read)."""
 
     def check_unchanged(self) -> None:
-        """Fail if the file was modified while it was being read (its data may be torn)."""
-        st = os.stat(self.path)
+        """Fail if the file was modified while it was being read (its data may be torn): the
+        descriptor read from is checked, not whatever the path names now."""
+        st = os.fstat(self._fd) if self._fd >= 0 else os.stat(self.path)
         if (st.st_size, st.st_mtime_ns) != self._stat:
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
@@ -178,8 +181,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-def open_checkpoint(path: Path) -> Checkpoint:
-    """Open a .safetensors file or a torch pickle state dict, validating before any data is read."""
+def open_checkpoint(path: Path, within: InputDir | None = None) -> Checkpoint:
+    """Open a .safetensors file or a torch pickle state dict, validating before any data is read.
+    `within`: the checkpoint directory `path` lies in, held open; the file is then opened once
+    through it (no link followed out of it) and its header and data read through that one
+    descriptor (a directory's shards are safetensors: pickles are never read from one)."""
+    if within is not None:
+        return _open_within(path, within)
     _check_regular_file(path)
     kind, header = sniff(path)
     if kind == "zip":
@@ -256,17 +264,37 @@ def _open_safetensors(path: Path, header: Header | None) -> Checkpoint:
     except OSError as err:
         raise InputError(path, f"cannot read: {err.strerror}") from None
     with open_regular(path) as f:
-        st = os.fstat(f.fileno())
-        if st.st_size != header.data_start + header.data_bytes:
-            raise InputError(path, "changed while reading (its size moved); run again")
-        ckpt = Checkpoint(
-            path,
-            header.tensors,
-            header.metadata,
-            _data_start=header.data_start,
-            _stat=(st.st_size, st.st_mtime_ns),
-        )
-        ckpt.adopt(os.dup(f.fileno()))
+        return _adopted(path, f, header)
+
+
+def _open_within(path: Path, within: InputDir) -> Checkpoint:
+    with within.open(path.name) as f:
+        try:
+            header = read_header_file(f)
+        except HeaderError as err:
+            f.seek(0)
+            what = describe_head(f.read(64))
+            message = f"not a valid safetensors file: {err}" if what is None else (
+                f"not a checkpoint: {what}; give a .safetensors file")  # fmt: skip
+            raise InputError(path, message) from None
+        except OSError as err:
+            raise InputError(path, f"cannot read: {err.strerror}") from None
+        return _adopted(path, f, header)
+
+
+def _adopted(path: Path, f: BinaryIO, header: Header) -> Checkpoint:
+    """A safetensors Checkpoint reading through (a duplicate of) the open file `f`."""
+    st = os.fstat(f.fileno())
+    if st.st_size != header.data_start + header.data_bytes:
+        raise InputError(path, "changed while reading (its size moved); run again")
+    ckpt = Checkpoint(
+        path,
+        header.tensors,
+        header.metadata,
+        _data_start=header.data_start,
+        _stat=(st.st_size, st.st_mtime_ns),
+    )
+    ckpt.adopt(os.dup(f.fileno()))
     return ckpt
 
 

@@ -1,16 +1,17 @@
 """The index of a sharded safetensors checkpoint (`*.safetensors.index.json`): strict parsing and
-validation of every shard it names, from headers alone (torch-free)."""
+validation of every shard it names, from headers alone (torch-free). The directory is opened
+once and every file in it is read through that descriptor (safeopen.InputDir)."""
 
 from __future__ import annotations
 
 import os
-import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from qtool.errors import InputError
-from qtool.io.safeopen import file_kind, read_bounded
-from qtool.io.stformat import HeaderError, read_header, strict_json
+from qtool.io.jsonfile import read_json_object
+from qtool.io.safeopen import InputDir
+from qtool.io.stformat import HeaderError, read_header_file
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000
@@ -22,6 +23,7 @@ class ShardedInput:
     weight_map: dict[str, str]  # tensor name -> shard file name
     metadata: dict[str, object]
     raw: dict[str, object]  # the whole index document, for keys we carry along
+    within: InputDir = field(repr=False, compare=False)  # the directory, held open
 
     @property
     def directory(self) -> Path:
@@ -36,63 +38,51 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir() or path.name.endswith(INDEX_SUFFIX)
 
 
-def find_index(path: Path) -> Path:
-    """The index file named by `path`, or the single one inside the directory `path`."""
-    if not path.is_dir():
-        if not os.path.lexists(path):
+def find_index(path: Path, within: InputDir | None = None) -> Path:
+    """The index file named by `path`, or the single one inside the directory `path`
+    (listed through `within`, that directory held open, when given)."""
+    if path.name.endswith(INDEX_SUFFIX) and not path.is_dir():
+        if within is None and not os.path.lexists(path):
             raise InputError(path, "no such file or directory; check the path")
         return path  # anything but a regular file is refused when it is read
-    found = sorted(p for p in path.iterdir() if p.name.endswith(INDEX_SUFFIX))
+    if within is None and not path.is_dir():
+        if not os.path.lexists(path):
+            raise InputError(path, "no such file or directory; check the path")
+        return path
+    directory = within or InputDir(path)
+    found = [n for n in directory.names() if n.endswith(INDEX_SUFFIX)]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)}"
         raise InputError(
             path, f"{what} *{INDEX_SUFFIX} files in this directory; give the index file itself"
         )
-    check_inside(path, found[0])
-    return found[0]
+    return directory.path / found[0]
 
 
-def companion_problem(directory: Path, path: Path) -> str | None:
-    """Why a file found in a checkpoint directory must not be read or copied, or None: it must
-    be a regular file, and a symlink must not lead out of the directory (a link to a secret or
-    to /proc would otherwise be copied into the output)."""
-    try:
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            target = os.path.realpath(path)
-            if not Path(target).is_relative_to(os.path.realpath(directory)):
-                return f"a symlink to {os.readlink(path)}, outside the checkpoint directory"
-            st = os.stat(target)
-    except OSError as err:
-        return f"cannot read: {err.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return f"not a regular file ({file_kind(st.st_mode)})"
-    return None
+def companion_problem(directory: Path | InputDir, path: Path) -> str | None:
+    """Why a file found in a checkpoint directory must not be read or copied, or None (see
+    safeopen.InputDir: a regular file inside the directory, no link leading out of it)."""
+    within = directory if isinstance(directory, InputDir) else InputDir(directory)
+    return within.problem(path.name)
 
 
-def check_inside(directory: Path, path: Path) -> None:
+def check_inside(directory: Path | InputDir, path: Path) -> None:
     """Refuse a shard, index or sidecar of a checkpoint directory that is a symlink leading
     out of it, or not a regular file (a missing one is left to the caller to report)."""
-    if not os.path.lexists(path):
-        return
-    why = companion_problem(directory, path)
-    if why is not None:
-        raise InputError(
-            path,
-            f"{why}; qtool reads only regular files inside the checkpoint directory "
-            "(copy the file in, e.g. cp -L, instead of linking it)",
-        )
+    within = directory if isinstance(directory, InputDir) else InputDir(directory)
+    if within.exists(path.name):
+        within.open(path.name).close()
 
 
-def load_index(path: Path) -> ShardedInput:
-    """Parse and validate an index and every shard header it names (no tensor data is read)."""
-    index = find_index(path)
-    try:
-        doc = strict_json(read_bounded(index, MAX_INDEX_BYTES, "index file"))
-    except HeaderError as err:
-        raise InputError(index, f"not a valid index: {err}") from None
-    if not isinstance(doc, dict):
-        raise InputError(index, "not a valid index: expected a JSON object")
+def load_index(path: Path, within: InputDir | None = None) -> ShardedInput:
+    """Parse and validate an index and every shard header it names (no tensor data is read);
+    every file is opened through the directory's descriptor (`within`, or opened here)."""
+    named = within is None and not path.is_dir()  # an index you name may be a link
+    index = find_index(path, within)
+    within = within or InputDir(index.parent)
+    doc = read_json_object(
+        index, within=None if named else within, limit=MAX_INDEX_BYTES, what="index"
+    )
     weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise InputError(index, "not a valid index: 'weight_map' must map tensor names to files")
@@ -101,7 +91,7 @@ def load_index(path: Path) -> ShardedInput:
     metadata = doc.get("metadata")
     if not isinstance(metadata, dict):
         metadata = {}
-    sharded = ShardedInput(index, dict(weight_map), dict(metadata), dict(doc))
+    sharded = ShardedInput(index, dict(weight_map), dict(metadata), dict(doc), within)
     for shard in sharded.shards:
         _check_shard_name(index, shard)
     _check_shards_agree(sharded)
@@ -127,11 +117,11 @@ def _check_shards_agree(sharded: ShardedInput) -> None:
         by_shard[shard].add(name)
     for shard in sharded.shards:
         shard_path = sharded.directory / shard
-        check_inside(sharded.directory, shard_path)
-        if not os.path.lexists(shard_path):
+        if not sharded.within.exists(shard):
             raise InputError(shard_path, "shard named by the index is missing")
         try:
-            header = read_header(shard_path)
+            with sharded.within.open(shard) as f:
+                header = read_header_file(f)
         except HeaderError as err:
             raise InputError(shard_path, f"not a valid safetensors file: {err}") from None
         in_shard = {t.name for t in header.tensors}

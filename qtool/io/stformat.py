@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from qtool.dtypes import DTYPE_BITS
 from qtool.io.safeopen import open_regular
@@ -68,10 +70,16 @@ class Header:
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at `path` (HeaderError if bad)."""
     with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        header_len = _header_length(prefix, size)
-        raw = f.read(header_len)
+        return read_header_file(f)
+
+
+def read_header_file(f: BinaryIO) -> Header:
+    """Read and validate the header of an open safetensors file (from its start)."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    prefix = f.read(8)
+    header_len = _header_length(prefix, size)
+    raw = f.read(header_len)
     if len(raw) != header_len:
         raise HeaderError("file changed while being read")
     return parse_header(raw, size)
@@ -90,7 +98,11 @@ def describe_non_checkpoint(path: str | os.PathLike[str]) -> str | None:
     a plausible header length (then it is a damaged safetensors file, and the parse error says
     more)."""
     with open(path, "rb") as f:
-        head = f.read(64)
+        return describe_head(f.read(64))
+
+
+def describe_head(head: bytes) -> str | None:
+    """describe_non_checkpoint, from a file's first 64 bytes."""
     if len(head) >= 8 and int.from_bytes(head[:8], "little") <= MAX_HEADER_BYTES:
         return None  # a plausible safetensors header length: a damaged safetensors file
     for signature, what in _SIGNATURES:
@@ -156,6 +168,7 @@ def strict_json(raw: bytes) -> object:
     # A lone surrogate can only come from a \u escape (valid UTF-8 holds none): without one,
     # the keys need no per-key check, which costs seconds on a header of 100,000 tensors.
     hook = _checked_pairs if "\\u" in text else _unique_pairs
+    _check_depth(text)
     try:
         return json.loads(text, object_pairs_hook=hook, parse_constant=_no_constants)
     except HeaderError:
@@ -164,6 +177,37 @@ def strict_json(raw: bytes) -> object:
         raise HeaderError("header JSON is nested too deeply") from None
     except ValueError as err:  # JSONDecodeError and the int digit limit
         raise HeaderError(f"header is not valid JSON: {err}") from None
+
+
+MAX_JSON_DEPTH = 100  # configs nest a few levels; serde_json stops at 128
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_EMPTY_PAIRS = re.compile(r"\[\]|\{\}")
+
+
+def _check_depth(text: str) -> None:
+    """HeaderError when arrays/objects nest deeper than MAX_JSON_DEPTH, found before json.loads
+    (whose C parser would otherwise recurse until RecursionError). Brackets inside strings are
+    counted at first (cheap); only a document that looks too deep is measured again with its
+    strings removed. json.loads' own RecursionError stays a HeaderError as a backstop."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return
+    naive = _NOT_BRACKETS.sub("", text)
+    if _too_deep(naive) and _too_deep(_NOT_BRACKETS.sub("", _STRINGS.sub("", text))):
+        raise HeaderError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+
+
+def _too_deep(skeleton: str) -> bool:
+    """Whether a bracket skeleton nests deeper than MAX_JSON_DEPTH: each round removes the
+    innermost pairs, so depth d takes d rounds of one C-speed substitution."""
+    for _ in range(MAX_JSON_DEPTH):
+        inner = _EMPTY_PAIRS.sub("", skeleton)
+        if inner == skeleton:
+            break
+        skeleton = inner
+    else:
+        return bool(skeleton)
+    return skeleton.count("[") + skeleton.count("{") > MAX_JSON_DEPTH  # unbalanced and deep
 
 
 def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:

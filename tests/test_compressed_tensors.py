@@ -619,7 +619,7 @@ def test_regexes_tie_break_alphabetically() -> None:
                 "config_groups": {
                     "g": {
                         "targets": ["Linear"],
-                        "weights": {"strategy": "tensor_group"},
+                        "weights": {"strategy": "tensor_group", "group_size": 16},
                         "format": "pack-quantized",
                     }
                 }

@@ -30,9 +30,16 @@ from qtool.formats.qtool import (
     parse_manifest,
     scale_name,
 )
-from qtool.io.index import INDEX_SUFFIX, load_index
-from qtool.io.safeopen import open_regular
-from qtool.io.stformat import Header, HeaderError, TensorEntry, not_safetensors_message, read_header
+from qtool.io.index import INDEX_SUFFIX, check_inside, load_index
+from qtool.io.safeopen import InputDir, open_regular
+from qtool.io.stformat import (
+    Header,
+    HeaderError,
+    TensorEntry,
+    not_safetensors_message,
+    read_header,
+    read_header_file,
+)
 from qtool.results import InspectRow, InspectSummary, natural_key
 
 
@@ -148,6 +155,7 @@ def _inspect_sharded(path: Path) -> InspectSummary:
     notes: list[str] = []
     quantized = False
     for shard in sharded.shards:
+        check_inside(sharded.within, sharded.directory / shard)  # each read again below
         part = inspect_path(sharded.directory / shard)
         quantized |= part.kind == "quantized"
         rows += part.rows
@@ -161,8 +169,15 @@ def _inspect_sharded(path: Path) -> InspectSummary:
 def _inspect_compressed_tensors(path: Path) -> InspectSummary:
     """Every stored tensor; each quantized module's scheme on its codes' row (torch-free)."""
     directory = config_path(path).parent
-    config = read_config(directory)
-    headers = [read_header(shard) for shard in model_shards(directory)]
+    within = InputDir(directory)  # config, index and shards read through one descriptor
+    config = read_config(directory, within)
+    headers = []
+    for shard in model_shards(directory, within):
+        with within.open(shard.name) as f:
+            try:
+                headers.append(read_header_file(f))
+            except HeaderError as err:
+                raise InputError(shard, f"not a valid safetensors file: {err}") from None
     entries = [e for h in headers for e in h.tensors]
     try:
         modules = quantized_modules([e.name for e in entries], config)

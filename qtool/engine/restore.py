@@ -5,13 +5,14 @@ written; tensors that were not quantized are copied byte for byte."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from qtool.engine.source import finish_directory, open_source, prepared, target_for
 from qtool.errors import UsageError
-from qtool.formats.ct_read import config_path, is_compressed_tensors, model_shards
+from qtool.formats.ct_read import config_path, is_compressed_tensors
 from qtool.formats.ct_reader import ModelReader
 from qtool.formats.dense import write_dense
 from qtool.formats.qtool import sidecar_path
@@ -24,6 +25,7 @@ from qtool.io.atomic import (
     resolve_output,
 )
 from qtool.io.index import check_inside
+from qtool.io.safeopen import InputDir
 from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
 
@@ -63,8 +65,8 @@ def dequantize(
     target = target_for(source, out, default_dequantized_path(src), "dequantized")
     if source.index is not None:
         for shard in source.shards:
-            check_inside(source.index.directory, sidecar_path(shard))
-    readers = _open_all(source.shards, qparams)
+            check_inside(source.index.within, sidecar_path(shard))
+    readers = _open_all(source.shards, qparams, source.within)
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
         protect = [r.sidecar_path for r in readers]
@@ -94,11 +96,12 @@ def dequantize_model(
     """A compressed-tensors model directory (whoever wrote it) as one float safetensors (or
     torch) file with the original names; default `<directory>.dequantized.safetensors`."""
     directory = config_path(src).parent
-    default = directory.with_name(f"{directory.name}.dequantized.safetensors")
+    named = Path(os.path.abspath(directory))  # `.` and `..` have no name to build one from
+    default = named.with_name(f"{named.name}.dequantized.safetensors")
     out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
     reader = ModelReader(directory)
     try:
-        preflight([out], [directory / "config.json", *model_shards(directory)], force=force)
+        preflight([out], [directory / "config.json", *reader.shard_paths], force=force)
         remove_stale_temps(out.parent)
         with OutputSet() as outputs:
             rows = write_dense(reader, out, outputs, dtype)
@@ -110,11 +113,13 @@ def dequantize_model(
     )
 
 
-def _open_all(shards: tuple[Path, ...], qparams: Path | None) -> list[QtoolReader]:
+def _open_all(
+    shards: tuple[Path, ...], qparams: Path | None, within: InputDir | None
+) -> list[QtoolReader]:
     readers: list[QtoolReader] = []
     try:
         for shard in shards:
-            readers.append(QtoolReader(shard, qparams))
+            readers.append(QtoolReader(shard, qparams, within))
     except BaseException:
         for reader in readers:
             reader.close()

@@ -13,25 +13,24 @@ no module classes: a Linear class target matches every module that holds quantiz
 
 from __future__ import annotations
 
-import json
 import math
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import InputError
+from qtool.formats import ct_coerce
 from qtool.formats.compressed_tensors import FORMAT, PACK_QUANTIZED
 from qtool.io.index import INDEX_SUFFIX, load_index
+from qtool.io.jsonfile import read_json
+from qtool.io.safeopen import InputDir
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, Scheme, StorageDtype
 
 NAIVE_FORMATS = ("naive-quantized", "int-quantized")
 READ_FORMATS = (PACK_QUANTIZED, *NAIVE_FORMATS)
 STRATEGIES = ("channel", "group", "tensor")
-_ARG_KEYS = frozenset(
-    {"num_bits", "type", "symmetric", "group_size", "strategy", "dynamic", "block_structure",
-     "actorder", "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,27 +75,31 @@ def config_path(path: Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def is_compressed_tensors(path: Path) -> bool:
-    """Whether `path` (a model directory or its config.json) holds a compressed-tensors model."""
+def is_compressed_tensors(path: Path, within: InputDir | None = None) -> bool:
+    """Whether `path` (a model directory or its config.json) holds a compressed-tensors model.
+    config.json is read like every config (jsonfile: regular file inside the directory,
+    bounded, strict); one that cannot be read says no here, and is refused when it is read."""
     cfg = config_path(path)
-    if cfg.name != "config.json" or not cfg.is_file():
+    if cfg.name != "config.json":
         return False
     try:
-        doc = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        directory = within or InputDir(cfg.parent)
+        st = directory.lstat(cfg.name)
+        if st is None or stat.S_ISDIR(st.st_mode):
+            return False
+        doc = read_json(cfg, within=directory, what="config.json")
+    except InputError:
         return False
     q = doc.get("quantization_config") if isinstance(doc, dict) else None
     return isinstance(q, dict) and q.get("quant_method") == FORMAT
 
 
-def read_config(path: Path) -> CtConfig:
+def read_config(path: Path, within: InputDir | None = None) -> CtConfig:
     """The parsed quantization_config of a model directory or config.json (InputError when it
-    is missing, malformed or uses a variant qtool cannot read)."""
+    is missing, malformed or uses a variant qtool cannot read), read through the directory's
+    descriptor (`within`, or opened here)."""
     cfg = config_path(path)
-    try:
-        doc = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(cfg, f"cannot read config.json: {err}") from None
+    doc = read_json(cfg, within=within or InputDir(cfg.parent), what="config.json")
     q = doc.get("quantization_config") if isinstance(doc, dict) else None
     if not isinstance(q, dict) or q.get("quant_method") != FORMAT:
         raise InputError(cfg, "no compressed-tensors quantization_config in config.json")
@@ -107,86 +110,76 @@ def read_config(path: Path) -> CtConfig:
 
 
 def parse_config(q: Mapping[str, object]) -> CtConfig:
-    """CtConfig from a quantization_config dict; ValueError naming what is unsupported."""
-    _check_top_level(q)
-    groups = q.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ValueError("no config_groups")
-    top_format = q.get("format")
-    parsed = tuple(_parse_group(str(n), g, top_format) for n, g in groups.items())
-    ignore = q.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-        raise ValueError("ignore must be a list of module names or patterns")
-    return CtConfig(parsed, tuple(ignore))
-
-
-def _check_top_level(q: Mapping[str, object]) -> None:
-    status = q.get("quantization_status", "initialized")
-    if status != "compressed":
-        raise ValueError(f"quantization_status {status!r}: qtool reads compressed checkpoints only")
+    """CtConfig from a quantization_config dict, read exactly as compressed-tensors' pydantic
+    models read it (ct_coerce: `"false"` is False, `"4"` is 4, what they refuse is refused);
+    ValueError naming what is invalid or what qtool does not support."""
     if q.get("sparsity_config") or q.get("moe_sparsity_config"):
         raise ValueError("sparsity (sparsity_config) is not supported")
     if q.get("transform_config"):
         raise ValueError("transforms (transform_config, e.g. rotations) are not supported")
+    config = ct_coerce.quantization_config(q)
+    status = config["quantization_status"]
+    if status != "compressed":
+        raise ValueError(f"quantization_status {status!r}: qtool reads compressed checkpoints only")
+    groups = config["config_groups"]
+    assert isinstance(groups, dict)
+    top_format = config["format"]
+    parsed = tuple(_parse_group(n, g, top_format) for n, g in groups.items())
+    ignore = config["ignore"]
+    assert isinstance(ignore, list)
+    return CtConfig(parsed, tuple(ignore))
 
 
-def _parse_group(name: str, g: object, top_format: object) -> CtGroup:
-    if not isinstance(g, dict):
-        raise ValueError(f"config group {name} is not an object")
-    fmt = g.get("format") or top_format
+def _parse_group(name: str, g: dict[str, object], top_format: object) -> CtGroup:
+    fmt = g["format"] or top_format
     if fmt not in READ_FORMATS:
         readable = ", ".join(READ_FORMATS)
         raise ValueError(f"config group {name}: format {fmt!r} is not supported ({readable})")
-    if g.get("output_activations") is not None:
+    if g["output_activations"] is not None:
         raise ValueError(f"config group {name}: output activation quantization is not supported")
-    if g.get("input_activations") is not None and fmt != "int-quantized":
+    if g["input_activations"] is not None and fmt != "int-quantized":
         raise ValueError(f"config group {name}: activation quantization is not supported")
-    targets = g.get("targets")
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise ValueError(f"config group {name}: targets must be a list of strings")
-    weights = g.get("weights")
+    weights = g["weights"]
     if not isinstance(weights, dict):
         raise ValueError(f"config group {name}: no weights quantization")
-    return CtGroup(name, tuple(targets), parse_args(name, weights, str(fmt)), str(fmt))
+    targets = g["targets"]
+    assert isinstance(targets, list)
+    return CtGroup(name, tuple(targets), _supported(name, weights, str(fmt)), str(fmt))
 
 
 def parse_args(group: str, w: Mapping[str, object], fmt: str) -> CtArgs:
-    """CtArgs from a `weights` dict; ValueError naming the unsupported field."""
+    """CtArgs from a `weights` dict, coerced as compressed-tensors does (ValueError naming the
+    invalid or unsupported field)."""
+    try:
+        args = ct_coerce.quantization_args(w)
+    except ValueError as err:
+        raise ValueError(f"config group {group} weights: {err}") from None
+    return _supported(group, args, fmt)
+
+
+def _supported(group: str, w: Mapping[str, object], fmt: str) -> CtArgs:
+    """CtArgs from coerced args; ValueError for what qtool does not read."""
     where = f"config group {group}"
-    unknown = set(w) - _ARG_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown weights field(s) {sorted(unknown)}")
-    if w.get("type", "int") != "int":
-        raise ValueError(f"{where}: {w.get('type')} weights (e.g. fp8) are not supported")
-    bits = w.get("num_bits", 8)
-    if type(bits) is not int or not 2 <= bits <= 8:
+    if w["type"] != "int":
+        raise ValueError(f"{where}: {w['type']} weights (e.g. fp8) are not supported")
+    bits = w["num_bits"]
+    assert isinstance(bits, int)
+    if not 2 <= bits <= 8:
         raise ValueError(f"{where}: {bits}-bit weights are not supported (2 to 8)")
     if fmt in NAIVE_FORMATS and bits != 8:
         raise ValueError(f"{where}: {fmt} with {bits} bits is not supported (int8 only)")
-    if w.get("dynamic", False) is not False:
+    if w["dynamic"] is not False:
         raise ValueError(f"{where}: dynamic weight quantization is not supported")
-    if w.get("actorder") not in (None, "static", "weight"):
+    if w["actorder"] not in (None, False, "static", "weight"):
         raise ValueError(f"{where}: activation ordering (actorder, g_idx) is not supported")
-    if w.get("block_structure") is not None:
+    if w["block_structure"] is not None:
         raise ValueError(f"{where}: block quantization is not supported")
-    group_size = w.get("group_size")
-    strategy = w.get("strategy") or _inferred_strategy(group_size)
+    strategy = w["strategy"]
     if strategy not in STRATEGIES:
         raise ValueError(f"{where}: strategy {strategy!r} is not supported")
-    size = group_size if strategy == "group" else None
-    if size is not None and (type(size) is not int or size < 1):
-        raise ValueError(f"{where}: group strategy needs a positive group_size")
-    if strategy == "group" and size is None:
-        raise ValueError(f"{where}: group strategy needs a group_size")
-    symmetric = w.get("symmetric", True) is not False
-    return CtArgs(bits, symmetric, str(strategy), size if isinstance(size, int) else None)
-
-
-def _inferred_strategy(group_size: object) -> str:
-    """compressed-tensors' inference: None -> tensor, -1 -> channel, > 0 -> group."""
-    if group_size is None:
-        return "tensor"
-    return "channel" if group_size == -1 else "group"
+    size = w["group_size"] if strategy == "group" else None
+    assert size is None or isinstance(size, int)
+    return CtArgs(bits, bool(w["symmetric"]), str(strategy), size)
 
 
 # ---------------------------------------------------------------- modules and their schemes
@@ -297,10 +290,12 @@ def is_model_directory(path: Path) -> bool:
     return has_index or (directory / SINGLE_FILE).is_file()
 
 
-def model_shards(directory: Path) -> list[Path]:
-    """The safetensors files of a model directory: its index's shards, or model.safetensors."""
-    if any(p.name.endswith(INDEX_SUFFIX) for p in directory.iterdir()):
-        index = load_index(directory)
+def model_shards(directory: Path, within: InputDir | None = None) -> list[Path]:
+    """The safetensors files of a model directory: its index's shards, or model.safetensors
+    (listed and validated through the directory's descriptor, `within` or opened here)."""
+    within = within or InputDir(directory)
+    if any(n.endswith(INDEX_SUFFIX) for n in within.names()):
+        index = load_index(directory, within)
         return [index.directory / s for s in index.shards]
     return [directory / SINGLE_FILE]
 

@@ -21,6 +21,7 @@ from qtool.formats.ct_read import (
 )
 from qtool.formats.ct_tensors import dequantize_named
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
+from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
 from qtool.spec import QSpec
 
@@ -30,11 +31,14 @@ class ModelReader:
 
     def __init__(self, path: Path) -> None:
         self.path = config_path(path).parent
-        config = read_config(self.path) if is_compressed_tensors(self.path) else None
+        self.within = InputDir(self.path)  # every file below is read through this descriptor
+        ct = is_compressed_tensors(self.path, self.within)
+        config = read_config(self.path, self.within) if ct else None
         self._ckpts: list[Checkpoint] = []
+        self.shard_paths = model_shards(self.path, self.within)
         try:
-            for shard in model_shards(self.path):
-                self._ckpts.append(open_checkpoint(shard))
+            for shard in self.shard_paths:
+                self._ckpts.append(open_checkpoint(shard, self.within))
         except BaseException:
             self.close()
             raise

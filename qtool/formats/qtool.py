@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,14 +246,25 @@ def _parse_granularity(r: dict[str, object], version: int, ndim: int) -> Granula
     return granularity
 
 
-def data_digest(path: Path, header: Header) -> str:
-    """SHA-256 of a safetensors file's data section (the sidecar's scales and zero points)."""
+def data_digest(path: Path, header: Header, fd: int | None = None) -> str:
+    """SHA-256 of a safetensors file's data section (the sidecar's scales and zero points);
+    read through `fd` (already open and checked) when given."""
     digest = hashlib.sha256()
-    with open_regular(path) as f:
-        f.seek(header.data_start)
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    _hash_from(digest, path, fd, header.data_start)
     return digest.hexdigest()
+
+
+def _hash_from(digest: hashlib._Hash, path: Path, fd: int | None, start: int) -> None:
+    if fd is None:
+        with open_regular(path) as f:
+            f.seek(start)
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return
+    offset = start
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
 
 
 def is_quantized(metadata: dict[str, str] | None) -> bool:
@@ -267,12 +279,11 @@ def tensor_table(entries: Iterable[TensorEntry]) -> bytes:
     return json.dumps(table, separators=(",", ":")).encode("ascii")
 
 
-def binding_digest(entries: Iterable[TensorEntry], sidecar: Path) -> str:
-    """SHA-256 of the quantized file's tensor table, then every byte of the sidecar file."""
+def binding_digest(entries: Iterable[TensorEntry], sidecar: Path, fd: int | None = None) -> str:
+    """SHA-256 of the quantized file's tensor table, then every byte of the sidecar file (read
+    through `fd`, already open and checked, when given)."""
     digest = hashlib.sha256(tensor_table(entries))
-    with open_regular(sidecar) as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    _hash_from(digest, sidecar, fd, 0)
     return digest.hexdigest()
 
 

@@ -27,7 +27,8 @@ from qtool.formats.qtool import (
     zero_point_name,
 )
 from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint, open_checkpoint
-from qtool.io.stformat import TensorEntry, read_header
+from qtool.io.safeopen import InputDir
+from qtool.io.stformat import Header, TensorEntry
 from qtool.numerics import select
 from qtool.spec import QSpec, packed_shape
 
@@ -36,12 +37,22 @@ class QtoolReader(DenseReader):
     """A quantized file and its validated sidecar, read as float tensors (tensors that were not
     quantized read as in any checkpoint)."""
 
-    def __init__(self, src: Path, qparams: Path | None = None) -> None:
+    def __init__(
+        self, src: Path, qparams: Path | None = None, within: InputDir | None = None
+    ) -> None:
+        """`within`: the checkpoint directory `src` and its sidecar lie in, held open (a shard
+        of a sharded set): both are opened through it, never through a link leading out."""
         self.path = src
-        ckpt = open_checkpoint(src)
+        ckpt = open_checkpoint(src, within)
         _refuse_sidecar_as_input(src, ckpt)
         self.sidecar_path = qparams or locate_sidecar(src, ckpt.metadata)[0]
-        if not self.sidecar_path.exists():
+        side_within = within if qparams is None else None
+        exists = (
+            side_within.exists(self.sidecar_path.name)
+            if side_within is not None
+            else self.sidecar_path.exists()
+        )
+        if not exists:
             ckpt.close()
             raise SidecarError(
                 self.sidecar_path,
@@ -50,9 +61,9 @@ class QtoolReader(DenseReader):
             )
         sidecar = None
         try:
-            sidecar = open_checkpoint(self.sidecar_path)
+            sidecar = open_checkpoint(self.sidecar_path, side_within)
             self.manifest: Manifest = parse_manifest(self.sidecar_path, sidecar.metadata)
-            _check_binding(src, ckpt, self.sidecar_path)
+            _check_binding(src, ckpt, self.sidecar_path, sidecar)
             _check_pair(src, ckpt, self.sidecar_path, sidecar, self.manifest)
         except Exception:
             ckpt.close()
@@ -121,14 +132,17 @@ def _refuse_sidecar_as_input(src: Path, ckpt: Checkpoint) -> None:
     )
 
 
-def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path) -> None:
-    """Refuse a pair whose binding digest does not match; files of qtool 0.1.0 carry only the
-    legacy digest of the sidecar's data, which is checked instead."""
+def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkpoint) -> None:
+    """Refuse a pair whose binding digest does not match (the sidecar read through the one
+    descriptor it was opened with); files of qtool 0.1.0 carry only the legacy digest of the
+    sidecar's data, which is checked instead."""
     metadata = ckpt.metadata or {}
+    fd = sidecar.descriptor
     if BINDING_KEY in metadata:
-        expected, actual = metadata[BINDING_KEY], binding_digest(ckpt.entries, side_path)
+        expected, actual = metadata[BINDING_KEY], binding_digest(ckpt.entries, side_path, fd)
     elif DIGEST_KEY in metadata:
-        expected, actual = metadata[DIGEST_KEY], data_digest(side_path, read_header(side_path))
+        header = Header(sidecar.entries, sidecar.metadata, sidecar.data_start)
+        expected, actual = metadata[DIGEST_KEY], data_digest(side_path, header, fd)
     else:
         raise SidecarError(src, "not a qtool-quantized file (no qparams digest in its metadata)")
     if actual != expected:

@@ -65,6 +65,15 @@ class Checkpoint:
     _stat: tuple[int, int] = (0, 0)
     _by_name: dict[str, TensorEntry] = field(default_factory=dict)
 
+    @property
+    def descriptor(self) -> int | None:
+        """The open safetensors file this checkpoint reads through (None: a pickle)."""
+        return self._fd if self._fd >= 0 else None
+
+    @property
+    def data_start(self) -> int:
+        return self._data_start
+
     def by_name(self) -> dict[str, TensorEntry]:
         """Entries by tensor name (built once: callers look tensors up one by one)."""
         if len(self._by_name) != len(self.entries):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
+from qtool import patterns
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError, RecipeError
 from qtool.spec import (
@@ -103,8 +104,11 @@ class Rule:
 
     def matches(self, name: str) -> bool:
         """Glob on the whole name, or `re:` + a regular expression matching the whole name."""
-        if self.pattern.startswith("re:"):
-            return re.fullmatch(self.pattern[3:], name) is not None
+        if self.pattern.startswith("re:"):  # bounded: a recipe's pattern cannot hang qtool
+            try:
+                return patterns.matches(self.pattern[3:], name, full=True)
+            except patterns.PatternError as err:
+                raise RecipeError(self.file, f"line {self.line}: {err}") from None
         return fnmatch.fnmatchcase(name, self.pattern)
 
     def describe(self) -> str:

@@ -202,8 +202,18 @@ def check_spec(spec: QSpec) -> None:
 
 
 def ignore_list(selections: Iterable[Selection]) -> list[str]:
-    """Every Linear kept in float, by exact module name, sorted."""
-    return sorted({s.module for s in selections if s.module is not None and s.spec is None})
+    """Every Linear kept in float, by exact module name (literal_target), sorted."""
+    kept = {s.module for s in selections if s.module is not None and s.spec is None}
+    return sorted(literal_target(m) for m in kept)
+
+
+def literal_target(module: str) -> str:
+    """A target (or ignore entry) compressed-tensors reads as exactly this module name: a name
+    it would read otherwise (`re:...` is a regex to it; a dot-less capitalised name such as
+    `Linear` is a class name) is written as an anchored, escaped regex."""
+    if module.startswith("re:") or ("." not in module and module[:1].isupper()):
+        return "re:" + re.escape(module) + r"\Z"
+    return module
 
 
 def fused_inconsistencies(selections: Iterable[Selection]) -> list[str]:

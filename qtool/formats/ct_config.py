@@ -22,6 +22,7 @@ from qtool.formats.compressed_tensors import (
     Selection,
     check_spec,
     ignore_list,
+    literal_target,
 )
 from qtool.spec import MSE_ALGORITHM, SEMANTICS, PerGroup, QSpec, RangeMethod, Scheme, StorageDtype
 
@@ -76,7 +77,9 @@ def config_groups(selections: Iterable[Selection]) -> dict[str, dict[str, object
     catch_all = counts.most_common(1)[0][0]
     ordered = [key for key in modules if key != catch_all] + [catch_all]
     return {
-        f"group_{i}": _group(["Linear"] if key == catch_all else modules[key], dict(key))
+        f"group_{i}": _group(
+            ["Linear"] if key == catch_all else [literal_target(m) for m in modules[key]], dict(key)
+        )
         for i, key in enumerate(ordered)
     }
 

@@ -14,12 +14,12 @@ no module classes: a Linear class target matches every module that holds quantiz
 from __future__ import annotations
 
 import math
-import re
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from qtool import patterns
 from qtool.errors import InputError
 from qtool.formats import ct_coerce
 from qtool.formats.compressed_tensors import FORMAT, PACK_QUANTIZED
@@ -189,8 +189,8 @@ def target_matches(target: str, module: str) -> int | None:
     """0 exact name, 1 `re:` regex, 2 a Linear class name (`Linear`, vLLM's `LinearBase`:
     every module holding quantized tensors is one); None: no match (other class names, such
     as `LayerNorm` in an ignore list, name no quantized module)."""
-    if target.startswith("re:"):
-        return 1 if re.match(target[3:], module) else None
+    if target.startswith("re:"):  # bounded: a pattern from a file cannot hang qtool
+        return 1 if patterns.matches(target[3:], module) else None
     if target == module:
         return 0
     return 2 if _is_class_name(target) and "Linear" in target else None
@@ -239,14 +239,19 @@ def quantized_modules(names: Iterable[str], config: CtConfig) -> list[CtModule]:
     suffixes = (".weight_packed", ".weight_scale")
     modules = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith(suffixes)})
     found = []
-    for m in modules:
-        if f"{m}.weight_g_idx" in names:
-            raise ValueError(f"{m}: activation ordering (weight_g_idx) is not supported")
-        group = resolve(m, config)
-        if group is None:
-            raise ValueError(f"{m} holds quantized tensors but no config group targets it")
-        found.append(CtModule(m, group))
+    with patterns.bounded():
+        for m in modules:
+            found.append(_quantized_module(m, names, config))
     return found
+
+
+def _quantized_module(m: str, names: set[str], config: CtConfig) -> CtModule:
+    if f"{m}.weight_g_idx" in names:
+        raise ValueError(f"{m}: activation ordering (weight_g_idx) is not supported")
+    group = resolve(m, config)
+    if group is None:
+        raise ValueError(f"{m} holds quantized tensors but no config group targets it")
+    return CtModule(m, group)
 
 
 def packed_words(n: int, bits: int) -> int:

@@ -160,8 +160,14 @@ def _unpack_rows(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tenso
 
 
 def _zero_point(zp: torch.Tensor | None, args: CtArgs, n: int, packed: bool) -> torch.Tensor:
-    """Signed zero points [N or 1, groups] (zeros when symmetric)."""
+    """Signed zero points [N or 1, groups] (zeros when symmetric; a stored zero point under a
+    symmetric scheme is a contradiction, refused rather than ignored)."""
     if args.symmetric:
+        if zp is not None:
+            raise ValueError(
+                "weight_zero_point is stored but the scheme says symmetric; the config and the "
+                "tensors disagree (check `symmetric` in its config group)"
+            )
         return torch.zeros(1, 1, dtype=torch.int8)
     if zp is None:
         raise ValueError("asymmetric scheme without weight_zero_point")
@@ -182,22 +188,71 @@ def _require(
 
 
 def dequantize_module(tensors: Mapping[str, torch.Tensor], args: CtArgs, fmt: str) -> torch.Tensor:
-    """x_hat [N, K] in the scale's dtype: (q - zero_point) * scale in float32, cast once."""
+    """x_hat [N, K] in the scale's dtype: (q - zero_point) * scale in float32, cast once. The
+    scale is validated first (check_scale), its shape against the strategy, the zero point's
+    against the scale's."""
     q, zp = module_codes(tensors, args, fmt)
     scale = _require(tensors, "weight_scale", None)
     n, k = q.shape
+    groups = _scale_groups(args, scale, n, k)
+    if zp.numel() != 1 and tuple(zp.shape) not in ((n, groups), (1, groups)):
+        raise ValueError(
+            f"weight_zero_point of shape {tuple(zp.shape)} does not fit {args.strategy} "
+            f"scales of shape {tuple(scale.shape)}"
+        )
+    check_scale(scale, q, zp)
     if args.strategy == "group":
-        g = args.group_size
-        assert g is not None
-        if k % g or scale.shape != (n, k // g):
-            raise ValueError(
-                f"group size {g}: weight_scale {tuple(scale.shape)} does not fit K = {k}"
-            )
-        diff = q.view(n, k // g, g).float() - zp.float().reshape(zp.shape[0], -1, 1)
+        g = k // groups
+        diff = q.view(n, groups, g).float() - zp.float().reshape(zp.shape[0], -1, 1)
         out = (diff * scale.float().reshape(n, -1, 1)).reshape(n, k)
+    elif args.strategy == "tensor":
+        out = (q.float() - zp.float().reshape(-1)[0]) * scale.float().reshape(())
     else:
         out = (q.float() - zp.float().reshape(zp.shape[0], -1)) * scale.float().reshape(-1, 1)
     return out.to(scale.dtype)
+
+
+def _scale_groups(args: CtArgs, scale: torch.Tensor, n: int, k: int) -> int:
+    """Groups per row that `scale`'s shape holds for this strategy (ValueError when the shape
+    disagrees with the strategy: channel scales are [N, 1] or [N], groups [N, K / G], tensor
+    one value)."""
+    shape = tuple(scale.shape)
+    if args.strategy == "group":
+        g = args.group_size
+        assert g is not None
+        if k % g or shape != (n, k // g):
+            raise ValueError(
+                f"strategy group {g}: weight_scale of shape {shape} does not fit a [{n}, {k}] "
+                f"weight (expected [{n}, {k // g if not k % g else f'{k}/{g}'}])"
+            )
+        return k // g
+    if args.strategy == "channel" and shape not in ((n, 1), (n,)):
+        raise ValueError(
+            f"strategy channel: weight_scale of shape {shape} does not fit a [{n}, {k}] weight "
+            f"(expected [{n}, 1]; the config's strategy and the scales disagree)"
+        )
+    if args.strategy == "tensor" and scale.numel() != 1:
+        raise ValueError(
+            f"strategy tensor: weight_scale of shape {shape} holds {scale.numel()} values, "
+            "not one (the config's strategy and the scales disagree)"
+        )
+    return 1
+
+
+def check_scale(scale: torch.Tensor, q: torch.Tensor, zp: torch.Tensor) -> None:
+    """The qtool sidecar's rules for a scale read from someone else's file: a float dtype,
+    every value finite and positive, and no code that dequantizes to infinity in that dtype."""
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"weight_scale is {scale.dtype}, not a float tensor")
+    values = scale.float()
+    if not bool(values.isfinite().all()) or bool((values <= 0).any()):
+        raise ValueError("weight_scale holds zero, negative, NaN or Inf values")
+    if q.numel():
+        reach = (q.float().abs().amax() + zp.float().abs().amax()) * values.amax()
+        if not bool(torch.isfinite(reach.to(scale.dtype))):
+            raise ValueError(
+                f"weight_scale values so large that codes dequantize to infinity in {scale.dtype}"
+            )
 
 
 def dequantize_named(

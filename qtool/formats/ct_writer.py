@@ -64,6 +64,21 @@ def _check_fused(selections: Sequence[ct.Selection]) -> None:
         )
 
 
+def _refuse_nothing_quantized(selections: Sequence[ct.Selection]) -> None:
+    """InputError when no Linear is quantized (`--exclude '*'`, a recipe keeping everything,
+    a budget that keeps every tensor): such an export would be the float model under a
+    quantization_config with no config group, which loaders need not accept; qtool refuses to
+    write it rather than write something it cannot vouch for."""
+    if not any(s.spec is not None for s in selections):
+        raise InputError(
+            None,
+            "no Linear layer is left to quantize (every one is excluded or kept float), so a "
+            "compressed-tensors export would quantize nothing; narrow the exclusions, or use "
+            "the float model as it is",
+            hint="exclude",
+        )
+
+
 class CompressedTensorsFormat:
     """compressed-tensors `pack-quantized`: a model directory transformers and vLLM load."""
 
@@ -101,6 +116,7 @@ class CompressedTensorsFormat:
             raise InputError(None, str(err), hint="dtype") from None
         chosen = ct.resolve_groups(chosen, self.fallback)
         _check_fused(chosen)
+        _refuse_nothing_quantized(chosen)
         return list(chosen)
 
     def fused_key(self, name: str) -> str | None:
@@ -124,6 +140,7 @@ class CompressedTensorsFormat:
         tensor kept after planning (--keep-nonfinite) split a fused set."""
         selections = [_selection(p, self.config) for p in planned]
         _check_fused(selections)
+        _refuse_nothing_quantized(selections)
         candidates = {
             p.entry.name: list(c)
             for p in planned

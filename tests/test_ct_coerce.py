@@ -47,8 +47,9 @@ def _reference(w: dict[str, object]) -> dict[str, object] | None:
         except Exception:  # ValidationError, and the TypeError its validators can raise
             return None
     strategy = a.strategy.value if hasattr(a.strategy, "value") else a.strategy
+    kind = a.type if isinstance(a.type, str) else a.type.value
     return {"num_bits": a.num_bits, "symmetric": a.symmetric, "group_size": a.group_size,
-            "strategy": strategy, "type": a.type if isinstance(a.type, str) else a.type.value}  # fmt: skip
+            "strategy": strategy, "type": kind}  # fmt: skip
 
 
 def _ours(w: dict[str, object]) -> dict[str, object] | None:
@@ -155,8 +156,8 @@ def test_a_catastrophic_recipe_pattern_finishes_fast(tmp_path: Path) -> None:
     recipe = tmp_path / "r.toml"
     recipe.write_text('[[rule]]\nmatch = "re:(.+)+X"\nkeep = "hostile"\n')
     started = time.monotonic()
-    result = CliRunner().invoke(app, ["quantize", str(SAMPLES / "tiny-llama"), *CT, "--recipe",
-                                      str(recipe), "-o", str(tmp_path / "o"), "--dry-run"])  # fmt: skip
+    args = ["quantize", str(SAMPLES / "tiny-llama"), *CT, "--recipe", str(recipe)]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "o"), "--dry-run"])
     assert time.monotonic() - started < 20
     assert result.exit_code != 0 and "backtracks catastrophically" in result.stderr, result.stderr
 
@@ -203,8 +204,12 @@ def test_an_empty_config_groups_written_by_another_tool_reads_as_float(tmp_path:
     src = tmp_path / "m"
     shutil.copytree(SAMPLES / "tiny-llama", src)
     doc = json.loads((src / "config.json").read_text())
-    doc["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
-                                  "quantization_status": "compressed", "format": "dense"}  # fmt: skip
+    doc["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {},
+        "quantization_status": "compressed",
+        "format": "dense",
+    }
     (src / "config.json").write_text(json.dumps(doc))
     result = CliRunner().invoke(app, ["inspect", str(src)])
     assert result.exit_code == 0, result.stderr

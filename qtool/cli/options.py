@@ -83,7 +83,13 @@ def _mse_bound(value: float | None) -> float | None:
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
 ]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace existing output files.")]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace existing output files (an output directory: only a previous qtool export).",
+    ),
+]
 MaxMseOpt = Annotated[
     float | None,
     typer.Option(

@@ -192,7 +192,7 @@ def test_a_module_named_like_a_regex_goes_into_ignore_escaped(tmp_path: Path) ->
     assert CliRunner().invoke(app, ["inspect", str(out)]).exit_code == 0
 
 
-def test_exclude_everything_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+def test_exclude_everything_is_refused_and_nothing_appears(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["quantize", str(SAMPLES / "tiny-llama"), *CT, "-o",
                                       str(tmp_path / "q"), "--exclude", "*"])  # fmt: skip
     assert result.exit_code == 1 and "no Linear layer is left to quantize" in result.stderr

@@ -116,7 +116,6 @@ class CompressedTensorsFormat:
             raise InputError(None, str(err), hint="dtype") from None
         chosen = ct.resolve_groups(chosen, self.fallback)
         _check_fused(chosen)
-        _refuse_nothing_quantized(chosen)
         return list(chosen)
 
     def fused_key(self, name: str) -> str | None:

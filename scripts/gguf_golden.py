@@ -3,7 +3,8 @@
 Run by hand (not in CI): it compiles ggml-quants.c from a llama.cpp source tree you give it,
 as llama.cpp's x86-64 release build compiles it (the ggml-base library: -O3 -DNDEBUG, no
 -march flag, so no FMA and nothing to contract), in a temporary directory, loads it with ctypes
-and writes the inputs and the raw block bytes of quantize_row_q{2..6}_K_ref to an .npz. The C
+and writes the inputs and the raw block bytes of quantize_row_q{2..6}_K_ref to an .npz, and of
+the legacy types for the hostile rows and blocks where only a zero's sign differs. The C
 source is never copied into the repository.
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/src
@@ -114,6 +115,24 @@ def golden_inputs(seed: int = 23) -> np.ndarray:
     return np.stack([np.asarray(r, dtype=np.float32) for r in rows])
 
 
+def signed_zero_rows() -> np.ndarray:
+    """(3, 256): blocks of 32 where only the sign of a zero tells C from numpy: +0.0 and -0.0
+    both present at the minimum (Q4_1/Q5_1 store it), all-zero blocks starting with -0.0
+    (Q4_0/Q5_0 store max / -8)."""
+    blocks = []
+    for a, b in [(0.0, -0.0), (-0.0, 0.0)]:
+        for i, j in [(8, 25), (25, 8), (0, 31), (31, 0), (3, 4)]:
+            for fill in (1.0, -1.0):
+                block = np.full(32, fill, dtype=np.float32)
+                block[i], block[j] = a, b
+                blocks.append(block)
+    for first in range(4):
+        block = np.zeros(32, dtype=np.float32)
+        block[: first + 1] = -0.0
+        blocks.append(block)
+    return np.stack(blocks).reshape(3, 256)
+
+
 def check_gguf_py(lib: ctypes.CDLL, x: np.ndarray) -> None:
     """Print whether gguf.quants (when installed) gives the C reference's bytes (legacy types)."""
     try:
@@ -155,7 +174,12 @@ def main() -> None:
             return
         lib = build(args.ggml, Path(tmp), RELEASE_FLAGS, "ref")
         check_gguf_py(lib, x)
+        check_gguf_py(lib, signed_zero_rows())
         outputs = {qtype.lower(): quantize(lib, qtype, x) for qtype in TYPES}
+        legacy_x = np.concatenate([x[: len(hostile_rows(np.random.default_rng(), QK_K))],
+                                   signed_zero_rows()])  # fmt: skip
+        outputs |= {f"legacy_{t.lower()}": quantize(lib, t, legacy_x) for t in LEGACY}
+        outputs["legacy_x"] = legacy_x
     args.out.parent.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, Any] = {
         "x": x,

@@ -31,10 +31,11 @@ def nearest_int(f: torch.Tensor) -> torch.Tensor:
     """ggml's nearest_int: int32 round-half-even of float32 `f` by the 1.5*2**23 trick.
 
     Past |f| > 4194303 (where ggml asserts in debug builds only) the result is what the trick
-    gives, as in release builds; NaN gives 0, as x86's default NaN (mantissa 0x400000) does."""
+    gives, as in release builds; NaN gives 0, as x86's default NaN (mantissa 0x400000) does.
+    On CPU torch's NaNs are that default NaN already; CUDA's canonical NaN is not."""
     bits = (f + _MAGIC).view(torch.int32)
     out = (bits & 0x007FFFFF) - 0x00400000
-    return torch.where(torch.isnan(f), 0, out)
+    return out if f.device.type == "cpu" else torch.where(torch.isnan(f), 0, out)
 
 
 def sqrtf(f: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0: blocks of 32 with one fp16 scale (and minimum).
 
-Quantize gives gguf-py's `gguf.quants` bytes (which equal ggml's quantize_row_*_ref built
-without FMA contraction); dequantize gives its floats. Each function maps (n_blocks, 32)
+Quantize gives the bytes of ggml's quantize_row_*_ref (built without FMA contraction), which
+are gguf-py's `gguf.quants` bytes except for the sign of a zero scale or minimum: C keeps the
+first of +0.0/-0.0 it meets and starts Q4_0/Q5_0's signed maximum at +0.0, numpy's reductions
+do not (same floats when dequantized; tests/test_numerics_gguf.py shows both). Dequantize gives
+gguf.quants' floats. Each function maps (n_blocks, 32)
 float32 to (n_blocks, type_size) uint8 or back.
 """
 
@@ -23,8 +26,20 @@ _HALF = 16  # a block of 32 packs element j with element j + 16
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
-    """(n, 1) the first element of largest magnitude, with its sign (C: `if (amax < |v|)`)."""
-    return blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    """(n, 1) the first element of largest magnitude, with its sign, or +0.0 when all are
+    zero (C: `float max = 0; if (amax < fabsf(v)) ...`; numpy takes a first -0.0)."""
+    amax, first = blocks.abs().max(-1, keepdim=True)
+    return torch.where(amax == 0, 0.0, blocks.gather(-1, first))
+
+
+def _first_extremes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 1) min and max as C's `if (v < min) min = v` finds them: of +0.0 and -0.0 the one
+    met first (torch's and numpy's reductions pick either; the sign lands in the file)."""
+    out = []
+    for extreme in (blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)):
+        first = (blocks == extreme).to(torch.uint8).argmax(-1, keepdim=True)
+        out.append(blocks.gather(-1, first))
+    return out[0], out[1]
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -51,7 +66,7 @@ def quantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)  # (n, 1)
+    lo, hi = _first_extremes(blocks)  # (n, 1)
     d = div(hi - lo, 15.0, blocks)
     q = _codes((blocks - lo) * _inverse(d) + 0.5, 15)
     packed = pack_nibbles(q[:, :_HALF], q[:, _HALF:])
@@ -66,7 +81,7 @@ def quantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    lo, hi = _first_extremes(blocks)
     d = div(hi - lo, 31.0, blocks)
     q = _codes((blocks - lo) * _inverse(d) + 0.5, 31)
     packed = pack_nibbles(q[:, :_HALF], q[:, _HALF:])

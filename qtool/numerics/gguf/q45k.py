@@ -68,8 +68,11 @@ def _fit(
     """The least-squares scale and min of x ~ scale * Laux + min (S,), its weighted squared
     error and whether the fit exists (D > 0), as make_qkx2_quants' loop body computes them."""
     lf = Laux.to(torch.float32)
-    wl = w * lf  # (32, S)
-    sum_l, sum_l2, sum_xl = seqsum(torch.stack([wl, wl * lf, wl * x], 1)).unbind(0)
+    terms = torch.empty(lf.shape[0], 3, lf.shape[1], device=x.device)  # (32, 3, S)
+    wl = torch.mul(w, lf, out=terms[:, 0])
+    torch.mul(wl, lf, out=terms[:, 1])
+    torch.mul(wl, x, out=terms[:, 2])
+    sum_l, sum_l2, sum_xl = seqsum(terms).unbind(0)
     D = sum_w * sum_l2 - sum_l * sum_l
     this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
     this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D

@@ -103,3 +103,26 @@ _FORMATS = {
     ValueType.STRING: "", ValueType.ARRAY: "", ValueType.UINT64: "<Q", ValueType.INT64: "<q",
     ValueType.FLOAT64: "<d",
 }  # fmt: skip
+
+
+# llama-quantize's tensor_type_fallback (llama-quant.cpp): the type a tensor gets when its rows
+# are not whole blocks of the one asked for; F16 when the fallback does not fit either.
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+             "TQ1_0": "Q4_0", "TQ2_0": "Q4_0", "Q2_0": "Q4_0", "IQ1_S": "IQ4_NL",
+             "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
+             "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL"}  # fmt: skip
+
+
+def fallback_type(target: str | int | GGMLType, row_length: int) -> GGMLType:
+    """The type llama-quantize writes for rows of `row_length` asked to be `target`: the target
+    when rows are whole blocks, else its fallback (Q4_K -> Q5_0, Q6_K -> Q8_0, ...), else F16.
+    KeyError for a 256-block type llama.cpp defines no fallback for (Q8_K)."""
+    t = ggml_type(target)
+    if row_length % t.block_size == 0:
+        return t
+    if t.block_size <= 32:
+        return GGML_TYPES["F16"]
+    if t.name not in _FALLBACK:
+        raise KeyError(f"llama.cpp defines no fallback for {t.name}")
+    fallback = GGML_TYPES[_FALLBACK[t.name]]
+    return fallback if row_length % fallback.block_size == 0 else GGML_TYPES["F16"]

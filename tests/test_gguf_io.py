@@ -259,3 +259,30 @@ def test_views_outlive_close_and_are_read_only(tmp_path: Path) -> None:
     assert view.tolist() == np.arange(12).reshape(3, 4).tolist()
     with pytest.raises(ValueError, match="read-only"):
         view[0, 0] = 1
+
+
+def test_gguf_py_custom_alignment_is_read(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(tmp_path / "a.gguf", "llama")
+    w.add_custom_alignment(64)
+    w.add_tensor("a", np.ones(3, dtype=np.float32))
+    w.add_tensor("b", np.arange(5, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with GGUFFile(tmp_path / "a.gguf") as f:
+        assert f.header.alignment == 64
+        assert f.header.data_start % 64 == 0
+        assert [t.offset for t in f.header.tensors] == [0, 64]
+        assert f.tensor_array(f.header.tensors[1]).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_big_endian_gguf_is_refused_clearly(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(tmp_path / "be.gguf", "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_tensor("a", np.ones(3, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match="big-endian GGUF file"):
+        GGUFFile(tmp_path / "be.gguf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qtool.gguf_types import GGML_TYPES, GGML_TYPES_BY_ID, ValueType, ggml_type
+from qtool.gguf_types import GGML_TYPES, GGML_TYPES_BY_ID, ValueType, fallback_type, ggml_type
 
 gguf = pytest.importorskip("gguf")
 
@@ -32,3 +32,25 @@ def test_lookup_by_name_id_or_type() -> None:
         q4k.row_bytes(100)
     with pytest.raises(KeyError):
         ggml_type(4)  # Q4_2, removed from ggml
+
+
+@pytest.mark.parametrize(
+    ("target", "row", "expected"),
+    [
+        ("Q4_K", 512, "Q4_K"),
+        ("Q4_K", 96, "Q5_0"),
+        ("Q5_K", 96, "Q5_1"),
+        ("Q6_K", 96, "Q8_0"),
+        ("Q2_K", 96, "Q4_0"),
+        ("Q6_K", 100, "F16"),
+        ("Q8_0", 100, "F16"),
+        ("IQ2_XS", 64, "IQ4_NL"),
+    ],
+)
+def test_fallback_types_are_llama_quantize_ones(target: str, row: int, expected: str) -> None:
+    assert fallback_type(target, row).name == expected
+
+
+def test_q8_k_has_no_fallback() -> None:
+    with pytest.raises(KeyError, match="no fallback for Q8_K"):
+        fallback_type("Q8_K", 32)

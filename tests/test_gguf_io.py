@@ -17,7 +17,8 @@ from qtool.errors import InputError
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io import gguf_header
 from qtool.io.gguf_file import GGUFFile
-from qtool.io.gguf_header import GGUFValue, parse_header
+from qtool.io.gguf_header import parse_header
+from qtool.io.gguf_layout import GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header, write_gguf
 from qtool.numerics import gguf as G
 from tests.corpus_gguf import CASES, GGUFCase

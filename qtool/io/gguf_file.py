@@ -20,7 +20,8 @@ from types import TracebackType
 import numpy as np
 
 from qtool.errors import InputError
-from qtool.io.gguf_header import GGUFHeader, GGUFHeaderError, GGUFTensorInfo, parse_header
+from qtool.io.gguf_header import GGUFHeaderError, parse_header
+from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
 
 # ggml types whose elements are plain little-endian numbers

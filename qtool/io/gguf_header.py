@@ -15,8 +15,8 @@ them too), and string arrays are capped in total. Torch-free; numeric arrays are
 
 from __future__ import annotations
 
+import codecs
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +28,13 @@ from qtool.gguf_types import (
     GGMLType,
     ValueType,
 )
+from qtool.io.gguf_layout import (
+    GGUFHeader,
+    GGUFTensorInfo,
+    GGUFValue,
+    align,
+    tensor_nbytes,
+)
 
 MAX_NAME_BYTES = 63  # GGML_MAX_NAME - 1
 MAX_DIMS = 4
@@ -37,77 +44,16 @@ MAX_STRINGS = 1 << 22  # strings in all arrays together (a vocabulary and its me
 MAX_COUNT = 1 << 24  # tensors, and key/value pairs
 INT64_MAX = (1 << 63) - 1
 
-Value = int | float | bool | str | tuple[str, ...] | np.ndarray
-
 
 class GGUFHeaderError(ValueError):
     """The bytes are not a valid GGUF file; the message says what is wrong and where."""
-
-
-@dataclass(frozen=True, eq=False)
-class GGUFValue:
-    """One metadata value with its GGUF type; an ARRAY holds `item_type` items: a tuple of str
-    or a read-only 1-D numpy array of the item type (bool as numpy bool). No `==`: arrays."""
-
-    type: ValueType
-    value: Value
-    item_type: ValueType | None = None
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """One tensor: `shape` in GGUF order (shape[0] = ne[0], the contiguous row), `offset` from
-    the start of the data section. torch's shape is the reverse."""
-
-    name: str
-    type: GGMLType
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def torch_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape))
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """A validated header: metadata in file order, tensors in file (= data) order."""
-
-    version: int
-    metadata: dict[str, GGUFValue]
-    tensors: tuple[GGUFTensorInfo, ...]
-    alignment: int
-    data_start: int  # absolute offset of the data section
-
-    def by_name(self) -> dict[str, GGUFTensorInfo]:
-        return {t.name: t for t in self.tensors}
-
-
-def tensor_nbytes(type_: GGMLType, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of `shape` (GGUF order; shape[0] a multiple of the block size)."""
-    n = type_.row_bytes(shape[0] if shape else 1)
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def align(n: int, alignment: int) -> int:
-    return n + (-n % alignment)
 
 
 class _Cursor:
     """Reads little-endian fields from `buf`, refusing any that runs past its end."""
 
     def __init__(self, buf: memoryview) -> None:
-        self.buf, self.pos, self.strings = buf, 0, 0
+        self.buf, self.pos, self.n_strings = buf, 0, 0
 
     def left(self) -> int:
         return len(self.buf) - self.pos
@@ -139,6 +85,31 @@ class _Cursor:
             return str(raw, "utf-8")
         except UnicodeDecodeError as err:
             raise GGUFHeaderError(f"{what} is not UTF-8 (byte {err.start})") from None
+
+    def strings(self, n: int, key: str) -> tuple[str, ...]:
+        """n strings in a row (a vocabulary: the loop of `string`, without its per-item cost)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out: list[str] = []
+        append, decode = out.append, codecs.utf_8_decode
+        for j in range(n):
+            start = pos + 8
+            length = _LENGTH(buf, pos)[0] if start <= end else -1
+            stop = start + length
+            if length < 0 or length > MAX_STRING_BYTES or stop > end:
+                self.pos = pos
+                self.string(f"item {j} of {key!r}")  # raises, saying what is truncated
+            try:
+                append(decode(buf[start:stop], "strict", True)[0])
+            except UnicodeDecodeError as err:
+                raise GGUFHeaderError(
+                    f"item {j} of {key!r} is not UTF-8 (byte {err.start})"
+                ) from None
+            pos = stop
+        self.pos = pos
+        return tuple(out)
+
+
+_LENGTH = struct.Struct("<Q").unpack_from
 
 
 def parse_header(buf: memoryview) -> GGUFHeader:
@@ -214,11 +185,10 @@ def _value(cur: _Cursor, key: str) -> GGUFValue:
     if n > MAX_ARRAY_ITEMS or n * size > cur.left():
         raise GGUFHeaderError(f"key {key!r} declares {n} items, more than the file holds")
     if item is ValueType.STRING:
-        cur.strings += n
-        if cur.strings > MAX_STRINGS:
+        cur.n_strings += n
+        if cur.n_strings > MAX_STRINGS:
             raise GGUFHeaderError(f"more than {MAX_STRINGS} strings in arrays (at key {key!r})")
-        items = tuple(cur.string(f"item {j} of {key!r}") for j in range(n))
-        return GGUFValue(vtype, items, item)
+        return GGUFValue(vtype, cur.strings(n, key), item)
     raw = cur.take(n * size, f"the items of {key!r}")
     array = np.frombuffer(raw, dtype=item.struct_format.replace("?", "b")).copy()
     array = array.astype(bool) if item is ValueType.BOOL else array

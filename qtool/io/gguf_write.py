@@ -33,15 +33,8 @@ from qtool.gguf_types import (
     ggml_type,
 )
 from qtool.io.atomic import OutputSet
-from qtool.io.gguf_header import (
-    MAX_DIMS,
-    MAX_NAME_BYTES,
-    GGUFHeader,
-    GGUFTensorInfo,
-    GGUFValue,
-    align,
-    tensor_nbytes,
-)
+from qtool.io.gguf_header import MAX_DIMS, MAX_NAME_BYTES
+from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo, GGUFValue, align, tensor_nbytes
 
 TensorSpec = tuple[str, str | GGMLType, Sequence[int]]  # name, ggml type, shape (GGUF order)
 Buffer = bytes | bytearray | memoryview | np.ndarray

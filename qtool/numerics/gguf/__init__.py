@@ -4,11 +4,13 @@
     dequantize(raw, "Q4_K")    uint8 (..., n // 256 * 144) -> float32 (..., n)
 
 Quantize gives the bytes of llama.cpp's reference quantizers on the same float32 input
-(`llama-quantize` without an importance matrix): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 as gguf-py's
-`gguf.quants`, Q4_K, Q5_K and Q6_K as ggml's quantize_row_*_K_ref in an x86-64 release build
-(no FMA contraction; a build that contracts, e.g. -march=native or most ARM builds, gives other
-bytes in a few percent of K-quant rows). Dequantize gives gguf.quants.dequantize's floats for
-every type here. Input of any float dtype is converted to float32 first, as ggml does. No I/O.
+(`llama-quantize` without an importance matrix), ggml's quantize_row_*_ref in an x86-64
+release build: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (= gguf-py's `gguf.quants` but for the sign of a
+zero scale or minimum, see legacy.py), Q4_K, Q5_K, Q6_K. That build does not contract a*b+c
+into FMAs; one that does (-march=native, most ARM builds) gives other bytes in up to a quarter
+of K-quant rows (scripts/gguf_golden.py --fma-study). Dequantize gives the floats of
+gguf.quants.dequantize for every type here. Input of any float dtype is converted to float32
+first, as ggml does. No I/O.
 """
 
 from __future__ import annotations

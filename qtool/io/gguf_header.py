@@ -1,0 +1,266 @@
+"""The GGUF container (llama.cpp): a bounded parser for hostile files and the header values.
+
+Layout (little-endian): "GGUF", version u32, n_tensors u64, n_kv u64, the key/value pairs
+(key string, value type u32, value), the tensor infos (name string, n_dims u32, ne u64 x
+n_dims, ggml type u32, offset u64), zero padding to the alignment, then the tensor data, each
+tensor at the aligned end of the one before. A string is a u64 length and UTF-8 bytes.
+
+The checks are ggml's own (gguf.cpp gguf_init_from_reader and llama.cpp's loader: versions 2
+and 3, unique non-empty keys, unique names under 64 bytes, at most 4 dims, known types, rows
+whole blocks, offsets exactly where ggml expects them, data inside the file) plus bounds that
+keep memory proportional to the file: every count and length is checked against the bytes left
+before anything is allocated, strings must be UTF-8, arrays of arrays are refused (ggml refuses
+them too), and string arrays are capped in total. Torch-free; numeric arrays are numpy.
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+
+import numpy as np
+
+from qtool.gguf_types import (
+    ALIGNMENT_KEY,
+    GGML_TYPES_BY_ID,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLType,
+    ValueType,
+)
+from qtool.io.gguf_layout import (
+    GGUFHeader,
+    GGUFTensorInfo,
+    GGUFValue,
+    align,
+    tensor_nbytes,
+)
+
+MAX_NAME_BYTES = 63  # GGML_MAX_NAME - 1
+MAX_DIMS = 4
+MAX_STRING_BYTES = 1 << 30  # GGUF_MAX_STRING_LENGTH
+MAX_ARRAY_ITEMS = 1 << 30  # GGUF_MAX_ARRAY_ELEMENTS
+MAX_STRINGS = 1 << 22  # strings in all arrays together (a vocabulary and its merges: < 1M)
+MAX_COUNT = 1 << 24  # tensors, and key/value pairs
+INT64_MAX = (1 << 63) - 1
+
+
+class GGUFHeaderError(ValueError):
+    """The bytes are not a valid GGUF file; the message says what is wrong and where."""
+
+
+class _Cursor:
+    """Reads little-endian fields from `buf`, refusing any that runs past its end."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos, self.n_strings = buf, 0, 0
+
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n > self.left():
+            raise GGUFHeaderError(
+                f"truncated: {what} at byte {self.pos} needs {n} bytes, {self.left()} are left"
+            )
+        self.pos += n
+        return self.buf[self.pos - n : self.pos]
+
+    def scalar(self, fmt: str, what: str) -> int | float | bool:
+        value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+        return value
+
+    def u32(self, what: str) -> int:
+        return int(self.scalar("<I", what))
+
+    def u64(self, what: str) -> int:
+        return int(self.scalar("<Q", what))
+
+    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
+        n = self.u64(f"the length of {what}")
+        if n > limit:
+            raise GGUFHeaderError(f"{what} is {n} bytes long, over the {limit}-byte limit")
+        raw = self.take(n, what)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError as err:
+            raise GGUFHeaderError(f"{what} is not UTF-8 (byte {err.start})") from None
+
+    def strings(self, n: int, key: str) -> tuple[str, ...]:
+        """n strings in a row (a vocabulary: the loop of `string`, without its per-item cost)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out: list[str] = []
+        append, decode = out.append, codecs.utf_8_decode
+        for j in range(n):
+            start = pos + 8
+            length = _LENGTH(buf, pos)[0] if start <= end else -1
+            stop = start + length
+            if length < 0 or length > MAX_STRING_BYTES or stop > end:
+                self.pos = pos
+                self.string(f"item {j} of {key!r}")  # raises, saying what is truncated
+            try:
+                append(decode(buf[start:stop], "strict", True)[0])
+            except UnicodeDecodeError as err:
+                raise GGUFHeaderError(
+                    f"item {j} of {key!r} is not UTF-8 (byte {err.start})"
+                ) from None
+            pos = stop
+        self.pos = pos
+        return tuple(out)
+
+
+_LENGTH = struct.Struct("<Q").unpack_from
+
+
+def parse_header(buf: memoryview) -> GGUFHeader:
+    """Validate the GGUF file whose whole content is `buf` (GGUFHeaderError if it is bad)."""
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise GGUFHeaderError(f"not a GGUF file: it starts with {bytes(buf[:4])!r}, not b'GGUF'")
+    cur.take(4, "the magic")
+    version = _version(cur.u32("the version"))
+    n_tensors = _count(cur.u64("the tensor count"), "tensors", cur, 8 + 4 + 4 + 8)
+    n_kv = _count(cur.u64("the key/value count"), "key/value pairs", cur, 8 + 1 + 4 + 1)
+    metadata = _metadata(cur, n_kv)
+    alignment = _alignment(metadata)
+    infos = [_tensor_info(cur, i) for i in range(n_tensors)]
+    _unique([name for name, *_ in infos], "tensor name")
+    data_start = align(cur.pos, alignment) if infos else cur.pos
+    return GGUFHeader(version, metadata, _place(infos, alignment, data_start, len(buf)),
+                      alignment, data_start)  # fmt: skip
+
+
+def _version(version: int) -> int:
+    if version & 0xFFFF == 0 and version:
+        raise GGUFHeaderError(
+            f"version field {version:#x}: a big-endian GGUF file (llama.cpp reads little-endian)"
+        )
+    if version == 1:
+        raise GGUFHeaderError("GGUF version 1 is no longer supported by llama.cpp; reconvert it")
+    if version not in (2, 3):
+        raise GGUFHeaderError(f"unsupported GGUF version {version} (qtool reads 2 and 3)")
+    return version
+
+
+def _count(n: int, what: str, cur: _Cursor, min_bytes: int) -> int:
+    """A declared count, refused when over MAX_COUNT or when even the smallest entries could
+    not fit in the bytes left."""
+    if n * min_bytes > cur.left():
+        raise GGUFHeaderError(f"declares {n} {what}, more than the {len(cur.buf)}-byte file holds")
+    if n > MAX_COUNT:
+        raise GGUFHeaderError(f"declares {n} {what}, over qtool's limit of {MAX_COUNT}")
+    return n
+
+
+def _metadata(cur: _Cursor, n_kv: int) -> dict[str, GGUFValue]:
+    metadata: dict[str, GGUFValue] = {}
+    for i in range(n_kv):
+        key = cur.string(f"key {i}")
+        if not key:
+            raise GGUFHeaderError(f"key {i} is empty")
+        if key in metadata:
+            raise GGUFHeaderError(f"duplicate key {key!r}")
+        metadata[key] = _value(cur, key)
+    return metadata
+
+
+def _value_type(raw: int, key: str) -> ValueType:
+    try:
+        return ValueType(raw)
+    except ValueError:
+        raise GGUFHeaderError(f"key {key!r} has unknown value type {raw}") from None
+
+
+def _value(cur: _Cursor, key: str) -> GGUFValue:
+    vtype = _value_type(cur.u32(f"the type of {key!r}"), key)
+    if vtype is ValueType.STRING:
+        return GGUFValue(vtype, cur.string(f"the value of {key!r}"))
+    if vtype is not ValueType.ARRAY:
+        return GGUFValue(vtype, cur.scalar(vtype.struct_format, f"the value of {key!r}"))
+    item = _value_type(cur.u32(f"the item type of {key!r}"), key)
+    n = cur.u64(f"the length of {key!r}")
+    if item is ValueType.ARRAY:
+        raise GGUFHeaderError(f"key {key!r} is an array of arrays, which llama.cpp cannot read")
+    size = 8 if item is ValueType.STRING else struct.calcsize(item.struct_format)
+    if n > MAX_ARRAY_ITEMS or n * size > cur.left():
+        raise GGUFHeaderError(f"key {key!r} declares {n} items, more than the file holds")
+    if item is ValueType.STRING:
+        cur.n_strings += n
+        if cur.n_strings > MAX_STRINGS:
+            raise GGUFHeaderError(f"more than {MAX_STRINGS} strings in arrays (at key {key!r})")
+        return GGUFValue(vtype, cur.strings(n, key), item)
+    raw = cur.take(n * size, f"the items of {key!r}")
+    array = np.frombuffer(raw, dtype=item.struct_format.replace("?", "b")).copy()
+    array = array.astype(bool) if item is ValueType.BOOL else array
+    array.flags.writeable = False
+    return GGUFValue(vtype, array, item)
+
+
+def _alignment(metadata: dict[str, GGUFValue]) -> int:
+    found = metadata.get(ALIGNMENT_KEY)
+    if found is None:
+        return GGUF_DEFAULT_ALIGNMENT
+    if found.type is not ValueType.UINT32:
+        raise GGUFHeaderError(f"{ALIGNMENT_KEY} must be a UINT32, not {found.type.name}")
+    alignment = int(found.value)  # type: ignore[arg-type]
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFHeaderError(f"{ALIGNMENT_KEY} {alignment} is not a power of 2")
+    return alignment
+
+
+_Info = tuple[str, GGMLType, tuple[int, ...], int]
+
+
+def _tensor_info(cur: _Cursor, i: int) -> _Info:
+    name = cur.string(f"the name of tensor {i}", limit=1 << 16)
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise GGUFHeaderError(f"tensor {name!r}: name longer than ggml's {MAX_NAME_BYTES} bytes")
+    n_dims = cur.u32(f"the dimension count of {name!r}")
+    if n_dims > MAX_DIMS:
+        raise GGUFHeaderError(f"tensor {name!r}: {n_dims} dimensions, ggml allows {MAX_DIMS}")
+    shape = tuple(int(cur.scalar("<q", f"a dimension of {name!r}")) for _ in range(n_dims))
+    numel = 1
+    for d in shape:
+        if d < 0 or (d and numel > INT64_MAX // d):
+            raise GGUFHeaderError(f"tensor {name!r}: shape {list(shape)} is negative or too big")
+        numel *= d
+    type_id = cur.u32(f"the type of {name!r}")
+    if type_id not in GGML_TYPES_BY_ID:
+        raise GGUFHeaderError(f"tensor {name!r}: unknown ggml type {type_id}")
+    ggml = GGML_TYPES_BY_ID[type_id]
+    if (shape[0] if shape else 1) % ggml.block_size:
+        raise GGUFHeaderError(
+            f"tensor {name!r}: rows of {shape[0]} are not whole {ggml.name} blocks "
+            f"of {ggml.block_size}"
+        )
+    return name, ggml, shape, cur.u64(f"the offset of {name!r}")
+
+
+def _unique(names: list[str], what: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise GGUFHeaderError(f"duplicate {what} {name!r}")
+        seen.add(name)
+
+
+def _place(
+    infos: list[_Info], alignment: int, data_start: int, file_size: int
+) -> tuple[GGUFTensorInfo, ...]:
+    """Tensor infos with their sizes, each at the offset ggml expects and inside the file."""
+    placed, expected = [], 0
+    for name, ggml, shape, offset in infos:
+        nbytes = tensor_nbytes(ggml, shape)
+        if offset != expected:
+            raise GGUFHeaderError(
+                f"tensor {name!r}: data offset {offset}, but tensors follow one another in "
+                f"order at {alignment}-byte alignment, so it must be {expected}"
+            )
+        if data_start + offset + nbytes > file_size:
+            raise GGUFHeaderError(
+                f"truncated: tensor {name!r} ends at byte {data_start + offset + nbytes} "
+                f"of a {file_size}-byte file"
+            )
+        placed.append(GGUFTensorInfo(name, ggml, shape, offset, nbytes))
+        expected = align(offset + nbytes, alignment)
+    return tuple(placed)

@@ -1,0 +1,105 @@
+"""GGUF (llama.cpp) tensor types as torch kernels: float rows <-> raw ggml blocks, any device.
+
+    quantize(x, "Q4_K")        float (..., n) -> uint8 (..., n // 256 * 144)
+    dequantize(raw, "Q4_K")    uint8 (..., n // 256 * 144) -> float32 (..., n)
+
+Quantize gives the bytes of llama.cpp's reference quantizers on the same float32 input
+(`llama-quantize` without an importance matrix), ggml's quantize_row_*_ref in an x86-64
+release build: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (= gguf-py's `gguf.quants` but for the sign of a
+zero scale or minimum, see legacy.py), Q4_K, Q5_K, Q6_K. That build does not contract a*b+c
+into FMAs; one that does (-march=native, most ARM builds) gives other bytes in up to a quarter
+of K-quant rows (scripts/gguf_golden.py --fma-study). Dequantize gives the floats of
+gguf.quants.dequantize for every type here. Input of any float dtype is converted to float32
+first, as ggml does. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from qtool.gguf_types import GGMLType, ggml_type
+from qtool.numerics.gguf import dequant_k, floats, legacy
+from qtool.numerics.gguf.q6k import quantize_q6_k
+from qtool.numerics.gguf.q45k import quantize_q4_k, quantize_q5_k
+
+Blocks = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """Block maths of one type: (n, block_size) float32 <-> (n, type_size) uint8; `chunk` is
+    how many blocks one call takes at most on CPU (K-quants: their (32, S) temporaries stay
+    in L2; larger chunks measured slower)."""
+
+    quantize: Blocks | None
+    dequantize: Blocks
+    chunk: int
+
+
+CODECS: dict[str, Codec] = {
+    "F32": Codec(floats.quantize_f32, floats.dequantize_f32, 1 << 22),
+    "F16": Codec(floats.quantize_f16, floats.dequantize_f16, 1 << 22),
+    "BF16": Codec(floats.quantize_bf16, floats.dequantize_bf16, 1 << 22),
+    "Q8_0": Codec(legacy.quantize_q8_0, legacy.dequantize_q8_0, 1 << 16),
+    "Q4_0": Codec(legacy.quantize_q4_0, legacy.dequantize_q4_0, 1 << 16),
+    "Q4_1": Codec(legacy.quantize_q4_1, legacy.dequantize_q4_1, 1 << 16),
+    "Q5_0": Codec(legacy.quantize_q5_0, legacy.dequantize_q5_0, 1 << 16),
+    "Q5_1": Codec(legacy.quantize_q5_1, legacy.dequantize_q5_1, 1 << 16),
+    "Q2_K": Codec(None, dequant_k.dequantize_q2_k, 1 << 12),
+    "Q3_K": Codec(None, dequant_k.dequantize_q3_k, 1 << 12),
+    "Q4_K": Codec(quantize_q4_k, dequant_k.dequantize_q4_k, 1 << 9),
+    "Q5_K": Codec(quantize_q5_k, dequant_k.dequantize_q5_k, 1 << 9),
+    "Q6_K": Codec(quantize_q6_k, dequant_k.dequantize_q6_k, 1 << 9),
+}
+QUANTIZE_TYPES = tuple(name for name, c in CODECS.items() if c.quantize is not None)
+DEQUANTIZE_TYPES = tuple(CODECS)
+
+
+def quantize(x: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
+    """Raw ggml blocks of float rows x (..., n), n a multiple of the block size: uint8
+    (..., n // block_size * type_size) on x's device (ValueError for misuse)."""
+    t = ggml_type(qtype)
+    codec = CODECS.get(t.name)
+    if codec is None or codec.quantize is None:
+        raise ValueError(
+            f"qtool cannot quantize to {t.name}; it can to {', '.join(QUANTIZE_TYPES)}"
+        )
+    if not x.is_floating_point():
+        raise ValueError(f"quantize to {t.name} takes a float tensor, not {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] % t.block_size:
+        raise ValueError(f"{t.name}: rows of {tuple(x.shape)} are not multiples of {t.block_size}")
+    blocks = x.reshape(-1, t.block_size).to(torch.float32)  # (n_blocks, block_size)
+    out = _chunked(codec.quantize, blocks, codec.chunk, torch.uint8, t.type_size)
+    return out.view(*x.shape[:-1], x.shape[-1] // t.block_size * t.type_size)
+
+
+def dequantize(raw: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
+    """float32 rows (..., n) of raw ggml blocks (..., row_bytes), row_bytes a multiple of the
+    type's block bytes, on raw's device (ValueError for misuse)."""
+    t = ggml_type(qtype)
+    codec = CODECS.get(t.name)
+    if codec is None:
+        raise ValueError(f"qtool cannot dequantize {t.name}; it can {', '.join(DEQUANTIZE_TYPES)}")
+    if raw.dtype != torch.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
+        raise ValueError(f"{t.name}: raw blocks must be uint8 rows of {t.type_size}-byte blocks")
+    blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
+    out = _chunked(codec.dequantize, blocks, codec.chunk, torch.float32, t.block_size)
+    return out.view(*raw.shape[:-1], raw.shape[-1] // t.type_size * t.block_size)
+
+
+def _chunked(
+    fn: Blocks, blocks: torch.Tensor, chunk: int, dtype: torch.dtype, width: int
+) -> torch.Tensor:
+    """fn over blocks in runs of at most `chunk` blocks (64x more off the CPU, where kernel
+    launches, not caches, bound the time), into one (n_blocks, width) tensor."""
+    n = blocks.shape[0]
+    chunk = chunk if blocks.device.type == "cpu" else chunk * 64
+    if n <= chunk:
+        return fn(blocks)
+    out = torch.empty(n, width, dtype=dtype, device=blocks.device)
+    for start in range(0, n, chunk):
+        out[start : start + chunk] = fn(blocks[start : start + chunk])
+    return out

@@ -120,7 +120,8 @@ def _metadata(draw: st.DrawFn) -> dict[str, GGUFValue]:
         vtype = draw(st.sampled_from(list(_VALUES)))
         if draw(st.booleans()):
             items = draw(st.lists(_VALUES[vtype], max_size=5))
-            value = tuple(items) if vtype is ValueType.STRING else np.array(items)
+            # object arrays keep Python ints exact (2**64 - 1 is not a float)
+            value = tuple(items) if vtype is ValueType.STRING else np.array(items, dtype=object)
             out[key] = GGUFValue(ValueType.ARRAY, value, vtype)
         else:
             out[key] = GGUFValue(vtype, draw(_VALUES[vtype]))

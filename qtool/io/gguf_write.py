@@ -119,10 +119,18 @@ def _array(v: GGUFValue) -> bytes:
     if item is ValueType.STRING:
         items: tuple[object, ...] = _as(tuple, v.value)
         return head + struct.pack("<Q", len(items)) + b"".join(_string(_as(str, s)) for s in items)
-    values = np.asarray(v.value)
-    packed = values.astype(item.struct_format.replace("?", "b"))
-    exact = packed.dtype.kind == "f" or np.array_equal(packed.astype(values.dtype), values)
-    if values.ndim != 1 or not exact:  # floats round to FLOAT32; integers must fit
+    raw = v.value
+    # object items keep Python ints exact (2**64 - 1 would become a float in a plain asarray)
+    values = raw if isinstance(raw, np.ndarray) else np.asarray(raw, dtype=object)
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):  # what does not fit is refused below
+            packed = values.astype(item.struct_format.replace("?", "b"))
+    except (OverflowError, ValueError, TypeError):
+        packed = None
+    exact = packed is not None and (
+        packed.dtype.kind == "f" or bool(np.all(packed.astype(object) == values.astype(object)))
+    )
+    if values.ndim != 1 or not exact or packed is None:  # floats round to FLOAT32; ints must fit
         raise TypeError(f"items do not fit {item.name}")
     return head + struct.pack("<Q", values.size) + packed.tobytes()
 

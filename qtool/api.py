@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qtool.engine.plan import QuantizeOptions
-    from qtool.recipe import Recipe, Rule
+    from qtool.recipe.rules import Recipe, Rule
     from qtool.results import (
         CompareSummary,
         DequantizeSummary,
@@ -156,14 +156,14 @@ def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
 
 def load_recipe(path: Path) -> Recipe:
     """Read and check a recipe file; RecipeError (a usage error) naming file, line and key."""
-    from qtool.recipe_file import load_recipe as read_recipe
+    from qtool.recipe.file import load_recipe as read_recipe
 
     return read_recipe(path)
 
 
 def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
     """The recipe rules whose pattern matches none of `names` (each worth a warning)."""
-    from qtool.recipe import unmatched
+    from qtool.recipe.rules import unmatched
 
     return unmatched(rules, names)
 

@@ -14,9 +14,8 @@ from qtool import api
 from qtool.engine.plan import QuantizeOptions
 from qtool.formats.qtool_reader import QtoolReader
 from qtool.numerics.metrics import error_stats
-from qtool.recipe import parse_spec_label
-from qtool.recipe_file import parse_recipe
-from qtool.spec import QSpec
+from qtool.recipe.file import parse_recipe
+from qtool.spec import QSpec, parse_spec_label
 from tests.test_cli import invoke
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,17 +32,14 @@ from qtool.cli.options import (
     TRIMMED_ROWS,
     AllOpt,
     AxisOpt,
-    Device,
     DtypeOpt,
     ForceOpt,
-    GroupFallbackName,
     GroupSizeOpt,
     JsonOpt,
     MaxMseOpt,
     MinOverallOpt,
     MinSqnrOpt,
     OutDtype,
-    OutputFormatName,
     PerChannelOpt,
     PlotOpt,
     RangeOpt,
@@ -61,6 +58,9 @@ from qtool.errors import (
     UsageError,
 )
 from qtool.spec import (
+    Device,
+    FormatName,
+    GroupFallback,
     RangeMethod,
     Scheme,
     StorageDtype,
@@ -282,13 +282,13 @@ def quantize(
     ] = None,
     target_sqnr: TargetSqnrOpt = None,
     fmt: Annotated[
-        OutputFormatName,
+        FormatName,
         typer.Option(
             "--format",
             help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
             "(pack-quantized) that transformers and vLLM load; needs -o DIR.",
         ),
-    ] = OutputFormatName.QTOOL,
+    ] = FormatName.QTOOL,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -300,13 +300,13 @@ def quantize(
         ),
     ] = None,
     group_fallback: Annotated[
-        GroupFallbackName,
+        GroupFallback,
         typer.Option(
             "--group-fallback",
             help="compressed-tensors, when --group-size does not divide a tensor's row length: "
             "error (name them), channel (those per channel) or keep (those in float).",
         ),
-    ] = GroupFallbackName.ERROR,
+    ] = GroupFallback.ERROR,
     device: Annotated[
         Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
     ] = Device.AUTO,
@@ -368,7 +368,8 @@ def quantize(
             param_hint="--target-sqnr",
         )
     spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
-    if fmt is OutputFormatName.QTOOL and (config is not None or group_fallback.value != "error"):
+    only_ct = config is not None or group_fallback is not GroupFallback.ERROR
+    if fmt is FormatName.QTOOL and only_ct:
         raise typer.BadParameter(
             "--config and --group-fallback go with --format compressed-tensors",
             param_hint="--format",
@@ -380,9 +381,9 @@ def quantize(
             tuple(include or ()),
             tuple(exclude or ()),
             keep_nonfinite,
-            format=fmt.value,
+            format=fmt,
             config=config,
-            group_fallback=group_fallback.value,
+            group_fallback=group_fallback,
             recipe=loaded,
             target_sqnr=target_sqnr,
         )

@@ -22,23 +22,6 @@ from qtool.spec import (
 )
 
 
-class Device(str, Enum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class OutputFormatName(str, Enum):
-    QTOOL = "qtool"
-    COMPRESSED_TENSORS = "compressed-tensors"
-
-
-class GroupFallbackName(str, Enum):
-    ERROR = "error"
-    CHANNEL = "channel"
-    KEEP = "keep"
-
-
 class OutDtype(str, Enum):
     ORIGINAL = "original"
     FLOAT32 = "float32"

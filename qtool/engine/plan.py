@@ -20,16 +20,19 @@ from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import refuse_file_name_for_directory, resolve_output
 from qtool.io.index import default_output_dir, is_sharded, load_index
 from qtool.io.stformat import HeaderError, TensorEntry, read_header
-from qtool.recipe import INT8_CHANNEL, Keep, Recipe, Rule, RuleKind, resolve, rules_from_cli
-from qtool.recipe import fit_spec as fit_to_shape
+from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind, resolve, rules_from_cli
 from qtool.results import ErrorStats, QuantizeSummary, TensorRow
 from qtool.spec import (
+    INT8_CHANNEL,
+    FormatName,
+    GroupFallback,
     PerGroup,
     QSpec,
     RangeMethod,
     packed_shape,
     qparam_shape,
 )
+from qtool.spec import fit_spec as fit_to_shape
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,14 @@ class QuantizeOptions:
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
     recipe: Recipe | None = None  # per-tensor rules, tried after --exclude, before --include
     target_sqnr: float | None = None  # error budget for the tensors no recipe rule fixed
-    format: str = "qtool"  # the output format (formats.FORMAT_NAMES)
+    format: FormatName = FormatName.QTOOL  # the output format
     config: Path | None = None  # the model's config.json, for a single-file model export
-    group_fallback: str = "error"  # K not a multiple of G: error | channel | keep
+    group_fallback: GroupFallback = GroupFallback.ERROR  # K not a multiple of G
+
+    def __post_init__(self) -> None:
+        # the names as plain strings too ("compressed-tensors"), as a library caller writes them
+        object.__setattr__(self, "format", FormatName(self.format))
+        object.__setattr__(self, "group_fallback", GroupFallback(self.group_fallback))
 
     @property
     def rules(self) -> tuple[Rule, ...]:

@@ -60,9 +60,8 @@ from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.stformat import TensorEntry, read_header
 from qtool.numerics import budget, kernels, select
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.recipe import INT8_CHANNEL, fit_spec
 from qtool.results import Progress, QuantizeSummary, TensorRow
-from qtool.spec import QSpec
+from qtool.spec import INT8_CHANNEL, QSpec, fit_spec
 
 BACKGROUND_MIN_BYTES = 1 << 20  # smaller tensors are written inline
 

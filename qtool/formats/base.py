@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from qtool.io.stformat import TensorEntry
-from qtool.spec import QSpec
+from qtool.spec import GroupFallback, QSpec
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,7 @@ class FormatContext:
     and what to do with tensors whose row length the group size does not divide."""
 
     config: Path | None = None
-    group_fallback: str = "error"
+    group_fallback: GroupFallback = GroupFallback.ERROR
 
 
 class OutputFormat(Protocol):

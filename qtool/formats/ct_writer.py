@@ -76,7 +76,7 @@ class CompressedTensorsFormat:
         self.context = context
         self.config_path = context.config
         self.config = read_model_config(context.config)
-        self.fallback = ct.GroupFallback(context.group_fallback)
+        self.fallback = context.group_fallback
         self.data_warnings: list[str] = []
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:

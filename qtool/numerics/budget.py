@@ -18,8 +18,7 @@ import torch
 
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.select import quantize_tensor
-from qtool.recipe import fit_spec, parse_spec_label, spec_label
-from qtool.spec import QSpec, packed_shape, qparam_shape
+from qtool.spec import QSpec, fit_spec, packed_shape, parse_spec_label, qparam_shape, spec_label
 
 DEFAULT_LADDER: tuple[QSpec, ...] = tuple(
     parse_spec_label(label) for label in ("int4 g128 mse", "int4 g32 mse", "int8", "int8 g128")

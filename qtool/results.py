@@ -89,6 +89,16 @@ def _minmax_total(stats: list[ErrorStats]) -> float | None:
 
 
 @dataclass(frozen=True)
+class Trial:
+    """One candidate the error budget tried on a tensor: its fitted spec, the SQNR it gave and
+    its bytes."""
+
+    spec: QSpec
+    sqnr_db: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TensorRow:
     """One tensor of a quantize run: what was done and what it cost."""
 

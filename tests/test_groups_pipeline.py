@@ -226,7 +226,7 @@ def test_group_and_range_usage_errors_are_one_line_exit_2(
 
 def test_a_group_longer_than_a_row_is_per_channel_and_says_so(samples: Path) -> None:
     options = QuantizeOptions(QSpec(granularity=PerGroup(4096)))
-    summary = api.plan(samples / "mlp.safetensors", None, options)
+    summary = api.quantize(samples / "mlp.safetensors", None, options, mode="plan")
     assert summary is not None
     row = next(r for r in summary.rows if r.name == "layers.0.fc2.weight")
     assert row.detail == "sym int8 axis 0 (group 4096 >= row length 128: per channel)"

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from qtool.cli import app
-from qtool.engine.plan import TensorPlan
-from qtool.engine.run import align_fused
+from qtool.engine.budget import align_fused
+from qtool.engine.decision import Budget, Decision, Keep, Quantize, Selection, TensorPlan
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import open_reader
 from qtool.io.stformat import TensorEntry
@@ -215,7 +215,10 @@ def test_budget_aligns_the_siblings_vllm_fuses(llama: Path, tmp_path: Path) -> N
 
 
 def plan(name: str, spec: QSpec | None, budget: bool = True) -> TensorPlan:
-    return TensorPlan(TensorEntry(name, "F32", (64, 64), 0, 64 * 64 * 4), spec, budget=budget)
+    """A tensor the budget decided (kept float when `spec` is None), or a rule fixed."""
+    action = Quantize(spec) if spec is not None else Keep("kept float: best 10 dB < 20")
+    origin = Budget(20.0) if budget else Selection()
+    return TensorPlan(TensorEntry(name, "F32", (64, 64), 0, 64 * 64 * 4), Decision(action, origin))
 
 
 def key(name: str) -> str | None:

@@ -57,9 +57,7 @@ def _same(a: list[object], b: list[object]) -> None:
 def test_dry_run_estimate_equals_the_real_run(samples: Path, target: float | None) -> None:
     src = samples / "mlp.safetensors"
     options = _options(target)
-    planned = api.quantize(
-        src, samples / "q.safetensors", options, device="cpu", dry_run=True, estimate=True
-    )
+    planned = api.quantize(src, samples / "q.safetensors", options, device="cpu", mode="estimate")
     written = api.quantize(src, samples / "q.safetensors", options, device="cpu")
     _same(planned.rows, written.rows)  # type: ignore[arg-type]
     assert planned.budget_sizes == written.budget_sizes
@@ -68,7 +66,7 @@ def test_dry_run_estimate_equals_the_real_run(samples: Path, target: float | Non
 
 def test_header_only_plan_equals_the_real_run_with_a_recipe(samples: Path) -> None:
     src = samples / "mlp.safetensors"
-    plan = api.plan(src, samples / "q.safetensors", _options())
+    plan = api.quantize(src, samples / "q.safetensors", _options(), mode="plan")
     written = api.quantize(src, samples / "q.safetensors", _options(), device="cpu")
     assert plan is not None
     assert [(r.name, r.detail, r.bytes_out) for r in plan.rows] == [
@@ -235,8 +233,12 @@ def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(tmp_path: Path) -> No
     assert "dB >= 20" in rows["ok"].detail
 
 
-def test_header_only_plan_defers_to_the_data_with_a_budget(samples: Path) -> None:
-    assert api.plan(samples / "mlp.safetensors", None, _options(20.0)) is None
+def test_header_only_plan_refuses_a_budget_which_needs_the_data(samples: Path) -> None:
+    from qtool.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        api.quantize(samples / "mlp.safetensors", None, _options(20.0), mode="plan")
+    assert info.value.hints == ("estimate",)
 
 
 @pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
@@ -343,16 +345,16 @@ def test_free_space_asks_for_what_the_budget_can_take_not_twice_the_float(
 ) -> None:
     """Kept float (or the dearest candidate) plus the dearest candidate's codes kept between
     the passes: 1 + 1.04/4 of fp32, not 2x (a 64 MiB file on 100 MiB free was refused)."""
-    from qtool.engine import run
+    from qtool.engine import write
 
     asked: list[int] = []
-    real = run.prepared
+    real = write.prepared
 
     def recording(*args: object, **kwargs: object) -> object:
         asked.append(int(args[-1]))  # type: ignore[call-overload]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(run, "prepared", recording)
+    monkeypatch.setattr(write, "prepared", recording)
     src = samples / "mlp.safetensors"
     summary = api.quantize(src, samples / "q.safetensors", _options(20.0, None), device="cpu")
     budget_in = sum(r.bytes_in for r in summary.rows if r.quantized or "kept float" in r.detail)

@@ -67,7 +67,7 @@ from qtool.spec import (
 )
 
 if TYPE_CHECKING:
-    from qtool.api import QuantizeOptions
+    from qtool.api import Mode, QuantizeOptions
     from qtool.gates import GateResult
     from qtool.results import QuantizeSummary, TensorRow
 
@@ -388,12 +388,9 @@ def quantize(
             target_sqnr=target_sqnr,
         )
         plot = _plot_target(plot, src, "quantize")
-        summary = api.plan(src, out, options) if dry_run and not estimate else None
-        if summary is None:
-            also = [plot] if plot is not None else []
-            summary = _run_quantize(
-                src, out, options, device, threads, force, dry_run, estimate, also
-            )
+        mode = api.Mode.ESTIMATE if estimate else api.Mode.PLAN if dry_run else api.Mode.WRITE
+        also = [plot] if plot is not None else []
+        summary = _run_quantize(src, out, options, mode, device, threads, force, also)
         run.written = [] if summary.dry_run else list(summary.outputs)
         _print_notes(summary.notes)
         if summary.ignore is not None:
@@ -473,26 +470,20 @@ def _run_quantize(
     src: Path,
     out: Path | None,
     options: QuantizeOptions,
+    mode: Mode,
     device: Device,
     threads: int | None,
     force: bool,
-    dry_run: bool,
-    estimate: bool,
     also: list[Path],
 ) -> QuantizeSummary:
+    if mode is api.Mode.PLAN:  # headers only: no kernels, no progress to show
+        return api.quantize(src, out, options, mode=mode, force=force, also=also)
     _set_threads(threads)
     with report.progress_bar() as progress:
         return api.quantize(
-            src,
-            out,
-            options,
-            device=device.value,
-            force=force,
-            dry_run=dry_run,
-            estimate=estimate,
-            progress=progress,
+            src, out, options, mode=mode, device=device.value, force=force, progress=progress,
             also=also,
-        )
+        )  # fmt: skip
 
 
 def _print_notes(notes: list[str]) -> None:

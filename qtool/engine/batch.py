@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from qtool.engine.plan import TensorPlan
+from qtool.engine.decision import TensorPlan
 from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import kernels

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
+from qtool.engine.plan import QuantizeOptions, fitted_spec, plan_tensors
 from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
 from qtool.formats.detect import refuse_quantized
@@ -268,7 +268,7 @@ def plot_tensor(
         x = x.float().clone()
     finally:
         ckpt.close()
-    spec = fit_spec(checkpoint, entry, spec)
+    spec = fitted_spec(checkpoint, entry, spec)
     try:
         result = kernels.quantize_tensor(x, spec)
     except ValueError as err:  # NaN/Inf, or a range beyond float32

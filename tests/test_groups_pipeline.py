@@ -18,8 +18,8 @@ from qtool import api
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import SidecarError
 from qtool.formats.qtool import MANIFEST_KEY, sidecar_path
-from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
+from qtool.numerics.range_methods import search_candidates
 from qtool.spec import (
     PerChannel,
     PerGroup,
@@ -55,7 +55,7 @@ def _reference(x: torch.Tensor, spec: QSpec) -> tuple[np.ndarray, ...]:
         granularity = ("channel", g.axis % x.ndim)
     else:
         granularity = ("tensor", 0)
-    candidates = list(kernels.search_candidates(spec, tuple(x.shape)))
+    candidates = list(search_candidates(spec, tuple(x.shape)))
     method = spec.range_method.value
     return reference.quantize_v2(
         x.float().numpy(), spec.scheme.value, spec.dtype.value, granularity, method, candidates

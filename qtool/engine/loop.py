@@ -22,6 +22,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
+from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, TensorRow
 
@@ -158,7 +159,7 @@ def quantize_one(
             plan.entry.name,
             hint=("exclude", "keep-nonfinite"),
         ) from None
-    except kernels.GridOverflow as err:
+    except GridOverflow as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None

@@ -23,7 +23,8 @@ from qtool.formats.ct_tensors import encode_result, fp16_underflow_warning
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
 from qtool.io.stformat import TensorEntry, build_header
-from qtool.numerics.kernels import QuantizedTensor, search_candidates
+from qtool.numerics.kernels import QuantizedTensor
+from qtool.numerics.range_methods import search_candidates
 from qtool.spec import PerGroup, QSpec
 
 

@@ -171,7 +171,7 @@ class QtoolShardWriter:
         return {DIGEST_KEY: digest.hexdigest(), BINDING_KEY: binding.hexdigest()}
 
     def _record(self, name: str) -> Record:
-        from qtool.numerics.kernels import search_candidates
+        from qtool.numerics.range_methods import search_candidates
 
         planned = self._planned[name]
         spec = planned.spec

@@ -259,11 +259,11 @@ def test_sqnr_bars_mark_exact_layers_and_the_gate() -> None:
     import matplotlib.pyplot as plt
 
     from qtool.engine.plots import _error_histograms, _sqnr_bars
-    from qtool.results import ErrorStats, TensorRow
+    from qtool.results import ErrorStats, QuantizeRow
 
-    def row(name: str, sq_error: float) -> TensorRow:
+    def row(name: str, sq_error: float) -> QuantizeRow:
         stats = ErrorStats(16, sq_error, 1.0, 0.1)
-        return TensorRow(name, (4, 4), "F32", "I8", True, "sym", 64, 16, errors=stats)
+        return QuantizeRow(name, (4, 4), "F32", "I8", True, "sym", 64, 16, errors=stats)
 
     rows = [row("layers.10.w", 1e-4), row("layers.2.w", 0.0), row("layers.1.w", 1e-3)]
     fig, (ax, hist_ax) = plt.subplots(1, 2)

@@ -86,6 +86,18 @@ def test_unrelated_files_compare_nothing_and_exit_1(tmp_path: Path) -> None:
     assert code == 1 and stderr.count("\n") == 1 and "same model" in stderr
 
 
+def test_a_row_says_which_side_lacks_its_tensor(tmp_path: Path) -> None:
+    """The side a tensor is missing from is a field of its row, not a reading of its text."""
+    from qtool import api
+
+    _pair(tmp_path, {"a": torch.ones(2), "s": torch.ones(2, 2)},
+          {"b": torch.ones(2), "s": torch.ones(2, 2)})  # fmt: skip
+    summary = api.compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    missing = {r.name: r.missing_in for r in summary.rows}
+    assert missing == {"a": "B", "s": None, "b": "A"}
+    assert [r.name for r in summary.mismatches] == ["a", "b"]
+
+
 def test_integer_tensors_compared_exactly_count_as_compared(tmp_path: Path) -> None:
     ids = torch.arange(6).reshape(2, 3)
     args = _pair(tmp_path, {"ids": ids, "n": torch.tensor(3)}, {"ids": ids, "n": torch.tensor(4)})

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from qtool.cli import app
 from qtool.gates import Gate, evaluate
-from qtool.results import ErrorStats, TensorRow
+from qtool.results import ErrorStats, QuantizeRow
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -19,8 +19,8 @@ def invoke(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def _row(name: str, stats: ErrorStats) -> TensorRow:
-    return TensorRow(name, (2,), "F32", "I8", True, "sym int8 tensor", 8, 2, errors=stats)
+def _row(name: str, stats: ErrorStats) -> QuantizeRow:
+    return QuantizeRow(name, (2,), "F32", "I8", True, "sym int8 tensor", 8, 2, errors=stats)
 
 
 FIGURES = {

@@ -83,11 +83,11 @@ def test_compare_plot_shows_minus_infinity_without_warnings(tmp_path: Path) -> N
 def test_sqnr_bars_label_both_infinities_with_finite_bars() -> None:
     pytest.importorskip("matplotlib")
     from qtool.engine import plots
-    from qtool.results import ErrorStats, TensorRow
+    from qtool.results import ErrorStats, QuantizeRow
 
-    def row(name: str, sq_error: float, sq_signal: float) -> TensorRow:
+    def row(name: str, sq_error: float, sq_signal: float) -> QuantizeRow:
         stats = ErrorStats(4, sq_error, sq_signal, 1.0)
-        return TensorRow(name, (2, 2), "F32", "F32", True, "", 16, 16, errors=stats)
+        return QuantizeRow(name, (2, 2), "F32", "F32", True, "", 16, 16, errors=stats)
 
     rows = [row("exact", 0.0, 4.0), row("lost", 4.0, 0.0), row("fine", 4e-3, 4.0)]
     assert [r.name for r in plots._worst(rows)] == ["lost", "fine"]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from typer.core import TyperCommand
@@ -69,7 +69,9 @@ from qtool.spec import (
 if TYPE_CHECKING:
     from qtool.api import Mode, QuantizeOptions
     from qtool.gates import GateResult
-    from qtool.results import QuantizeSummary, TensorRow
+    from qtool.results import QuantizeRow, QuantizeSummary, Row
+
+R = TypeVar("R", bound="Row")
 
 
 def lazy_module(name: str) -> ModuleType:
@@ -424,7 +426,7 @@ def _plot_target(plot: Path | None, src: Path, command: str) -> Path | None:
     return api.output_path(plot, default, (".png",), "--plot", flag="--plot")
 
 
-def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
+def _warn_selection(rows: list[QuantizeRow], options: QuantizeOptions) -> None:
     """One stderr line for globs that select nothing and for runs that quantize nothing."""
     names = [r.name for r in rows]
     for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
@@ -447,12 +449,12 @@ def _warn_selection(rows: list[TensorRow], options: QuantizeOptions) -> None:
 
 
 def _show_and_gate(
-    rows: list[TensorRow],
+    rows: list[R],
     order: tuple[str | None, int | None, bool],
     gate: GateResult,
     as_json: bool,
-    as_json_doc: Callable[[list[TensorRow]], None],
-    as_table: Callable[[list[TensorRow]], None],
+    as_json_doc: Callable[[list[R]], None],
+    as_table: Callable[[list[R]], None],
 ) -> None:
     """Render the rows in `order` (--sort, --top, --all), then exit 3 if a quality gate
     failed. JSON carries every row (or --top's); a long table only its worst (see --all)."""

@@ -13,7 +13,7 @@ from qtool.engine.plan import ModelPlan, QuantizeOptions
 from qtool.engine.shards import Shards
 from qtool.engine.source import Source, Target
 from qtool.formats.base import OutputFormat
-from qtool.results import Progress, TensorRow
+from qtool.results import Progress, QuantizeRow
 
 if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
@@ -73,6 +73,6 @@ class Done:
     """What a run did: the final plan, a row per tensor, and what it has to say."""
 
     plan: ModelPlan
-    rows: list[TensorRow]
+    rows: list[QuantizeRow]
     notes: list[str] = field(default_factory=list)
     stale_temps_removed: int = 0

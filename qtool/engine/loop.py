@@ -24,7 +24,7 @@ from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
 from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.results import Progress, TensorRow
+from qtool.results import Progress, QuantizeRow
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,11 +58,11 @@ def write_shard(
     writer: ShardWriter,
     run: Kernels,
     spill: Spill | None = None,
-) -> list[TensorRow]:
+) -> list[QuantizeRow]:
     """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
     A tensor the error budget already quantized comes from `spill`, not from the input."""
     by_name = {p.entry.name: p for p in plans}
-    rows: dict[str, TensorRow] = {}
+    rows: dict[str, QuantizeRow] = {}
     order = [by_name[entry.name] for entry in writer.order]
     with BackgroundWriter(ckpt.release) as background:
         for plan, done in _results(ckpt, order, run, spill=spill):
@@ -82,7 +82,7 @@ def write_shard(
 
 def estimate_rows(
     ckpt: Checkpoint, plans: list[TensorPlan], run: Kernels, spill: Spill | None = None
-) -> list[TensorRow]:
+) -> list[QuantizeRow]:
     """The rows a real run would report, error figures included, without writing anything
     (the figures of the tensors the error budget measured come from `spill`)."""
     known = {}
@@ -101,7 +101,7 @@ def estimate_rows(
     return rows
 
 
-def measured_row(plan: TensorPlan, figures: Figures) -> TensorRow:
+def measured_row(plan: TensorPlan, figures: Figures) -> QuantizeRow:
     return planned_row(plan, figures.errors, figures.scale_range)
 
 

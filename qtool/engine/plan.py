@@ -42,7 +42,7 @@ from qtool.formats.base import Choice, OutputFormat
 from qtool.io.atomic import resolve_output
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Recipe, Rule, RuleKind, resolve, rules_from_cli
-from qtool.results import ErrorStats, TensorRow
+from qtool.results import ErrorStats, QuantizeRow
 from qtool.spec import (
     INT8_CHANNEL,
     FormatName,
@@ -201,10 +201,10 @@ def planned_row(
     plan: TensorPlan,
     errors: ErrorStats | None = None,
     scale_range: tuple[float, float] | None = None,
-) -> TensorRow:
+) -> QuantizeRow:
     """The table row of a plan, with the error figures and scale range once measured."""
     e = plan.entry
-    return TensorRow(
+    return QuantizeRow(
         e.name,
         e.shape,
         e.dtype,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
-from qtool.results import CompareSummary, QuantizeSummary, TensorRow, natural_key
+from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
 from qtool.spec import QSpec
 
 FIGURE_PX = (1400, 900)
@@ -72,7 +72,7 @@ def _figure(plt: Any, rows: int, cols: int) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _worst(rows: list[TensorRow]) -> list[TensorRow]:
+def _worst(rows: Sequence[Row]) -> list[Row]:
     """The lowest SQNRs, -inf (all error) first; exact tensors are never among them."""
     scored = [r for r in rows if r.errors is not None and r.errors.sqnr_db != math.inf]
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
@@ -90,7 +90,7 @@ def short_label(name: str, width: int = 36) -> str:
     return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
-def _sqnr_bars(ax: Any, rows: list[TensorRow], title: str, min_sqnr: float | None) -> None:
+def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None) -> None:
     """One bar per measured tensor at its SQNR; exact (+inf) and all-wrong (-inf) tensors get
     markers instead of a bar of made-up height; the gate's bound is a dashed line."""
     measured = sorted((r for r in rows if r.errors is not None), key=lambda r: natural_key(r.name))

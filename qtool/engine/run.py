@@ -33,7 +33,7 @@ from qtool.errors import UsageError
 from qtool.formats import output_format
 from qtool.formats.base import FormatContext, OutputFormat
 from qtool.io.atomic import preflight, refuse_file_name_for_directory
-from qtool.results import QuantizeSummary, TensorRow
+from qtool.results import QuantizeRow, QuantizeSummary
 from qtool.spec import FormatName
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def _estimate(job: Job, plan: ModelPlan) -> Done:
     assert job.kernels is not None
     with data_passes(job, plan, None) as (plan, spill):
         job.kernels.expect(plan.plans)
-        rows: list[TensorRow] = []
+        rows: list[QuantizeRow] = []
         for shard, plans in plan.per_shard():
             rows += estimate_rows(job.shards.checkpoint(shard), plans, job.kernels, spill)
             job.shards.done(shard)

@@ -23,7 +23,7 @@ from qtool.engine.spill import Spill
 from qtool.errors import OutputError
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
-from qtool.results import TensorRow
+from qtool.results import QuantizeRow
 
 Finish = Callable[[OutputSet, dict[str, str], int], None]
 """Writes a run's last files given the output index's weight map and total size."""
@@ -77,14 +77,14 @@ def write_model(job: Job, plan: ModelPlan) -> Done:
 
 def _write_shards(
     job: Job, plan: ModelPlan, target: Target, spill: Spill | None, finish: Finish
-) -> list[TensorRow]:
+) -> list[QuantizeRow]:
     """Every shard through the format's writer, then `finish`; committed only when all is."""
     kernels, fmt = job.kernels, job.fmt
     assert kernels is not None
     kernels.expect(plan.plans)
     if kernels.progress is not None:
         kernels.progress.start(sum(p.entry.nbytes for p in plan.plans))
-    rows: list[TensorRow] = []
+    rows: list[QuantizeRow] = []
     weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
         for (shard, plans), out in zip(plan.per_shard(), target.shard_outputs, strict=True):

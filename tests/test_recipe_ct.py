@@ -14,7 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qtool.engine.budget import align_fused
-from qtool.engine.decision import Budget, Decision, Keep, Quantize, Selection, TensorPlan
+from qtool.engine.decision import (
+    Budget,
+    Decision,
+    FusedSiblings,
+    Keep,
+    Quantize,
+    Selection,
+    TensorPlan,
+)
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import open_reader
 from qtool.io.stformat import TensorEntry
@@ -253,6 +261,19 @@ def test_align_fused_follows_a_sibling_a_rule_fixed() -> None:
     aligned = align_fused(plans, key)
     assert [p.spec for p in aligned] == [g32, g32]
     assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].note
+
+
+def test_an_aligned_decision_says_why_and_keeps_the_budgets_as_history() -> None:
+    """The plan supersedes a decision, never edits it: the budget's own choice stays visible."""
+    chosen = [plan(f"m.{p}_proj.weight", s) for p, s in (("gate", INT4_MSE), ("up", INT8))]
+    gate, up = align_fused(chosen, key)
+    assert up == chosen[1]  # the dearest choice: nothing to align
+    assert isinstance(gate.decision.origin, FusedSiblings)
+    assert gate.decision.superseded == chosen[0].decision and gate.spec == INT8
+    assert gate.decision.describe() == (
+        "left to the budget (20 dB): int4 channel mse; "
+        "aligned with its fused siblings m.{gate_proj,up_proj}: int8 channel"
+    )
 
 
 def test_a_rule_fixing_one_fused_sibling_leaves_the_budget_the_rest(

@@ -1,8 +1,8 @@
 """A tensor's fate as a value: what happens to it (the action) and what decided it (the origin).
 
-    Decision(Quantize(int4 g128), Budget(24 dB, trials))            "the budget chose int4 g128"
-      superseded: Decision(Quantize(int8 channel), Budget(24 dB))   "the budget's to decide"
-        superseded: Decision(Quantize(int8 channel), Selection())   "the default selection"
+    Decision(Quantize(int4 g128), Budget(24 dB, trials))            the budget chose int4 g128
+      superseded: Decision(Quantize(int8 channel), Budget(24 dB))   it was left to the budget
+        superseded: Decision(Quantize(int8 channel), Selection())   by the default selection
 
 Each planning pass (engine/plan.py lists them in order) may give a tensor a new decision; the
 decision it replaces stays as `superseded`, so a table can say "budget chose int4 g128; aligned
@@ -22,7 +22,7 @@ from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Keep as Keep  # the decision's keep: a rule's, or any pass's
 from qtool.recipe.rules import Rule, RuleKind
 from qtool.results import Trial
-from qtool.spec import QSpec, RangeMethod, packed_shape, qparam_shape
+from qtool.spec import QSpec, RangeMethod, packed_shape, qparam_shape, spec_label
 
 # -- actions: Keep(reason) (a recipe rule's keep is the same value), or Quantize -----------
 
@@ -82,8 +82,9 @@ class Budget:
     trials: tuple[Trial, ...] = ()
 
     def describe(self) -> str:
-        tried = f", {len(self.trials)} trial(s)" if self.trials else ", not yet measured"
-        return f"budget {self.target_db:g} dB{tried}"
+        if not self.trials:
+            return f"left to the budget ({self.target_db:g} dB)"
+        return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,14 @@ class Decision:
         return False
 
     def describe(self) -> str:
-        """The decision's story, latest last: 'default selection; budget 24 dB, 3 trial(s)'."""
-        return "; ".join(d.origin.describe() for d in reversed(list(self.history)))
+        """Why, oldest decision first: 'default selection: int8 channel; left to the budget
+        (24 dB): int8 channel; budget 24 dB after 2 trial(s): int4 g128 mse'."""
+        steps = reversed(list(self.history))
+        return "; ".join(f"{d.origin.describe()}: {_label(d.action)}" for d in steps)
+
+
+def _label(action: Action) -> str:
+    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
 
 
 @dataclass(frozen=True)

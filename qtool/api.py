@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from qtool.engine.job import Mode
     from qtool.engine.plan import QuantizeOptions
-    from qtool.recipe import Recipe, Rule
+    from qtool.recipe.rules import Recipe, Rule
     from qtool.results import (
         CompareSummary,
         DequantizeSummary,
@@ -24,11 +25,11 @@ if TYPE_CHECKING:
     from qtool.spec import QSpec
 
 __all__ = [
+    "Mode",
     "QuantizeOptions",
     "compare",
     "dequantize",
     "inspect",
-    "plan",
     "plot_compare",
     "plot_quantize",
     "check_outputs",
@@ -42,19 +43,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """QuantizeOptions on first use: `inspect` does not load the planner."""
+    """QuantizeOptions and Mode on first use: `inspect` does not load the planner."""
     if name == "QuantizeOptions":
         from qtool.engine.plan import QuantizeOptions
 
         return QuantizeOptions
+    if name == "Mode":
+        from qtool.engine.job import Mode
+
+        return Mode
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def plan(src: Path, out: Path | None, options: QuantizeOptions) -> QuantizeSummary | None:
-    """The plan from headers alone (torch-free); None for a torch pickle, which must be loaded."""
-    from qtool.engine.plan import dry_run
-
-    return dry_run(src, out, options)
 
 
 def quantize(
@@ -62,28 +60,20 @@ def quantize(
     out: Path | None,
     options: QuantizeOptions,
     *,
+    mode: Mode | str = "write",
     device: str = "auto",
     force: bool = False,
-    dry_run: bool = False,
-    estimate: bool = False,
     progress: Progress | None = None,
     also: Sequence[Path] = (),
 ) -> QuantizeSummary:
-    """Quantize a checkpoint file, or a sharded checkpoint (its index file or directory).
-    `also`: files the caller writes afterwards (a plot), checked with the run's outputs."""
-    from qtool.engine import run
+    """Quantize a checkpoint file, a sharded checkpoint (its index file or directory) or a
+    model directory; `mode` plan (from headers alone, torch-free for safetensors) or estimate
+    (the figures, nothing written) for a dry run. `also`: files the caller writes afterwards
+    (a plot), checked with the run's outputs."""
+    from qtool.engine.job import Mode, RunOptions
+    from qtool.engine.run import quantize as run
 
-    return run.quantize(
-        src,
-        out,
-        options,
-        device=device,
-        force=force,
-        dry_run=dry_run,
-        estimate=estimate,
-        progress=progress,
-        also=also,
-    )
+    return run(src, out, options, RunOptions(Mode(mode), device, force, progress, also))
 
 
 def dequantize(
@@ -156,14 +146,14 @@ def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
 
 def load_recipe(path: Path) -> Recipe:
     """Read and check a recipe file; RecipeError (a usage error) naming file, line and key."""
-    from qtool.recipe_file import load_recipe as read_recipe
+    from qtool.recipe.file import load_recipe as read_recipe
 
     return read_recipe(path)
 
 
 def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
     """The recipe rules whose pattern matches none of `names` (each worth a warning)."""
-    from qtool.recipe import unmatched
+    from qtool.recipe.rules import unmatched
 
     return unmatched(rules, names)
 

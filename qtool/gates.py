@@ -10,9 +10,10 @@ as "the figure is within the bound", which NaN never is.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qtool.results import ErrorStats, TensorRow
+from qtool.results import CompareRow, ErrorStats, Row
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class GateResult:
 
 
 def evaluate(
-    gate: Gate, rows: list[TensorRow], overall: ErrorStats | None, mismatches: list[TensorRow]
+    gate: Gate, rows: Sequence[Row], overall: ErrorStats | None, mismatches: Sequence[CompareRow]
 ) -> GateResult:
     """Every bound each tensor (and the pool) breaks; nothing when no bound is set."""
     if not gate.active:

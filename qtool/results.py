@@ -89,7 +89,41 @@ def _minmax_total(stats: list[ErrorStats]) -> float | None:
 
 
 @dataclass(frozen=True)
-class TensorRow:
+class Trial:
+    """One candidate the error budget tried on a tensor: its fitted spec, the SQNR it gave and
+    its bytes."""
+
+    spec: QSpec
+    sqnr_db: float
+    nbytes: int
+
+
+class Row(Protocol):
+    """What sorting, tables, gates and plots read of any command's rows."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def detail(self) -> str: ...
+    @property
+    def errors(self) -> ErrorStats | None: ...
+    @property
+    def dtypes(self) -> tuple[str, str]:
+        """(in, out), or (A, B): the dtypes as stored on each side."""
+
+    @property
+    def size(self) -> int:
+        """Bytes of the input (A) side: what --sort size orders by."""
+
+    @property
+    def dimmed(self) -> bool:
+        """Shown faint: a tensor kept as it is, or a mismatch."""
+
+
+@dataclass(frozen=True)
+class QuantizeRow:
     """One tensor of a quantize run: what was done and what it cost."""
 
     name: str
@@ -97,23 +131,63 @@ class TensorRow:
     dtype: str  # safetensors dtype in the input
     out_dtype: str
     quantized: bool
-    detail: str  # e.g. "sym int8 per-channel(axis 0)", or why it was kept
+    detail: str  # e.g. "sym int8 axis 0", or why it was kept
     bytes_in: int
     bytes_out: int  # the tensor in the output file (codes, or the tensor as it is)
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
-    mismatch: bool = False  # compare: missing on one side, or shapes/values that differ
-    spec: QSpec | None = None  # quantize: the spec it was quantized with
-    spec_chosen: bool = False  # quantize: a recipe rule or the error budget chose `spec`
+    spec: QSpec | None = None  # the spec it was quantized with
+    spec_chosen: bool = False  # a recipe rule or the error budget chose `spec`
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
-    compared: bool = False  # compare: both sides' values were examined (figures or equality)
+
+    @property
+    def dtypes(self) -> tuple[str, str]:
+        return self.dtype, self.out_dtype
+
+    @property
+    def size(self) -> int:
+        return self.bytes_in
+
+    @property
+    def dimmed(self) -> bool:
+        return not self.quantized
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One tensor name of `compare`: its dtype and bytes as stored in A and in B ("-" and 0 on
+    a side that lacks it) and how the two compare."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype_a: str
+    dtype_b: str
+    detail: str  # "dequantized vs F32", "shape mismatch: ...", "missing in B"
+    bytes_a: int
+    bytes_b: int
+    errors: ErrorStats | None = None
+    compared: bool = False  # both sides' values were examined (figures or equality)
+    mismatch: bool = False  # missing on one side, or shapes/dtype kinds/values that differ
+    missing_in: str | None = None  # "A" or "B": the side that lacks the tensor
+
+    @property
+    def dtypes(self) -> tuple[str, str]:
+        return self.dtype_a, self.dtype_b
+
+    @property
+    def size(self) -> int:
+        return self.bytes_a
+
+    @property
+    def dimmed(self) -> bool:
+        return self.mismatch
 
 
 @dataclass(frozen=True)
 class QuantizeSummary:
     inputs: list[str]
     outputs: list[str]
-    rows: list[TensorRow]
+    rows: list[QuantizeRow]
     spec: QSpec
     device: str
     dry_run: bool = False
@@ -127,7 +201,7 @@ class QuantizeSummary:
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property
-    def quantized(self) -> list[TensorRow]:
+    def quantized(self) -> list[QuantizeRow]:
         return [r for r in self.rows if r.quantized]
 
     @property
@@ -153,14 +227,14 @@ class QuantizeSummary:
 @dataclass(frozen=True)
 class CompareSummary:
     inputs: list[str]  # [A, B]; A is the reference
-    rows: list[TensorRow]
+    rows: list[CompareRow]
 
     @property
-    def compared(self) -> list[TensorRow]:
+    def compared(self) -> list[CompareRow]:
         return [r for r in self.rows if r.compared]
 
     @property
-    def mismatches(self) -> list[TensorRow]:
+    def mismatches(self) -> list[CompareRow]:
         return [r for r in self.rows if r.mismatch]
 
     @property

@@ -9,6 +9,7 @@ import torch
 
 from qtool.numerics import kernels
 from qtool.numerics.ranges import IntRange
+from qtool.numerics.views import row_group_length
 from qtool.spec import Granularity, PerGroup, QSpec, RangeMethod, Scheme, StorageDtype
 
 DEFAULT_BLOCK_ELEMS = kernels.DEFAULT_BLOCK_ELEMS
@@ -68,7 +69,7 @@ def per_group_candidates(granularity: Granularity, shape: tuple[int, ...]) -> bo
     """Whether the mse search uses the group candidate list (groups shorter than a row)."""
     return (
         isinstance(granularity, PerGroup)
-        and kernels.row_group_length(QSpec(granularity=granularity), shape)
+        and row_group_length(QSpec(granularity=granularity), shape)
         != kernels.matrix_shape(shape)[1]
     )
 

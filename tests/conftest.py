@@ -2,11 +2,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
+from typer.testing import CliRunner
+
+from qtool.cli import app
 
 SAMPLES = Path(__file__).parent.parent / "sample_weights"
 
@@ -29,3 +33,19 @@ def samples(tmp_path: Path) -> Path:
     dest = tmp_path / "samples"
     shutil.copytree(SAMPLES, dest)
     return dest
+
+
+Invoke = Callable[..., tuple[int, str, str]]
+"""invoke("quantize", SRC, "-o", OUT, env={...}) -> (exit code, stdout, stderr)."""
+
+
+@pytest.fixture
+def invoke() -> Invoke:
+    """`qtool ARGS` run in-process through Typer's CliRunner (stdout and stderr apart);
+    `env`: environment variables for the run."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        result = CliRunner().invoke(app, list(args), env=env)
+        return result.exit_code, result.stdout, result.stderr
+
+    return run

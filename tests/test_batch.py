@@ -21,7 +21,7 @@ from qtool.engine import batch
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError
 from qtool.formats.qtool import sidecar_path
-from qtool.results import TensorRow
+from qtool.results import QuantizeRow
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 
 SHAPES = [(16, 16), (8, 32), (4, 3, 3), (64, 4), (2, 2), (3, 5), (5, 7, 2), (1, 9), (7, 1)]
@@ -69,7 +69,7 @@ SPECS = [
 ]
 
 
-def run(src: Path, out: Path, spec: QSpec, include: tuple[str, ...] = ()) -> list[TensorRow]:
+def run(src: Path, out: Path, spec: QSpec, include: tuple[str, ...] = ()) -> list[QuantizeRow]:
     return api.quantize(src, out, QuantizeOptions(spec, include), device="cpu").rows
 
 

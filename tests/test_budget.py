@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from qtool.numerics.budget import (
     DEFAULT_LADDER,
     Choice,
-    Trial,
     bytes_per_tensor,
     candidates,
     choose,
@@ -19,8 +18,8 @@ from qtool.numerics.budget import (
 from qtool.numerics.kernels import Workspace, dequantize
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.numerics.select import quantize_tensor  # the kernels the budget runs (QTOOL_KERNEL)
-from qtool.recipe import parse_spec_label, spec_label
-from qtool.spec import QSpec
+from qtool.results import Trial
+from qtool.spec import QSpec, parse_spec_label, spec_label
 
 
 def specs(*labels: str) -> tuple[QSpec, ...]:

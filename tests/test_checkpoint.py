@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import save, save_file
 
 from qtool.errors import InputError, UnsafeInputError
-from qtool.io import checkpoint
+from qtool.io import writer as io_writer
 from qtool.io.checkpoint import (
     READ_GAP,
     TORCH_TO_ST,
-    StreamingWriter,
     open_checkpoint,
     tensor_bytes,
 )
 from qtool.io.stformat import build_header
+from qtool.io.writer import StreamingWriter
 
 
 def test_streaming_writer_output_is_byte_identical_to_save_file() -> None:
@@ -245,9 +245,9 @@ def test_large_tensors_are_handed_to_the_disk_as_they_are_written(
     range), so the commit's fsync has little left; the file's bytes are unchanged."""
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(
-        checkpoint, "_FADVISE", lambda fd, off, n, advice: calls.append((off, n, advice))
+        io_writer, "_FADVISE", lambda fd, off, n, advice: calls.append((off, n, advice))
     )
-    big = checkpoint.WRITEBACK_MIN_BYTES // 4
+    big = io_writer.WRITEBACK_MIN_BYTES // 4
     tensors = {"a": torch.randn(big), "b": torch.randn(3), "c": torch.randn(big + 5)}
     specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     header_bytes, header = build_header(specs)

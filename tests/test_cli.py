@@ -10,19 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 from qtool import __version__
-from qtool.cli import app
+from tests.conftest import Invoke
 
 README = Path(__file__).parent.parent / "README.md"
 COMMANDS = ["quantize", "dequantize", "inspect"]
 ERROR_LINE = re.compile(r"^qtool: error: .+\n$")
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
 
 
 def qtool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -37,18 +31,20 @@ def qtool(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_has_help_with_an_example_and_a_readme_mention(command: str) -> None:
+def test_every_command_has_help_with_an_example_and_a_readme_mention(
+    invoke: Invoke, command: str
+) -> None:
     code, out, _ = invoke(command, "--help")
     assert code == 0
     assert "Example: qtool " + command in out
     assert f"qtool {command}" in README.read_text()
 
 
-def test_version() -> None:
+def test_version(invoke: Invoke) -> None:
     assert invoke("--version")[1].strip() == f"qtool {__version__}"
 
 
-def test_quantize_json_is_the_only_stdout(samples: Path) -> None:
+def test_quantize_json_is_the_only_stdout(invoke: Invoke, samples: Path) -> None:
     out = samples / "m.int8.safetensors"
     code, stdout, stderr = invoke(
         "quantize", str(samples / "mlp.safetensors"), "-o", str(out), "--json"
@@ -64,7 +60,7 @@ def test_quantize_json_is_the_only_stdout(samples: Path) -> None:
     assert doc["outputs"] == [str(out), str(samples / "m.int8.qparams.safetensors")]
 
 
-def test_quantize_default_output_name_and_table(samples: Path) -> None:
+def test_quantize_default_output_name_and_table(invoke: Invoke, samples: Path) -> None:
     code, stdout, _ = invoke("quantize", str(samples / "convnet.safetensors"), "--scheme", "asym")
     assert code == 0
     assert (samples / "convnet.int8.safetensors").is_file()
@@ -73,7 +69,7 @@ def test_quantize_default_output_name_and_table(samples: Path) -> None:
     assert "\x1b" not in stdout
 
 
-def test_dequantize_and_inspect_json(samples: Path) -> None:
+def test_dequantize_and_inspect_json(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / "mlp.pt"), "-o", str(q))[0] == 0
     code, stdout, _ = invoke("dequantize", str(q), "--json")
@@ -102,7 +98,7 @@ def test_dequantize_and_inspect_json(samples: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line_exit_1_and_empty_stdout(
-    samples: Path, args: list[str], message: str
+    invoke: Invoke, samples: Path, args: list[str], message: str
 ) -> None:
     (samples / "notes.txt").write_text("hello, not a checkpoint")
     args = [a.format(samples=samples) for a in args]
@@ -119,7 +115,7 @@ def test_bad_input_is_one_line_exit_1_and_empty_stdout(
     assert message in stderr
 
 
-def test_existing_output_without_force(samples: Path) -> None:
+def test_existing_output_without_force(invoke: Invoke, samples: Path) -> None:
     src = str(samples / "mlp.safetensors")
     assert invoke("quantize", src)[0] == 0
     code, stdout, stderr = invoke("quantize", src)
@@ -127,7 +123,7 @@ def test_existing_output_without_force(samples: Path) -> None:
     assert invoke("quantize", src, "--force")[0] == 0
 
 
-def test_json_errors_are_json_on_stderr(samples: Path) -> None:
+def test_json_errors_are_json_on_stderr(invoke: Invoke, samples: Path) -> None:
     code, stdout, stderr = invoke("inspect", str(samples / "nope.safetensors"), "--json")
     assert code == 1 and stdout == ""
     err = json.loads(stderr)
@@ -156,7 +152,7 @@ HOSTILE = {
 }
 
 
-def test_hostile_tensor_names_cannot_drive_the_terminal(tmp_path: Path) -> None:
+def test_hostile_tensor_names_cannot_drive_the_terminal(invoke: Invoke, tmp_path: Path) -> None:
     save_file(HOSTILE, tmp_path / "h.safetensors")
     for args in (
         ["quantize", str(tmp_path / "h.safetensors")],
@@ -219,7 +215,9 @@ def _readme_commands() -> list[str]:
     return commands
 
 
-def test_every_readme_command_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_readme_command_runs(
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A README command that fails is a bug: run them all, in order, as a new user would."""
     import shlex
     import shutil
@@ -250,7 +248,9 @@ def test_sample_weights_regenerate_byte_for_byte(tmp_path: Path) -> None:
             assert (tmp_path / path.relative_to(shipped)).read_bytes() == path.read_bytes(), path
 
 
-def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(samples: Path) -> None:
+def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(
+    invoke: Invoke, samples: Path
+) -> None:
     """Lower layers name no command-line flag (a recipe or a library caller has other means);
     the CLI turns their hints into its own option names."""
     from qtool import api
@@ -314,7 +314,7 @@ def test_main_restores_the_garbage_collector() -> None:
 
 @pytest.mark.parametrize("command", ["quantize", "compare"])
 def test_long_tables_show_their_worst_rows_unless_asked(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
 ) -> None:
     """Over TABLE_MAX_ROWS rows, a table shows its TRIMMED_ROWS worst (lowest SQNR first) and
     says so; --all shows every row, --top N any number, --json carries every row."""

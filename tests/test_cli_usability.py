@@ -12,17 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app, main
+from qtool.cli import main
+from tests.conftest import Invoke
 
 MLP = "mlp.safetensors"
 README = Path(__file__).parent.parent / "README.md"
-
-
-def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args), env=env)
-    return result.exit_code, result.stdout, result.stderr
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -63,7 +58,7 @@ def test_usage_errors_are_one_line_exit_2(
     assert doc["error"]["message"].startswith(line)
 
 
-def test_plot_has_json(samples: Path) -> None:
+def test_plot_has_json(invoke: Invoke, samples: Path) -> None:
     pytest.importorskip("matplotlib")
     png = samples / "h.png"
     code, stdout, _ = invoke(
@@ -92,7 +87,7 @@ def test_plot_has_json(samples: Path) -> None:
     ids=["pt", "no-ext", "gguf", "dry-run", "plot-flag", "sharded", "dequantize-npz", "plot"],
 )
 def test_output_names_a_command_cannot_honour_are_usage_errors(
-    samples: Path, args: list[str], accepted: str
+    invoke: Invoke, samples: Path, args: list[str], accepted: str
 ) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
@@ -105,7 +100,7 @@ def test_output_names_a_command_cannot_honour_are_usage_errors(
     assert list(out_dir.iterdir()) == []
 
 
-def test_an_existing_directory_gets_the_default_name(samples: Path) -> None:
+def test_an_existing_directory_gets_the_default_name(invoke: Invoke, samples: Path) -> None:
     out = samples / "out"
     out.mkdir()
     assert invoke("quantize", str(samples / MLP), "-o", str(out))[0] == 0
@@ -115,7 +110,7 @@ def test_an_existing_directory_gets_the_default_name(samples: Path) -> None:
     assert (out / "mlp.int8.dequantized.safetensors").is_file()
 
 
-def test_dequantize_pt_output_is_a_real_torch_file(samples: Path) -> None:
+def test_dequantize_pt_output_is_a_real_torch_file(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
     assert invoke("dequantize", str(q), "-o", str(samples / "r.pt"), "--to", "float16")[0] == 0
@@ -123,7 +118,7 @@ def test_dequantize_pt_output_is_a_real_torch_file(samples: Path) -> None:
     assert state["head.weight"].dtype == torch.float16
 
 
-def test_old_dtype_spelling_still_works_hidden(samples: Path) -> None:
+def test_old_dtype_spelling_still_works_hidden(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
     code, stdout, _ = invoke("dequantize", str(q), "--dtype", "bfloat16", "--json")
@@ -137,7 +132,7 @@ def test_old_dtype_spelling_still_works_hidden(samples: Path) -> None:
 # ---- silent mistakes (8) -----------------------------------------------------------------------
 
 
-def test_globs_that_match_nothing_and_empty_runs_warn(samples: Path) -> None:
+def test_globs_that_match_nothing_and_empty_runs_warn(invoke: Invoke, samples: Path) -> None:
     code, stdout, stderr = invoke(
         "quantize", str(samples / MLP), "--dry-run", "--include", "layer.*", "--exclude", "x*"
     )
@@ -152,7 +147,7 @@ def test_globs_that_match_nothing_and_empty_runs_warn(samples: Path) -> None:
 # ---- compare of sharded sets (9) ---------------------------------------------------------------
 
 
-def test_compare_sharded_sets_shard_by_shard(samples: Path) -> None:
+def test_compare_sharded_sets_shard_by_shard(invoke: Invoke, samples: Path) -> None:
     sharded = samples / "sharded-mlp"
     out = samples / "sq"
     assert invoke("quantize", str(sharded), "-o", str(out))[0] == 0
@@ -179,7 +174,7 @@ def test_compare_sharded_sets_shard_by_shard(samples: Path) -> None:
     ],
 )
 def test_messages_say_what_the_file_is(
-    samples: Path, command: str, name: str, message: str
+    invoke: Invoke, samples: Path, command: str, name: str, message: str
 ) -> None:
     import numpy as np
 
@@ -192,7 +187,7 @@ def test_messages_say_what_the_file_is(
     assert stderr.count("\n") == 1 and "torch pickle" not in stderr
 
 
-def test_a_wrong_qparams_file_says_what_to_pass(samples: Path) -> None:
+def test_a_wrong_qparams_file_says_what_to_pass(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
     code, _, stderr = invoke("dequantize", str(q), "--qparams", str(samples / MLP))
@@ -204,7 +199,9 @@ def test_a_wrong_qparams_file_says_what_to_pass(samples: Path) -> None:
 LONG = "encoder.layer.{}.attention.output.LayerNorm.weight"
 
 
-def test_piped_tables_never_wrap_names_and_plans_drop_empty_columns(tmp_path: Path) -> None:
+def test_piped_tables_never_wrap_names_and_plans_drop_empty_columns(
+    invoke: Invoke, tmp_path: Path
+) -> None:
     names = [LONG.format(i) for i in (0, 2, 10)]
     save_file({n: torch.randn(8, 8) for n in names}, tmp_path / "m.safetensors")
     for columns in ("60", "120"):
@@ -217,7 +214,7 @@ def test_piped_tables_never_wrap_names_and_plans_drop_empty_columns(tmp_path: Pa
         assert "MSE" not in stdout and "SQNR" not in stdout.splitlines()[2]
 
 
-def test_natural_name_order_for_sort_and_inspect(tmp_path: Path) -> None:
+def test_natural_name_order_for_sort_and_inspect(invoke: Invoke, tmp_path: Path) -> None:
     names = [f"layers.{i}.weight" for i in (10, 2, 1)]
     tensors = {n: torch.randn(4, 4) for n in names} | {"a.bias": torch.zeros(4, dtype=torch.int64)}
     save_file(tensors, tmp_path / "m.safetensors")
@@ -259,11 +256,11 @@ def test_sqnr_bars_mark_exact_layers_and_the_gate() -> None:
     import matplotlib.pyplot as plt
 
     from qtool.engine.plots import _error_histograms, _sqnr_bars
-    from qtool.results import ErrorStats, TensorRow
+    from qtool.results import ErrorStats, QuantizeRow
 
-    def row(name: str, sq_error: float) -> TensorRow:
+    def row(name: str, sq_error: float) -> QuantizeRow:
         stats = ErrorStats(16, sq_error, 1.0, 0.1)
-        return TensorRow(name, (4, 4), "F32", "I8", True, "sym", 64, 16, errors=stats)
+        return QuantizeRow(name, (4, 4), "F32", "I8", True, "sym", 64, 16, errors=stats)
 
     rows = [row("layers.10.w", 1e-4), row("layers.2.w", 0.0), row("layers.1.w", 1e-3)]
     fig, (ax, hist_ax) = plt.subplots(1, 2)
@@ -282,14 +279,14 @@ def test_sqnr_bars_mark_exact_layers_and_the_gate() -> None:
 
 
 @pytest.mark.parametrize("command", ["quantize", "compare", "dequantize", "plot", "inspect"])
-def test_help_has_plain_names_and_metavars(command: str) -> None:
+def test_help_has_plain_names_and_metavars(invoke: Invoke, command: str) -> None:
     code, out, _ = invoke(command, "--help")
     assert code == 0
     assert not re.search(r"\{[A-Z]+\}", out) and "<list[" not in out and "x>=" not in out
     assert "SRC" not in out and "range>" not in out
 
 
-def test_top_level_summaries_are_whole() -> None:
+def test_top_level_summaries_are_whole(invoke: Invoke) -> None:
     out = invoke("--help")[1]
     assert not re.search(r"\w\.\.\.$", out, re.MULTILINE), out  # Click's cut-off summaries
     assert "Draw one tensor quantized: heatmaps and a value histogram (PNG)." in out
@@ -308,7 +305,7 @@ def test_readme_says_how_to_run_qtool_and_where_outputs_go() -> None:
 
 @pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed")
 def test_readme_jq_example_selects_quantized_tensors_only(
-    samples: Path, monkeypatch: pytest.MonkeyPatch
+    invoke: Invoke, samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     example = re.search(
         r"Example: `(qtool quantize [^`]*--json) \| jq '([^']+)'`", README.read_text()

@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
+from tests.conftest import Invoke
 
 GATES = ["--min-sqnr", "10", "--max-mse", "0.1", "--min-overall-sqnr", "10"]
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
 
 
 def _pair(tmp_path: Path, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -36,7 +30,7 @@ def _bad(value: float) -> torch.Tensor:
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("side", ["B", "A"])
 def test_nonfinite_values_are_a_mismatch_that_fails_every_gate(
-    tmp_path: Path, bad: float, side: str
+    invoke: Invoke, tmp_path: Path, bad: float, side: str
 ) -> None:
     ones, other = {"w": torch.ones(4, 4), "k": torch.ones(3)}, {"w": _bad(bad), "k": torch.ones(3)}
     args = _pair(tmp_path, *((ones, other) if side == "B" else (other, ones)))
@@ -53,7 +47,9 @@ def test_nonfinite_values_are_a_mismatch_that_fails_every_gate(
     assert code == 3 and "gate: FAILED" in stdout and "passed" not in stdout
 
 
-def test_sqnr_plus_and_minus_infinity_have_distinct_json_and_bars(tmp_path: Path) -> None:
+def test_sqnr_plus_and_minus_infinity_have_distinct_json_and_bars(
+    invoke: Invoke, tmp_path: Path
+) -> None:
     a = {"exact": torch.ones(2, 2), "lost": torch.zeros(2, 2), "fine": torch.ones(2, 2)}
     b = {"exact": torch.ones(2, 2), "lost": torch.ones(2, 2), "fine": torch.ones(2, 2) * 1.01}
     args = _pair(tmp_path, a, b)
@@ -74,7 +70,7 @@ def test_sqnr_plus_and_minus_infinity_have_distinct_json_and_bars(tmp_path: Path
     assert "█" not in lines["lost"] and "▁" not in lines["lost"]
 
 
-def test_unrelated_files_compare_nothing_and_exit_1(tmp_path: Path) -> None:
+def test_unrelated_files_compare_nothing_and_exit_1(invoke: Invoke, tmp_path: Path) -> None:
     args = _pair(tmp_path, {"a": torch.ones(2), "s": torch.ones(2, 2)},
                  {"b": torch.ones(2), "s": torch.ones(3, 2)})  # fmt: skip
     code, stdout, stderr = invoke(*args, "--json")
@@ -86,7 +82,19 @@ def test_unrelated_files_compare_nothing_and_exit_1(tmp_path: Path) -> None:
     assert code == 1 and stderr.count("\n") == 1 and "same model" in stderr
 
 
-def test_integer_tensors_compared_exactly_count_as_compared(tmp_path: Path) -> None:
+def test_a_row_says_which_side_lacks_its_tensor(tmp_path: Path) -> None:
+    """The side a tensor is missing from is a field of its row, not a reading of its text."""
+    from qtool import api
+
+    _pair(tmp_path, {"a": torch.ones(2), "s": torch.ones(2, 2)},
+          {"b": torch.ones(2), "s": torch.ones(2, 2)})  # fmt: skip
+    summary = api.compare(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    missing = {r.name: r.missing_in for r in summary.rows}
+    assert missing == {"a": "B", "s": None, "b": "A"}
+    assert [r.name for r in summary.mismatches] == ["a", "b"]
+
+
+def test_integer_tensors_compared_exactly_count_as_compared(invoke: Invoke, tmp_path: Path) -> None:
     ids = torch.arange(6).reshape(2, 3)
     args = _pair(tmp_path, {"ids": ids, "n": torch.tensor(3)}, {"ids": ids, "n": torch.tensor(4)})
     code, stdout, _ = invoke(*args, "--json")
@@ -100,7 +108,7 @@ def test_integer_tensors_compared_exactly_count_as_compared(tmp_path: Path) -> N
     assert doc["totals"]["compared"] == 2 and doc["totals"]["mismatches"] == 1
 
 
-def test_bf16_extremes_compare_with_honest_figures(tmp_path: Path) -> None:
+def test_bf16_extremes_compare_with_honest_figures(invoke: Invoke, tmp_path: Path) -> None:
     big = torch.finfo(torch.bfloat16).max
     w = torch.tensor([[big, -big, 1.0], [2.0, big, -3.0]], dtype=torch.bfloat16)
     save_file({"w": w}, tmp_path / "m.safetensors")

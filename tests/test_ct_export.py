@@ -11,19 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.formats import open_reader
 from qtool.formats.ct_tensors import encode_weight
 from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype
+from tests.conftest import Invoke
 
 CT = ("--format", "compressed-tensors")
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture
@@ -35,7 +29,9 @@ def leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if "qtool-tmp" in p.name or "qtool-old" in p.name]
 
 
-def test_export_is_a_model_directory_with_the_encoder_bytes(llama: Path, tmp_path: Path) -> None:
+def test_export_is_a_model_directory_with_the_encoder_bytes(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "w4"
     code, _, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size", "32",
                           "-o", str(out))  # fmt: skip
@@ -64,7 +60,9 @@ def test_export_is_a_model_directory_with_the_encoder_bytes(llama: Path, tmp_pat
     assert leftovers(tmp_path) == []
 
 
-def test_export_reads_back_with_inspect_dequantize_and_compare(llama: Path, tmp_path: Path) -> None:
+def test_export_reads_back_with_inspect_dequantize_and_compare(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "w8"
     assert invoke("quantize", str(llama), *CT, "-o", str(out))[0] == 0
     code, stdout, err = invoke("inspect", str(out))
@@ -88,7 +86,9 @@ def test_export_reads_back_with_inspect_dequantize_and_compare(llama: Path, tmp_
     assert all(torch.equal(got[n], expected[n]) for n in got)
 
 
-def test_sharded_input_keeps_shards_and_rewrites_the_index(llama: Path, tmp_path: Path) -> None:
+def test_sharded_input_keeps_shards_and_rewrites_the_index(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     src = tmp_path / "sharded"
     src.mkdir()
     shutil.copy(llama / "config.json", src / "config.json")
@@ -115,7 +115,7 @@ def test_sharded_input_keeps_shards_and_rewrites_the_index(llama: Path, tmp_path
     assert 0 < written["metadata"]["total_size"] < data
 
 
-def test_single_file_needs_config(llama: Path, tmp_path: Path) -> None:
+def test_single_file_needs_config(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     weights = llama / "model.safetensors"
     code, _, err = invoke("quantize", str(weights), *CT, "-o", str(tmp_path / "a"))
     assert code == 2 and "--config PATH" in err
@@ -130,12 +130,14 @@ def test_single_file_needs_config(llama: Path, tmp_path: Path) -> None:
     ]
 
 
-def test_output_directory_is_required(llama: Path) -> None:
+def test_output_directory_is_required(invoke: Invoke, llama: Path) -> None:
     code, _, err = invoke("quantize", str(llama), *CT)
     assert code == 2 and "-o" in err
 
 
-def test_group_size_that_breaks_k_is_refused_before_writing(llama: Path, tmp_path: Path) -> None:
+def test_group_size_that_breaks_k_is_refused_before_writing(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "g128"
     code, _, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size", "128",
                           "-o", str(out))  # fmt: skip
@@ -147,7 +149,7 @@ def test_group_size_that_breaks_k_is_refused_before_writing(llama: Path, tmp_pat
 
 
 @pytest.mark.parametrize("fallback", ["channel", "keep"])
-def test_group_fallback(llama: Path, tmp_path: Path, fallback: str) -> None:
+def test_group_fallback(invoke: Invoke, llama: Path, tmp_path: Path, fallback: str) -> None:
     out = tmp_path / fallback
     code, _, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size", "128",
                           "--group-fallback", fallback, "-o", str(out))  # fmt: skip
@@ -163,7 +165,7 @@ def test_group_fallback(llama: Path, tmp_path: Path, fallback: str) -> None:
         assert len(q["ignore"]) == 13 and not set(down) & set(q["ignore"])
 
 
-def test_existing_output_is_kept_unless_forced(llama: Path, tmp_path: Path) -> None:
+def test_existing_output_is_kept_unless_forced(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
@@ -180,7 +182,7 @@ def test_existing_output_is_kept_unless_forced(llama: Path, tmp_path: Path) -> N
     assert leftovers(tmp_path) == []
 
 
-def test_a_failure_leaves_no_directory(llama: Path, tmp_path: Path) -> None:
+def test_a_failure_leaves_no_directory(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     tensors = load_file(llama / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
@@ -190,13 +192,15 @@ def test_a_failure_leaves_no_directory(llama: Path, tmp_path: Path) -> None:
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-def test_an_export_is_not_quantized_again(llama: Path, tmp_path: Path) -> None:
+def test_an_export_is_not_quantized_again(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     assert invoke("quantize", str(llama), *CT, "-o", str(tmp_path / "once"))[0] == 0
     code, _, err = invoke("quantize", str(tmp_path / "once"), *CT, "-o", str(tmp_path / "twice"))
     assert code == 1 and "already quantized" in err
 
 
-def test_dry_run_shows_plan_and_ignore_and_writes_nothing(llama: Path, tmp_path: Path) -> None:
+def test_dry_run_shows_plan_and_ignore_and_writes_nothing(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     code, stdout, err = invoke("quantize", str(llama), *CT, "--dry-run", "-o", str(out))
     assert code == 0 and "model.layers.0.mlp.up_proj.weight" in stdout
@@ -208,7 +212,7 @@ def test_dry_run_shows_plan_and_ignore_and_writes_nothing(llama: Path, tmp_path:
     assert doc["format"] == "compressed-tensors" and doc["ignore"] == ["lm_head"]
 
 
-def test_warnings_are_one_line_each(llama: Path, tmp_path: Path) -> None:
+def test_warnings_are_one_line_each(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     code, _, err = invoke("quantize", str(llama), *CT, "--scheme", "asym", "--dtype", "int4",
                           "--group-size", "16", "--dry-run", "-o", str(tmp_path / "o"))  # fmt: skip
     assert code == 0
@@ -226,19 +230,19 @@ def test_warnings_are_one_line_each(llama: Path, tmp_path: Path) -> None:
     ids=["uint8", "fused-q-k-v"],
 )
 def test_plans_vllm_cannot_load_are_refused(
-    llama: Path, tmp_path: Path, args: tuple[str, ...], message: str
+    invoke: Invoke, llama: Path, tmp_path: Path, args: tuple[str, ...], message: str
 ) -> None:
     out = tmp_path / "out"
     code, _, err = invoke("quantize", str(llama), *CT, *args, "-o", str(out))
     assert code == 1 and message in err and not out.exists()
 
 
-def test_gates_apply(llama: Path, tmp_path: Path) -> None:
+def test_gates_apply(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     code, _, _ = invoke("quantize", str(llama), *CT, "--min-sqnr", "90", "-o", str(tmp_path / "o"))
     assert code == 3
 
 
-def test_qtool_options_refuse_format_only_flags(llama: Path) -> None:
+def test_qtool_options_refuse_format_only_flags(invoke: Invoke, llama: Path) -> None:
     code, _, err = invoke("quantize", str(llama / "model.safetensors"), "--group-fallback", "keep")
     assert code == 2 and "--format compressed-tensors" in err
 
@@ -246,7 +250,7 @@ def test_qtool_options_refuse_format_only_flags(llama: Path) -> None:
 @pytest.mark.parametrize("fmt", [(), CT], ids=["qtool", "compressed-tensors"])
 @pytest.mark.parametrize("where", ["in-place", "moved"])
 def test_a_compressed_tensors_shard_is_not_quantized_again(
-    llama: Path, tmp_path: Path, fmt: tuple[str, ...], where: str
+    invoke: Invoke, llama: Path, tmp_path: Path, fmt: tuple[str, ...], where: str
 ) -> None:
     """By the config beside it, or (moved away from it) by its tensor names."""
     export = tmp_path / "ct"
@@ -261,7 +265,9 @@ def test_a_compressed_tensors_shard_is_not_quantized_again(
     assert not again.exists()
 
 
-def test_keep_nonfinite_keeps_the_set_alike_or_refuses(llama: Path, tmp_path: Path) -> None:
+def test_keep_nonfinite_keeps_the_set_alike_or_refuses(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     """A NaN tensor kept by --keep-nonfinite is float and in `ignore`, and its size is its own;
     a kept q_proj whose k/v siblings were quantized is refused, and nothing is written."""
     tensors = load_file(llama / "model.safetensors")

@@ -6,22 +6,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.formats.detect import HeaderView, quantized_format
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
+from tests.conftest import Invoke
 
 
 @pytest.mark.parametrize("which", ["quantized", "sidecar"])
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"], ["--dry-run", "--estimate"]],
                          ids=["run", "dry-run", "estimate"])  # fmt: skip
 def test_quantizing_a_quantized_file_or_a_sidecar_is_refused(
-    samples: Path, which: str, dry_run: list[str]
+    invoke: Invoke, samples: Path, which: str, dry_run: list[str]
 ) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / "mlp.safetensors"), "-o", str(q))[0] == 0
@@ -35,7 +29,9 @@ def test_quantizing_a_quantized_file_or_a_sidecar_is_refused(
     assert sorted(p.name for p in samples.iterdir()) == before
 
 
-def test_a_quantized_sharded_checkpoint_is_refused(samples: Path, tmp_path: Path) -> None:
+def test_a_quantized_sharded_checkpoint_is_refused(
+    invoke: Invoke, samples: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "q"
     assert invoke("quantize", str(samples / "sharded-mlp"), "-o", str(out))[0] == 0
     for extra in ([], ["--dry-run"]):
@@ -44,7 +40,7 @@ def test_a_quantized_sharded_checkpoint_is_refused(samples: Path, tmp_path: Path
     assert not (tmp_path / "qq").exists()
 
 
-def test_a_plain_checkpoint_is_not_taken_for_a_quantized_one(samples: Path) -> None:
+def test_a_plain_checkpoint_is_not_taken_for_a_quantized_one(invoke: Invoke, samples: Path) -> None:
     view = HeaderView(samples / "m.safetensors", {"format": "pt"}, ["w.weight", "w.scale"])
     assert quantized_format(view) is None
     shutil.copy(samples / "mlp.safetensors", samples / "copy.safetensors")

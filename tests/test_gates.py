@@ -7,20 +7,14 @@ import math
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.gates import Gate, evaluate
-from qtool.results import ErrorStats, TensorRow
+from qtool.results import ErrorStats, QuantizeRow
+from tests.conftest import Invoke
 
 
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
-
-
-def _row(name: str, stats: ErrorStats) -> TensorRow:
-    return TensorRow(name, (2,), "F32", "I8", True, "sym int8 tensor", 8, 2, errors=stats)
+def _row(name: str, stats: ErrorStats) -> QuantizeRow:
+    return QuantizeRow(name, (2,), "F32", "I8", True, "sym int8 tensor", 8, 2, errors=stats)
 
 
 FIGURES = {
@@ -60,7 +54,7 @@ def test_violations_explain_themselves() -> None:
 @pytest.mark.parametrize("option", ["--max-mse", "--min-sqnr", "--min-overall-sqnr"])
 @pytest.mark.parametrize("command", ["quantize", "compare"])
 def test_nonfinite_bounds_are_usage_errors_before_anything_is_read(
-    tmp_path: Path, command: str, option: str, value: str
+    invoke: Invoke, tmp_path: Path, command: str, option: str, value: str
 ) -> None:
     missing = [str(tmp_path / "missing.safetensors")] * (2 if command == "compare" else 1)
     code, stdout, stderr = invoke(command, *missing, option, value, "--json")
@@ -69,13 +63,15 @@ def test_nonfinite_bounds_are_usage_errors_before_anything_is_read(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_negative_mse_bound_is_a_usage_error(tmp_path: Path) -> None:
+def test_a_negative_mse_bound_is_a_usage_error(invoke: Invoke, tmp_path: Path) -> None:
     code, _, stderr = invoke("quantize", str(tmp_path / "m.safetensors"), "--max-mse", "-1")
     assert code == 2 and "--max-mse" in stderr
 
 
 @pytest.mark.parametrize("bound", [["--min-sqnr", "30"], ["--max-mse", "1"]], ids=["sqnr", "mse"])
-def test_a_gate_on_a_plain_dry_run_is_a_usage_error(samples: Path, bound: list[str]) -> None:
+def test_a_gate_on_a_plain_dry_run_is_a_usage_error(
+    invoke: Invoke, samples: Path, bound: list[str]
+) -> None:
     args = ["quantize", str(samples / "mlp.safetensors"), "--dry-run", *bound]
     code, stdout, stderr = invoke(*args)
     assert code == 2 and stdout == "" and "--estimate" in stderr

@@ -18,8 +18,8 @@ from qtool import api
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import SidecarError
 from qtool.formats.qtool import MANIFEST_KEY, sidecar_path
-from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
+from qtool.numerics.range_methods import search_candidates
 from qtool.spec import (
     PerChannel,
     PerGroup,
@@ -55,7 +55,7 @@ def _reference(x: torch.Tensor, spec: QSpec) -> tuple[np.ndarray, ...]:
         granularity = ("channel", g.axis % x.ndim)
     else:
         granularity = ("tensor", 0)
-    candidates = list(kernels.search_candidates(spec, tuple(x.shape)))
+    candidates = list(search_candidates(spec, tuple(x.shape)))
     method = spec.range_method.value
     return reference.quantize_v2(
         x.float().numpy(), spec.scheme.value, spec.dtype.value, granularity, method, candidates
@@ -226,7 +226,7 @@ def test_group_and_range_usage_errors_are_one_line_exit_2(
 
 def test_a_group_longer_than_a_row_is_per_channel_and_says_so(samples: Path) -> None:
     options = QuantizeOptions(QSpec(granularity=PerGroup(4096)))
-    summary = api.plan(samples / "mlp.safetensors", None, options)
+    summary = api.quantize(samples / "mlp.safetensors", None, options, mode="plan")
     assert summary is not None
     row = next(r for r in summary.rows if r.name == "layers.0.fc2.weight")
     assert row.detail == "sym int8 axis 0 (group 4096 >= row length 128: per channel)"

@@ -4,6 +4,7 @@ undecodable names, interruptions after the commit. The one-line cases live in te
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -23,11 +24,14 @@ from typer.testing import CliRunner
 
 from qtool import api
 from qtool.cli import app
-from qtool.cli import commands as cli
 from qtool.engine.plan import QuantizeOptions
 from qtool.formats.qtool import SIDECAR_KEY, sidecar_path
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.stformat import read_header
+
+cli = importlib.import_module(
+    "qtool.cli.app"
+)  # the module; qtool.cli.app as an attribute is the app
 
 
 def _run(*args: str, preexec: object = None, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -80,7 +84,7 @@ def test_truncated_while_reading_is_an_error_not_sigbus(tmp_path: Path) -> None:
 _TRUNCATE_MID_RUN = """
 import os, sys
 from pathlib import Path
-from qtool.cli import commands as cli
+from qtool.cli import main
 from qtool.numerics import kernels
 src = Path(sys.argv[1])
 real = kernels.quantize_tensor
@@ -89,7 +93,7 @@ def truncating(x, *args, **kwargs):
     return real(x, *args, **kwargs)
 kernels.quantize_tensor = truncating
 sys.argv = ["qtool", "quantize", str(src), "-o", sys.argv[2]]
-cli.main()
+main()
 """
 
 

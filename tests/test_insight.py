@@ -10,19 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
+from tests.conftest import Invoke
 
 MLP = "mlp.safetensors"
 
 
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
-
-
-def _quantized(samples: Path, *extra: str) -> Path:
+def _quantized(invoke: Invoke, samples: Path, *extra: str) -> Path:
     out = samples / "q.safetensors"
     code, _, stderr = invoke("quantize", str(samples / MLP), "-o", str(out), *extra)
     assert code == 0, stderr
@@ -32,7 +26,9 @@ def _quantized(samples: Path, *extra: str) -> Path:
 # ---- gates ----------------------------------------------------------------------------------
 
 
-def test_gate_failure_exits_3_writes_outputs_and_lists_violations(samples: Path) -> None:
+def test_gate_failure_exits_3_writes_outputs_and_lists_violations(
+    invoke: Invoke, samples: Path
+) -> None:
     out = samples / "q.safetensors"
     args = ["quantize", str(samples / MLP), "-o", str(out), "--per-tensor", "--json"]
     code, stdout, _ = invoke(*args, "--min-sqnr", "40", "--max-mse", "1e-4")
@@ -45,7 +41,7 @@ def test_gate_failure_exits_3_writes_outputs_and_lists_violations(samples: Path)
     assert violations == {("head.weight", "sqnr_db"), ("head.weight", "mse")}
 
 
-def test_gate_pass_and_overall_bound(samples: Path) -> None:
+def test_gate_pass_and_overall_bound(invoke: Invoke, samples: Path) -> None:
     args = ["quantize", str(samples / MLP), "-o", str(samples / "q.safetensors"), "--force"]
     code, stdout, _ = invoke(*args, "--min-sqnr", "30")
     assert code == 0 and "gate: passed" in stdout
@@ -56,7 +52,7 @@ def test_gate_pass_and_overall_bound(samples: Path) -> None:
     assert code == 0 and "gate:" not in stdout
 
 
-def test_gate_marks_offending_rows_in_the_table(samples: Path) -> None:
+def test_gate_marks_offending_rows_in_the_table(invoke: Invoke, samples: Path) -> None:
     args = ["quantize", str(samples / MLP), "-o", str(samples / "q.safetensors"), "--per-tensor"]
     code, stdout, _ = invoke(*args, "--min-sqnr", "40")
     assert code == 3
@@ -68,8 +64,8 @@ def test_gate_marks_offending_rows_in_the_table(samples: Path) -> None:
 # ---- compare --------------------------------------------------------------------------------
 
 
-def test_compare_float_vs_quantized(samples: Path) -> None:
-    q = _quantized(samples)
+def test_compare_float_vs_quantized(invoke: Invoke, samples: Path) -> None:
+    q = _quantized(invoke, samples)
     code, stdout, _ = invoke("compare", str(samples / MLP), str(q), "--json")
     assert code == 0
     doc = json.loads(stdout)
@@ -83,7 +79,7 @@ def test_compare_float_vs_quantized(samples: Path) -> None:
     assert doc["totals"]["mismatches"] == 0
 
 
-def test_compare_agrees_with_quantize_figures(samples: Path) -> None:
+def test_compare_agrees_with_quantize_figures(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     _, qout, _ = invoke("quantize", str(samples / MLP), "-o", str(q), "--json")
     _, cout, _ = invoke("compare", str(samples / MLP), str(q), "--json")
@@ -94,8 +90,8 @@ def test_compare_agrees_with_quantize_figures(samples: Path) -> None:
         assert compared[name]["sqnr_db"] == pytest.approx(t["sqnr_db"], abs=1e-3)
 
 
-def test_compare_two_quantized_and_two_float_files(samples: Path) -> None:
-    a = _quantized(samples)
+def test_compare_two_quantized_and_two_float_files(invoke: Invoke, samples: Path) -> None:
+    a = _quantized(invoke, samples)
     b = samples / "b.safetensors"
     invoke("quantize", str(samples / MLP), "-o", str(b), "--scheme", "asym")
     code, stdout, _ = invoke("compare", str(a), str(b), "--json")
@@ -107,7 +103,7 @@ def test_compare_two_quantized_and_two_float_files(samples: Path) -> None:
     assert code == 0 and doc["totals"]["sqnr_db"] == "Infinity" and doc["totals"]["mse"] == 0.0
 
 
-def test_compare_reports_missing_and_mismatched_tensors(tmp_path: Path) -> None:
+def test_compare_reports_missing_and_mismatched_tensors(invoke: Invoke, tmp_path: Path) -> None:
     save_file({"w": torch.ones(2, 2), "only_a": torch.ones(3), "s": torch.ones(4, 2)},
               tmp_path / "a.safetensors")  # fmt: skip
     save_file({"w": torch.ones(2, 2), "only_b": torch.ones(3), "s": torch.ones(2, 4)},
@@ -127,7 +123,7 @@ def test_compare_reports_missing_and_mismatched_tensors(tmp_path: Path) -> None:
 # ---- dry run, ordering -----------------------------------------------------------------------
 
 
-def test_dry_run_reads_no_tensor_data_and_writes_nothing(samples: Path) -> None:
+def test_dry_run_reads_no_tensor_data_and_writes_nothing(invoke: Invoke, samples: Path) -> None:
     src = samples / MLP
     # Corrupt every data byte: a dry run must not notice, because it never reads them.
     blob = bytearray(src.read_bytes())
@@ -158,7 +154,7 @@ def test_dry_run_does_not_import_torch(samples: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_estimate_gives_the_figures_of_a_real_run(samples: Path) -> None:
+def test_estimate_gives_the_figures_of_a_real_run(invoke: Invoke, samples: Path) -> None:
     _, dry, _ = invoke("quantize", str(samples / MLP), "--dry-run", "--estimate", "--json")
     _, real, _ = invoke("quantize", str(samples / MLP), "--json")
     strip = ("dry_run", "device")
@@ -167,7 +163,7 @@ def test_estimate_gives_the_figures_of_a_real_run(samples: Path) -> None:
     assert a == b
 
 
-def test_sort_and_top(samples: Path) -> None:
+def test_sort_and_top(invoke: Invoke, samples: Path) -> None:
     args = ["quantize", str(samples / MLP), "--per-tensor", "--json", "--force"]
     _, stdout, _ = invoke(*args, "--sort", "sqnr", "--top", "2")
     doc = json.loads(stdout)
@@ -189,7 +185,7 @@ def _png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_plots_are_pngs_of_the_documented_size(samples: Path) -> None:
+def test_plots_are_pngs_of_the_documented_size(invoke: Invoke, samples: Path) -> None:
     pytest.importorskip("matplotlib")
     from qtool.engine.plots import FIGURE_PX
 
@@ -205,7 +201,7 @@ def test_plots_are_pngs_of_the_documented_size(samples: Path) -> None:
         assert png.stat().st_size > 10_000
 
 
-def test_plot_errors(samples: Path) -> None:
+def test_plot_errors(invoke: Invoke, samples: Path) -> None:
     code, _, stderr = invoke("plot", str(samples / MLP), "--tensor", "nope")
     assert code == 1 and "no such tensor" in stderr
     code, _, stderr = invoke("plot", str(samples / MLP), "--tensor", "position_ids")
@@ -213,7 +209,7 @@ def test_plot_errors(samples: Path) -> None:
 
 
 def test_plot_without_matplotlib_fails_clearly(
-    samples: Path, monkeypatch: pytest.MonkeyPatch
+    invoke: Invoke, samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, stdout, stderr = invoke("plot", str(samples / MLP), "--tensor", "head.weight")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.numerics import kernels
+from qtool.numerics import range_methods
 from qtool.numerics.ranges import (
     IntRange,
     mse_candidates,
@@ -38,7 +38,7 @@ def test_eight_bit_qparams_are_bit_identical_to_the_kernels(
     r = int_range(scheme, dtype)
     assert (r.qmin, r.qmax) == (spec.qmin, spec.qmax)
     lo, hi = (t.to(device) for t in _ranges(2000, seed=1))
-    old_scale, old_zp = kernels.qparams_from_range(lo, hi, spec)
+    old_scale, old_zp = range_methods.qparams_from_range(lo, hi, spec)
     new_scale, new_zp = qparams_from_range(
         lo, hi, r.qmin, r.qmax, r.symmetric, spec.symmetric_zero_point
     )

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.errors import UsageError
 from qtool.numerics import kernels, select
 from qtool.spec import PerGroup, QSpec, RangeMethod
+from tests.conftest import Invoke
 
 HAS_NUMBA = select.numba_installed()
 needs_numba = pytest.mark.skipif(not HAS_NUMBA, reason="numba not installed (qtool[fast])")
@@ -190,15 +189,10 @@ CONFIGS = {
 }
 
 
-def invoke(*args: str) -> None:
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-
-
 @needs_numba
 @pytest.mark.parametrize("options", list(CONFIGS.values()), ids=list(CONFIGS))
 def test_both_paths_write_the_same_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: list[str]
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: list[str]
 ) -> None:
     g = torch.Generator().manual_seed(1)
     tensors = {
@@ -215,8 +209,11 @@ def test_both_paths_write_the_same_bytes(
         monkeypatch.setenv(select.ENV, kernel)
         out = tmp_path / kernel
         out.mkdir()
-        invoke("quantize", str(src), "-o", str(out / "q.safetensors"), *options)
-        invoke("dequantize", str(out / "q.safetensors"), "-o", str(out / "d.safetensors"))
+        assert invoke("quantize", str(src), "-o", str(out / "q.safetensors"), *options)[0] == 0
+        assert (
+            invoke("dequantize", str(out / "q.safetensors"), "-o", str(out / "d.safetensors"))[0]
+            == 0
+        )
         outputs[kernel] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     assert list(outputs["torch"]) == ["d.safetensors", "q.qparams.safetensors", "q.safetensors"]
     assert select._LOADER.module is not None  # the fused run did use the fused kernels
@@ -225,19 +222,27 @@ def test_both_paths_write_the_same_bytes(
 
 @needs_numba
 def test_dequantize_both_ways_of_one_file_agree(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same quantized file restored by either kernel, to every float dtype."""
     src = tmp_path / "m.safetensors"
     x = torch.randn(50, 70, generator=torch.Generator().manual_seed(2)) * 100
     save_file({"w": x}, src)
-    invoke("quantize", str(src), "-o", str(tmp_path / "q.safetensors"), "--scheme", "asym")
+    assert (
+        invoke("quantize", str(src), "-o", str(tmp_path / "q.safetensors"), "--scheme", "asym")[0]
+        == 0
+    )
     for dtype in ("float32", "bfloat16", "float16"):
         restored = []
         for kernel in ("torch", "fused"):
             monkeypatch.setenv(select.ENV, kernel)
             out = tmp_path / f"{kernel}-{dtype}.safetensors"
-            invoke("dequantize", str(tmp_path / "q.safetensors"), "-o", str(out), "--to", dtype)
+            assert (
+                invoke(
+                    "dequantize", str(tmp_path / "q.safetensors"), "-o", str(out), "--to", dtype
+                )[0]
+                == 0
+            )
             restored.append(out.read_bytes())
         assert restored[0] == restored[1]
 
@@ -247,7 +252,11 @@ def test_dequantize_both_ways_of_one_file_agree(
     "options", [["--dtype", "int4", "--group-size", "32"], []], ids=["int4-group32", "int8"]
 )
 def test_both_paths_export_the_same_compressed_tensors_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: Path, options: list[str]
+    invoke: Invoke,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    samples: Path,
+    options: list[str],
 ) -> None:
     """Scales rounded to the weight dtype (the compressed-tensors path) match too."""
     outputs = {}
@@ -256,7 +265,12 @@ def test_both_paths_export_the_same_compressed_tensors_model(
         out = tmp_path / kernel / "model"
         out.parent.mkdir()
         llama = samples / "tiny-llama"
-        invoke("quantize", str(llama), "--format", "compressed-tensors", "-o", str(out), *options)
+        assert (
+            invoke(
+                "quantize", str(llama), "--format", "compressed-tensors", "-o", str(out), *options
+            )[0]
+            == 0
+        )
         outputs[kernel] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
     assert "model.safetensors" in outputs["torch"]
     assert select._LOADER.module is not None  # the fused run did use the fused kernels

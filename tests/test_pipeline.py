@@ -228,7 +228,7 @@ def test_output_is_deterministic(samples: Path) -> None:
 def test_dry_run_writes_nothing(samples: Path) -> None:
     out = samples / "never.safetensors"
     summary = api.quantize(
-        samples / "mlp.safetensors", out, QuantizeOptions(), device="cpu", dry_run=True
+        samples / "mlp.safetensors", out, QuantizeOptions(), device="cpu", mode="plan"
     )
     assert summary.dry_run and len(summary.quantized) == 4
     assert not out.exists() and not sidecar_path(out).exists()
@@ -269,7 +269,7 @@ def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path) ->
     checkpoint_mib = (tmp_path / "big.safetensors").stat().st_size / 2**20
     assert checkpoint_mib > 6 * cap_mib
     loads = (
-        "import torch, qtool.engine.run, qtool.cli\n"
+        "import torch, qtool.engine.run, qtool.engine.write, qtool.cli\n"
         "from qtool.numerics import select\n"
         f"select.expect(torch.device('cpu'), {int(checkpoint_mib * 2**20)})"
     )

@@ -11,21 +11,29 @@ from hypothesis import strategies as st
 from qtool.engine.plan import QuantizeOptions, plan_tensors
 from qtool.errors import InputError, QtoolError, RecipeError
 from qtool.io.stformat import TensorEntry, read_header
-from qtool.recipe import (
+from qtool.recipe.file import load_recipe, parse_recipe
+from qtool.recipe.rules import (
     Keep,
     Recipe,
     Resolution,
     Rule,
     RuleKind,
-    SpecPatch,
-    parse_spec_label,
     resolve,
     rules_from_cli,
-    spec_label,
     unmatched,
 )
-from qtool.recipe_file import load_recipe, parse_recipe
-from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    SpecPatch,
+    StorageDtype,
+    parse_spec_label,
+    spec_label,
+)
 
 ROOT = Path(__file__).parent.parent
 SAMPLES = ROOT / "sample_weights"

@@ -12,25 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
-from qtool.engine.plan import TensorPlan
-from qtool.engine.run import align_fused
+from qtool.engine.budget import align_fused
+from qtool.engine.decision import (
+    Budget,
+    Decision,
+    FusedSiblings,
+    Keep,
+    Quantize,
+    Selection,
+    TensorPlan,
+)
 from qtool.formats import compressed_tensors as ct
 from qtool.formats import open_reader
 from qtool.io.stformat import TensorEntry
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, StorageDtype
+from tests.conftest import Invoke
 
 CT = ("--format", "compressed-tensors")
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 INT8 = QSpec(granularity=PerChannel(0))
 INT4_MSE = QSpec(dtype=StorageDtype.INT4, granularity=PerChannel(0), range_method=RangeMethod.MSE)
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture
@@ -71,7 +73,9 @@ def json_rows(stdout: str) -> dict[str, dict[str, object]]:
     return {row["name"]: row for row in json.loads(stdout)["tensors"]}
 
 
-def test_llm_recipe_writes_one_config_group_per_spec(llama: Path, tmp_path: Path) -> None:
+def test_llm_recipe_writes_one_config_group_per_spec(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "mixed"
     recipe = str(EXAMPLES / "llm.toml")
     code, _, err = invoke("quantize", str(llama), *CT, "--recipe", recipe, "-o", str(out))
@@ -101,7 +105,9 @@ def test_llm_recipe_writes_one_config_group_per_spec(llama: Path, tmp_path: Path
     )  # fmt: skip
 
 
-def test_recipe_specs_round_trip_through_dequantize(llama: Path, tmp_path: Path) -> None:
+def test_recipe_specs_round_trip_through_dequantize(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     out, restored = tmp_path / "mixed", tmp_path / "restored.safetensors"
     recipe = EXAMPLES / "llm.toml"
     code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
@@ -123,7 +129,9 @@ def test_recipe_specs_round_trip_through_dequantize(llama: Path, tmp_path: Path)
     assert all(torch.equal(got[n], expected[n]) for n in got)
 
 
-def test_a_rule_compressed_tensors_cannot_store_is_refused(llama: Path, tmp_path: Path) -> None:
+def test_a_rule_compressed_tensors_cannot_store_is_refused(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     recipe = write_recipe(
         tmp_path, '[[rule]]\nmatch = "*.q_proj.weight"\nscheme = "asym"\ndtype = "uint8"\n'
     )
@@ -138,7 +146,7 @@ def test_a_rule_compressed_tensors_cannot_store_is_refused(llama: Path, tmp_path
 
 
 def test_rules_cannot_quantize_what_is_not_a_linear_but_can_name_the_head(
-    llama: Path, tmp_path: Path
+    invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
     recipe = write_recipe(
         tmp_path,
@@ -154,7 +162,7 @@ def test_rules_cannot_quantize_what_is_not_a_linear_but_can_name_the_head(
     assert rows["lm_head.weight"]["quantized"] is True  # a rule names the head: quantized
 
 
-def test_budget_candidates_fit_the_format(llama: Path, tmp_path: Path) -> None:
+def test_budget_candidates_fit_the_format(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     """int4 g32 divides every K of the sample: the budget may pick it; a ladder of groups of
     48 (dividing no K) leaves only the candidates compressed-tensors can store."""
     recipe = write_recipe(tmp_path, 'ladder = ["int4 g48 mse", "int8 channel"]\n')
@@ -166,7 +174,7 @@ def test_budget_candidates_fit_the_format(llama: Path, tmp_path: Path) -> None:
     assert "int8 channel: " in str(rows["model.layers.0.mlp.up_proj.weight"]["detail"])
 
 
-def test_budget_exports_carry_the_chosen_specs(llama: Path, tmp_path: Path) -> None:
+def test_budget_exports_carry_the_chosen_specs(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     """The recipe fixes the attention at int4; the budget decides the MLP (int8 at 30 dB)."""
     out = tmp_path / "budget"
     recipe = write_recipe(
@@ -198,7 +206,7 @@ def outlier_llama(llama: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_budget_aligns_the_siblings_vllm_fuses(llama: Path, tmp_path: Path) -> None:
+def test_budget_aligns_the_siblings_vllm_fuses(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
     src, out = outlier_llama(llama, tmp_path), tmp_path / "out"
     code, stdout, err = invoke("quantize", str(src), *CT, "--target-sqnr", "20", "--json",
                                "-o", str(out))  # fmt: skip
@@ -215,7 +223,10 @@ def test_budget_aligns_the_siblings_vllm_fuses(llama: Path, tmp_path: Path) -> N
 
 
 def plan(name: str, spec: QSpec | None, budget: bool = True) -> TensorPlan:
-    return TensorPlan(TensorEntry(name, "F32", (64, 64), 0, 64 * 64 * 4), spec, budget=budget)
+    """A tensor the budget decided (kept float when `spec` is None), or a rule fixed."""
+    action = Quantize(spec) if spec is not None else Keep("kept float: best 10 dB < 20")
+    origin = Budget(20.0) if budget else Selection()
+    return TensorPlan(TensorEntry(name, "F32", (64, 64), 0, 64 * 64 * 4), Decision(action, origin))
 
 
 def key(name: str) -> str | None:
@@ -252,8 +263,21 @@ def test_align_fused_follows_a_sibling_a_rule_fixed() -> None:
     assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].note
 
 
+def test_an_aligned_decision_says_why_and_keeps_the_budgets_as_history() -> None:
+    """The plan supersedes a decision, never edits it: the budget's own choice stays visible."""
+    chosen = [plan(f"m.{p}_proj.weight", s) for p, s in (("gate", INT4_MSE), ("up", INT8))]
+    gate, up = align_fused(chosen, key)
+    assert up == chosen[1]  # the dearest choice: nothing to align
+    assert isinstance(gate.decision.origin, FusedSiblings)
+    assert gate.decision.superseded == chosen[0].decision and gate.spec == INT8
+    assert gate.decision.describe() == (
+        "left to the budget (20 dB): int4 channel mse; "
+        "aligned with its fused siblings m.{gate_proj,up_proj}: int8 channel"
+    )
+
+
 def test_a_rule_fixing_one_fused_sibling_leaves_the_budget_the_rest(
-    llama: Path, tmp_path: Path
+    invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
     """The budget's siblings follow the rule's spec; the size references (all-int8, all-float)
     are the format's bytes, computed without its plan checks (they once failed the run after
@@ -273,7 +297,9 @@ def test_a_rule_fixing_one_fused_sibling_leaves_the_budget_the_rest(
     assert totals["bytes_out"] < totals["bytes_all_int8"] < totals["bytes_all_float"]
 
 
-def test_the_budget_never_checks_the_command_line_spec(llama: Path, tmp_path: Path) -> None:
+def test_the_budget_never_checks_the_command_line_spec(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     """With --target-sqnr the spec options do not apply to the budget's tensors: a group size
     or dtype compressed-tensors refuses is not held against them."""
     for spec in (("--group-size", "48"), ("--scheme", "asym", "--dtype", "uint8")):
@@ -284,7 +310,7 @@ def test_the_budget_never_checks_the_command_line_spec(llama: Path, tmp_path: Pa
 
 
 def test_a_group_the_export_takes_as_asked_drops_the_fitting_note(
-    llama: Path, tmp_path: Path
+    invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
     code, stdout, err = invoke("quantize", str(llama), *CT, "--dtype", "int4", "--group-size",
                                "128", "--group-fallback", "channel", "--dry-run", "--json",
@@ -294,7 +320,9 @@ def test_a_group_the_export_takes_as_asked_drops_the_fitting_note(
     assert detail.startswith("sym int4 group 128") and "per channel" not in detail
 
 
-def test_an_unsigned_ladder_says_why_nothing_fits(llama: Path, tmp_path: Path) -> None:
+def test_an_unsigned_ladder_says_why_nothing_fits(
+    invoke: Invoke, llama: Path, tmp_path: Path
+) -> None:
     recipe = write_recipe(tmp_path, 'ladder = ["asym uint8 channel"]\n')
     code, stdout, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
                                "--target-sqnr", "20", "--dry-run", "--estimate", "--json",

@@ -14,10 +14,9 @@ from qtool import api
 from qtool.engine.plan import QuantizeOptions
 from qtool.formats.qtool_reader import QtoolReader
 from qtool.numerics.metrics import error_stats
-from qtool.recipe import parse_spec_label
-from qtool.recipe_file import parse_recipe
-from qtool.spec import QSpec
-from tests.test_cli import invoke
+from qtool.recipe.file import parse_recipe
+from qtool.spec import QSpec, parse_spec_label
+from tests.conftest import Invoke
 
 REPO = Path(__file__).resolve().parent.parent
 MLP_RECIPE = REPO / "examples" / "mlp.toml"
@@ -58,9 +57,7 @@ def _same(a: list[object], b: list[object]) -> None:
 def test_dry_run_estimate_equals_the_real_run(samples: Path, target: float | None) -> None:
     src = samples / "mlp.safetensors"
     options = _options(target)
-    planned = api.quantize(
-        src, samples / "q.safetensors", options, device="cpu", dry_run=True, estimate=True
-    )
+    planned = api.quantize(src, samples / "q.safetensors", options, device="cpu", mode="estimate")
     written = api.quantize(src, samples / "q.safetensors", options, device="cpu")
     _same(planned.rows, written.rows)  # type: ignore[arg-type]
     assert planned.budget_sizes == written.budget_sizes
@@ -69,7 +66,7 @@ def test_dry_run_estimate_equals_the_real_run(samples: Path, target: float | Non
 
 def test_header_only_plan_equals_the_real_run_with_a_recipe(samples: Path) -> None:
     src = samples / "mlp.safetensors"
-    plan = api.plan(src, samples / "q.safetensors", _options())
+    plan = api.quantize(src, samples / "q.safetensors", _options(), mode="plan")
     written = api.quantize(src, samples / "q.safetensors", _options(), device="cpu")
     assert plan is not None
     assert [(r.name, r.detail, r.bytes_out) for r in plan.rows] == [
@@ -147,7 +144,7 @@ def test_ladder_comes_from_the_recipe(tmp_path: Path) -> None:
 
 
 def test_cli_recipe_errors_are_exit_2_naming_file_line_and_key(
-    samples: Path, tmp_path: Path
+    invoke: Invoke, samples: Path, tmp_path: Path
 ) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[rule]]\nmatch = "a"\ngranularity = "channel"\ngroup_size = 32\n')
@@ -160,14 +157,16 @@ def test_cli_recipe_errors_are_exit_2_naming_file_line_and_key(
     assert not list(samples.glob("*.int8.*"))
 
 
-def test_cli_missing_recipe_is_exit_2(samples: Path, tmp_path: Path) -> None:
+def test_cli_missing_recipe_is_exit_2(invoke: Invoke, samples: Path, tmp_path: Path) -> None:
     code, _, err = invoke(
         "quantize", str(samples / "mlp.safetensors"), "--recipe", str(tmp_path / "no.toml")
     )
     assert code == 2 and "no.toml" in err
 
 
-def test_cli_warns_once_per_unmatched_rule_and_shows_the_rule(samples: Path) -> None:
+def test_cli_warns_once_per_unmatched_rule_and_shows_the_rule(
+    invoke: Invoke, samples: Path
+) -> None:
     code, out, err = invoke(
         "quantize", str(samples / "mlp.safetensors"), "--recipe", str(MLP_RECIPE), "--dry-run"
     )
@@ -177,14 +176,14 @@ def test_cli_warns_once_per_unmatched_rule_and_shows_the_rule(samples: Path) -> 
     assert "[rule 1 'embed.*']" in out
 
 
-def test_cli_target_sqnr_needs_estimate_on_a_dry_run(samples: Path) -> None:
+def test_cli_target_sqnr_needs_estimate_on_a_dry_run(invoke: Invoke, samples: Path) -> None:
     code, _, err = invoke(
         "quantize", str(samples / "mlp.safetensors"), "--target-sqnr", "30", "--dry-run"
     )
     assert code == 2 and "--estimate" in err
 
 
-def test_cli_budget_summary_and_json(samples: Path) -> None:
+def test_cli_budget_summary_and_json(invoke: Invoke, samples: Path) -> None:
     args = (
         "quantize",
         str(samples / "mlp.safetensors"),
@@ -200,7 +199,7 @@ def test_cli_budget_summary_and_json(samples: Path) -> None:
     assert totals["bytes_all_int8"] >= totals["bytes_out"] and totals["bytes_all_float"] > 0
 
 
-def test_gates_still_fail_a_budget_run(samples: Path) -> None:
+def test_gates_still_fail_a_budget_run(invoke: Invoke, samples: Path) -> None:
     code, _, _ = invoke(
         "quantize",
         str(samples / "mlp.safetensors"),
@@ -220,7 +219,7 @@ def test_parse_recipe_inline_rules_resolve_like_tables() -> None:
     assert [r.action for r in a.rules] == [r.action for r in b.rules]
 
 
-def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(tmp_path: Path) -> None:
+def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(invoke: Invoke, tmp_path: Path) -> None:
     x = torch.randn(8, 32)
     x[1, 2] = float("nan")
     src = tmp_path / "nan.safetensors"
@@ -236,8 +235,12 @@ def test_budget_on_nan_fails_naming_the_tensor_or_keeps_it(tmp_path: Path) -> No
     assert "dB >= 20" in rows["ok"].detail
 
 
-def test_header_only_plan_defers_to_the_data_with_a_budget(samples: Path) -> None:
-    assert api.plan(samples / "mlp.safetensors", None, _options(20.0)) is None
+def test_header_only_plan_refuses_a_budget_which_needs_the_data(samples: Path) -> None:
+    from qtool.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        api.quantize(samples / "mlp.safetensors", None, _options(20.0), mode="plan")
+    assert info.value.hints == ("estimate",)
 
 
 @pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
@@ -302,7 +305,9 @@ def _outputs(out: Path) -> list[Path]:
     return sorted(out.glob("*.safetensors"))
 
 
-def test_summary_and_json_name_each_tensors_own_spec(samples: Path, tmp_path: Path) -> None:
+def test_summary_and_json_name_each_tensors_own_spec(
+    invoke: Invoke, samples: Path, tmp_path: Path
+) -> None:
     """A rule that changes only the range method still makes the specs per tensor (the summary
     once compared description prefixes); the JSON gives every quantized tensor its spec."""
     recipe = tmp_path / "r.toml"
@@ -322,7 +327,7 @@ def test_summary_and_json_name_each_tensors_own_spec(samples: Path, tmp_path: Pa
     assert "(specs per tensor)" not in out and "(sym int8 axis 0)" in out
 
 
-def test_excluded_rows_do_not_repeat_the_rule(samples: Path) -> None:
+def test_excluded_rows_do_not_repeat_the_rule(invoke: Invoke, samples: Path) -> None:
     src = str(samples / "mlp.safetensors")
     code, out, _ = invoke("quantize", src, "--recipe", str(MLP_RECIPE), "--exclude", "head.*",
                           "--dry-run", "--json")  # fmt: skip
@@ -331,7 +336,9 @@ def test_excluded_rows_do_not_repeat_the_rule(samples: Path) -> None:
     assert detail == "kept: excluded by --exclude 'head.*'"
 
 
-def test_a_ladder_without_a_target_is_reported_unused(samples: Path, tmp_path: Path) -> None:
+def test_a_ladder_without_a_target_is_reported_unused(
+    invoke: Invoke, samples: Path, tmp_path: Path
+) -> None:
     recipe = tmp_path / "r.toml"
     recipe.write_text('ladder = ["int8"]\n[[rule]]\nmatch = "embed.*"\nkeep = "x"\n')
     code, _, err = invoke("quantize", str(samples / "mlp.safetensors"), "--recipe", str(recipe),
@@ -344,16 +351,16 @@ def test_free_space_asks_for_what_the_budget_can_take_not_twice_the_float(
 ) -> None:
     """Kept float (or the dearest candidate) plus the dearest candidate's codes kept between
     the passes: 1 + 1.04/4 of fp32, not 2x (a 64 MiB file on 100 MiB free was refused)."""
-    from qtool.engine import run
+    from qtool.engine import write
 
     asked: list[int] = []
-    real = run.prepared
+    real = write.prepared
 
     def recording(*args: object, **kwargs: object) -> object:
         asked.append(int(args[-1]))  # type: ignore[call-overload]
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(run, "prepared", recording)
+    monkeypatch.setattr(write, "prepared", recording)
     src = samples / "mlp.safetensors"
     summary = api.quantize(src, samples / "q.safetensors", _options(20.0, None), device="cpu")
     budget_in = sum(r.bytes_in for r in summary.rows if r.quantized or "kept float" in r.detail)
@@ -361,7 +368,9 @@ def test_free_space_asks_for_what_the_budget_can_take_not_twice_the_float(
     assert asked[0] >= budget_in  # at least: every budget tensor kept float
 
 
-def test_a_budget_with_nothing_to_decide_says_so(samples: Path, tmp_path: Path) -> None:
+def test_a_budget_with_nothing_to_decide_says_so(
+    invoke: Invoke, samples: Path, tmp_path: Path
+) -> None:
     recipe = tmp_path / "all.toml"
     recipe.write_text('[[rule]]\nmatch = "*"\ndtype = "int8"\ngranularity = "channel"\n')
     src = str(samples / "mlp.safetensors")

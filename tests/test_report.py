@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.report.json import json_number, json_text
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
+from tests.conftest import Invoke
 
 
 @pytest.mark.parametrize(
@@ -32,7 +26,7 @@ def test_json_numbers(value: float, encoded: float | str) -> None:
     assert got == value or (math.isnan(got) and math.isnan(value))
 
 
-def test_every_success_document_says_ok_and_schema_2(samples: Path) -> None:
+def test_every_success_document_says_ok_and_schema_2(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     src = str(samples / "mlp.safetensors")
     docs = {
@@ -67,7 +61,7 @@ def _header_len(samples: Path) -> int:
         return int.from_bytes(f.read(8), "little")
 
 
-def test_compare_plot_shows_minus_infinity_without_warnings(tmp_path: Path) -> None:
+def test_compare_plot_shows_minus_infinity_without_warnings(invoke: Invoke, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     save_file({"lost": torch.zeros(4, 4), "ok": torch.ones(4, 4)}, tmp_path / "a.safetensors")
     save_file({"lost": torch.ones(4, 4), "ok": torch.ones(4, 4)}, tmp_path / "b.safetensors")
@@ -83,11 +77,11 @@ def test_compare_plot_shows_minus_infinity_without_warnings(tmp_path: Path) -> N
 def test_sqnr_bars_label_both_infinities_with_finite_bars() -> None:
     pytest.importorskip("matplotlib")
     from qtool.engine import plots
-    from qtool.results import ErrorStats, TensorRow
+    from qtool.results import ErrorStats, QuantizeRow
 
-    def row(name: str, sq_error: float, sq_signal: float) -> TensorRow:
+    def row(name: str, sq_error: float, sq_signal: float) -> QuantizeRow:
         stats = ErrorStats(4, sq_error, sq_signal, 1.0)
-        return TensorRow(name, (2, 2), "F32", "F32", True, "", 16, 16, errors=stats)
+        return QuantizeRow(name, (2, 2), "F32", "F32", True, "", 16, 16, errors=stats)
 
     rows = [row("exact", 0.0, 4.0), row("lost", 4.0, 0.0), row("fine", 4e-3, 4.0)]
     assert [r.name for r in plots._worst(rows)] == ["lost", "fine"]

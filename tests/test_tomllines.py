@@ -6,7 +6,7 @@ import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from qtool.tomllines import TomlPath, line_of, toml_lines
+from qtool.recipe.tomllines import TomlPath, line_of, toml_lines
 
 TRICKY = ["plain", "# not a comment", "[[rule]]", "dtype = 'x'", '" [[rule]] x = "', "it's", "\\"]
 KEYS = ["match", "keep", "dtype", "group_size", "quoted key", "k.dotted"]

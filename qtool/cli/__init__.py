@@ -1,5 +1,7 @@
-"""The `qtool` command line: the only package that imports typer."""
+"""The `qtool` command line: the only package that imports typer. app.py is the program (entry
+point, signals, exit codes), commands.py its commands (imported here, which registers them)."""
 
-from qtool.cli.commands import app, main
+from qtool.cli import commands as commands
+from qtool.cli.app import app, main
 
 __all__ = ["app", "main"]

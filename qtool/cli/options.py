@@ -11,7 +11,10 @@ from typing import Annotated
 import typer
 
 from qtool.spec import (
+    Device,
+    FormatName,
     Granularity,
+    GroupFallback,
     PerChannel,
     PerGroup,
     PerTensor,
@@ -20,23 +23,6 @@ from qtool.spec import (
     Scheme,
     StorageDtype,
 )
-
-
-class Device(str, Enum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class OutputFormatName(str, Enum):
-    QTOOL = "qtool"
-    COMPRESSED_TENSORS = "compressed-tensors"
-
-
-class GroupFallbackName(str, Enum):
-    ERROR = "error"
-    CHANNEL = "channel"
-    KEEP = "keep"
 
 
 class OutDtype(str, Enum):
@@ -206,6 +192,35 @@ RangeOpt = Annotated[
 MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
 
 
+def quantize_mode(dry_run: bool, estimate: bool, gated: bool, budget: bool) -> str:
+    """The run --dry-run and --estimate ask for (plan, estimate or write; qtool.api.Mode);
+    typer.BadParameter (exit 2) for one that cannot do what the other options need."""
+    if estimate and not dry_run:
+        raise typer.BadParameter("goes only with --dry-run", param_hint="--estimate")
+    if dry_run and not estimate and gated:
+        raise typer.BadParameter(
+            "a gate needs error figures, which a plain dry run does not compute; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--dry-run",
+        )
+    if dry_run and not estimate and budget:
+        raise typer.BadParameter(
+            "the error budget measures each tensor, which a plain dry run does not; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--target-sqnr",
+        )
+    return "estimate" if estimate else "plan" if dry_run else "write"
+
+
+def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFallback) -> None:
+    """--config and --group-fallback only mean something to compressed-tensors."""
+    if fmt is FormatName.QTOOL and (config is not None or fallback is not GroupFallback.ERROR):
+        raise typer.BadParameter(
+            "--config and --group-fallback go with --format compressed-tensors",
+            param_hint="--format",
+        )
+
+
 def build_spec(
     scheme: Scheme,
     dtype: StorageDtype,
@@ -232,3 +247,124 @@ def build_spec(
             param_hint="--group-size",
         )
     return QSpec(scheme, dtype, PerGroup(group_size), range_method)
+
+
+# -- quantize --------------------------------------------------------------------------------------
+
+InputArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="INPUT",
+        help="Checkpoint: .safetensors, a .pt/.pth/.bin state dict, "
+        "or a sharded checkpoint (its *.safetensors.index.json or directory).",
+        show_default=False,
+    ),
+]
+
+QuantizeOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Output .safetensors file, or an existing directory to put the default name in "
+        "(for sharded input, and for --format compressed-tensors: the output directory) "
+        "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
+        show_default=False,
+    ),
+]
+
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Glob of tensor names to quantize (repeatable); also selects 1-D tensors.",
+        metavar="GLOB",
+        show_default=False,
+    ),
+]
+
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Glob of tensor names to keep as they are (repeatable; tried first, see "
+        "'Recipes' in the README for the order).",
+        metavar="GLOB",
+        show_default=False,
+    ),
+]
+
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--recipe",
+        help="TOML file of per-tensor rules: a spec or keep-in-float per name pattern.",
+        metavar="FILE",
+        show_default=False,
+    ),
+]
+
+FormatOpt = Annotated[
+    FormatName,
+    typer.Option(
+        "--format",
+        help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
+        "(pack-quantized) that transformers and vLLM load; needs -o DIR.",
+    ),
+]
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="The model's config.json, for --format compressed-tensors from a single "
+        ".safetensors file [default: INPUT/config.json for a model directory].",
+        metavar="PATH",
+        show_default=False,
+    ),
+]
+
+GroupFallbackOpt = Annotated[
+    GroupFallback,
+    typer.Option(
+        "--group-fallback",
+        help="compressed-tensors, when --group-size does not divide a tensor's row length: "
+        "error (name them), channel (those per channel) or keep (those in float).",
+    ),
+]
+
+DeviceOpt = Annotated[
+    Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
+]
+
+KeepNonfiniteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-nonfinite", help="Keep tensors holding NaN/Inf unquantized instead of failing."
+    ),
+]
+
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run", help="Print what would be done (from headers only) and write nothing."
+    ),
+]
+
+EstimateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--estimate",
+        help="With --dry-run: also compute the error figures (reads the data, writes nothing).",
+    ),
+]
+
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: all cores].",
+        callback=thread_count,
+        metavar="N",
+        show_default=False,
+    ),
+]

@@ -22,11 +22,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from qtool.engine.plan import TensorPlan
+from qtool.engine.decision import TensorPlan
 from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
+from qtool.numerics.views import row_group_length
 from qtool.results import ErrorStats
 from qtool.spec import (
     PerChannel,
@@ -243,7 +244,7 @@ def _errors(
     codes = result.q
     if spec.dtype.packed:
         codes = unpack_nibbles(codes, k, spec.dtype.signed)
-    length = kernels.row_group_length(spec, tuple(x.shape))
+    length = row_group_length(spec, tuple(x.shape))
     assert length is not None
     scale, zero_point = (_per_element(t, length, k) for t in (result.scale, result.zero_point))
     error = torch.addcmul(xf, codes.float().sub_(zero_point), scale, value=-1.0)

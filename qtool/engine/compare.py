@@ -19,7 +19,7 @@ from qtool.formats.base import FloatReader
 from qtool.formats.ct_read import is_compressed_tensors
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics.metrics import count_nonfinite, error_stats
-from qtool.results import CompareSummary, TensorRow
+from qtool.results import CompareRow, CompareSummary
 
 
 def compare_files(a: Path, b: Path) -> CompareSummary:
@@ -38,8 +38,8 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
 
 
 def _why_none(summary: CompareSummary) -> str:
-    only_a = sum(r.detail == "missing in B" for r in summary.rows)
-    only_b = sum(r.detail == "missing in A" for r in summary.rows)
+    only_a = sum(r.missing_in == "B" for r in summary.rows)
+    only_b = sum(r.missing_in == "A" for r in summary.rows)
     other = len(summary.rows) - only_a - only_b
     if not summary.rows:
         return "neither file holds a tensor"
@@ -49,7 +49,7 @@ def _why_none(summary: CompareSummary) -> str:
     )
 
 
-def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[TensorRow]:
+def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[CompareRow]:
     """Rows for the tensors of two files (all of them, or those in `names`), in A's order."""
     left = open_reader(a)
     try:
@@ -90,7 +90,7 @@ def _compare_sharded(a: Path, b: Path) -> CompareSummary:
             right.weight_map.get(name, right.shards[0]),
         )
         groups.setdefault(key, set()).add(name)
-    rows: list[TensorRow] = []
+    rows: list[CompareRow] = []
     for (sa, sb), group in sorted(groups.items()):
         rows += _compare_pair(left.directory / sa, right.directory / sb, group)
     return CompareSummary(inputs=[str(left.index), str(right.index)], rows=rows)
@@ -106,10 +106,11 @@ def open_tensor_source(path: Path, name: str) -> FloatReader:
 
 def _compare_one(
     left: FloatReader, right: FloatReader, name: str, in_left: set[str], in_right: set[str]
-) -> TensorRow:
+) -> CompareRow:
     sides = _Sides(left, right, name, name in in_left, name in in_right)
     if not (sides.in_a and sides.in_b):
-        return sides.row(f"missing in {'B' if sides.in_a else 'A'}", mismatch=True)
+        missing = "B" if sides.in_a else "A"
+        return replace(sides.row(f"missing in {missing}", mismatch=True), missing_in=missing)
     if left.shape(name) != right.shape(name):
         detail = f"shape mismatch: {list(left.shape(name))} vs {list(right.shape(name))}"
         return sides.row(detail, mismatch=True)
@@ -148,19 +149,18 @@ class _Sides:
     in_a: bool
     in_b: bool
 
-    def row(self, detail: str, *, mismatch: bool, compared: bool = False) -> TensorRow:
-        """dtype / out_dtype are the dtypes stored in A and B (I8 for a quantized tensor; the
-        detail says it was dequantized)."""
+    def row(self, detail: str, *, mismatch: bool, compared: bool = False) -> CompareRow:
+        """The dtypes are as stored in A and B (I8 for a quantized tensor; the detail says it
+        was dequantized)."""
         reader = self.left if self.in_a else self.right
-        return TensorRow(
+        return CompareRow(
             name=self.name,
             shape=reader.shape(self.name),
-            dtype=self.left.stored_dtype(self.name) if self.in_a else "-",
-            out_dtype=self.right.stored_dtype(self.name) if self.in_b else "-",
-            quantized=not mismatch,
+            dtype_a=self.left.stored_dtype(self.name) if self.in_a else "-",
+            dtype_b=self.right.stored_dtype(self.name) if self.in_b else "-",
             detail=detail,
-            bytes_in=self.left.nbytes(self.name) if self.in_a else 0,
-            bytes_out=self.right.nbytes(self.name) if self.in_b else 0,
-            mismatch=mismatch,
+            bytes_a=self.left.nbytes(self.name) if self.in_a else 0,
+            bytes_b=self.right.nbytes(self.name) if self.in_b else 0,
             compared=compared,
+            mismatch=mismatch,
         )

@@ -14,13 +14,13 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qtool.engine.plan import QuantizeOptions, fit_spec, plan_tensors
+from qtool.engine.plan import QuantizeOptions, fitted_spec, plan_tensors
 from qtool.engine.source import protected_paths
 from qtool.errors import QtoolError
 from qtool.formats.detect import refuse_quantized
@@ -29,7 +29,7 @@ from qtool.io.checkpoint import open_checkpoint
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
-from qtool.results import CompareSummary, QuantizeSummary, TensorRow, natural_key
+from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
 from qtool.spec import QSpec
 
 FIGURE_PX = (1400, 900)
@@ -72,7 +72,7 @@ def _figure(plt: Any, rows: int, cols: int) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _worst(rows: list[TensorRow]) -> list[TensorRow]:
+def _worst(rows: Sequence[Row]) -> list[Row]:
     """The lowest SQNRs, -inf (all error) first; exact tensors are never among them."""
     scored = [r for r in rows if r.errors is not None and r.errors.sqnr_db != math.inf]
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
@@ -90,7 +90,7 @@ def short_label(name: str, width: int = 36) -> str:
     return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
-def _sqnr_bars(ax: Any, rows: list[TensorRow], title: str, min_sqnr: float | None) -> None:
+def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None) -> None:
     """One bar per measured tensor at its SQNR; exact (+inf) and all-wrong (-inf) tensors get
     markers instead of a bar of made-up height; the gate's bound is a dashed line."""
     measured = sorted((r for r in rows if r.errors is not None), key=lambda r: natural_key(r.name))
@@ -268,7 +268,7 @@ def plot_tensor(
         x = x.float().clone()
     finally:
         ckpt.close()
-    spec = fit_spec(checkpoint, entry, spec)
+    spec = fitted_spec(checkpoint, entry, spec)
     try:
         result = kernels.quantize_tensor(x, spec)
     except ValueError as err:  # NaN/Inf, or a range beyond float32

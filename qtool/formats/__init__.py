@@ -6,23 +6,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.spec import FormatName
+
 if TYPE_CHECKING:
     from qtool.formats.base import FloatReader, FormatContext, OutputFormat
 
 
-FORMAT_NAMES = ("qtool", "compressed-tensors")
+FORMAT_NAMES = tuple(f.value for f in FormatName)
 
 
-def output_format(name: str, context: FormatContext | None = None) -> OutputFormat:
+def output_format(name: FormatName | str, context: FormatContext | None = None) -> OutputFormat:
     """The output format registered under `name`, set up for this run's `context` (ValueError
     for an unknown name; InputError when the context does not fit the format)."""
-    from qtool.formats.base import FormatContext
-    from qtool.formats.ct_writer import CompressedTensorsFormat
-    from qtool.formats.qtool_writer import QtoolFormat
+    if name == FormatName.QTOOL:  # each imported only when used: qtool's is torch-free
+        from qtool.formats.qtool_writer import QtoolFormat
 
-    if name == "qtool":
         return QtoolFormat()
-    if name == "compressed-tensors":
+    if name == FormatName.COMPRESSED_TENSORS:
+        from qtool.formats.base import FormatContext
+        from qtool.formats.ct_writer import CompressedTensorsFormat
+
         return CompressedTensorsFormat(context or FormatContext())
     raise ValueError(f"unknown format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
-from qtool.spec import QSpec
+from qtool.spec import GroupFallback, QSpec
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ class FormatContext:
     with tensors whose row length the group size does not divide."""
 
     config: Path | None = None
-    group_fallback: str = "error"
+    group_fallback: GroupFallback = GroupFallback.ERROR
     config_dir: InputDir | None = None
 
 

@@ -11,7 +11,6 @@ and the index). ct_config writes the quantization_config; ct_read and ct_tensors
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -22,6 +21,7 @@ from qtool.errors import InputError
 from qtool.formats.base import Ruled
 from qtool.io.stformat import TensorEntry
 from qtool.spec import (
+    GroupFallback,
     PerChannel,
     PerGroup,
     QSpec,
@@ -49,19 +49,6 @@ _NORM = re.compile(r"norm", re.IGNORECASE)
 _ROUTER_PARTS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_network"})
 _OUTPUT_HEADS = frozenset({"lm_head", "embed_out"})
 _TIED_HEADS = frozenset({"lm_head", "embed_out", "decoder", "output"})
-
-
-class GroupFallback(str, enum.Enum):
-    """What to do with a tensor whose row length K is not a multiple of the group size G.
-
-    error:   refuse the plan, naming every such tensor (default)
-    channel: quantize that tensor per channel instead
-    keep:    keep that tensor in float (its module goes into `ignore`)
-    """
-
-    ERROR = "error"
-    CHANNEL = "channel"
-    KEEP = "keep"
 
 
 @dataclass(frozen=True)

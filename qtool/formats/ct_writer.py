@@ -25,7 +25,8 @@ from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
 from qtool.io.jsonfile import read_json_object
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry, build_header
-from qtool.numerics.kernels import QuantizedTensor, search_candidates
+from qtool.numerics.kernels import QuantizedTensor
+from qtool.numerics.range_methods import search_candidates
 from qtool.spec import PerGroup, QSpec
 
 
@@ -90,7 +91,7 @@ class CompressedTensorsFormat:
         self.context = context
         self.config_path = context.config
         self.config = read_model_config(context.config, context.config_dir)
-        self.fallback = ct.GroupFallback(context.group_fallback)
+        self.fallback = context.group_fallback
         self.data_warnings: list[str] = []
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:

@@ -17,11 +17,11 @@ from qtool.io.checkpoint import (
     ST_TO_TORCH,
     TORCH_TO_ST,
     Checkpoint,
-    StreamingWriter,
     open_checkpoint,
     tensor_bytes,
 )
 from qtool.io.stformat import build_header
+from qtool.io.writer import StreamingWriter
 from qtool.results import DequantizedRow
 from qtool.spec import QSpec
 

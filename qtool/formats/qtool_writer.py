@@ -1,14 +1,16 @@
 """Writing the qtool format: the quantized file (every tensor under its own name, codes as
 I8/U8, 4-bit packed) streamed tensor by tensor, then its qparams sidecar, then the quantized
-file's header again with the digest that binds the two (formats/qtool.py has the names)."""
+file's header again with the digest that binds the two (formats/qtool.py has the names).
+
+Torch-free at import (torch comes with the first tensor written): a dry run plans with this
+format without loading torch."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from qtool.formats.base import Planned, Ruled
 from qtool.formats.qtool import (
@@ -26,10 +28,14 @@ from qtool.formats.qtool import (
     zero_point_name,
 )
 from qtool.io.atomic import OutputSet
-from qtool.io.checkpoint import TORCH_TO_ST, StreamingWriter, tensor_bytes
 from qtool.io.stformat import TensorEntry, build_header
-from qtool.numerics.kernels import QuantizedTensor, search_candidates
+from qtool.io.writer import StreamingWriter
 from qtool.spec import QSpec, packed_shape
+
+if TYPE_CHECKING:
+    import torch
+
+    from qtool.numerics.kernels import QuantizedTensor
 
 _PLACEHOLDER_DIGEST = "0" * 64
 
@@ -127,6 +133,8 @@ class QtoolShardWriter:
         self._writer.write(entry.name, data)
 
     def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+        from qtool.io.checkpoint import tensor_bytes
+
         self._writer.write(entry.name, tensor_bytes(result.q.cpu()))
         parts = {
             scale_name(entry.name): result.scale,
@@ -143,6 +151,8 @@ class QtoolShardWriter:
     def _write_sidecar(self) -> dict[str, str]:
         """Write the sidecar; return the quantized file's binding digests: BINDING_KEY over its
         tensor table and the whole sidecar, DIGEST_KEY (qtool 0.1.0's) over the sidecar's data."""
+        from qtool.io.checkpoint import TORCH_TO_ST, tensor_bytes
+
         records = {name: self._record(name) for name in sorted(self._qparams)}
         tensors = {key: t for parts in self._qparams.values() for key, t in parts.items()}
         metadata = manifest_metadata(Manifest(self._out.name, records))
@@ -161,6 +171,8 @@ class QtoolShardWriter:
         return {DIGEST_KEY: digest.hexdigest(), BINDING_KEY: binding.hexdigest()}
 
     def _record(self, name: str) -> Record:
+        from qtool.numerics.range_methods import search_candidates
+
         planned = self._planned[name]
         spec = planned.spec
         assert spec is not None

@@ -1,4 +1,4 @@
-"""Reading checkpoints one tensor at a time, and the streaming safetensors writer.
+"""Reading checkpoints one tensor at a time (the streaming writer is io/writer.py).
 
 .safetensors: the header is validated first (stformat), then each tensor is read with pread into
 memory qtool owns. Not mapped: a file truncated under a mapping kills the process with SIGBUS,
@@ -9,7 +9,6 @@ scan of the zip directory that refuses compressed members (zip bombs); only tens
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import weakref
@@ -22,8 +21,7 @@ from typing import BinaryIO
 import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
-from qtool.errors import InputError, OutputError, UnsafeInputError
-from qtool.io.atomic import describe_os_error
+from qtool.errors import InputError, UnsafeInputError
 from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
     Header,
@@ -472,64 +470,3 @@ def _check_plain_tensor(path: Path, name: str, t: torch.Tensor) -> None:
         raise InputError(path, f"unsupported tensor layout {t.layout}; densify it first", name)
     if t.is_quantized or t.is_meta or t.device.type != "cpu":
         raise InputError(path, "unsupported tensor (quantized, meta or not on CPU)", name)
-
-
-WRITEBACK_MIN_BYTES = 1 << 20
-_FADVISE = getattr(os, "posix_fadvise", None)  # not on macOS and Windows: nothing to start
-
-
-class StreamingWriter:
-    """Writes a safetensors file tensor by tensor, in the order its header lays them out.
-
-    `path` names the file in errors (a disk-full error names the output, not a temp file).
-    """
-
-    def __init__(
-        self, f: BinaryIO, header_bytes: bytes, header: Header, path: Path | None = None
-    ) -> None:
-        self._f = f
-        self._path = path
-        self._header_len = len(header_bytes)
-        self._pending: Iterator[TensorEntry] = iter(header.tensors)
-        self._left = len(header.tensors)
-        self._put(header_bytes)
-        self._end = len(header_bytes)  # bytes written so far
-
-    def _put(self, data: bytes | memoryview) -> None:
-        try:
-            self._f.write(data)
-        except OSError as err:
-            raise OutputError(self._path, f"cannot write: {describe_os_error(err)}") from None
-
-    def write(self, name: str, data: memoryview) -> None:
-        entry = next(self._pending)
-        if entry.name != name or data.nbytes != entry.nbytes:
-            raise AssertionError(f"writer expected {entry.name} ({entry.nbytes} B), got {name}")
-        self._put(data)
-        self._left -= 1
-        if data.nbytes >= WRITEBACK_MIN_BYTES:
-            self._start_writeback(self._end, data.nbytes)
-        self._end += data.nbytes
-
-    def _start_writeback(self, offset: int, nbytes: int) -> None:
-        """Start writing a large tensor's pages to disk now, without waiting (Linux: fadvise
-        DONTNEED starts writeback of dirty pages), so that the commit's fsync finds little left
-        to do: 512 MiB of fp32 in, the fsync went from 60 ms to 4 ms here, and the writes run on
-        the background writer while the next tensor is quantized. Durability is unchanged: the
-        commit still fsyncs every file before its rename."""
-        if _FADVISE is None:
-            return
-        with contextlib.suppress(OSError, ValueError):
-            self._f.flush()
-            _FADVISE(self._f.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
-
-    def finish(self, header_bytes: bytes | None = None) -> None:
-        """Check every tensor arrived; optionally rewrite the header (same length) in place."""
-        if self._left:
-            raise AssertionError(f"{self._left} tensors were never written")
-        if header_bytes is not None:
-            if len(header_bytes) != self._header_len:
-                raise AssertionError("a rewritten header must keep its length")
-            self._f.seek(0)
-            self._put(header_bytes)
-            self._f.seek(0, os.SEEK_END)

@@ -18,8 +18,8 @@ import torch
 
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.select import quantize_tensor
-from qtool.recipe import fit_spec, parse_spec_label, spec_label
-from qtool.spec import QSpec, packed_shape, qparam_shape
+from qtool.results import Trial
+from qtool.spec import QSpec, fit_spec, packed_shape, parse_spec_label, qparam_shape, spec_label
 
 DEFAULT_LADDER: tuple[QSpec, ...] = tuple(
     parse_spec_label(label) for label in ("int4 g128 mse", "int4 g32 mse", "int8", "int8 g128")
@@ -43,15 +43,6 @@ def candidates(ladder: Sequence[QSpec], shape: tuple[int, ...]) -> tuple[QSpec, 
     """The ladder fitted to `shape`, without repeats, cheapest first (stable on ties)."""
     fitted = dict.fromkeys(fit_spec(spec, shape)[0] for spec in ladder)
     return tuple(sorted(fitted, key=lambda spec: bytes_per_tensor(spec, shape)))
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One candidate tried on a tensor: its fitted spec, the SQNR it gave and its bytes."""
-
-    spec: QSpec
-    sqnr_db: float
-    nbytes: int
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,10 @@ import numpy as np
 import torch
 
 from qtool.numerics import fused_jit as jit
-from qtool.numerics.kernels import (
-    QuantizedTensor,
-    check_grid_finite,
-    normalize_spec,
-    search_candidates,
-)
+from qtool.numerics.kernels import QuantizedTensor
+from qtool.numerics.range_methods import check_grid_finite, search_candidates
 from qtool.numerics.ranges import IntRange, NonFiniteInput
+from qtool.numerics.views import normalize_spec
 from qtool.results import ErrorStats
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, qparam_shape
 

@@ -4,39 +4,50 @@ Semantics (README "Numerical semantics"): statistics and qparams in float32; the
 group includes 0.0; q = clamp(round(x / scale) + zero_point, qmin, qmax) with a float32
 division and round-half-to-even; x_hat = (q - zero_point) * scale in float32.
 
-The granularity decides the view. Per group (and per channel on axis 0) the tensor is the
-[C, K] matrix of its rows, cut into groups of L consecutive elements (L = K per channel): rows
-are processed in cache-sized slabs whose range and codes come from the same resident data, so
-the tensor crosses memory once. Per tensor, and per channel on another axis, it is viewed as
-(pre, C, post) with C the quantization axis (C = 1 per tensor): one pass for the range, one for
-the codes. Every elementwise step runs in place on a reused float32 buffer; no full-size float
-temporary exists. 4-bit codes are computed unpacked, then packed two per byte.
+The granularity decides the view (numerics/views.py). Per group (and per channel on axis 0)
+the tensor is the [C, K] matrix of its rows, cut into groups of L consecutive elements (L = K
+per channel): rows are processed in cache-sized slabs whose range and codes come from the same
+resident data, so the tensor crosses memory once; the range method (numerics/range_methods.py)
+turns each slab's values into its qparams. Per tensor, and per channel on another axis, it is
+viewed as (pre, C, post) with C the quantization axis (C = 1 per tensor): one pass for the
+range, one for the codes. Every elementwise step runs in place on a reused float32 buffer; no
+full-size float temporary exists. 4-bit codes are computed unpacked, then packed two per byte.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
-from qtool.numerics import ranges
 from qtool.numerics.metrics import ErrorAccumulator
 from qtool.numerics.packing import pack_nibbles, unpack_nibbles
-from qtool.numerics.ranges import IntRange, NonFiniteInput
+from qtool.numerics.range_methods import (
+    Qparams,
+    RangeMethodImpl,
+    qparams_from_range,
+    range_method,
+)
+from qtool.numerics.ranges import NonFiniteInput
+from qtool.numerics.views import (
+    channel_range,
+    group_parts,
+    group_shape,
+    normalize_spec,
+    part_view,
+    row_group_length,
+)
 from qtool.results import ErrorStats
 from qtool.spec import (
     PerChannel,
     PerGroup,
-    PerTensor,
     QSpec,
-    RangeMethod,
     Scheme,
     StorageDtype,
     matrix_shape,
-    qparam_shape,
 )
 
 FLOAT_TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -60,82 +71,6 @@ class QuantizedTensor:
     zero_point: torch.Tensor  # storage dtype (unpacked), same shape as scale
     errors: ErrorStats | None
     choice: torch.Tensor | None = None  # uint8 candidate index per group (--range mse)
-
-
-def normalize_spec(spec: QSpec, ndim: int) -> QSpec:
-    """The spec with its channel axis in [0, ndim); ValueError when the tensor has no such axis."""
-    g = spec.granularity
-    if not isinstance(g, PerChannel):
-        return spec
-    if not -ndim <= g.axis < ndim:
-        raise ValueError(f"axis {g.axis} is out of range for a {ndim}-D tensor")
-    return replace(spec, granularity=PerChannel(g.axis % ndim))
-
-
-def group_shape(shape: tuple[int, ...], axis: int | None) -> tuple[int, int, int]:
-    """(pre, C, post): the tensor seen as C groups of pre*post elements each."""
-    if axis is None:
-        return (1, 1, math.prod(shape))
-    return (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :]))
-
-
-def row_group_length(spec: QSpec, shape: tuple[int, ...]) -> int | None:
-    """L when the granularity is groups of L consecutive elements of the [C, K] rows (a group,
-    or a whole row: per channel on axis 0 of a tensor with 2+ dims); None otherwise."""
-    g = spec.granularity
-    _, k = matrix_shape(shape)
-    if isinstance(g, PerGroup):
-        return min(g.size, k)
-    if isinstance(g, PerChannel) and g.axis == 0 and len(shape) >= 2:
-        return k
-    return None
-
-
-def qparams_from_range(
-    lo: torch.Tensor, hi: torch.Tensor, spec: QSpec, scale_dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (scale, zero_point) for groups whose minima are `lo` and maxima `hi`; zero_point
-    is float32 holding an integer (cast by the caller for storage). See ranges."""
-    r = IntRange.of(spec)
-    scale, zero_point = ranges.qparams_from_range(
-        lo, hi, r.qmin, r.qmax, r.symmetric, r.sym_zero_point, scale_dtype
-    )
-    check_grid_finite(scale, zero_point, spec)
-    return scale, zero_point
-
-
-def check_grid_finite(scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec) -> None:
-    """Refuse qparams whose extreme codes dequantize to +-inf: amax / 127 * 127 can round
-    above float32's largest value (a causal mask filled with finfo(float32).min does)."""
-    reach = torch.maximum((spec.qmax - zero_point).abs(), (spec.qmin - zero_point).abs())
-    if not math.isfinite(float((reach * scale).amax())):
-        raise GridOverflow(
-            "values reach the float32 limit (about 3.4e38, e.g. a mask filled with "
-            "finfo(float32).min): their reconstruction would overflow to infinity; "
-            "exclude this tensor to keep it as it is"
-        )
-
-
-class GridOverflow(ValueError):
-    """The qparams' extreme codes would dequantize to +-inf."""
-
-
-def channel_range(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group (min, max) in x's dtype, in the granularity's qparam shape. One pass."""
-    if x.numel() == 0:
-        raise ValueError("cannot quantize an empty tensor")
-    spec = normalize_spec(spec, x.ndim)
-    length = row_group_length(spec, tuple(x.shape))
-    if length is not None:
-        c, k = matrix_shape(tuple(x.shape))
-        x2 = x.reshape(c, k)
-        shape = qparam_shape(spec.granularity, tuple(x.shape))
-        lo = _grouped(x2, length, lambda g: g.amin(dim=2))
-        return lo.reshape(shape), _grouped(x2, length, lambda g: g.amax(dim=2)).reshape(shape)
-    if isinstance(spec.granularity, PerTensor):
-        return torch.aminmax(x)  # full reductions: aminmax is one pass and ~1.7x faster
-    x3 = x.reshape(group_shape(tuple(x.shape), spec.axis))
-    return x3.amin(dim=(0, 2)), x3.amax(dim=(0, 2))
 
 
 def compute_qparams(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +125,7 @@ def quantize_tensor(
     ws = workspace or Workspace(x.device)
     codes = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
     acc = ErrorAccumulator() if with_errors else None
-    ranger = RangeChooser(spec, tuple(x.shape), scale_dtype, block_elems)
+    ranger = range_method(spec, tuple(x.shape), scale_dtype, block_elems)
     length = row_group_length(spec, tuple(x.shape))
     with _counting_nonfinite(x):
         # A row longer than a slab is walked in two passes (range, then codes) per channel;
@@ -201,8 +136,7 @@ def quantize_tensor(
             )
         else:
             scale, zero_point, choice = ranger.whole(x)
-            own = ranger.candidates is None and ranger.exact_scales
-            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, own)
+            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, ranger.exact)
     errors = acc.result() if acc is not None else None
     if errors is not None and ranger.sse_minmax is not None:
         errors = replace(errors, sq_error_minmax=ranger.sse_minmax)
@@ -213,73 +147,6 @@ def quantize_tensor(
         errors=errors,
         choice=choice,
     )
-
-
-Qparams = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # scale, zero point, choice
-
-
-def search_candidates(spec: QSpec, shape: tuple[int, ...]) -> tuple[float, ...]:
-    """The multipliers the mse search tries for a tensor of `shape`, in order (() for min-max):
-    groups shorter than a row use the group list, whole rows and tensors the channel list."""
-    if spec.range_method is not RangeMethod.MSE:
-        return ()
-    g = spec.granularity
-    per_group = isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1]
-    return ranges.mse_candidates(IntRange.of(spec), per_group)
-
-
-class RangeChooser:
-    """The range step between "find the range" and "compute the codes": each group's qparams
-    from its float32 values, by min-max or by the mse search (which also keeps, for the
-    report, the squared error min-max would have had)."""
-
-    def __init__(
-        self, spec: QSpec, shape: tuple[int, ...], scale_dtype: torch.dtype, block_elems: int
-    ) -> None:
-        self.spec, self.scale_dtype, self.block_elems = spec, scale_dtype, block_elems
-        self.int_range = IntRange.of(spec)
-        self.candidates = search_candidates(spec, shape) or None
-        self.sse_minmax: float | None = None if self.candidates is None else 0.0
-        # A scale rounded to fp16 can be far below amax / 127 (subnormal scales keep few bits;
-        # 65504 caps it), so |x / scale| may pass qmax: only float32 scales may skip the clamp.
-        self.exact_scales = scale_dtype == torch.float32
-
-    def groups(self, xf: torch.Tensor) -> Qparams:
-        """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups)."""
-        if self.candidates is None:
-            lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
-            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
-        scale, zero_point, choice = self._search(xf.unsqueeze(2))
-        check_grid_finite(scale, zero_point, self.spec)
-        return scale, zero_point, choice
-
-    def whole(self, x: torch.Tensor) -> Qparams:
-        """qparams per tensor or per channel on any axis, in the qparam shape."""
-        if self.candidates is None:
-            lo, hi = channel_range(x, self.spec)
-            return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
-        shape = qparam_shape(self.spec.granularity, tuple(x.shape))
-        scale, zero_point, choice = self._search(_search_view(x, self.spec))
-        check_grid_finite(scale, zero_point, self.spec)
-        assert choice is not None
-        return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
-
-    def _search(self, values: torch.Tensor) -> Qparams:
-        assert self.candidates is not None and self.sse_minmax is not None
-        found = ranges.mse_search(
-            values, self.int_range, self.candidates, self.scale_dtype, self.block_elems
-        )
-        self.sse_minmax += float(found.sse_minmax.sum())
-        return found.scale, found.zero_point, found.choice
-
-
-def _search_view(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
-    """x as the [R, S, A, L] block the mse search takes: per tensor [1, 1, 1, n]; per channel
-    on axis a, [C, 1, pre, post] (a strided view: no copy)."""
-    if isinstance(spec.granularity, PerTensor):
-        return x.view(1, 1, 1, -1)
-    pre, channels, post = group_shape(tuple(x.shape), spec.axis)
-    return x.view(pre, channels, post).permute(1, 0, 2).unsqueeze(1)
 
 
 def dequantize(
@@ -334,8 +201,8 @@ def _dequantize_rows(
     buf = torch.empty(
         min(q.numel(), max(block_elems, length)), dtype=torch.float32, device=q.device
     )
-    for part, cols in _group_parts(k, length):
-        q3, out3 = _part_view(q2, part, length), _part_view(out2, part, length)
+    for part, cols in group_parts(k, length):
+        q3, out3 = part_view(q2, part, length), part_view(out2, part, length)
         for r0, r1, g0, g1 in _row_slabs(q3.shape, block_elems):
             src = q3[r0:r1, g0:g1]
             b = buf[: src.numel()].view(src.shape)
@@ -374,33 +241,6 @@ def _last_column_zero_points(
     return zp.expand(last.numel())
 
 
-def _group_parts(k: int, length: int) -> list[tuple[tuple[int, int, int], slice]]:
-    """The full groups of each row, then the shorter last group: ((start, count, L), columns)."""
-    full = k // length
-    parts = []
-    if full:
-        parts.append(((0, full, length), slice(0, full)))
-    if k % length:
-        parts.append(((full * length, 1, k % length), slice(full, full + 1)))
-    return parts
-
-
-def _part_view(t2: torch.Tensor, part: tuple[int, int, int], length: int) -> torch.Tensor:
-    """(C, count, L') view of columns [start, start + count * L') of a (C, K) matrix."""
-    start, count, width = part
-    return t2[:, start : start + count * width].view(t2.shape[0], count, width)
-
-
-def _grouped(
-    x2: torch.Tensor, length: int, reduce: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """reduce() over each group of a (C, K) matrix, as a (C, ceil(K / L)) tensor."""
-    k = x2.shape[1]
-    return torch.cat(
-        [reduce(_part_view(x2, part, length)) for part, _ in _group_parts(k, length)], 1
-    )
-
-
 def _quantize_rows(
     x: torch.Tensor,
     length: int,
@@ -409,7 +249,7 @@ def _quantize_rows(
     acc: ErrorAccumulator | None,
     block_elems: int,
     ws: Workspace,
-    ranger: RangeChooser | None = None,
+    ranger: RangeMethodImpl | None = None,
     qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Qparams:
     """Groups of `length` consecutive elements of the (C, K) rows: each slab's range and codes
@@ -420,13 +260,13 @@ def _quantize_rows(
     n = math.ceil(k / length)
     scale = torch.empty(c, n, dtype=torch.float32, device=x.device)
     zero_point = torch.empty_like(scale)
-    searching = ranger is not None and ranger.candidates is not None
+    searching = ranger is not None and ranger.searching
     choice = torch.zeros(c, n, dtype=torch.uint8, device=x.device) if searching else None
     if qparams is not None:
         scale.copy_(qparams[0].reshape(c, n))
         zero_point.copy_(qparams[1].reshape(c, n))
-    for part, cols in _group_parts(k, length):
-        x3, q3 = _part_view(x2, part, length), _part_view(q2, part, length)
+    for part, cols in group_parts(k, length):
+        x3, q3 = part_view(x2, part, length), part_view(q2, part, length)
         for r0, r1, g0, g1 in _row_slabs(x3.shape, block_elems):
             xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
             s, z = scale[r0:r1, cols][:, g0:g1], zero_point[r0:r1, cols][:, g0:g1]
@@ -437,7 +277,7 @@ def _quantize_rows(
                 if choice is not None and k_new is not None:
                     choice[r0:r1, cols][:, g0:g1].copy_(k_new)
             # min-max with float32 scales: no value is clipped
-            own = ranger is not None and not searching and ranger.exact_scales
+            own = ranger is not None and ranger.exact
             q_slab = q3[r0:r1, g0:g1]
             _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, acc, own)
     shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)

@@ -12,9 +12,9 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from rich import box
 from rich.console import Console, Group
@@ -34,12 +34,14 @@ from qtool.errors import OutputError, QtoolError
 from qtool.gates import GateResult
 from qtool.report.json import json_text
 from qtool.results import (
+    CompareRow,
     CompareSummary,
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
+    QuantizeRow,
     QuantizeSummary,
-    TensorRow,
+    Row,
     natural_key,
 )
 
@@ -198,7 +200,10 @@ def _shape(shape: tuple[int, ...]) -> str:
 # ---- ordering and gates ------------------------------------------------------------------------
 
 
-def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[TensorRow]:
+R = TypeVar("R", bound=Row)
+
+
+def arrange(rows: list[R], sort: str | None, top: int | None) -> list[R]:
     """File order unless asked: name in natural order (`layers.2` before `layers.10`), worst
     first for mse/sqnr, largest first for size. Rows without error figures sort after those
     with them."""
@@ -209,13 +214,13 @@ def arrange(rows: list[TensorRow], sort: str | None, top: int | None) -> list[Te
     elif sort == "sqnr":
         rows = sorted(rows, key=lambda r: r.errors.sqnr_db if r.errors else math.inf)
     elif sort == "size":
-        rows = sorted(rows, key=lambda r: -r.bytes_in)
+        rows = sorted(rows, key=lambda r: -r.size)
     return rows[:top] if top is not None else rows
 
 
 def table_rows(
-    rows: list[TensorRow], sort: str | None, top: int | None, limit: tuple[int, int] | None
-) -> list[TensorRow]:
+    rows: list[R], sort: str | None, top: int | None, limit: tuple[int, int] | None
+) -> list[R]:
     """The rows a table shows: `arrange`'s, except that with `limit` (max rows, rows shown)
     and no `top`, a longer table shows its worst rows only (lowest SQNR first, unless sorted
     otherwise): 50,000 rows help nobody on a terminal, and Rich takes ~0.7 ms per row."""
@@ -246,11 +251,11 @@ def _gate_text(result: GateResult | None) -> Text | None:
 
 NARROW = 110  # below this terminal width, the shape and max-error columns are left out
 
-Cell = Callable[[TensorRow], "str | Text"]
+Cell = Callable[[Row], "str | Text"]
 
 
 def quantize_table(
-    rows: list[TensorRow],
+    rows: Sequence[Row],
     title: str,
     failed: set[str] | None = None,
     *,
@@ -292,22 +297,23 @@ def _fmt_gain(stats: ErrorStats | None) -> str:
     return "" if gain is None else f"{gain * 100:+.1f} %"
 
 
-def _dtype_cell(r: TensorRow) -> str:
-    return f"{r.dtype}→{r.out_dtype}" if r.dtype != r.out_dtype else r.dtype
+def _dtype_cell(r: Row) -> str:
+    a, b = r.dtypes
+    return f"{a}→{b}" if a != b else a
 
 
-def _action_cell(r: TensorRow) -> Text:
-    return Text(safe(r.detail), style="" if r.quantized else "dim")
+def _action_cell(r: Row) -> Text:
+    return Text(safe(r.detail), style="dim" if r.dimmed else "")
 
 
-def _gate_cell(r: TensorRow, failed: set[str]) -> str | Text:
+def _gate_cell(r: Row, failed: set[str]) -> str | Text:
     if r.name in failed:
         return Text("FAIL", "bold red")
     return "ok" if r.errors else ""
 
 
 def print_quantize(
-    summary: QuantizeSummary, rows: list[TensorRow] | None = None, gate: GateResult | None = None
+    summary: QuantizeSummary, rows: list[QuantizeRow] | None = None, gate: GateResult | None = None
 ) -> None:
     title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
@@ -351,7 +357,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
 # ---- compare -----------------------------------------------------------------------------------
 
 
-def print_compare(summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None) -> None:
+def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
     width = _terminal_width()

@@ -13,12 +13,13 @@ from typing import Any
 
 from qtool.gates import GateResult
 from qtool.results import (
+    CompareRow,
     CompareSummary,
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
+    QuantizeRow,
     QuantizeSummary,
-    TensorRow,
 )
 from qtool.spec import QSpec
 
@@ -107,7 +108,7 @@ def spec_json(spec: QSpec) -> dict[str, Any]:
 
 def quantize_json(
     summary: QuantizeSummary,
-    rows: list[TensorRow] | None = None,
+    rows: list[QuantizeRow] | None = None,
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
     specs: dict[QSpec, dict[str, Any]] = {}
@@ -159,7 +160,7 @@ def quantize_json(
 
 
 def compare_json(
-    summary: CompareSummary, rows: list[TensorRow], gate: GateResult | None
+    summary: CompareSummary, rows: list[CompareRow], gate: GateResult | None
 ) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
@@ -170,8 +171,8 @@ def compare_json(
             {
                 "name": r.name,
                 "shape": list(r.shape),
-                "dtype_a": r.dtype,
-                "dtype_b": r.out_dtype,
+                "dtype_a": r.dtype_a,
+                "dtype_b": r.dtype_b,
                 "compared": r.compared,
                 "mismatch": r.mismatch,
                 "detail": r.detail,

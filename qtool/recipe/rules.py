@@ -23,26 +23,15 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from qtool import patterns
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError, RecipeError
-from qtool.spec import (
-    Granularity,
-    PerChannel,
-    PerGroup,
-    PerTensor,
-    QSpec,
-    RangeMethod,
-    Scheme,
-    StorageDtype,
-    matrix_shape,
-)
+from qtool.spec import QSpec, SpecPatch, fit_spec
 
 
 class Entry(Protocol):
@@ -61,25 +50,6 @@ class Keep:
     """Leave the tensor as it is, byte for byte, for `reason`."""
 
     reason: str
-
-
-@dataclass(frozen=True)
-class SpecPatch:
-    """The spec fields a rule sets; None fields come from the command-line spec."""
-
-    scheme: Scheme | None = None
-    dtype: StorageDtype | None = None
-    granularity: Granularity | None = None
-    range_method: RangeMethod | None = None
-
-    def apply(self, base: QSpec) -> QSpec:
-        """`base` with this patch's fields put over it."""
-        return QSpec(
-            self.scheme or base.scheme,
-            self.dtype or base.dtype,
-            self.granularity if self.granularity is not None else base.granularity,
-            self.range_method or base.range_method,
-        )
 
 
 class RuleKind(str, enum.Enum):
@@ -152,11 +122,6 @@ class Resolution:
         return self.spec is not None and (self.rule is None or self.rule.kind is RuleKind.INCLUDE)
 
 
-INT8_CHANNEL = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.MINMAX)
-"""Sym int8 per output channel, min-max: the error budget's all-int8 reference, and the spec a
-tensor the budget decides holds until the budget has chosen (every format stores it)."""
-
-
 # -- resolving ------------------------------------------------------------------------------
 
 
@@ -205,28 +170,6 @@ def selection_reason(entry: Entry, *, small: bool = False) -> str | None:
     return None
 
 
-def fit_spec(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
-    """The spec as it applies to a tensor of `shape`, and a note when it changed: 0-d/1-D ->
-    per tensor, a group at least as long as a row -> per channel, the axis normalised.
-    ValueError for a channel axis the tensor lacks."""
-    g, ndim = spec.granularity, len(shape)
-    if ndim < 2 and not isinstance(g, PerTensor):
-        return replace(spec, granularity=PerTensor()), ""
-    if isinstance(g, PerGroup):
-        _, k = matrix_shape(shape)
-        if g.size >= k:
-            note = f"group {g.size} >= row length {k}: per channel"
-            return replace(spec, granularity=PerChannel(0)), note
-    if isinstance(g, PerChannel):
-        if not -ndim <= g.axis < ndim:
-            raise ValueError(
-                f"axis {g.axis} is out of range for this {ndim}-D tensor; "
-                f"choose an axis in [{-ndim}, {ndim - 1}]"
-            )
-        return replace(spec, granularity=PerChannel(g.axis % ndim)), ""
-    return spec, ""
-
-
 def unmatched(rules: Iterable[Rule], names: Iterable[str]) -> list[Rule]:
     """The rules whose pattern matches none of `names` (each worth a one-line warning)."""
     names = list(names)
@@ -255,62 +198,3 @@ def _non_float_reason(dtype: str) -> str:
     if dtype.startswith(("F8", "F4", "F6")):
         return f"already low-precision ({dtype})"
     return f"not a real float tensor ({dtype})"
-
-
-# -- spec shorthands ------------------------------------------------------------------------
-
-
-def spec_label(spec: QSpec) -> str:
-    """Short label, the inverse of parse_spec_label: 'int4 g128 mse', 'asym int8 channel'."""
-    g = spec.granularity
-    if isinstance(g, PerGroup):
-        gran = f"g{g.size}"
-    elif isinstance(g, PerChannel):
-        gran = "channel" if g.axis == 0 else f"axis{g.axis}"
-    else:
-        gran = "tensor"
-    words = ["asym"] if spec.scheme is Scheme.ASYM else []
-    words += [spec.dtype.value, gran]
-    return " ".join(words + (["mse"] if spec.range_method is RangeMethod.MSE else []))
-
-
-def parse_spec_label(text: str) -> QSpec:
-    """'int4 g128 mse' -> sym int4, groups of 128, mse. Words in any order, each kind at most
-    once: sym|asym, the dtype (required), tensor|channel|axisN|gN, minmax|mse; unnamed fields
-    are QSpec's defaults. ValueError otherwise."""
-    patch = SpecPatch()
-    for word in text.split():
-        part = _label_word(word)
-        for field in fields(SpecPatch):
-            value = getattr(part, field.name)
-            if value is not None and getattr(patch, field.name) is not None:
-                raise ValueError(f"'{text}' names the {field.name} twice")
-            if value is not None:
-                patch = replace(patch, **{field.name: value})
-    if patch.dtype is None:
-        raise ValueError(f"'{text}' names no dtype (int8, uint8, int4 or uint4)")
-    return patch.apply(QSpec())
-
-
-def _label_word(word: str) -> SpecPatch:
-    """The one field a word of a label sets."""
-    if word in ("sym", "asym"):
-        return SpecPatch(scheme=Scheme(word))
-    if word in {d.value for d in StorageDtype}:
-        return SpecPatch(dtype=StorageDtype(word))
-    if word in ("minmax", "mse"):
-        return SpecPatch(range_method=RangeMethod(word))
-    if word in ("tensor", "channel"):
-        return SpecPatch(granularity=PerTensor() if word == "tensor" else PerChannel(0))
-    number = re.fullmatch(r"(g|axis)(-?\d+)", word)
-    if number is None:
-        raise ValueError(
-            f"unknown word '{word}'; use sym|asym, int8|uint8|int4|uint4, "
-            "tensor|channel|axisN|gN and minmax|mse"
-        )
-    size = int(number[2])
-    if number[1] == "axis":
-        return SpecPatch(granularity=PerChannel(size))
-    if size < 2:
-        raise ValueError(f"group size {size} is too small; use 2 or more")
-    return SpecPatch(granularity=PerGroup(size))

@@ -9,11 +9,11 @@
     [[rule]]
     match = 're:.*\\.mlp\\..*\\.weight'
     dtype = "int4"                     # ... or spec keys: scheme, dtype, granularity,
-    group_size = 128                   # axis, group_size, range (see qtool.recipe)
+    group_size = 128                   # axis, group_size, range (see recipe/rules.py)
     range = "mse"
 
 Rules may also be written as `rule = [{ match = ..., ... }, ...]`. A ladder entry is a label
-("int4 g32 mse", see recipe.parse_spec_label) or a table of scheme, dtype, granularity,
+("int4 g32 mse", see spec.parse_spec_label) or a table of scheme, dtype, granularity,
 group_size and range; its unnamed fields are QSpec's defaults (sym, int8, per channel on axis
 0, minmax), not the command line's.
 """
@@ -29,7 +29,8 @@ import tomllib
 
 from qtool.errors import InputError, RecipeError
 from qtool.io.safeopen import read_bounded
-from qtool.recipe import Keep, Recipe, Rule, RuleKind, SpecPatch, parse_spec_label
+from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind
+from qtool.recipe.tomllines import TomlPath, line_of, toml_lines
 from qtool.spec import (
     Granularity,
     PerChannel,
@@ -38,9 +39,10 @@ from qtool.spec import (
     QSpec,
     RangeMethod,
     Scheme,
+    SpecPatch,
     StorageDtype,
+    parse_spec_label,
 )
-from qtool.tomllines import TomlPath, line_of, toml_lines
 
 SPEC_KEYS = ("scheme", "dtype", "granularity", "axis", "group_size", "range")
 RULE_KEYS = ("match", "keep", *SPEC_KEYS)

@@ -1,0 +1,283 @@
+"""A tensor's fate as a value: what happens to it (the action) and what decided it (the origin).
+
+    Decision(Quantize(int4 g128), Budget(24 dB, trials))            the budget chose int4 g128
+      superseded: Decision(Quantize(int8 channel), Budget(24 dB))   it was left to the budget
+        superseded: Decision(Quantize(int8 channel), Selection())   by the default selection
+
+Each planning pass (engine/plan.py lists them in order) may give a tensor a new decision; the
+decision it replaces stays as `superseded`, so a table can say "budget chose int4 g128; aligned
+with its fused siblings". A pass that leaves the action as it was leaves the decision as it was.
+No pass edits a decision or flips a flag on it; everything a report or a format asks of a plan
+(TensorPlan) is read from its decision. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from qtool.dtypes import DTYPE_BITS
+from qtool.io.stformat import TensorEntry
+from qtool.recipe.rules import Keep as Keep  # the decision's keep: a rule's, or any pass's
+from qtool.recipe.rules import Rule, RuleKind
+from qtool.results import Trial
+from qtool.spec import QSpec, RangeMethod, packed_shape, qparam_shape, spec_label
+
+# -- actions: Keep(reason) (a recipe rule's keep is the same value), or Quantize -----------
+
+
+@dataclass(frozen=True)
+class Stored:
+    """How a format other than qtool's stores a quantized tensor: its bytes and its codes' dtype."""
+
+    nbytes: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """Quantize the tensor with `spec` (fitted to its shape). `note` says how the spec was
+    adapted to the tensor or why it was chosen; `asked` is the spec before it was fitted (a
+    format may take that one instead); `stored` is the format's storage (None: qtool's codes and
+    sidecar), which does not count in comparing actions."""
+
+    spec: QSpec
+    note: str = ""
+    asked: QSpec | None = None
+    stored: Stored | None = field(default=None, compare=False)
+
+
+Action = Keep | Quantize
+
+
+# -- origins -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rules (--exclude, a recipe's, --include, first match wins) and the default selection
+    (float tensors of 2+ dims). `rule`: the rule whose pattern matched (None: none did);
+    `by_name`: the rule's own decision, or --include matching nothing (False: the default
+    selection, or a tensor whose kind the matched rule cannot quantize: integer, 1-D, empty);
+    `labelled`: tables name the rule (only with a recipe, so plain runs keep their text)."""
+
+    rule: Rule | None = None
+    by_name: bool = False
+    labelled: bool = False
+
+    def describe(self) -> str:
+        if self.rule is None:
+            return "not matched by --include" if self.by_name else "default selection"
+        where = f" ({self.rule.file}: line {self.rule.line})" if self.rule.file else ""
+        return self.rule.describe() + where
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The error budget (--target-sqnr): the cheapest ladder spec reaching `target_db`, with
+    every candidate tried (no trials: the tensor is the budget's to decide, not yet measured)."""
+
+    target_db: float
+    trials: tuple[Trial, ...] = ()
+
+    def describe(self) -> str:
+        if not self.trials:
+            return f"left to the budget ({self.target_db:g} dB)"
+        return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
+
+
+@dataclass(frozen=True)
+class FusedSiblings:
+    """Aligned with the siblings a consumer fuses (`key` names the set): they share one spec."""
+
+    key: str
+
+    def describe(self) -> str:
+        return f"aligned with its fused siblings {self.key}"
+
+
+@dataclass(frozen=True)
+class FormatConstraint:
+    """The output format's own decision (what it can store, which tensors it quantizes)."""
+
+    format: str
+
+    def describe(self) -> str:
+        return f"{self.format} format"
+
+
+@dataclass(frozen=True)
+class NonFiniteGuard:
+    """--keep-nonfinite: the tensor holds `count` NaN/Inf values, which have no code."""
+
+    count: int
+
+    def describe(self) -> str:
+        return f"{self.count} NaN/Inf values (--keep-nonfinite)"
+
+
+Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard
+
+
+# -- the decision ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to a tensor and what decided it; `superseded` is the decision it replaced."""
+
+    action: Action
+    origin: Origin
+    superseded: Decision | None = None
+
+    def then(self, action: Action, origin: Origin) -> Decision:
+        """This decision followed by a pass's: itself when the action is unchanged (only the
+        format's storage refreshed), else `action` by `origin`, superseding this one."""
+        if action != self.action:
+            return Decision(action, origin, self)
+        return Decision(action, self.origin, self.superseded)
+
+    @property
+    def history(self) -> Iterator[Decision]:
+        """This decision, then each it superseded, back to the rules'."""
+        d: Decision | None = self
+        while d is not None:
+            yield d
+            d = d.superseded
+
+    @property
+    def selection(self) -> Selection:
+        """The first decision's origin: the rules and the default selection."""
+        *_, first = self.history
+        assert isinstance(first.origin, Selection)
+        return first.origin
+
+    @property
+    def budget(self) -> bool:
+        """The error budget decides this tensor: it claimed it, chose for it or aligned it, and
+        no later pass took it away (a format keeping it, the non-finite guard)."""
+        origin = self.origin
+        if isinstance(origin, Budget | FusedSiblings):
+            return True
+        if isinstance(origin, FormatConstraint) and self.superseded is not None:
+            newly_kept = isinstance(self.action, Keep) and isinstance(
+                self.superseded.action, Quantize
+            )
+            return self.superseded.budget and not newly_kept
+        return False
+
+    def describe(self) -> str:
+        """Why, oldest decision first: 'default selection: int8 channel; left to the budget
+        (24 dB): int8 channel; budget 24 dB after 2 trial(s): int4 g128 mse'."""
+        steps = reversed(list(self.history))
+        return "; ".join(f"{d.origin.describe()}: {_label(d.action)}" for d in steps)
+
+
+def _label(action: Action) -> str:
+    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor and its decision. Everything else is read from the decision: the spec, the
+    reason it is kept, how it is stored (the formats read plans through formats.base.Ruled)."""
+
+    entry: TensorEntry
+    decision: Decision
+
+    @property
+    def spec(self) -> QSpec | None:
+        action = self.decision.action
+        return action.spec if isinstance(action, Quantize) else None
+
+    @property
+    def reason(self) -> str:
+        """Why it is kept ("" when quantized)."""
+        action = self.decision.action
+        return action.reason if isinstance(action, Keep) else ""
+
+    @property
+    def note(self) -> str:
+        action = self.decision.action
+        return action.note if isinstance(action, Quantize) else ""
+
+    @property
+    def asked(self) -> QSpec | None:
+        action = self.decision.action
+        return action.asked if isinstance(action, Quantize) else None
+
+    @property
+    def budget(self) -> bool:
+        return self.decision.budget
+
+    @property
+    def by_rule(self) -> bool:
+        return self.decision.selection.by_name
+
+    @property
+    def rule(self) -> str:
+        """The rule that decided, as tables name it ("rule 3 'mlp.*'"; "" without a recipe)."""
+        selection = self.decision.selection
+        return selection.rule.describe() if selection.labelled and selection.rule else ""
+
+    @property
+    def rule_origin(self) -> str:
+        """Where a recipe rule is written ("llm.toml: line 12: "; "" for others)."""
+        rule = self.decision.selection.rule
+        if rule is None or rule.kind is not RuleKind.RECIPE:
+            return ""
+        return f"{rule.file}: line {rule.line}: "
+
+    @property
+    def spec_chosen(self) -> bool:
+        """A recipe rule or the error budget chose the spec, not the command line."""
+        if self.spec is None:
+            return False
+        rule = self.decision.selection.rule
+        by_recipe = rule is not None and rule.kind is RuleKind.RECIPE
+        return by_recipe or any(isinstance(d.origin, Budget) for d in self.decision.history)
+
+    @property
+    def stored(self) -> Stored | None:
+        action = self.decision.action
+        return action.stored if isinstance(action, Quantize) else None
+
+    @property
+    def out_dtype(self) -> str:
+        return stored_dtype(self.entry, self.spec, self.stored)
+
+    @property
+    def out_nbytes(self) -> int:
+        """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
+        return stored_nbytes(self.entry, self.spec, self.stored)
+
+    @property
+    def qparam_nbytes(self) -> int:
+        return qparam_nbytes(self.entry, self.spec, self.stored)
+
+
+def stored_dtype(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> str:
+    """The dtype the tensor is stored as: the format's, its codes', or its own when kept."""
+    if stored is not None:
+        return stored.dtype
+    return spec.dtype.safetensors_dtype if spec is not None else entry.dtype
+
+
+def stored_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
+    """Bytes of the tensor as stored: 4-bit codes are packed two per byte along the last
+    dimension; a format that says how many bytes it stores is taken at its word."""
+    if stored is not None:
+        return stored.nbytes
+    shape = packed_shape(entry.shape) if spec is not None and spec.dtype.packed else entry.shape
+    return math.prod(shape) * DTYPE_BITS[stored_dtype(entry, spec)] // 8
+
+
+def qparam_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
+    """Bytes the tensor adds to the sidecar: a float32 scale and a 1-byte zero point per group,
+    and with --range mse the 1-byte index of the range each group kept (0 when kept, or when the
+    format counts its qparams in its stored bytes)."""
+    if spec is None or stored is not None:
+        return 0
+    per_group = 6 if spec.range_method is RangeMethod.MSE else 5
+    return math.prod(qparam_shape(spec.granularity, entry.shape)) * per_group

@@ -1,0 +1,165 @@
+"""The quantize loop over one shard: read a tensor (zero-copy) -> quantize and measure -> hand it
+to the format's writer, then the next. Nothing holds the whole shard. The plan is final before
+the loop starts (engine/plan.py); the loop only carries it out.
+
+Tensor k is handed to the writer by a background thread (io/writer.py) while tensor k+1 is
+quantized: the write syscalls and the torch kernels both release the GIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qtool.engine import batch
+from qtool.engine.decision import TensorPlan
+from qtool.engine.plan import planned_row
+from qtool.engine.spill import Figures, Spill
+from qtool.errors import DeviceError, NumericError
+from qtool.formats.base import ShardWriter
+from qtool.io.checkpoint import Checkpoint
+from qtool.io.writer import BackgroundWriter
+from qtool.numerics import kernels, select
+from qtool.numerics.range_methods import GridOverflow
+from qtool.numerics.ranges import NonFiniteInput
+from qtool.results import Progress, QuantizeRow
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(
+            None, f"device {name}: no CUDA device is available here; run on the CPU", hint="device"
+        )
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Where the kernels run, what they report progress to, and whether scales are rounded to
+    the weight's dtype before the codes are computed (a format that stores them so)."""
+
+    device: torch.device
+    progress: Progress | None = None
+    scales_in_weight_dtype: bool = False
+
+    def expect(self, plans: Collection[TensorPlan]) -> None:
+        """Tell the kernel choice how much this run quantizes (numerics/select.py)."""
+        select.expect(self.device, sum(p.entry.nbytes for p in plans if p.spec is not None))
+
+
+def write_shard(
+    ckpt: Checkpoint,
+    plans: list[TensorPlan],
+    writer: ShardWriter,
+    run: Kernels,
+    spill: Spill | None = None,
+) -> list[QuantizeRow]:
+    """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
+    A tensor the error budget already quantized comes from `spill`, not from the input."""
+    by_name = {p.entry.name: p for p in plans}
+    rows: dict[str, QuantizeRow] = {}
+    order = [by_name[entry.name] for entry in writer.order]
+    with BackgroundWriter(ckpt.release) as background:
+        for plan, done in _results(ckpt, order, run, spill=spill):
+            entry = plan.entry
+            if done is None:
+                background.submit(entry, writer.keep, entry, ckpt.raw(entry))
+                rows[entry.name] = planned_row(plan)
+            else:
+                background.submit(entry, writer.quantized, entry, plan.spec, done.result)
+                rows[entry.name] = measured_row(plan, done.figures)
+            if run.progress is not None:
+                run.progress.advance(entry.name, entry.nbytes)
+    ckpt.check_unchanged()
+    writer.finish()
+    return [rows[p.entry.name] for p in plans]
+
+
+def estimate_rows(
+    ckpt: Checkpoint, plans: list[TensorPlan], run: Kernels, spill: Spill | None = None
+) -> list[QuantizeRow]:
+    """The rows a real run would report, error figures included, without writing anything
+    (the figures of the tensors the error budget measured come from `spill`)."""
+    known = {}
+    if spill is not None:
+        for p in plans:
+            found = spill.figures(p.entry.name, p.spec) if p.spec is not None else None
+            if found is not None:
+                known[p.entry.name] = found
+    rows = []
+    for plan, done in _results(ckpt, plans, run, skip=known.keys()):
+        if plan.entry.name in known:
+            rows.append(measured_row(plan, known[plan.entry.name]))
+        else:
+            rows.append(planned_row(plan) if done is None else measured_row(plan, done.figures))
+            ckpt.release(plan.entry)
+    return rows
+
+
+def measured_row(plan: TensorPlan, figures: Figures) -> QuantizeRow:
+    return planned_row(plan, figures.errors, figures.scale_range)
+
+
+def _results(
+    ckpt: Checkpoint,
+    order: list[TensorPlan],
+    run: Kernels,
+    *,
+    spill: Spill | None = None,
+    skip: Collection[str] = (),
+) -> Iterator[tuple[TensorPlan, batch.Quantized | None]]:
+    """Each plan in `order` with its result (None: kept as it is, or named in `skip`). A tensor
+    the error budget already quantized comes from `spill`; tiny tensors are quantized a batch
+    at a time (engine/batch.py), the others one by one in two alternating workspaces, so the
+    codes being written are never the ones being computed."""
+    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
+    tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
+    for k, plan in enumerate(order):
+        if plan.spec is None or plan.entry.name in skip:
+            yield plan, None
+            continue
+        result = spill.take(plan.entry.name, plan.spec) if spill is not None else None
+        done = tiny.take(k) if result is None else None
+        if done is None:
+            if result is None:
+                result = quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+            done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
+        yield plan, done
+
+
+def quantize_one(
+    ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace, weight_dtype: bool = False
+) -> kernels.QuantizedTensor:
+    """One tensor quantized as planned; NumericError naming the file and the tensor when its
+    values cannot be (NaN/Inf, beyond float32, a grid that would overflow)."""
+    assert plan.spec is not None
+    x = ckpt.tensor(plan.entry).to(workspace.device)
+    scale_dtype = x.dtype if weight_dtype else torch.float32
+    try:
+        return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+    except NonFiniteInput as err:
+        if err.count == 0:  # finite float64 values whose float32 range overflows
+            raise NumericError(
+                ckpt.path,
+                f"holds {plan.entry.dtype} values beyond float32's range (largest magnitude "
+                f"{float(x.abs().max()):.3g}), which cannot be quantized in float32; "
+                "exclude this tensor or rescale it",
+                plan.entry.name,
+                hint="exclude",
+            ) from None
+        raise NumericError(
+            ckpt.path,
+            f"has {err.count} NaN/Inf values, which cannot be quantized; fix the checkpoint, "
+            "exclude this tensor, or keep such tensors as they are",
+            plan.entry.name,
+            hint=("exclude", "keep-nonfinite"),
+        ) from None
+    except GridOverflow as err:
+        raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
+    except ValueError as err:
+        raise NumericError(ckpt.path, str(err), plan.entry.name) from None

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qtool.errors import InputError, OutputError, UsageError
 from qtool.formats.qtool import sidecar_path
 from qtool.io.atomic import OutputSet, describe_os_error, preflight
-from qtool.io.checkpoint import Checkpoint, open_checkpoint
 from qtool.io.index import (
     INDEX_SUFFIX,
     ShardedInput,
@@ -33,6 +33,9 @@ from qtool.io.index import (
 from qtool.io.outdir import refuse_nesting
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import Header, read_header, read_header_file
+
+if TYPE_CHECKING:
+    from qtool.io.checkpoint import Checkpoint
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
@@ -61,6 +64,8 @@ class Source:
 
     def checkpoint(self, shard: Path) -> Checkpoint:
         """The shard opened for reading (through the directory, for a sharded checkpoint)."""
+        from qtool.io.checkpoint import open_checkpoint  # imports torch: header-only runs don't
+
         return open_checkpoint(shard, self.within)
 
     @property

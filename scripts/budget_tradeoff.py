@@ -2,7 +2,8 @@
 
 Builds the model offline (6 layers, hidden 384, intermediate 1536, vocabulary 30522; random
 weights with BERT's initialisation, normal std 0.02, seed 0; names as transformers' BertModel
-saves them), quantizes it with examples/bert.toml at each target, and prints the README's table.
+saves them), quantizes it with examples/bert.toml at each target, and prints the table of
+docs/recipes.md.
 
     python scripts/budget_tradeoff.py [--targets 20 30 45] [--workdir build/minilm]
 """

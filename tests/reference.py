@@ -21,7 +21,7 @@ TINY = np.finfo(np.float32).tiny
 
 
 def qparams(group: np.ndarray, scheme: str, dtype: str) -> tuple[np.float32, int]:
-    """scale (float32) and zero point of one group, exactly as README 'Numerical semantics'."""
+    """scale (float32) and zero point of one group, exactly as docs/numerics.md."""
     qmin, qmax = QRANGE[scheme, dtype]
     lo = min(np.float32(group.min()), np.float32(0))
     hi = max(np.float32(group.max()), np.float32(0))

@@ -202,43 +202,6 @@ def test_piped_output_is_stable_and_has_no_trailing_spaces(samples: Path) -> Non
     assert first == qtool("quantize", str(samples / "mlp.safetensors"), "--dry-run").stdout
 
 
-def _readme_commands() -> list[str]:
-    """Every qtool (and mkdir) command line in the README's code blocks (`$ ` stripped)."""
-    commands, in_block = [], False
-    for line in README.read_text().splitlines():
-        if line.startswith("```"):
-            in_block = not in_block
-            continue
-        text = line.removeprefix("$ ").split("  #")[0].strip()
-        if in_block and text.startswith(("qtool ", "mkdir -p ")):
-            commands.append(text)
-    return commands
-
-
-def test_every_readme_command_runs(
-    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A README command that fails is a bug: run them all, in order, as a new user would."""
-    import shlex
-    import shutil
-
-    shutil.copytree(README.parent / "sample_weights", tmp_path / "sample_weights")
-    shutil.copytree(README.parent / "examples", tmp_path / "examples")  # the shipped recipes
-    monkeypatch.chdir(tmp_path)
-    commands = _readme_commands()
-    assert len(commands) >= 10
-    # The README sends new users through `make demo` first: its outputs must not be in the way.
-    makefile = (README.parent / "Makefile").read_text().splitlines()
-    demo = [line.strip().replace("$(BIN)/", "") for line in makefile if "$(BIN)/qtool" in line]
-    (tmp_path / "build" / "make-demo").mkdir(parents=True)
-    for command in demo + commands:
-        if command.startswith("mkdir -p "):  # the README makes its output directory
-            Path(command.removeprefix("mkdir -p ")).mkdir(parents=True, exist_ok=True)
-            continue
-        code, _, stderr = invoke(*shlex.split(command)[1:])
-        assert code in (0, 3), f"{command}: {stderr}"  # 3: the gate example fails on purpose
-
-
 def test_sample_weights_regenerate_byte_for_byte(tmp_path: Path) -> None:
     script = README.parent / "scripts" / "make_sample_weights.py"
     subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=120)

@@ -18,6 +18,7 @@ from tests.conftest import Invoke
 
 MLP = "mlp.safetensors"
 README = Path(__file__).parent.parent / "README.md"
+JSON_DOC = README.parent / "docs" / "json.md"
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -297,7 +298,7 @@ def test_top_level_summaries_are_whole(invoke: Invoke) -> None:
 
 def test_readme_says_how_to_run_qtool_and_where_outputs_go() -> None:
     text = README.read_text()
-    usage = text[text.index("## Usage") :]
+    usage = text[text.index("## Five-minute tour") :]
     first_qtool = usage.index("$ qtool ")
     assert ". .venv/bin/activate" in usage[:first_qtool]
     assert "mkdir -p build/demo" in usage[:first_qtool]
@@ -308,7 +309,7 @@ def test_readme_jq_example_selects_quantized_tensors_only(
     invoke: Invoke, samples: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     example = re.search(
-        r"Example: `(qtool quantize [^`]*--json) \| jq '([^']+)'`", README.read_text()
+        r"^\$ (qtool quantize [^\n]*--json) \| jq '([^']+)'$", JSON_DOC.read_text(), re.M
     )
     assert example is not None
     command, query = example[1], example[2]

@@ -31,7 +31,7 @@ from qtool.spec import (
 )
 from tests import reference
 
-README = Path(__file__).parent.parent / "README.md"
+FORMATS_DOC = Path(__file__).parent.parent / "docs" / "formats.md"
 SPECS = [
     QSpec(Scheme.SYM, StorageDtype.INT8, PerGroup(32)),
     QSpec(Scheme.ASYM, StorageDtype.UINT8, PerGroup(48)),  # 48 does not divide 64 or 128
@@ -168,9 +168,9 @@ def test_a_newer_sidecar_version_is_refused_clearly(samples: Path) -> None:
 
 def _readme_numpy_snippet() -> str:
     match = re.search(
-        r"```python\n(# Dequantize a qtool file without qtool.*?)```", README.read_text(), re.S
+        r"```python\n(# Dequantize a qtool file without qtool.*?)```", FORMATS_DOC.read_text(), re.S
     )
-    assert match, "README: the numpy dequantization snippet is missing"
+    assert match, "docs/formats.md: the numpy dequantization snippet is missing"
     return match.group(1)
 
 
@@ -180,7 +180,7 @@ def test_readme_numpy_snippet_dequantizes_without_qtool(samples: Path, spec: QSp
     api.quantize(samples / "convnet.safetensors", q, QuantizeOptions(spec), device="cpu")
     api.dequantize(q, samples / "r.safetensors", dtype="float32")
     namespace: dict[str, object] = {}
-    exec(_readme_numpy_snippet(), namespace)  # the README's code, as a reader would run it
+    exec(_readme_numpy_snippet(), namespace)  # the docs' code, as a reader would run it
     ours = namespace["dequantize_without_qtool"](str(q), str(sidecar_path(q)))  # type: ignore[operator]
     restored = load_file(samples / "r.safetensors")
     assert ours.keys() == restored.keys()

@@ -4,12 +4,12 @@ Tiny BERT (fp32) and tiny Llama (bf16) are built from configs with a fixed seed,
 qtool's compressed-tensors encoder and config writer, and loaded with `from_pretrained`: the
 loaded Linear weights equal qtool's own dequantization bit for bit, the output equals the float
 model's with those weights swapped in (exactly), and is close to the float model's (bounds below,
-measured maxima in the README); compressed-tensors' own decompressor gives the same weights.
+measured maxima in docs/formats.md); compressed-tensors' own decompressor gives the same weights.
 Checkpoints written by compressed-tensors itself are read back by qtool bit for bit.
 
 Known upstream bug (transformers 5.23 + compressed-tensors 0.20): the default load path fails on
 every asymmetric checkpoint; `CompressedTensorsConfig(dequantize=True)` loads them. The test
-that asserts the failure starts failing when upstream fixes it: then update the README.
+that asserts the failure starts failing when upstream fixes it: then update docs/formats.md.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 SYM, ASYM = Scheme.SYM, Scheme.ASYM
 I8, I4 = StorageDtype.INT8, StorageDtype.INT4
-# relative output error bounds against the float model (measured maxima in the README)
+# relative output error bounds against the float model (measured maxima in docs/formats.md)
 BOUNDS = {("bert", 8): 0.005, ("bert", 4): 0.05, ("llama", 8): 0.05, ("llama", 4): 0.35}
 
 
@@ -375,23 +375,23 @@ def test_cli_gates_and_dequantizes_a_compressed_tensors_export(
 def test_readme_loads_the_sample_export_in_three_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The README's transformers snippet runs on the README's export of the sample model."""
+    """The transformers snippet of docs/formats.md runs on its export of the sample model."""
     import re
 
     root = Path(__file__).parent.parent
-    readme = (root / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    doc = (root / "docs" / "formats.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     snippet = next(b for b in blocks if "build/tiny-llama-w4a16" in b)
     assert len([line for line in snippet.splitlines() if line.strip()]) == 3
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "build").mkdir()  # the README's `mkdir -p build`
+    (tmp_path / "build").mkdir()  # the docs' `mkdir -p build`
     result = CliRunner().invoke(app, [
         "quantize", str(root / "sample_weights" / "tiny-llama"), "--format", "compressed-tensors",
         "--dtype", "int4", "--group-size", "32", "-o", "build/tiny-llama-w4a16",
     ])  # fmt: skip
     assert result.exit_code == 0, result.stderr
     capsys.readouterr()
-    exec(compile(snippet, "README.md", "exec"), {})
+    exec(compile(snippet, "docs/formats.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "torch.Size([1, 3, 128])"
 
 

@@ -1,6 +1,6 @@
 """Scale: 50,000 tiny tensors through quantize, dequantize, inspect and compare (issue 9.18).
 
-Not a speed test (figures are in the README's Performance section): the bound is several times
+Not a speed test (figures are in docs/performance.md): the bound is several times
 what each command costs here, and only catches work that grows with the square of the tensor
 count (compare took minutes for 40,000 tensors when it rebuilt a set per tensor). CPU time,
 not wall time, so a busy machine does not fail it.

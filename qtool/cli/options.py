@@ -288,7 +288,7 @@ ExcludeOpt = Annotated[
     typer.Option(
         "--exclude",
         help="Glob of tensor names to keep as they are (repeatable; tried first, see "
-        "'Recipes' in the README for the order).",
+        "docs/recipes.md for the order).",
         metavar="GLOB",
         show_default=False,
     ),

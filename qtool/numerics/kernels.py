@@ -1,6 +1,6 @@
 """Quantization kernels: plain, device-agnostic torch. No files, no printing.
 
-Semantics (README "Numerical semantics"): statistics and qparams in float32; the range of every
+Semantics (docs/numerics.md): statistics and qparams in float32; the range of every
 group includes 0.0; q = clamp(round(x / scale) + zero_point, qmin, qmax) with a float32
 division and round-half-to-even; x_hat = (q - zero_point) * scale in float32.
 

@@ -28,7 +28,7 @@ from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.spec import QSpec
 
 ENV = "QTOOL_KERNEL"
-AUTO_MIN_BYTES = 512 << 20  # measured break-even of loading numba: 0.1-0.7 GiB (README)
+AUTO_MIN_BYTES = 512 << 20  # break-even of loading numba: 0.1-0.7 GiB (docs/performance.md)
 INSTALL_HINT = "pip install 'qtool[fast]'"
 
 

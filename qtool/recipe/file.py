@@ -65,7 +65,7 @@ def load_recipe(path: Path | str) -> Recipe:
 
 
 def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
-    """The recipe in TOML `text` (see README "Recipes"); `path` names it in errors."""
+    """The recipe in TOML `text` (see docs/recipes.md); `path` names it in errors."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

@@ -192,9 +192,10 @@ def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFa
         )
 
 
-def check_format_spec(fmt: FormatName, spec: QSpec) -> None:
+def check_format_spec(fmt: FormatName, spec: QSpec, budget: bool) -> None:
     """A spec the output format can store for no tensor at all (compressed-tensors: unsigned
-    codes, another axis) is a usage error naming the option to change."""
-    refused = api.format_refuses(fmt.value, spec)
+    codes, another axis) is a usage error naming the option to change; not with the error
+    budget (`budget`), whose ladder chooses the specs instead."""
+    refused = None if budget else api.format_refuses(fmt.value, spec)
     if refused is not None:
         raise typer.BadParameter(refused, param_hint="--axis" if spec.dtype.signed else "--dtype")

@@ -29,7 +29,7 @@ def table_names(stdout: str) -> list[str]:
     return re.findall(r"^ (\S+)\s+\[", stdout, re.MULTILINE)
 
 
-# ---- 4: --all overrides --top ---------------------------------------------------------------------
+# ---- 4: --all overrides --top ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("command", ["quantize", "compare"])
@@ -70,6 +70,21 @@ def test_dequantize_of_what_is_not_a_qtool_file_says_what_it_is(
     assert what in stderr and "no qparams sidecar" not in stderr, stderr
 
 
+def test_dequantize_of_a_model_directory_with_qparams_is_a_usage_error(
+    invoke: Invoke, samples: Path
+) -> None:
+    """--qparams was silently ignored for a compressed-tensors directory."""
+    q, ct = samples / "q.safetensors", samples / "ct"
+    assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
+    args = ["quantize", str(samples / "tiny-llama"), "--format", "compressed-tensors", "-o"]
+    assert invoke(*args, str(ct))[0] == 0
+    out = samples / "r.safetensors"
+    qparams = str(samples / "q.qparams.safetensors")
+    code, _, stderr = invoke("dequantize", str(ct), "--qparams", qparams, "-o", str(out))
+    assert code == 2 and "keeps its scales inside; give no sidecar" in stderr
+    assert not out.exists()
+
+
 def test_dequantize_without_the_sidecar_still_asks_for_it(invoke: Invoke, samples: Path) -> None:
     q = samples / "q.safetensors"
     assert invoke("quantize", str(samples / MLP), "-o", str(q))[0] == 0
@@ -101,7 +116,10 @@ def test_plot_suggests_the_tensor_meant(invoke: Invoke, samples: Path) -> None:
     ("content", "what"),
     [
         (None, "plain text"),  # the README itself
-        (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n", "a Git LFS pointer"),
+        (
+            b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n",
+            "a Git LFS pointer",
+        ),
         (b"<!DOCTYPE html>\n<html><body>404</body></html>\n", "an HTML page"),
     ],
     ids=["text", "lfs-pointer", "html"],
@@ -125,10 +143,10 @@ def test_inspect_names_what_a_non_checkpoint_is(
         (["quantize", "{s}", "--bits=8"], "no such option: --bits; did you mean --dtype int8?"),
         (["quantize", "{s}", "--output", "x"], "no such option: --output; did you mean --out?"),
         (["quantize", "{s}", "--symmetric"], "did you mean --scheme sym?"),
-        (["quantize", "{s}", "--shceme", "asym"], "no such option: --shceme; did you mean --scheme?"),
+        (["quantize", "{s}", "--shceme", "asym"], "--shceme; did you mean --scheme?"),
         (["plot", "{s}", "--name", "x"], "no such option: --name; did you mean --tensor?"),
         (["inspect", "{s}", "--bits", "4"], "no such option: --bits; see qtool inspect --help"),
-        (["quantize", "{s}", "--config", "c.json"], "--config: goes with --format compressed-tensors"),
+        (["quantize", "{s}", "--config", "c.json"], "--config: goes with --format compressed-"),
         (["quantize", "{s}", "--group-fallback", "keep"], "--group-fallback: goes with --format"),
         (["quantize"], "missing argument INPUT; usage: qtool quantize [OPTIONS] INPUT"),
         (["plot", "{s}"], "missing option --tensor (-t); usage: qtool plot [OPTIONS] CHECKPOINT"),
@@ -168,6 +186,7 @@ def test_option_conflicts_are_usage_errors_before_any_work(
     args: list[str],
 ) -> None:
     """Exit 2 before the engine is asked to do anything."""
+
     def no_work(*args: object, **kwargs: object) -> None:
         raise AssertionError("the engine ran")
 

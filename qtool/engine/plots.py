@@ -1,6 +1,6 @@
 """Pictures for hunting the bad layer (matplotlib, the optional `plot` extra).
 
-- plot_quantize / plot_compare: per-layer SQNR bars (the worst highlighted) above the error
+- plot_quantize / plot_compare: per-layer SQNR bars (outliers highlighted) above the error
   histograms of the worst layers, recomputed for those few tensors only.
 - plot_tensor: one tensor's original, codes, reconstruction and error as heatmaps, with a
   histogram of its values and the representable range of the quantization grid marked.

@@ -38,6 +38,7 @@ __all__ = [
     "load_recipe",
     "unmatched_rules",
     "plot_tensor",
+    "format_refuses",
     "quantize",
 ]
 
@@ -179,3 +180,18 @@ def plot_tensor(
     from qtool.engine import plots
 
     return plots.plot_tensor(checkpoint, tensor, spec, path, force=force)
+
+
+def format_refuses(fmt: str, spec: QSpec) -> str | None:
+    """Why the output format `fmt` can store no tensor at all with `spec` (compressed-tensors:
+    unsigned codes, an axis other than the output channels), or None: checked before any file
+    is read, so the CLI can report a usage error."""
+    if fmt != "compressed-tensors":
+        return None
+    from qtool.formats.compressed_tensors import check_spec
+
+    try:
+        check_spec(spec)
+    except ValueError as err:
+        return str(err)
+    return None

@@ -478,7 +478,11 @@ CASES: list[Case] = [
         _pickle(lambda d: {"w": torch.ones(2)}, "m.safetensors"),
         "pickles are only read from .pt/.pth/.bin",
     ),  # fmt: skip
-    Case("S26-text-named-pt", _file(b"hello, world, this is text", "m.pt"), "not a torch"),
+    Case(
+        "S26-text-named-pt",
+        _file(b"hello, world, this is text", "m.pt"),
+        "not a checkpoint: plain text",
+    ),
     # --- torch pickles -------------------------------------------------------------------
     Case(
         "P01-os-system",

@@ -41,7 +41,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
         (["quantize", "{s}", "--per-tensor", "--axis", "1"], "--axis: goes with --per-channel"),
         (["plot", "{s}", "-t", "head.weight", "--per-tensor", "--axis", "1"], "--axis: goes with"),
         (["dequantize", "{s}", "--to", "float8"], "--to: 'float8' is not one of original,"),
-        (["compare", "{s}"], "Missing argument 'B'"),
+        (["compare", "{s}"], "missing argument B; usage: qtool compare [OPTIONS] A B"),
     ],
     ids=["choice", "range", "integer", "axis-per-tensor", "plot-axis", "dequantize-to", "missing"],
 )

@@ -156,9 +156,9 @@ def test_llama_quantizes_every_projection_and_ignores_the_head() -> None:
     assert fates(sel) == {
         "model.embed_tokens.weight": "embedding",
         **{e.name: "q" for e in LLAMA_LAYER},
-        "model.layers.0.input_layernorm.weight": "0-d/1-D (bias, norm, scalar)",
-        "model.layers.0.post_attention_layernorm.weight": "0-d/1-D (bias, norm, scalar)",
-        "model.norm.weight": "0-d/1-D (bias, norm, scalar)",
+        "model.layers.0.input_layernorm.weight": "1-D (bias/norm)",
+        "model.layers.0.post_attention_layernorm.weight": "1-D (bias/norm)",
+        "model.norm.weight": "1-D (bias/norm)",
         "lm_head.weight": "output head (lm_head)",
     }
     assert ct.ignore_list(sel) == ["lm_head"]
@@ -195,9 +195,9 @@ def test_bert_keeps_embeddings_and_the_tied_decoder() -> None:
         "embeddings.position_embeddings.weight": "embedding",
         "embeddings.token_type_embeddings.weight": "embedding",
         "embeddings.position_ids": "not a float tensor (I64)",
-        "embeddings.LayerNorm.weight": "0-d/1-D (bias, norm, scalar)",
+        "embeddings.LayerNorm.weight": "1-D (bias/norm)",
         "encoder.layer.0.attention.self.query.weight": "q",
-        "encoder.layer.0.attention.self.query.bias": "0-d/1-D (bias, norm, scalar)",
+        "encoder.layer.0.attention.self.query.bias": "1-D (bias/norm)",
         "encoder.layer.0.intermediate.dense.weight": "q",
         "pooler.dense.weight": "q",
         "cls.predictions.decoder.weight": "output head tied to the input embeddings",

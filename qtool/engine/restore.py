@@ -48,6 +48,10 @@ def dequantize(
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
     `qparams` names the sidecar of a single file that was moved away from it."""
     if is_compressed_tensors(src):
+        if qparams is not None:
+            raise UsageError(
+                qparams, "a compressed-tensors model keeps its scales inside; give no sidecar"
+            )
         return dequantize_model(src, out, dtype=dtype, force=force)
     source = open_source(src)
     if source.index is None:

@@ -103,7 +103,7 @@ def classify(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
     if ndim == 3:
         return Kind(None, "3-D (fused MoE experts): not a Linear weight", True)
     if ndim != 2:
-        what = "0-d/1-D (bias, norm, scalar)" if ndim < 2 else f"{ndim}-D (conv weight)"
+        what = {0: "0-d scalar", 1: "1-D (bias/norm)"}.get(ndim, f"{ndim}-D (conv weight)")
         return Kind(None, what, True)
     if not name.endswith(".weight"):
         return Kind(None, "not a .weight tensor", True)

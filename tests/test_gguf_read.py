@@ -104,7 +104,9 @@ def test_headers_past_the_first_read_are_read_in_growing_prefixes(
         assert f.header.data_start == expected.data_start
 
 
-def test_a_header_over_the_limit_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_header_over_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(gguf_file, "FIRST_READ", 1024)
     monkeypatch.setattr(gguf_file, "MAX_HEADER_BYTES", 4096)
     with pytest.raises(InputError, match="GGUF header is over qtool's limit of 0 MiB"):

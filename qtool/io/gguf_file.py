@@ -55,7 +55,7 @@ class GGUFFile:
         while True:
             prefix = self._pread(0, want, "the header")
             try:
-                return parse_header(memoryview(prefix), size)
+                return parse_header(prefix.data, size)
             except GGUFHeaderError as err:
                 raise InputError(self.path, f"not a valid GGUF file: {err}") from None
             except NeedMore as more:

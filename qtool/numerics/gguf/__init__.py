@@ -14,7 +14,7 @@ first, as ggml does. No I/O.
 
 Two implementations give the same bytes: the torch kernels (q45k.py, q6k.py, legacy.py,
 dequant_k.py: any device, vectorised over blocks) and, on CPU, the fused numba kernels
-(jit.py, jit_k.py: the C transcribed block by block, 10-50x faster), chosen by fast.py as
+(jit*.py: the C transcribed, sub-blocks side by side in vectors), chosen by fast.py as
 QTOOL_KERNEL says. On blocks holding NaN or Inf only the fused kernels follow C's scans (the
 torch reductions propagate NaN); qtool refuses non-finite weights before quantizing.
 """

@@ -34,23 +34,23 @@ class _Loader:
     """Imports the numba kernels at most once per process."""
 
     def __init__(self) -> None:
-        self.modules: tuple[ModuleType, ModuleType] | None = None
+        self.modules: dict[str, ModuleType] | None = None
         self.error: BaseException | None = None
         self.tried = False
 
-    def load(self) -> tuple[ModuleType, ModuleType] | None:
+    def load(self) -> dict[str, ModuleType] | None:
         if not self.tried:
             self.tried = True
             try:
-                self.modules = (
-                    importlib.import_module("qtool.numerics.gguf.jit"),
-                    importlib.import_module("qtool.numerics.gguf.jit_k"),
-                )
+                self.modules = {
+                    name: importlib.import_module(f"qtool.numerics.gguf.{name}")
+                    for name in ("jit", "jit_k", "jit_q6k", "jit_deq_k")
+                }
             except Exception as err:  # a broken numba leaves the torch kernels in charge
                 self.error = err
         return self.modules
 
-    def now(self) -> tuple[ModuleType, ModuleType]:
+    def now(self) -> dict[str, ModuleType]:
         modules = self.load()
         if modules is None:
             why = f"numba cannot be loaded ({type(self.error).__name__}: {self.error})"
@@ -102,7 +102,7 @@ def chosen(
     return _LOADER.modules is not None
 
 
-def _threads(jit: ModuleType) -> None:
+def _threads() -> None:
     import numba
 
     n = max(1, min(torch.get_num_threads(), vars(numba.config)["NUMBA_NUM_THREADS"]))
@@ -112,29 +112,29 @@ def _threads(jit: ModuleType) -> None:
 
 def quantize(blocks: torch.Tensor, qtype: str, type_size: int) -> torch.Tensor:
     """(n, type_size) uint8 of float32 CPU blocks (n, block_size), by the numba kernels."""
-    jit, jit_k = _LOADER.now()
-    _threads(jit)
+    jit = _LOADER.now()
+    _threads()
     x = np.ascontiguousarray(blocks.detach().numpy())
     out = np.empty((x.shape[0], type_size), dtype=np.uint8)
     if x.shape[0]:
         if qtype in LEGACY:
-            jit.quantize_legacy(x, out, LEGACY[qtype])
+            jit["jit"].quantize_legacy(x, out, LEGACY[qtype])
         elif qtype == "Q6_K":
-            jit_k.quantize_q6_k(x, out)
+            jit["jit_q6k"].quantize_q6_k(x, out)
         else:
-            jit_k.quantize_q45_k(x, out, K_QUANTIZE[qtype])
+            jit["jit_k"].quantize_q45_k(x, out, K_QUANTIZE[qtype])
     return torch.from_numpy(out)
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, block_size: int) -> torch.Tensor:
     """(n, block_size) float32 of uint8 CPU blocks (n, type_size), by the numba kernels."""
-    jit, jit_k = _LOADER.now()
-    _threads(jit)
+    jit = _LOADER.now()
+    _threads()
     raw = np.ascontiguousarray(blocks.numpy())
     out = np.empty((raw.shape[0], block_size), dtype=np.float32)
     if raw.shape[0]:
         if qtype in LEGACY:
-            jit.dequantize_legacy(raw, out, LEGACY[qtype])
+            jit["jit"].dequantize_legacy(raw, out, LEGACY[qtype])
         else:
-            jit_k.dequantize_k(raw, out, K_DEQUANTIZE[qtype])
+            jit["jit_deq_k"].dequantize_k(raw, out, K_DEQUANTIZE[qtype])
     return torch.from_numpy(out)

@@ -30,7 +30,7 @@ PLAIN: dict[str, torch.dtype] = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
     "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
 }  # fmt: skip
-INSTALL_GGUF = "pip install 'qtool[interop]'"
+INSTALL_GGUF = "pip install 'qtool[gguf]'"
 
 
 class GGUFFloatReader:

@@ -21,7 +21,8 @@ torch reductions propagate NaN); qtool refuses non-finite weights before quantiz
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,10 +116,28 @@ def _chunked(
     """fn over blocks in runs of at most `chunk` blocks (64x more off the CPU, where kernel
     launches, not caches, bound the time), into one (n_blocks, width) tensor."""
     n = blocks.shape[0]
-    chunk = chunk if blocks.device.type == "cpu" else chunk * 64
-    if n <= chunk:
-        return fn(blocks)
-    out = torch.empty(n, width, dtype=dtype, device=blocks.device)
-    for start in range(0, n, chunk):
-        out[start : start + chunk] = fn(blocks[start : start + chunk])
+    cpu = blocks.device.type == "cpu"
+    chunk = chunk if cpu else chunk * 64
+    with _one_thread(cpu):
+        if n <= chunk:
+            return fn(blocks)
+        out = torch.empty(n, width, dtype=dtype, device=blocks.device)
+        for start in range(0, n, chunk):
+            out[start : start + chunk] = fn(blocks[start : start + chunk])
     return out
+
+
+@contextlib.contextmanager
+def _one_thread(cpu: bool) -> Iterator[None]:
+    """torch on one thread while the torch kernels run on CPU: their ops are small (a chunk
+    stays in L2), and torch's thread pool syncing after each one made the K-quants 50x slower
+    on 2 busy cores (0.09 vs 4.3 MB/s, scripts/bench_gguf.py)."""
+    before = torch.get_num_threads()
+    if not cpu or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qtool.formats.gguf import plan
-from qtool.formats.gguf.names import HFView, pair_names
+from qtool.formats.gguf.names import HFView, hf_view, pair_names
 from qtool.formats.gguf.reader import GGUFFloatReader
 from qtool.formats.gguf.writer import write_quantized
 from qtool.io.atomic import OutputSet
@@ -79,8 +79,7 @@ def test_the_float_gguf_maps_back_onto_the_hf_checkpoint_exactly(tiny: Path) -> 
     hf = load_file(tiny / "model.safetensors")
     M.write_float_gguf(tiny, tiny / "f32.gguf", "F32")
     with GGUFFloatReader(tiny / "f32.gguf") as reader:
-        pairing = pair_names(reader.header, list(hf))
-        view = HFView(reader, pairing)
+        view, pairing = hf_view(reader, list(hf))
         assert sorted(view.names) == sorted(hf)
         notes = {p.hf: p.note for p in pairing.placed}
         assert notes["model.layers.0.self_attn.k_proj.weight"].startswith("rows un-permuted")
@@ -95,3 +94,21 @@ def test_llama_cpp_loads_and_generates(tiny: Path) -> None:
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
     done = llm("the", max_tokens=4, temperature=0.0)
     assert done["choices"][0]["text"] is not None
+
+
+def test_tied_embeddings_load_and_map(tmp_path: Path) -> None:
+    d = M.make_hf_llama(tmp_path, tied=True)
+    M.write_float_gguf(d, d / "f16.gguf", "F16")
+    _write(d / "f16.gguf", d / "q8.gguf", "Q8_0")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file="q8.gguf", dtype=torch.float32
+    )
+    loaded = model.state_dict()
+    assert "lm_head.weight" in loaded
+    with GGUFFloatReader(d / "q8.gguf") as reader:
+        assert "output.weight" not in reader.names
+        view, pairing = hf_view(reader, list(loaded))
+        assert {p.hf: p.gguf for p in pairing.placed}["lm_head.weight"] == "token_embd.weight"
+        assert (pairing.gguf_unplaced, pairing.hf_unplaced) == ([], [])
+        for name in view.names:
+            assert torch.equal(loaded[name], view.values(name).to(torch.float32)), name

@@ -248,3 +248,25 @@ def test_custom_alignment_is_kept(tmp_path: Path) -> None:
     assert theirs.alignment == 64
     assert [t.tensor_type.name for t in theirs.tensors] == ["Q8_0", "F32", "Q8_0"]
     assert all(t.data_offset % 64 == 0 for t in theirs.tensors)
+
+
+def test_unplaced_tensors_are_listed_never_dropped(tiny: Path) -> None:
+    from safetensors.torch import load_file
+
+    from qtool.formats.gguf.names import TIED, hf_view
+
+    hf = list(load_file(tiny / "model.safetensors"))
+    hf.remove("model.layers.1.mlp.up_proj.weight")  # the GGUF has it, the HF side does not
+    hf += ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.vision.weight"]
+    with GGUFFloatReader(tiny / "f32.gguf") as r:
+        view, pairing = hf_view(r, [*hf, "lm_head.weight"])
+    assert pairing.gguf_unplaced == [
+        ("blk.1.ffn_up.weight", "no tensor of the Hugging Face checkpoint maps to it")
+    ]
+    assert dict(pairing.hf_unplaced) == {
+        "model.layers.0.self_attn.rotary_emb.inv_freq":
+            "maps to blk.0.attn_rot_embd, which the GGUF file lacks",
+        "model.vision.weight": "gguf's name map for llama has no GGUF name for it",
+        "lm_head.weight": "maps to output.weight, which another tensor maps to already",
+    }  # fmt: skip
+    assert TIED not in {p.note for p in pairing.placed}  # the file has its own output.weight

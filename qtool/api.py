@@ -161,10 +161,9 @@ def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:
     """Refuse, before anything is read, outputs that would replace an input (or its sidecar),
     an existing file without `force`, or anything but a regular file."""
-    from qtool.engine.source import check_output
+    from qtool.engine.layout import check_files
 
-    for out in outputs:
-        check_output(out, inputs, force)
+    check_files(outputs, inputs, force)
 
 
 def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:

@@ -23,8 +23,8 @@ from qtool.engine.decision import (
     Selection,
     TensorPlan,
 )
-from qtool.formats import compressed_tensors as ct
-from qtool.formats import open_reader
+from qtool.formats.compressed_tensors import selection as ct
+from qtool.formats.registry import open_reader
 from qtool.io.stformat import TensorEntry
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, StorageDtype
 from tests.conftest import Invoke

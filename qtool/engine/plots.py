@@ -21,12 +21,10 @@ from typing import Any
 import torch
 
 from qtool.engine.plan import QuantizeOptions, fitted_spec, plan_tensors
-from qtool.engine.source import protected_paths
+from qtool.engine.source import open_source, protected_paths
 from qtool.errors import QtoolError
 from qtool.formats.detect import refuse_quantized
 from qtool.io.atomic import preflight, write_file
-from qtool.io.checkpoint import open_checkpoint
-from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
 from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
@@ -220,14 +218,12 @@ def _requantize(
     src: Path, names: list[str], options: QuantizeOptions
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(x, x_hat) of a few tensors, quantized again exactly as the run did."""
-    files: dict[str, Path] = {}
-    if is_sharded(src):
-        index = load_index(src)
-        files = {n: index.directory / index.weight_map[n] for n in names}
+    source = open_source(src)  # a file, a sharded checkpoint or a model directory
     out = {}
     for name in names:
-        path = files.get(name, src)
-        ckpt = open_checkpoint(path)
+        path = source.shard_holding(name)
+        assert path is not None  # the run's own rows name its tensors
+        ckpt = source.checkpoint(path)
         try:
             entry = ckpt.by_name()[name]
             spec = plan_tensors(path, (entry,), options)[0].spec
@@ -256,9 +252,13 @@ def plot_tensor(
     protected = protected_paths([checkpoint])
     preflight([path], protected, force=force)
     plt = _pyplot()
-    ckpt = open_checkpoint(checkpoint)
+    source = open_source(checkpoint)  # refuses an already quantized checkpoint
+    shard = source.shard_holding(tensor)
+    if shard is None:
+        raise QtoolError(checkpoint, "no such tensor; list them with qtool inspect", tensor)
+    ckpt = source.checkpoint(shard)
     try:
-        refuse_quantized(checkpoint, ckpt.metadata, [e.name for e in ckpt.entries])
+        refuse_quantized(shard, ckpt.metadata, [e.name for e in ckpt.entries])
         entry = ckpt.by_name().get(tensor)
         if entry is None:
             raise QtoolError(checkpoint, "no such tensor; list them with qtool inspect", tensor)

@@ -10,8 +10,8 @@ import torch
 
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import NumericError, SidecarError
-from qtool.formats.dense import DenseReader
-from qtool.formats.qtool import (
+from qtool.formats.dense.reader import DenseReader
+from qtool.formats.qtool.manifest import (
     BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
@@ -115,6 +115,10 @@ class QtoolReader(DenseReader):
                 hint="restore-dtype",
             )
         return out
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return [self.sidecar_path]
 
     def close(self) -> None:
         super().close()

@@ -6,7 +6,7 @@ fused experts are not Linear layers and stay float; the output head (`lm_head`, 
 the input embeddings) and MoE routers/gates are Linear layers kept float by default, and every
 Linear kept float goes into `ignore` by its exact module name. Also here: the group-size checks
 and fallback, the fused-set check, and the tensors each quantized Linear becomes (for dry runs
-and the index). ct_config writes the quantization_config; ct_read and ct_tensors read.
+and the index). config.py writes the quantization_config; codec.py encodes the tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from qtool.errors import InputError
 from qtool.formats.base import Ruled
 from qtool.io.stformat import TensorEntry
 from qtool.spec import (
+    FormatName,
     GroupFallback,
     PerChannel,
     PerGroup,
@@ -30,7 +31,7 @@ from qtool.spec import (
     matrix_shape,
 )
 
-FORMAT = "compressed-tensors"
+FORMAT = FormatName.COMPRESSED_TENSORS.value
 PACK_QUANTIZED = "pack-quantized"
 SUPPORTED_DTYPES = (StorageDtype.INT8, StorageDtype.INT4)
 """compressed-tensors stores signed codes and zero points; qtool's uint8/uint4 are refused."""

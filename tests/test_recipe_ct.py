@@ -260,7 +260,7 @@ def test_align_fused_follows_a_sibling_a_rule_fixed() -> None:
     ]
     aligned = align_fused(plans, key)
     assert [p.spec for p in aligned] == [g32, g32]
-    assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].note
+    assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].decision.note
 
 
 def test_an_aligned_decision_says_why_and_keeps_the_budgets_as_history() -> None:

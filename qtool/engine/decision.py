@@ -8,20 +8,20 @@ Each planning pass (engine/plan.py lists them in order) may give a tensor a new 
 decision it replaces stays as `superseded`, so a table can say "budget chose int4 g128; aligned
 with its fused siblings". A pass that leaves the action as it was leaves the decision as it was.
 No pass edits a decision or flips a flag on it; everything a report or a format asks of a plan
-(TensorPlan) is read from its decision. Torch-free.
+(TensorPlan) is read from its decision (`report()` gives the reports' DecidedBy). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qtool.dtypes import DTYPE_BITS
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Keep as Keep  # the decision's keep: a rule's, or any pass's
 from qtool.recipe.rules import Rule, RuleKind
-from qtool.results import Trial
+from qtool.results import DecidedBy, RuleRef, Trial
 from qtool.spec import QSpec, RangeMethod, packed_shape, qparam_shape, spec_label
 
 # -- actions: Keep(reason) (a recipe rule's keep is the same value), or Quantize -----------
@@ -72,6 +72,21 @@ class Selection:
         where = f" ({self.rule.file}: line {self.rule.line})" if self.rule.file else ""
         return self.rule.describe() + where
 
+    def step(self, base: DecidedBy) -> DecidedBy:
+        rule = self.rule
+        if rule is None:
+            return replace(base, origin="not-included" if self.by_name else "default")
+        source = _RULE_SOURCES[rule.kind]
+        ref = RuleRef(source, rule.number, rule.pattern, rule.file, rule.line)
+        return replace(base, origin=source, rule=ref)
+
+
+_RULE_SOURCES = {
+    RuleKind.RECIPE: "recipe",
+    RuleKind.EXCLUDE: "exclude",
+    RuleKind.INCLUDE: "include",
+}
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -86,6 +101,9 @@ class Budget:
             return f"left to the budget ({self.target_db:g} dB)"
         return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
 
+    def step(self, base: DecidedBy) -> DecidedBy:
+        return replace(base, origin="budget", target_sqnr_db=self.target_db, trials=self.trials)
+
 
 @dataclass(frozen=True)
 class FusedSiblings:
@@ -95,6 +113,9 @@ class FusedSiblings:
 
     def describe(self) -> str:
         return f"aligned with its fused siblings {self.key}"
+
+    def step(self, base: DecidedBy) -> DecidedBy:
+        return replace(base, origin="fused-siblings", fused=self.key)
 
 
 @dataclass(frozen=True)
@@ -106,6 +127,9 @@ class FormatConstraint:
     def describe(self) -> str:
         return f"{self.format} format"
 
+    def step(self, base: DecidedBy) -> DecidedBy:
+        return replace(base, origin="format", format=self.format)
+
 
 @dataclass(frozen=True)
 class NonFiniteGuard:
@@ -115,6 +139,9 @@ class NonFiniteGuard:
 
     def describe(self) -> str:
         return f"{self.count} NaN/Inf values (--keep-nonfinite)"
+
+    def step(self, base: DecidedBy) -> DecidedBy:
+        return replace(base, origin="keep-nonfinite", nonfinite=self.count)
 
 
 Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard
@@ -173,58 +200,61 @@ class Decision:
         steps = reversed(list(self.history))
         return "; ".join(f"{d.origin.describe()}: {_label(d.action)}" for d in steps)
 
+    def report(self) -> DecidedBy:
+        """The decision as reports show it: this one, with the ones it superseded (oldest
+        first) as its history."""
+        earlier = [d._step() for d in self.history][1:]
+        return replace(self._step(), history=tuple(reversed(earlier)))
 
-def _label(action: Action) -> str:
-    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
+    def _step(self) -> DecidedBy:
+        if isinstance(self.action, Quantize):
+            base = DecidedBy("quantize", "", self.action.spec, self.action.note)
+        else:
+            base = DecidedBy("keep", "", None, self.action.reason)
+        return self.origin.step(base)
 
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor and its decision. Everything else is read from the decision: the spec, the
-    reason it is kept, how it is stored (the formats read plans through formats.base.Ruled)."""
-
-    entry: TensorEntry
-    decision: Decision
+    # -- what the reports and the formats read of it (formats.base.Ruling) ----------------
 
     @property
     def spec(self) -> QSpec | None:
-        action = self.decision.action
-        return action.spec if isinstance(action, Quantize) else None
+        """The spec it is quantized with (None: kept)."""
+        return self.action.spec if isinstance(self.action, Quantize) else None
 
     @property
     def reason(self) -> str:
         """Why it is kept ("" when quantized)."""
-        action = self.decision.action
-        return action.reason if isinstance(action, Keep) else ""
+        return self.action.reason if isinstance(self.action, Keep) else ""
 
     @property
     def note(self) -> str:
-        action = self.decision.action
-        return action.note if isinstance(action, Quantize) else ""
+        """How the spec was adapted to the tensor or why it was chosen ("" when kept)."""
+        return self.action.note if isinstance(self.action, Quantize) else ""
 
     @property
     def asked(self) -> QSpec | None:
-        action = self.decision.action
-        return action.asked if isinstance(action, Quantize) else None
+        """The spec before it was fitted to the tensor (None: as `spec`, or kept)."""
+        return self.action.asked if isinstance(self.action, Quantize) else None
 
     @property
-    def budget(self) -> bool:
-        return self.decision.budget
+    def stored(self) -> Stored | None:
+        return self.action.stored if isinstance(self.action, Quantize) else None
 
     @property
-    def by_rule(self) -> bool:
-        return self.decision.selection.by_name
+    def by_name(self) -> bool:
+        """A rule decided by name (an --exclude, a recipe rule or an --include, or --include
+        matching nothing); False for the default selection."""
+        return self.selection.by_name
 
     @property
-    def rule(self) -> str:
+    def rule_label(self) -> str:
         """The rule that decided, as tables name it ("rule 3 'mlp.*'"; "" without a recipe)."""
-        selection = self.decision.selection
+        selection = self.selection
         return selection.rule.describe() if selection.labelled and selection.rule else ""
 
     @property
     def rule_origin(self) -> str:
         """Where a recipe rule is written ("llm.toml: line 12: "; "" for others)."""
-        rule = self.decision.selection.rule
+        rule = self.selection.rule
         if rule is None or rule.kind is not RuleKind.RECIPE:
             return ""
         return f"{rule.file}: line {rule.line}: "
@@ -234,27 +264,39 @@ class TensorPlan:
         """A recipe rule or the error budget chose the spec, not the command line."""
         if self.spec is None:
             return False
-        rule = self.decision.selection.rule
+        rule = self.selection.rule
         by_recipe = rule is not None and rule.kind is RuleKind.RECIPE
-        return by_recipe or any(isinstance(d.origin, Budget) for d in self.decision.history)
+        return by_recipe or any(isinstance(d.origin, Budget) for d in self.history)
+
+
+def _label(action: Action) -> str:
+    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor and its decision; what it is and why is read from the decision (the formats
+    read it through formats.base.Ruled), how many bytes it takes from both."""
+
+    entry: TensorEntry
+    decision: Decision
 
     @property
-    def stored(self) -> Stored | None:
-        action = self.decision.action
-        return action.stored if isinstance(action, Quantize) else None
+    def spec(self) -> QSpec | None:
+        return self.decision.spec
 
     @property
     def out_dtype(self) -> str:
-        return stored_dtype(self.entry, self.spec, self.stored)
+        return stored_dtype(self.entry, self.spec, self.decision.stored)
 
     @property
     def out_nbytes(self) -> int:
         """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
-        return stored_nbytes(self.entry, self.spec, self.stored)
+        return stored_nbytes(self.entry, self.spec, self.decision.stored)
 
     @property
     def qparam_nbytes(self) -> int:
-        return qparam_nbytes(self.entry, self.spec, self.stored)
+        return qparam_nbytes(self.entry, self.spec, self.decision.stored)
 
 
 def stored_dtype(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> str:

@@ -38,8 +38,8 @@ class Planned(Protocol):
     def spec(self) -> QSpec | None: ...
 
 
-class Ruled(Planned, Protocol):
-    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+class Ruling(Protocol):
+    """A tensor's decision as a format reads it (engine/decision.py's Decision)."""
 
     @property
     def reason(self) -> str:
@@ -50,22 +50,29 @@ class Ruled(Planned, Protocol):
         """How the spec was adapted to this tensor ("" when it was not)."""
 
     @property
-    def rule(self) -> str:
-        """The recipe rule that decided, for messages ("" without a recipe)."""
-
-    @property
-    def rule_origin(self) -> str:
-        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
-
-    @property
     def asked(self) -> QSpec | None:
         """The spec before qtool fitted it to the tensor (a group longer than a row is per
         channel for qtool; a format may refuse it instead); None: as `spec`."""
 
     @property
-    def by_rule(self) -> bool:
+    def by_name(self) -> bool:
         """True when a rule decided by name (an --exclude, a recipe rule or an --include, or
         --include matching nothing); False for the default selection."""
+
+    @property
+    def rule_label(self) -> str:
+        """The recipe run's rule that decided, for messages ("" without a recipe)."""
+
+    @property
+    def rule_origin(self) -> str:
+        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
+
+
+class Ruled(Planned, Protocol):
+    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+
+    @property
+    def decision(self) -> Ruling: ...
 
 
 class ShardWriter(Protocol):

@@ -15,6 +15,7 @@ from qtool.gates import GateResult
 from qtool.results import (
     CompareRow,
     CompareSummary,
+    DecidedBy,
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
@@ -106,12 +107,41 @@ def spec_json(spec: QSpec) -> dict[str, Any]:
     return {"label": spec.describe(), **spec.to_json()}
 
 
+def decided_json(d: DecidedBy, history: bool = True) -> dict[str, Any]:
+    """A tensor's decision: its action, origin and the origin's facts, then (`history`) the
+    decisions it superseded, oldest first."""
+    out: dict[str, Any] = {"action": d.action, "origin": d.origin}
+    if d.spec is not None:
+        out["spec"] = d.spec.describe()
+    if d.reason:
+        out["reason"] = d.reason
+    if d.rule is not None:
+        r = d.rule
+        out["rule"] = {"source": r.source, "number": r.number, "pattern": r.pattern}
+        if r.file is not None:
+            out["rule"] |= {"file": r.file, "line": r.line}
+    if d.target_sqnr_db is not None:
+        out["target_sqnr_db"] = json_number(d.target_sqnr_db)
+    if d.trials:
+        out["trials"] = [
+            {"spec": t.spec.describe(), "sqnr_db": json_number(t.sqnr_db), "bytes": t.nbytes}
+            for t in d.trials
+        ]
+    for key, value in (("fused", d.fused), ("format", d.format), ("nonfinite", d.nonfinite)):
+        if value is not None:
+            out[key] = value
+    if history:
+        out["history"] = [decided_json(h, history=False) for h in d.history]
+    return out
+
+
 def quantize_json(
     summary: QuantizeSummary,
     rows: list[QuantizeRow] | None = None,
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
     specs: dict[QSpec, dict[str, Any]] = {}
+    decisions: dict[DecidedBy, dict[str, Any]] = {}  # shared by rows decided alike
     tensors = []
     for r in summary.rows if rows is None else rows:
         item: dict[str, Any] = {
@@ -129,6 +159,8 @@ def quantize_json(
             item["spec"] = specs.get(r.spec) or specs.setdefault(r.spec, spec_json(r.spec))
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
+        if (d := r.decided_by) is not None:
+            item["decided_by"] = decisions.get(d) or decisions.setdefault(d, decided_json(d))
         tensors.append(item)
     quantized = summary.quantized
     return {

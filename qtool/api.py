@@ -1,8 +1,9 @@
 """The one entry point the CLI and tests call: plan, quantize, dequantize, compare, inspect, plot.
 
-The engine runs single files and sharded checkpoints through one loop (a file is a one-shard
-source). Engine modules that import torch are imported inside the functions:
-`qtool --help`, `inspect` and header-only dry runs never pay for torch.
+The engine runs single files, sharded checkpoints and model directories through one loop (a
+file is a one-shard source); formats/detect.py says what a path holds, for every command.
+Engine modules that import torch are imported inside the functions: `qtool --help`, `inspect`
+and header-only dry runs never pay for torch.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def quantize(
     also: Sequence[Path] = (),
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, a sharded checkpoint (its index file or directory) or a
-    model directory; `mode` plan (from headers alone, torch-free for safetensors) or estimate
-    (the figures, nothing written) for a dry run. `also`: files the caller writes afterwards
+    model directory (a directory in gives a directory out, in every format); `mode` plan
+    (from headers alone, torch-free for safetensors) or estimate (the figures, nothing
+    written) for a dry run. `also`: files the caller writes afterwards
     (a plot), checked with the run's outputs."""
     from qtool.engine.job import Mode, RunOptions
     from qtool.engine.run import quantize as run
@@ -84,7 +86,9 @@ def dequantize(
     dtype: str = "original",
     force: bool = False,
 ) -> DequantizeSummary:
-    """Dequantize a quantized file, or a quantized sharded checkpoint."""
+    """Dequantize a qtool-quantized file (a file out), or a directory of them or a
+    compressed-tensors model directory (a float model directory out, or one file when `out`
+    names a .safetensors/.pt file)."""
     from qtool.engine import restore
 
     return restore.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)

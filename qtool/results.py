@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qtool.spec import QSpec
+from qtool.spec import FormatName, QSpec
 
 
 class Progress(Protocol):
@@ -231,7 +231,7 @@ class QuantizeSummary:
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
     # --target-sqnr: the output size with the budget's tensors all int8 / all float
     budget_sizes: tuple[int, int] | None = None
-    format: str = "qtool"
+    format: str = FormatName.QTOOL.value
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property

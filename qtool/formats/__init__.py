@@ -1,10 +1,12 @@
-"""On-disk formats, one package per format behind one protocol (base.py), registered by name
-(registry.py) and recognised by `detect` (detect.py, one priority order for every command):
+"""On-disk formats, one package per format behind one protocol (base.py):
 
-  qtool/               codes + qparams sidecar (qtool's own)
+  qtool/               codes + a qparams sidecar (qtool's own)
   compressed_tensors/  Hugging Face model directories transformers and vLLM load
   dense/               plain float checkpoints (read; what dequantize writes)
 
-The engine imports only base, detect, registry and listing-free protocols from here; a new
-format is a package that registers itself and a line in builtins.py.
+Each package registers itself on import (registry.py: by name, what it reads, inspects and
+writes) with its detectors (detect.py: `detect(path)`, one priority order for every command);
+builtins.py lists the packages. The engine imports only base, detect and registry from here (an
+import-linter contract holds it), so a new format (GGUF) is a package and a line in builtins.py.
+listing.py holds what the formats' `inspect` share.
 """

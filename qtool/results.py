@@ -122,13 +122,13 @@ class DecidedBy:
     origin: str
     spec: QSpec | None = None
     reason: str = ""
+    history: tuple[DecidedBy, ...] = ()
     rule: RuleRef | None = None
     target_sqnr_db: float | None = None
     trials: tuple[Trial, ...] = ()
     fused: str | None = None
     format: str | None = None
     nonfinite: int | None = None
-    history: tuple[DecidedBy, ...] = ()
 
 
 class Row(Protocol):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from qtool import api
 from qtool.api import QuantizeOptions
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError, OutputError, UsageError
 from qtool.formats.detect import detect
 from qtool.formats.registry import open_reader
 from qtool.spec import FormatName, PerGroup, QSpec, StorageDtype
@@ -156,6 +156,11 @@ def test_dequantize_gives_back_a_model_directory_or_one_file(model: Path, tmp_pa
         reader.close()
     api.dequantize(tmp_path / "q", tmp_path / "one.safetensors")
     assert load_file(tmp_path / "one.safetensors").keys() == restored.keys()
+    for inside in (tmp_path / "q" / "one.safetensors", tmp_path / "q"):  # never in the input
+        with pytest.raises(OutputError, match="input directory"):
+            api.dequantize(tmp_path / "q", inside, force=True)
+    assert _files(tmp_path / "q") == _files(out)[:3] + ["model.qparams.safetensors",
+                                                        "model.safetensors"]  # fmt: skip
 
 
 def test_dequantize_a_sharded_compressed_tensors_directory_mirrors_its_shards(

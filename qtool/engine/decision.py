@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from qtool.dtypes import DTYPE_BITS
 from qtool.io.stformat import TensorEntry
@@ -51,6 +51,26 @@ class Quantize:
 Action = Keep | Quantize
 
 
+@dataclass(frozen=True)
+class Step:
+    """An action as reports show it, before its origin adds what decided it."""
+
+    action: str
+    spec: QSpec | None
+    reason: str
+    history: tuple[DecidedBy, ...] = ()
+
+    @classmethod
+    def of(cls, action: Action, history: tuple[DecidedBy, ...]) -> Step:
+        if isinstance(action, Quantize):
+            return cls("quantize", action.spec, action.note, history)
+        return cls("keep", None, action.reason, history)
+
+    def head(self, origin: str) -> tuple[str, str, QSpec | None, str]:
+        """DecidedBy's first fields: action, origin, spec, reason."""
+        return self.action, origin, self.spec, self.reason
+
+
 # -- origins -----------------------------------------------------------------------------
 
 
@@ -72,13 +92,13 @@ class Selection:
         where = f" ({self.rule.file}: line {self.rule.line})" if self.rule.file else ""
         return self.rule.describe() + where
 
-    def step(self, base: DecidedBy) -> DecidedBy:
+    def step(self, act: Step) -> DecidedBy:
         rule = self.rule
         if rule is None:
-            return replace(base, origin="not-included" if self.by_name else "default")
+            return DecidedBy(*act.head("not-included" if self.by_name else "default"), act.history)
         source = _RULE_SOURCES[rule.kind]
         ref = RuleRef(source, rule.number, rule.pattern, rule.file, rule.line)
-        return replace(base, origin=source, rule=ref)
+        return DecidedBy(*act.head(source), act.history, rule=ref)
 
 
 _RULE_SOURCES = {
@@ -101,8 +121,9 @@ class Budget:
             return f"left to the budget ({self.target_db:g} dB)"
         return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
 
-    def step(self, base: DecidedBy) -> DecidedBy:
-        return replace(base, origin="budget", target_sqnr_db=self.target_db, trials=self.trials)
+    def step(self, act: Step) -> DecidedBy:
+        head = act.head("budget")
+        return DecidedBy(*head, act.history, target_sqnr_db=self.target_db, trials=self.trials)
 
 
 @dataclass(frozen=True)
@@ -114,8 +135,8 @@ class FusedSiblings:
     def describe(self) -> str:
         return f"aligned with its fused siblings {self.key}"
 
-    def step(self, base: DecidedBy) -> DecidedBy:
-        return replace(base, origin="fused-siblings", fused=self.key)
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("fused-siblings"), act.history, fused=self.key)
 
 
 @dataclass(frozen=True)
@@ -127,8 +148,8 @@ class FormatConstraint:
     def describe(self) -> str:
         return f"{self.format} format"
 
-    def step(self, base: DecidedBy) -> DecidedBy:
-        return replace(base, origin="format", format=self.format)
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("format"), act.history, format=self.format)
 
 
 @dataclass(frozen=True)
@@ -140,8 +161,8 @@ class NonFiniteGuard:
     def describe(self) -> str:
         return f"{self.count} NaN/Inf values (--keep-nonfinite)"
 
-    def step(self, base: DecidedBy) -> DecidedBy:
-        return replace(base, origin="keep-nonfinite", nonfinite=self.count)
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("keep-nonfinite"), act.history, nonfinite=self.count)
 
 
 Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard
@@ -202,16 +223,13 @@ class Decision:
 
     def report(self) -> DecidedBy:
         """The decision as reports show it: this one, with the ones it superseded (oldest
-        first) as its history."""
-        earlier = [d._step() for d in self.history][1:]
-        return replace(self._step(), history=tuple(reversed(earlier)))
+        first) as its history (built with constructors only: 50,000 rows ask)."""
+        earlier = () if self.superseded is None else tuple(self.superseded._oldest_first())
+        return self.origin.step(Step.of(self.action, earlier))
 
-    def _step(self) -> DecidedBy:
-        if isinstance(self.action, Quantize):
-            base = DecidedBy("quantize", "", self.action.spec, self.action.note)
-        else:
-            base = DecidedBy("keep", "", None, self.action.reason)
-        return self.origin.step(base)
+    def _oldest_first(self) -> list[DecidedBy]:
+        steps = [] if self.superseded is None else self.superseded._oldest_first()
+        return [*steps, self.origin.step(Step.of(self.action, ()))]
 
     # -- what the reports and the formats read of it (formats.base.Ruling) ----------------
 

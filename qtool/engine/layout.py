@@ -32,7 +32,7 @@ from qtool.io.atomic import (
     remove_stale_temps,
 )
 from qtool.io.index import ShardedInput
-from qtool.io.outdir import DirTransaction, check_out_dir
+from qtool.io.outdir import DirTransaction, check_out_dir, refuse_nesting
 from qtool.io.safeopen import InputDir
 
 SINGLE_SHARD_NAME = "model.safetensors"
@@ -116,6 +116,9 @@ def prepared(
     protected = [*source.protected, *protect]
     files = [f for out in target.shard_outputs for f in layout(out)]
     if target.directory is None:
+        if source.directory is not None:  # one file out of a directory: never inside it
+            for f in files:
+                refuse_nesting(f, [source.directory])
         preflight([*files, *also], protected, force=force, needed_bytes=needed_bytes)
         scratch = files[0].parent
         yield Placement(target, scratch, stale=remove_stale_temps(scratch))

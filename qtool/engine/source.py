@@ -65,6 +65,8 @@ class Source:
 
     def header(self, shard: Path) -> Header:
         """The shard's validated header (HeaderError when it is not valid safetensors)."""
+        if self.found.header is not None and shard == self.found.path:
+            return self.found.header  # detect read it already
         if self.within is None:
             return read_header(shard)
         with self.within.open(shard.name) as f:

@@ -61,6 +61,9 @@ class Detected:
     index: ShardedInput | None = field(default=None, repr=False)
     within: InputDir | None = field(default=None, repr=False, compare=False)
     config: object = field(default=None, repr=False, compare=False)
+    header: Header | None = field(default=None, repr=False, compare=False)
+    """A lone safetensors file's header, as detect read it (a 50,000-tensor header costs a
+    second to parse: the planner takes it from here)."""
 
     @property
     def named(self) -> Path:
@@ -166,7 +169,9 @@ class Probe:
 
     def as_file(self, kind: str, fmt: str, description: str, *, quantized: bool) -> Detected:
         """The path as a lone file."""
-        return Detected(self.path, kind, fmt, description, quantized, (self.path,))
+        return Detected(
+            self.path, kind, fmt, description, quantized, (self.path,), header=self.header
+        )
 
     def as_directory(
         self,

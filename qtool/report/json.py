@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from qtool.gates import GateResult
@@ -107,12 +108,14 @@ def spec_json(spec: QSpec) -> dict[str, Any]:
     return {"label": spec.describe(), **spec.to_json()}
 
 
-def decided_json(d: DecidedBy, history: bool = True) -> dict[str, Any]:
+def decided_json(
+    d: DecidedBy, label: Callable[[QSpec], str] = QSpec.describe, history: bool = True
+) -> dict[str, Any]:
     """A tensor's decision: its action, origin and the origin's facts, then (`history`) the
-    decisions it superseded, oldest first."""
+    decisions it superseded, oldest first; `label` names a spec."""
     out: dict[str, Any] = {"action": d.action, "origin": d.origin}
     if d.spec is not None:
-        out["spec"] = d.spec.describe()
+        out["spec"] = label(d.spec)
     if d.reason:
         out["reason"] = d.reason
     if d.rule is not None:
@@ -124,14 +127,14 @@ def decided_json(d: DecidedBy, history: bool = True) -> dict[str, Any]:
         out["target_sqnr_db"] = json_number(d.target_sqnr_db)
     if d.trials:
         out["trials"] = [
-            {"spec": t.spec.describe(), "sqnr_db": json_number(t.sqnr_db), "bytes": t.nbytes}
+            {"spec": label(t.spec), "sqnr_db": json_number(t.sqnr_db), "bytes": t.nbytes}
             for t in d.trials
         ]
     for key, value in (("fused", d.fused), ("format", d.format), ("nonfinite", d.nonfinite)):
         if value is not None:
             out[key] = value
     if history:
-        out["history"] = [decided_json(h, history=False) for h in d.history]
+        out["history"] = [decided_json(h, label, history=False) for h in d.history]
     return out
 
 
@@ -141,7 +144,11 @@ def quantize_json(
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
     specs: dict[QSpec, dict[str, Any]] = {}
-    decisions: dict[DecidedBy, dict[str, Any]] = {}  # shared by rows decided alike
+    labels: dict[QSpec, str] = {}
+
+    def label(spec: QSpec) -> str:
+        return labels.get(spec) or labels.setdefault(spec, spec.describe())
+
     tensors = []
     for r in summary.rows if rows is None else rows:
         item: dict[str, Any] = {
@@ -159,8 +166,8 @@ def quantize_json(
             item["spec"] = specs.get(r.spec) or specs.setdefault(r.spec, spec_json(r.spec))
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
-        if (d := r.decided_by) is not None:
-            item["decided_by"] = decisions.get(d) or decisions.setdefault(d, decided_json(d))
+        if r.decided_by is not None:
+            item["decided_by"] = decided_json(r.decided_by, label)
         tensors.append(item)
     quantized = summary.quantized
     return {

@@ -21,13 +21,12 @@ from qtool.engine.decision import (
     Keep,
     Quantize,
     TensorPlan,
-    qparam_nbytes,
-    stored_nbytes,
 )
 from qtool.engine.job import Job
 from qtool.engine.loop import Kernels, quantize_one
 from qtool.engine.plan import ModelPlan, QuantizeOptions, plan_data
 from qtool.engine.shards import Shards
+from qtool.engine.sizes import qparam_nbytes, stored_nbytes
 from qtool.engine.spill import Spill
 from qtool.formats.base import OutputFormat
 from qtool.io.checkpoint import Checkpoint

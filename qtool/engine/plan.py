@@ -34,9 +34,9 @@ from qtool.engine.decision import (
     Keep,
     Quantize,
     Selection,
-    Stored,
     TensorPlan,
 )
+from qtool.engine.sizes import Stored
 from qtool.errors import InputError
 from qtool.formats.base import Choice, OutputFormat
 from qtool.io.atomic import resolve_output

@@ -193,7 +193,7 @@ def _sidecar_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], N
 
 def _keep_digest(d: Path, q: Path) -> None:
     """Re-bind q to its (edited) sidecar so that only the edit itself is under test."""
-    from qtool.formats.qtool import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
+    from qtool.formats.qtool.manifest import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
     from qtool.io.stformat import read_header
 
     side = d / "q.qparams.safetensors"
@@ -639,7 +639,7 @@ CASES: list[Case] = [
     Case(
         "O07-sharded-output-hardlinks-input",
         _sharded_setup("shard-hardlink-force"),
-        "would overwrite the input",
+        "is not a qtool export",
     ),  # fmt: skip
     Case("I08-shard-symlink-out", _sharded_setup("shard-link-out"), "outside the checkpoint"),
     Case("I08-index-symlink-out", _sharded_setup("index-link-out"), "outside the checkpoint"),

@@ -105,14 +105,7 @@ def test_help_says_which_inputs_a_command_takes(
     assert all(kind in text for kind in kinds), (command, text)
 
 
-# Each command on each kind of input its help names. The plain model directory (config.json
-# beside one weights file) is named by every command but quantize/compare/inspect accept it only
-# once the struct helper's model-directory work is merged: strict xfail until then.
-MODEL_DIR_PENDING = pytest.mark.xfail(
-    strict=True, reason="plain model directories: the struct helper's change (issue 19 item 2)"
-)
-
-
+# Each command on each kind of input its help names.
 @pytest.mark.parametrize(
     ("command", "input_kind"),
     [
@@ -120,7 +113,7 @@ MODEL_DIR_PENDING = pytest.mark.xfail(
         ("quantize", "pt"),
         ("quantize", "sharded-dir"),
         ("quantize", "sharded-index"),
-        pytest.param("quantize", "model-dir", marks=MODEL_DIR_PENDING),
+        ("quantize", "model-dir"),
         ("dequantize", "qtool"),
         ("dequantize", "qtool-sharded"),
         ("dequantize", "ct-dir"),
@@ -129,13 +122,13 @@ MODEL_DIR_PENDING = pytest.mark.xfail(
         ("compare", "qtool"),
         ("compare", "sharded-dir"),
         ("compare", "ct-dir"),
-        pytest.param("compare", "model-dir", marks=MODEL_DIR_PENDING),
+        ("compare", "model-dir"),
         ("inspect", "safetensors"),
         ("inspect", "qtool"),
         ("inspect", "sidecar"),
         ("inspect", "sharded-dir"),
         ("inspect", "ct-dir"),
-        pytest.param("inspect", "model-dir", marks=MODEL_DIR_PENDING),
+        ("inspect", "model-dir"),
         ("plot", "safetensors"),
         ("plot", "pt"),
     ],

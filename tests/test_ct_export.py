@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qtool.formats import open_reader
-from qtool.formats.ct_tensors import encode_weight
+from qtool.formats.compressed_tensors.codec import encode_weight
+from qtool.formats.registry import open_reader
 from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype
 from tests.conftest import Invoke
 

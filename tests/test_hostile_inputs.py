@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from qtool import api
 from qtool.cli import app
 from qtool.engine.plan import QuantizeOptions
-from qtool.formats.qtool import SIDECAR_KEY, sidecar_path
+from qtool.formats.qtool.manifest import SIDECAR_KEY, sidecar_path
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.stformat import read_header
 

@@ -23,12 +23,10 @@ from typing import Any
 import torch
 
 from qtool.engine.plan import QuantizeOptions, fitted_spec, plan_tensors
-from qtool.engine.source import protected_paths
+from qtool.engine.source import open_source, protected_paths
 from qtool.errors import InputError, QtoolError
-from qtool.formats.detect import HeaderView, quantized_format
+from qtool.formats.detect import detect
 from qtool.io.atomic import preflight, write_file
-from qtool.io.checkpoint import open_checkpoint
-from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
 from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
@@ -236,14 +234,12 @@ def _requantize(
     src: Path, names: list[str], options: QuantizeOptions
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(x, x_hat) of a few tensors, quantized again exactly as the run did."""
-    files: dict[str, Path] = {}
-    if is_sharded(src):
-        index = load_index(src)
-        files = {n: index.directory / index.weight_map[n] for n in names}
+    source = open_source(src)  # a file, a sharded checkpoint or a model directory
     out = {}
     for name in names:
-        path = files.get(name, src)
-        ckpt = open_checkpoint(path)
+        path = source.shard_holding(name)
+        assert path is not None  # the run's own rows name its tensors
+        ckpt = source.checkpoint(path)
         try:
             entry = ckpt.by_name()[name]
             spec = plan_tensors(path, (entry,), options)[0].spec
@@ -260,15 +256,15 @@ def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
     return kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
 
 
-def _refuse_quantized(path: Path, metadata: dict[str, str] | None, names: list[str]) -> None:
+def _refuse_quantized(path: Path) -> None:
     """plot quantizes a float tensor: a quantized file holds codes, not the values to draw."""
-    found = quantized_format(HeaderView(path, metadata or {}, names))
-    if found is not None:
+    found = detect(path)
+    if found.quantized:
         raise InputError(
             path,
-            f"is {found}, not a float checkpoint: plot draws a float tensor quantized; give the "
-            "original float checkpoint (or `qtool compare ORIGINAL QUANTIZED --plot FILE.png` "
-            "for the errors of this one)",
+            f"is {found.description}, not a float checkpoint: plot draws a float tensor "
+            "quantized; give the original float checkpoint (or `qtool compare ORIGINAL "
+            "QUANTIZED --plot FILE.png` for the errors of this one)",
         )
 
 
@@ -292,9 +288,15 @@ def plot_tensor(
     protected = protected_paths([checkpoint])
     preflight([path], protected, force=force)
     plt = _pyplot()
-    ckpt = open_checkpoint(checkpoint)
+    _refuse_quantized(checkpoint)
+    source = open_source(checkpoint)
+    shard = source.shard_holding(tensor)
+    if shard is None:
+        assert source.index is not None  # a lone file holds every name it is asked for
+        names = source.index.weight_map
+        raise QtoolError(checkpoint, _no_such_tensor(tensor, names), tensor)
+    ckpt = source.checkpoint(shard)
     try:
-        _refuse_quantized(checkpoint, ckpt.metadata, [e.name for e in ckpt.entries])
         entry = ckpt.by_name().get(tensor)
         if entry is None:
             raise QtoolError(checkpoint, _no_such_tensor(tensor, ckpt.by_name()), tensor)

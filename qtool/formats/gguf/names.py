@@ -208,6 +208,16 @@ class HFView:
     def stored_dtype(self, name: str) -> str:
         return self.reader.stored_dtype(self._gguf[name])
 
+    def file_of(self, name: str) -> Path:
+        return self.reader.path
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return []
+
+    def restored_files(self) -> dict[str, bytes]:
+        return {}
+
     def release(self, name: str) -> None:
         self.reader.release(self._gguf[name])
 

@@ -102,6 +102,16 @@ class GGUFFloatReader:
         """The GGUF type name ('Q4_K'; 'F16', 'BF16', 'F32' as safetensors spells them too)."""
         return self._infos[name].type.name
 
+    def file_of(self, name: str) -> Path:
+        return self.path
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return []
+
+    def restored_files(self) -> dict[str, bytes]:
+        return {}
+
     def release(self, name: str) -> None:
         """Nothing to drop: tensors are read into buffers of their own."""
 

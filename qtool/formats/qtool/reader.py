@@ -10,9 +10,9 @@ import torch
 
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import InputError, NumericError, SidecarError
-from qtool.formats.dense import DenseReader
+from qtool.formats.dense.reader import DenseReader
 from qtool.formats.detect import HeaderView, quantized_format
-from qtool.formats.qtool import (
+from qtool.formats.qtool.manifest import (
     BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
@@ -133,6 +133,10 @@ class QtoolReader(DenseReader):
                 hint="restore-dtype",
             )
         return out
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return [self.sidecar_path]
 
     def close(self) -> None:
         super().close()

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.formats.compressed_tensors import check_spec
-from qtool.formats.ct_read import COMPONENTS, NAIVE_FORMATS, CtArgs, CtModule, packed_words
+from qtool.formats.compressed_tensors.config import NAIVE_FORMATS, CtArgs
+from qtool.formats.compressed_tensors.schemes import COMPONENTS, CtModule, packed_words
+from qtool.formats.compressed_tensors.selection import check_spec
 from qtool.numerics import kernels
 from qtool.numerics.packing import pack_to_int32, unpack_nibbles
 from qtool.spec import PerGroup, PerTensor, QSpec, Scheme

@@ -22,6 +22,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
+from qtool.numerics.quantize import quantize_tensor
 from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeRow
@@ -141,7 +142,7 @@ def quantize_one(
     x = ckpt.tensor(plan.entry).to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+        return quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
     except NonFiniteInput as err:
         if err.count == 0:  # finite float64 values whose float32 range overflows
             raise NumericError(

@@ -410,6 +410,9 @@ def print_inspect(summary: InspectSummary) -> None:
     table.add_column("bytes", justify="right", no_wrap=True)
     if quantized:
         table.add_column("quantization", overflow="fold")
+    by_type = summary.type_totals is not None
+    if by_type:
+        table.add_column("bits/w", justify="right", no_wrap=True)
     for r in summary.rows:
         cells: list[str | Text] = [
             Text(safe(r.name)),
@@ -420,6 +423,8 @@ def print_inspect(summary: InspectSummary) -> None:
         ]
         if quantized:
             cells.append(_qinfo_text(r.qinfo))
+        if by_type:
+            cells.append(f"{8 * r.nbytes / r.numel:.2f}" if r.numel else "-")
         table.add_row(*cells)
     lines: list[Any] = [
         Text(title),
@@ -429,6 +434,13 @@ def print_inspect(summary: InspectSummary) -> None:
             f"{_fmt_bytes(summary.total_bytes)}"
         ),
     ]
+    for t in summary.type_totals or []:
+        lines.append(
+            Text(
+                f"  {t.dtype}: {t.tensors} tensors, {t.numel:,} elements, "
+                f"{_fmt_bytes(t.nbytes)}, {t.bits_per_weight:.2f} bits/w"
+            )  # fmt: skip
+        )
     if summary.metadata:
         lines.append(Text("metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))))
     if summary.manifest:

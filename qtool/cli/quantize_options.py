@@ -23,6 +23,7 @@ from qtool.spec import (
     Scheme,
     StorageDtype,
     gguf_quantize_spec,
+    is_gguf_name,
 )
 
 MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
@@ -43,7 +44,9 @@ def dtype_value(value: str) -> str:
         return value.lower()
     try:
         spec = gguf_quantize_spec(value)
-    except ValueError:
+    except ValueError as err:
+        if is_gguf_name(value):  # a GGUF type qtool does not write (IQ2_XXS)
+            raise typer.BadParameter(str(err)) from None
         raise typer.BadParameter(
             f"'{value}' is not one of {', '.join(_INT_DTYPES)} nor a GGUF type "
             f"({', '.join(GGUF_QUANTIZE_TYPES)})"

@@ -30,15 +30,8 @@ def compare_files(a: Path, b: Path) -> CompareSummary:
     """One row per tensor name of A, then those only in B; InputError when no tensor of the two
     could be compared (unrelated files). A side whose format names tensors its own way (GGUF)
     against one that does not is read under the other's names (registry.matched)."""
-    found_a, found_b = detect(a), detect(b)
-    left = open_reader(found_a)
+    left, right, unplaced = open_pair(a, b)
     try:
-        right = open_reader(found_b)
-    except BaseException:
-        left.close()
-        raise
-    try:
-        left, right, unplaced = _matching(left, found_a, right, found_b)
         inputs = [str(left.path), str(right.path)]
         rows = _compare_readers(left, right, unplaced)
         summary = CompareSummary(inputs=inputs, rows=rows)
@@ -60,6 +53,24 @@ def _why_none(summary: CompareSummary) -> str:
         f"{only_a} tensor(s) only in A, {only_b} only in B, {other} with another shape or "
         "dtype kind; are these checkpoints of the same model?"
     )
+
+
+def open_pair(a: Path, b: Path) -> tuple[FloatReader, FloatReader, dict[str, str]]:
+    """A and B as float tensors under one naming (see _matching), and why each name without
+    a counterpart has none; the caller closes both."""
+    found_a, found_b = detect(a), detect(b)
+    left = open_reader(found_a)
+    try:
+        right = open_reader(found_b)
+    except BaseException:
+        left.close()
+        raise
+    try:
+        return _matching(left, found_a, right, found_b)
+    except BaseException:
+        left.close()
+        right.close()
+        raise
 
 
 def _matching(
@@ -90,11 +101,6 @@ def _compare_readers(
     order = left.names + [n for n in right.names if n not in in_left]
     why = unplaced or {}
     return [_compare_one(left, right, n, in_left, in_right, why.get(n)) for n in order]
-
-
-def open_tensor_source(path: Path, name: str) -> FloatReader:
-    """The checkpoint at `path` (a file or a directory, read whole) as float values."""
-    return open_reader(path)
 
 
 def _compare_one(

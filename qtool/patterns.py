@@ -2,12 +2,23 @@
 a recipe's `re:` pattern) matched with a bound, so a hostile pattern cannot hang qtool.
 
 They are matched by Python's own `re` engine, as compressed-tensors and vLLM match them (a
-non-backtracking engine would refuse the lookarounds real configs use, or read them otherwise).
-The bound: a pattern longer than MAX_PATTERN_CHARS is refused, and each match may take at most
-MATCH_LIMIT_S seconds of wall time; `re` checks for signals while it backtracks, so a SIGALRM
-timer (ITIMER_REAL) stops a catastrophic pattern (`(a+)+$`, `(.*)*x`, `(a|a)*b`) and the match
-is refused with PatternError naming the pattern. The timer works on the main thread, where
-qtool resolves every config; elsewhere only the length bound applies. Torch-free.
+non-backtracking engine would refuse the lookarounds real configs use, or read them otherwise;
+the `regex` module's `timeout=` is also a backtracking engine, with a dialect of its own).
+The bounds:
+
+- a pattern longer than MAX_PATTERN_CHARS, or one `re` cannot compile (bad syntax, nesting
+  deep enough to overflow its compiler), is refused (`compiled`);
+- each match may take at most MATCH_LIMIT_S seconds;
+- all the matches of one `bounded()` block (one file's patterns against every name of a
+  model: a config's `ignore` and `targets`, a recipe's rules) may take at most TOTAL_LIMIT_S
+  seconds together, however many patterns and names there are. Without it, 31 patterns each
+  just under the per-match limit, times the modules of a model, took minutes.
+
+On the main thread (where qtool resolves every config) a SIGALRM timer (ITIMER_REAL) stops a
+match at whichever limit comes first: `re` checks for signals while it backtracks. Elsewhere a
+match cannot be interrupted, so the limits are checked after each one. A PatternError names
+the pattern; the caller names the file. Results are remembered, so a name matched twice (a
+config resolved for inspect, then for dequantize) costs once. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,11 +28,15 @@ import functools
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import FrameType
 
 MAX_PATTERN_CHARS = 1_000
 MATCH_LIMIT_S = 0.5
+TOTAL_LIMIT_S = 5.0
+_REMEMBERED = 1 << 16  # results kept (pattern, name, full) -> bool; cleared when full
 
 
 class PatternError(ValueError):
@@ -32,7 +47,31 @@ class _Expired(Exception):
     pass
 
 
+@dataclass
+class _Budget:
+    """The time one bounded() block has spent matching, in total and per pattern."""
+
+    spent: float = 0.0
+    count: int = 0
+    by_pattern: dict[str, float] = field(default_factory=dict)
+
+    def add(self, pattern: str, seconds: float) -> None:
+        self.spent += seconds
+        self.count += 1
+        self.by_pattern[pattern] = self.by_pattern.get(pattern, 0.0) + seconds
+
+    def exhausted(self, pattern: str) -> PatternError:
+        slowest = max(self.by_pattern, key=self.by_pattern.__getitem__, default=pattern)
+        share = self.by_pattern.get(slowest, 0.0)
+        return PatternError(
+            f"regular expressions took over {TOTAL_LIMIT_S:g} s in total ({self.count:,} "
+            f"matches); {slowest!r} alone took {share:.1f} s; qtool refuses them: simplify "
+            "the patterns (anchor them, avoid repeated .* and nested repetition)"
+        )
+
+
 _state = threading.local()
+_results: dict[tuple[str, str, bool], bool] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -44,48 +83,80 @@ def compiled(pattern: str) -> re.Pattern[str]:
         )
     try:
         return re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as err:
-        raise PatternError(f"invalid regular expression {pattern!r}: {err}") from None
+    except (re.error, RecursionError, OverflowError, MemoryError) as err:
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+        raise PatternError(f"invalid regular expression: {why} (in {shown!r})") from None
 
 
 def matches(pattern: str, name: str, *, full: bool = False) -> bool:
     """re.match (or re.fullmatch) of `pattern` on `name`, bounded (see the module docstring)."""
+    key = (pattern, name, full)
+    known = _results.get(key)
+    if known is not None:
+        return known
     rx = compiled(pattern)
     with bounded():
-        armed = getattr(_state, "armed", False)
-        if armed:
-            signal.setitimer(signal.ITIMER_REAL, MATCH_LIMIT_S)
+        found = _timed_match(rx, pattern, name, full, _state.budget)
+    if len(_results) >= _REMEMBERED:
+        _results.clear()
+    _results[key] = found
+    return found
+
+
+def _timed_match(rx: re.Pattern[str], pattern: str, name: str, full: bool, budget: _Budget) -> bool:
+    left = TOTAL_LIMIT_S - budget.spent
+    if left <= 0:
+        raise budget.exhausted(pattern)
+    limit = max(min(MATCH_LIMIT_S, left), 0.001)
+    armed = getattr(_state, "armed", False)
+    started = time.perf_counter()
+    expired = False
+    try:
         try:
+            if armed:
+                signal.setitimer(signal.ITIMER_REAL, limit)
             found = rx.fullmatch(name) if full else rx.match(name)
-        except _Expired:
-            raise PatternError(
-                f"regular expression {pattern!r} took over {MATCH_LIMIT_S} s to match "
-                f"{name[:80]!r} (it backtracks catastrophically); qtool refuses it"
-            ) from None
         finally:
             if armed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Expired:  # also one delivered just after the match ended
+        found, expired = None, True
+    took = time.perf_counter() - started
+    budget.add(pattern, took)
+    if expired or took > MATCH_LIMIT_S:  # off the main thread: found out afterwards
+        if limit < MATCH_LIMIT_S or budget.spent > TOTAL_LIMIT_S:
+            raise budget.exhausted(pattern)
+        raise PatternError(
+            f"regular expression {pattern!r} took over {MATCH_LIMIT_S} s to match "
+            f"{name[:80]!r} (it backtracks catastrophically); qtool refuses it"
+        )
+    if budget.spent > TOTAL_LIMIT_S:
+        raise budget.exhausted(pattern)
     return found is not None
 
 
 @contextlib.contextmanager
 def bounded() -> Iterator[None]:
-    """Arm the match timer for the block (once, however deeply nested); a no-op off the main
-    thread."""
-    if getattr(_state, "depth", 0) or threading.current_thread() is not threading.main_thread():
-        _state.depth = getattr(_state, "depth", 0) + 1
+    """One budget for every match in the block (the outermost block, however deeply nested);
+    on the main thread, the match timer is armed for each match."""
+    depth = getattr(_state, "depth", 0)
+    if depth:
+        _state.depth = depth + 1
         try:
             yield
         finally:
             _state.depth -= 1
         return
-    previous = signal.signal(signal.SIGALRM, _expire)
-    _state.depth, _state.armed = 1, True
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGALRM, _expire) if main else None
+    _state.depth, _state.armed, _state.budget = 1, main, _Budget()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
         _state.depth, _state.armed = 0, False
 
 

@@ -55,9 +55,10 @@ class ModelInput:
     @property
     def protected(self) -> list[Path]:
         """What no output directory may be, contain or lie inside: the input (directory or
-        file), its index and shards, and the config."""
+        file), its index and shards, and the config; for a single file, its directory too
+        (the model's directory spelled otherwise)."""
         inputs = [self.source.path, *self.source.shards, self.config]
-        return [*([self.directory] if self.directory is not None else []), *inputs]
+        return [self.directory or self.source.path.parent, *inputs]
 
 
 def open_model(src: Path, config: Path | None) -> ModelInput:

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from qtool import patterns
 from qtool.cli import app
-from qtool.io import atomic, outdir, renames
+from qtool.io import atomic, manifest, renames
 
 CT = ("--format", "compressed-tensors")
 SAMPLES = Path(__file__).parent.parent / "sample_weights"
@@ -67,7 +67,7 @@ def test_a_same_size_overwrite_of_a_large_exported_file_is_kept(tmp_path: Path) 
     out = tmp_path / "out"
     assert invoke("quantize", str(src), *CT, "-o", str(out))[0] == 0
     weights = out / "model.safetensors"
-    assert weights.stat().st_size > outdir.HASHED_MAX_BYTES
+    assert weights.stat().st_size > manifest.HASHED_MAX_BYTES
     theirs = _overwrite_in_place(weights, keep_mtime=False)
     code, _, err = invoke("quantize", str(src), *CT, "-o", str(out), "--force")
     assert code == 1 and "model.safetensors would be lost" in err, err
@@ -81,11 +81,11 @@ def test_force_fingerprints_files_over_the_hashed_limit(
     """With the limit lowered, model.safetensors is a 'large' file: its size, inode, mtime and
     sampled blocks are recorded; another writer matching the size (and even the mtime) is
     caught."""
-    monkeypatch.setattr(outdir, "HASHED_MAX_BYTES", 1024)
+    monkeypatch.setattr(manifest, "HASHED_MAX_BYTES", 1024)
     out = tmp_path / "out"
     assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
     weights = out / "model.safetensors"
-    record = json.loads((out / outdir.MANIFEST).read_text())["files"]["model.safetensors"]
+    record = json.loads((out / manifest.MANIFEST).read_text())["files"]["model.safetensors"]
     assert record["sha256"] is None and record["sampled"], record
     st = weights.stat()
     if how == "in-place-same-mtime":
@@ -107,7 +107,7 @@ def test_force_fingerprints_files_over_the_hashed_limit(
 def test_force_still_replaces_an_untouched_large_export(
     model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(outdir, "HASHED_MAX_BYTES", 1024)
+    monkeypatch.setattr(manifest, "HASHED_MAX_BYTES", 1024)
     out = tmp_path / "out"
     assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
     code, _, err = invoke("quantize", str(model), *CT, "--dtype", "int4", "-o", str(out), "--force")
@@ -118,12 +118,14 @@ def test_force_still_replaces_an_untouched_large_export(
 # ---- 2. a directory output never lies inside an input file's directory ----------------------
 
 
-@pytest.mark.parametrize("where", ["beside-weights", "beside-config", "deeper"])
+@pytest.mark.parametrize("where", ["beside-weights", "deeper", "beside-config"])
 def test_a_directory_output_inside_a_single_inputs_directory_is_refused(
     model: Path, tmp_path: Path, where: str
 ) -> None:
-    """A single file with --config is the model directory spelled otherwise: an output
-    directory inside the directory of either input is refused, as `-o m/sub` is for `m/`."""
+    """A single file with --config is its model directory spelled otherwise: an output
+    directory inside the weights' directory is refused, as `-o m/sub` is for `m/`. The
+    directory --config lies in is not the model's (qtool reads that one file from it): an
+    output beside the config is fine, one containing it is not (see the nesting test)."""
     config = tmp_path / "cfgs" / "config.json"
     config.parent.mkdir()
     shutil.copy(model / "config.json", config)
@@ -132,8 +134,13 @@ def test_a_directory_output_inside_a_single_inputs_directory_is_refused(
     out.parent.mkdir(exist_ok=True)
     args = [str(model / "model.safetensors"), "--config", str(config), *CT, "-o", str(out)]
     code, _, err = invoke("quantize", *args)
-    assert code == 1 and "lies inside" in err, err
+    if where == "beside-config":
+        assert code == 0 and (out / "config.json").exists(), err
+        return
+    assert code == 1 and "lies inside the input directory" in err, err
     assert not out.exists() and leftovers(out.parent) == []
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(out))  # the same, as a dir
+    assert code == 1 and "lies inside the input directory" in err, err
 
 
 def test_a_file_output_beside_a_single_input_is_still_fine(model: Path) -> None:

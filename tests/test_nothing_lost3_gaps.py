@@ -388,3 +388,31 @@ def test_an_os_error_of_the_final_swap_names_the_output(
     assert "busy" in err.lower() and "qtool-tmp" not in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert leftovers(tmp_path) == []
+
+
+def test_force_checks_the_directory_it_locked_is_still_the_output(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between opening -o and locking it, -o is swapped for a directory of someone else's
+    files: the run must check (and refuse) that one, never swap it out to a temp name that the
+    next cleanup would delete."""
+    out = tmp_path / "out"
+    assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
+    real = fcntl.flock
+    swapped = []
+
+    def racing(fd: int, op: int) -> None:
+        if op == fcntl.LOCK_EX and not swapped and os.readlink(f"/proc/self/fd/{fd}") == str(out):
+            swapped.append(True)
+            out.rename(tmp_path / "moved")
+            out.mkdir()
+            (out / "thesis.pdf").write_bytes(b"four years")
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", racing)
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert swapped and code == 1 and "thesis.pdf would be lost" in err, err
+    atomic.remove_stale_temps(tmp_path)  # the next run's cleanup
+    assert (out / "thesis.pdf").read_bytes() == b"four years"
+    assert leftovers(tmp_path) == []

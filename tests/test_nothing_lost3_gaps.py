@@ -416,3 +416,23 @@ def test_force_checks_the_directory_it_locked_is_still_the_output(
     atomic.remove_stale_temps(tmp_path)  # the next run's cleanup
     assert (out / "thesis.pdf").read_bytes() == b"four years"
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deep", "dev-zero"])
+def test_an_unreadable_config_of_a_ct_directory_is_named(tmp_path: Path, kind: str) -> None:
+    """Reading a compressed-tensors directory whose config.json cannot be read: the error is
+    the config's, naming it, not 'no index file in this directory'."""
+    q = tmp_path / "q"
+    assert invoke("quantize", str(SAMPLES / "tiny-llama"), *CT, "-o", str(q))[0] == 0
+    config = q / "config.json"
+    config.unlink()
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "deep":
+        config.write_text('{"quantization_config": ' + "[" * 200_000)
+    else:
+        config.symlink_to("/dev/zero")
+    for args in (["inspect", str(q)], ["dequantize", str(q)],
+                 ["compare", str(SAMPLES / "tiny-llama" / "model.safetensors"), str(q)]):  # fmt: skip
+        code, _, err = invoke(*args)
+        assert code == 1 and str(config) in err and "index" not in err, (args, err)

@@ -78,7 +78,9 @@ def config_path(path: Path) -> Path:
 def is_compressed_tensors(path: Path, within: InputDir | None = None) -> bool:
     """Whether `path` (a model directory or its config.json) holds a compressed-tensors model.
     config.json is read like every config (jsonfile: regular file inside the directory,
-    bounded, strict); one that cannot be read says no here, and is refused when it is read."""
+    bounded, strict); one that cannot be read says no here, and is refused when it is read,
+    unless the directory holds no index either: then nothing else could read it, and the
+    config's own error (a FIFO, too deep, too big) is the one worth showing."""
     cfg = config_path(path)
     if cfg.name != "config.json":
         return False
@@ -89,6 +91,8 @@ def is_compressed_tensors(path: Path, within: InputDir | None = None) -> bool:
             return False
         doc = read_json(cfg, within=directory, what="config.json")
     except InputError:
+        if path.is_dir() and not any(n.endswith(INDEX_SUFFIX) for n in directory.names()):
+            raise
         return False
     q = doc.get("quantization_config") if isinstance(doc, dict) else None
     return isinstance(q, dict) and q.get("quant_method") == FORMAT

@@ -432,7 +432,25 @@ def test_an_unreadable_config_of_a_ct_directory_is_named(tmp_path: Path, kind: s
         config.write_text('{"quantization_config": ' + "[" * 200_000)
     else:
         config.symlink_to("/dev/zero")
-    for args in (["inspect", str(q)], ["dequantize", str(q)],
-                 ["compare", str(SAMPLES / "tiny-llama" / "model.safetensors"), str(q)]):  # fmt: skip
+    original = str(SAMPLES / "tiny-llama" / "model.safetensors")
+    for args in (["inspect", str(q)], ["dequantize", str(q)], ["compare", original, str(q)]):
         code, _, err = invoke(*args)
         assert code == 1 and str(config) in err and "index" not in err, (args, err)
+
+
+def test_force_never_takes_a_file_mounted_over_one_of_its_files(
+    model: Path, tmp_path: Path
+) -> None:
+    """A file bind-mounted over a listed one, with the very content qtool wrote: not ours."""
+    out = tmp_path / "out"
+    assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
+    theirs = tmp_path / "theirs.json"
+    shutil.copy(out / "generation_config.json", theirs)
+    _bind(theirs, out / "generation_config.json")
+    try:
+        code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
+        assert code == 1 and "generation_config.json would be lost" in err, err
+        assert leftovers(tmp_path) == []
+    finally:
+        _unmount(out / "generation_config.json")
+    assert theirs.exists()

@@ -41,7 +41,7 @@ from qtool.io import renames
 from qtool.io import tempdirs as td
 from qtool.io.atomic import describe_os_error, file_id, remove_stale_temps
 from qtool.io.manifest import MANIFEST, read_manifest, unchanged, write_manifest
-from qtool.io.mounts import is_mount_point
+from qtool.io.mounts import is_mount_point, mount_points
 from qtool.io.safeopen import file_kind
 
 LISTED = 3
@@ -365,6 +365,7 @@ def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
     previous qtool export, unchanged since (or that are a protected file)."""
     recorded = read_manifest(fd)
     guarded = {i for p in protected if (i := file_id(p)) is not None}
+    guarded |= _mounted_in(fd)  # a file mounted over a listed one is never ours to delete
     unknown = [
         name + ("/" if td.is_dir_at(fd, name) else "")
         for name in sorted(os.listdir(fd))
@@ -381,6 +382,24 @@ def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
         f"{what} ({shown} would be lost); --force replaces only a previous qtool export "
         "left as qtool wrote it: move those files or choose another output directory",
     )
+
+
+def _mounted_in(fd: int) -> set[tuple[int, int]]:
+    """(device, inode) of the entries of the directory `fd` that are mount points, or lie on
+    another device than the directory."""
+    try:
+        base = os.readlink(f"/proc/self/fd/{fd}")
+        device = os.fstat(fd).st_dev
+        names = os.listdir(fd)
+    except OSError:
+        return set()
+    points = mount_points()
+    found = set()
+    for name in names:
+        st = td.lstat_at(fd, name)
+        if st is not None and (st.st_dev != device or os.path.join(base, name) in points):
+            found.add((st.st_dev, st.st_ino))
+    return found
 
 
 def _is_recorded(

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from qtool import patterns
 from qtool.cli import app
 from qtool.io import atomic, manifest, renames
+from qtool.io.mounts import mount_points
 
 CT = ("--format", "compressed-tensors")
 SAMPLES = Path(__file__).parent.parent / "sample_weights"
@@ -312,7 +313,13 @@ def _bind(source: Path, target: Path) -> None:
 
 
 def _unmount(target: Path) -> None:
+    """Unmount `target`, and whatever is still mounted below its directory (a mount a failing
+    run moved along with its directory)."""
     subprocess.run(["umount", str(target)], check=False, capture_output=True)
+    below = str(target.parent) + "/"
+    for point in sorted(mount_points(), reverse=True):
+        if point.startswith(below):
+            subprocess.run(["umount", point], check=False, capture_output=True)
 
 
 @pytest.mark.parametrize("force", [False, True])
@@ -452,5 +459,30 @@ def test_force_never_takes_a_file_mounted_over_one_of_its_files(
         assert code == 1 and "generation_config.json would be lost" in err, err
         assert leftovers(tmp_path) == []
     finally:
-        _unmount(out / "generation_config.json")
+        _unmount(tmp_path / "x")
     assert theirs.exists()
+
+
+def test_an_output_parent_swapped_for_a_link_mid_export_publishes_nothing(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files are written by path: once -o's parent is swapped for a link to a directory where
+    the temp name exists too, they land there. The export must not then publish an empty
+    directory as `wrote`."""
+    parent = tmp_path / "p"
+    parent.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    real_create = atomic.OutputSet.create
+
+    def create(self: atomic.OutputSet, final: Path, *, last: bool = False) -> object:
+        if not (tmp_path / "moved").exists():
+            parent.rename(tmp_path / "moved")
+            parent.symlink_to(victim)
+            (victim / final.parent.name).mkdir()
+        return real_create(self, final, last=last)
+
+    monkeypatch.setattr(atomic.OutputSet, "create", create)
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(parent / "out"))
+    assert code == 1 and "was moved or replaced" in err, err
+    assert not (tmp_path / "moved" / "out").exists() and leftovers(tmp_path / "moved") == []

@@ -140,6 +140,7 @@ class DirTransaction:
     # ------------------------------------------------------------ publishing
 
     def _publish(self) -> None:
+        self._check_still_reachable()
         try:
             write_manifest(self._lock_fd)
             os.fsync(self._lock_fd)
@@ -154,6 +155,22 @@ class DirTransaction:
         else:
             self._create(st)
         _fsync(self._parent_fd)
+
+    def _check_still_reachable(self) -> None:
+        """The build wrote its files by path: if that path no longer leads to the locked temp
+        directory (its parent was moved or swapped for a link meanwhile), they went elsewhere
+        and publishing would give an incomplete export."""
+        try:
+            st = os.stat(self.temp, follow_symlinks=False)
+            same = os.path.samestat(st, os.fstat(self._lock_fd))
+        except OSError:
+            same = False
+        if not same:
+            raise OutputError(
+                self.out,
+                f"its directory {self.out.parent} was moved or replaced while this run wrote "
+                "into it; nothing was published: run again",
+            )
 
     def _create(self, st: os.stat_result | None) -> None:
         """`out` is missing or an empty directory: take its place, replacing nothing else."""

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from qtool import patterns
 from qtool.cli import app
-from qtool.io import atomic, manifest, renames
+from qtool.io import atomic, manifest, outdir, renames
 from qtool.io.mounts import mount_points
 
 CT = ("--format", "compressed-tensors")
@@ -486,3 +486,28 @@ def test_an_output_parent_swapped_for_a_link_mid_export_publishes_nothing(
     code, _, err = invoke("quantize", str(model), *CT, "-o", str(parent / "out"))
     assert code == 1 and "was moved or replaced" in err, err
     assert not (tmp_path / "moved" / "out").exists() and leftovers(tmp_path / "moved") == []
+
+
+@pytest.mark.parametrize("into", ["link", "nothing", "file"])
+def test_an_output_swapped_while_it_is_checked_is_a_clear_error(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """-o is a directory when qtool looks, and a link, a file or gone when it opens it."""
+    out = tmp_path / "out"
+    assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
+    victim = tmp_path / "victim"
+    victim.mkdir()
+
+    def swap(path: Path) -> bool:
+        if path == out and out.is_dir() and not out.is_symlink():
+            out.rename(tmp_path / "real")
+            if into == "link":
+                out.symlink_to(victim)
+            elif into == "file":
+                out.write_text("theirs")
+        return False
+
+    monkeypatch.setattr(outdir, "is_mount_point", swap)
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
+    assert code == 1 and "changed while qtool checked it" in err and "internal" not in err, err
+    assert list(victim.iterdir()) == [] and leftovers(tmp_path) == []

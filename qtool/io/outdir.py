@@ -316,7 +316,7 @@ def _check_existing(out: Path, st: os.stat_result, protected: Sequence[Path], fo
     if stat.S_ISLNK(st.st_mode):
         raise OutputError(
             out,
-            f"is a symlink (to {os.readlink(out)}); give the directory itself, "
+            f"is a symlink{_link_target(out)}; give the directory itself, "
             "qtool does not write through links",
         )
     if not stat.S_ISDIR(st.st_mode):
@@ -324,7 +324,12 @@ def _check_existing(out: Path, st: os.stat_result, protected: Sequence[Path], fo
         raise OutputError(out, f"exists and is {kind}, not a directory; choose a directory name")
     if is_mount_point(out):
         raise OutputError(out, MOUNT_POINT)
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:  # gone, or swapped for a link or a file, since the lstat
+        raise OutputError(
+            out, f"changed while qtool checked it ({err.strerror}); nothing was written: run again"
+        ) from err
     try:
         if not os.listdir(fd):
             return
@@ -436,6 +441,14 @@ def _is_recorded(
 def remove_stale_dirs(parent: Path) -> int:
     """Remove what killed runs left in `parent` (see atomic.remove_stale_temps)."""
     return remove_stale_temps(parent)
+
+
+def _link_target(path: Path) -> str:
+    """' (to TARGET)', or nothing when the link changed since."""
+    try:
+        return f" (to {os.readlink(path)})"
+    except OSError:
+        return ""
 
 
 def _appeared(out: Path) -> OutputError:

@@ -511,3 +511,20 @@ def test_an_output_swapped_while_it_is_checked_is_a_clear_error(
     code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
     assert code == 1 and "changed while qtool checked it" in err and "internal" not in err, err
     assert list(victim.iterdir()) == [] and leftovers(tmp_path) == []
+
+
+def test_force_behind_a_lock_held_forever_is_an_error_not_a_hang(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process (a stopped qtool run, or anyone who can open it) holds -o's lock."""
+    out = tmp_path / "out"
+    assert invoke("quantize", str(model), *CT, "-o", str(out))[0] == 0
+    monkeypatch.setattr(outdir, "LOCK_WAIT_S", 0.3)
+    holder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
+    finally:
+        os.close(holder)
+    assert code == 1 and "is locked by another process" in err, err
+    assert (out / "config.json").exists() and leftovers(tmp_path) == []

@@ -45,6 +45,7 @@ from qtool.io.mounts import is_mount_point, mount_points
 from qtool.io.safeopen import file_kind
 
 LISTED = 3
+LOCK_WAIT_S = 120.0  # how long --force waits for another run replacing the same -o
 
 
 class DirTransaction:
@@ -215,7 +216,15 @@ class DirTransaction:
             old_fd = td.open_dir_at(self._parent_fd, name)
             if old_fd < 0:
                 raise _appeared(self.out)
-            td.lock_dir(old_fd)
+            try:
+                td.lock_dir(old_fd, LOCK_WAIT_S)
+            except TimeoutError:
+                os.close(old_fd)
+                raise OutputError(
+                    self.out,
+                    f"is locked by another process (another qtool run replacing it?) for over "
+                    f"{LOCK_WAIT_S:g} s; nothing was replaced: run again once it is done",
+                ) from None
             if td.same_at(old_fd, self._parent_fd, name):
                 return old_fd
             os.close(old_fd)

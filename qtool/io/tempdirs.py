@@ -76,13 +76,27 @@ def newest_mtime(dfd: int) -> float:
     return newest
 
 
-def lock_dir(fd: int) -> bool:
-    """Lock a temp directory for this run's life; False where this filesystem cannot."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        return False
-    return True
+def lock_dir(fd: int, wait_s: float | None = None) -> bool:
+    """Lock a directory (a temp one for this run's life, or an old export being replaced);
+    False where this filesystem cannot. With `wait_s`, TimeoutError once it was held by
+    someone else that long (never a silent hang behind a stopped process)."""
+    if wait_s is None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return False
+        return True
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as err:
+            if err.errno not in _BUSY:
+                return False
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"locked by another process for over {wait_s:g} s")
+        time.sleep(0.05)
 
 
 def same_at(fd: int, parent_fd: int, name: str) -> bool:

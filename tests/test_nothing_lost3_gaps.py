@@ -528,3 +528,16 @@ def test_force_behind_a_lock_held_forever_is_an_error_not_a_hang(
         os.close(holder)
     assert code == 1 and "is locked by another process" in err, err
     assert (out / "config.json").exists() and leftovers(tmp_path) == []
+
+
+def test_companions_with_names_that_are_not_utf8_are_exported_and_replaced(
+    model: Path, tmp_path: Path
+) -> None:
+    """The manifest records them (as \\udcXX escapes); --force then recognises them."""
+    (Path(os.fsdecode(bytes(model) + b"/\xff\xfe-notes.txt"))).write_bytes(b"hi")
+    out = tmp_path / "out"
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(out))
+    assert code == 0, err
+    assert b"\xff\xfe-notes.txt" in os.listdir(os.fsencode(out))
+    code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
+    assert code == 0, err

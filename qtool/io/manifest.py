@@ -45,7 +45,7 @@ def write_manifest(fd: int) -> None:
         if record is not None:
             files[name] = record
     doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
-    data = json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n"
+    data = json.dumps(doc, indent=1).encode() + b"\n"  # ASCII: names not UTF-8 as \udcXX
     out = os.open(MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=fd)
     with os.fdopen(out, "wb") as f:
         f.write(data)

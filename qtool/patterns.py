@@ -67,9 +67,10 @@ class _Budget:
         slowest = max(self.by_pattern, key=self.by_pattern.__getitem__, default=pattern)
         share = self.by_pattern.get(slowest, 0.0)
         return PatternError(
-            f"regular expressions took over {TOTAL_LIMIT_S:g} s in total ({self.count:,} "
-            f"matches); {slowest!r} alone took {share:.1f} s; qtool refuses them: simplify "
-            "the patterns (anchor them, avoid repeated .* and nested repetition)"
+            f"regular expressions took over {TOTAL_LIMIT_S:g} s in total to compile and match "
+            f"({len(self.by_pattern):,} patterns, {self.count:,} matches; the slowest, "
+            f"{_shown(slowest)}, took {share:.2f} s); qtool refuses them: use fewer, simpler "
+            "patterns (anchor them; avoid repeated .* and nested repetition)"
         )
 
 
@@ -88,37 +89,40 @@ def compiled(pattern: str) -> re.Pattern[str]:
         return re.compile(pattern)
     except (re.error, RecursionError, OverflowError, MemoryError) as err:
         why = "nested too deeply" if isinstance(err, RecursionError) else str(err)
-        shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
-        raise PatternError(f"invalid regular expression: {why} (in {shown!r})") from None
+        raise PatternError(f"invalid regular expression: {why} (in {_shown(pattern)})") from None
 
 
 def matches(pattern: str, name: str, *, full: bool = False) -> bool:
-    """re.match (or re.fullmatch) of `pattern` on `name`, bounded (see the module docstring)."""
+    """re.match (or re.fullmatch) of `pattern` on `name`, bounded (see the module docstring):
+    compiling counts against the limits too (15,000 long patterns in an `ignore` list, or more
+    distinct patterns than the compile cache holds, would otherwise take minutes)."""
     key = (pattern, name, full)
     known = _results.get(key)
     if known is not None:
         return known
-    rx = compiled(pattern)
     if getattr(_state, "depth", 0):
-        found = _timed_match(rx, pattern, name, full)
+        found = _timed_match(pattern, name, full)
     else:
         with bounded():
-            found = _timed_match(rx, pattern, name, full)
+            found = _timed_match(pattern, name, full)
     if len(_results) >= _REMEMBERED:
         _results.clear()
     _results[key] = found
     return found
 
 
-def _timed_match(rx: re.Pattern[str], pattern: str, name: str, full: bool) -> bool:
+def _timed_match(pattern: str, name: str, full: bool) -> bool:
     budget: _Budget = _state.budget
     if budget.spent >= TOTAL_LIMIT_S:
         raise budget.exhausted(pattern)
     started = time.perf_counter()
-    expired = False
+    expired = compiling = False
     try:
         _state.started = started
         try:
+            compiling = True
+            rx = compiled(pattern)
+            compiling = False
             found = rx.fullmatch(name) if full else rx.match(name)
         finally:
             _state.started = None
@@ -129,11 +133,16 @@ def _timed_match(rx: re.Pattern[str], pattern: str, name: str, full: bool) -> bo
     if budget.spent > TOTAL_LIMIT_S:
         raise budget.exhausted(pattern)
     if expired or took > MATCH_LIMIT_S:  # off the main thread: found out afterwards
+        doing = "to compile" if compiling else f"to match {name[:80]!r}"
         raise PatternError(
-            f"regular expression {pattern!r} took over {MATCH_LIMIT_S} s to match "
-            f"{name[:80]!r} (it backtracks catastrophically); qtool refuses it"
+            f"regular expression {_shown(pattern)} took over {MATCH_LIMIT_S} s {doing} "
+            "(it backtracks catastrophically); qtool refuses it"
         )
     return found is not None
+
+
+def _shown(pattern: str) -> str:
+    return repr(pattern if len(pattern) <= 80 else pattern[:77] + "...")
 
 
 @contextlib.contextmanager

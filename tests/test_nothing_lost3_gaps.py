@@ -409,7 +409,7 @@ def test_force_checks_the_directory_it_locked_is_still_the_output(
     swapped = []
 
     def racing(fd: int, op: int) -> None:
-        if op == fcntl.LOCK_EX and not swapped and os.readlink(f"/proc/self/fd/{fd}") == str(out):
+        if op & fcntl.LOCK_EX and not swapped and os.readlink(f"/proc/self/fd/{fd}") == str(out):
             swapped.append(True)
             out.rename(tmp_path / "moved")
             out.mkdir()
@@ -541,3 +541,20 @@ def test_companions_with_names_that_are_not_utf8_are_exported_and_replaced(
     assert b"\xff\xfe-notes.txt" in os.listdir(os.fsencode(out))
     code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
     assert code == 0, err
+
+
+def test_compiling_thousands_of_patterns_counts_against_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More distinct long patterns than the compile cache holds, recompiled for every module:
+    compiling is bounded like matching."""
+    monkeypatch.setattr(patterns, "TOTAL_LIMIT_S", 0.5)
+    out = tmp_path / "q"
+    assert invoke("quantize", str(SAMPLES / "tiny-llama"), *CT, "-o", str(out))[0] == 0
+    doc = json.loads((out / "config.json").read_text())
+    doc["quantization_config"]["ignore"] += [
+        "re:" + "(a|b)" * 150 + f"x{i:05d}" for i in range(5000)
+    ]
+    (out / "config.json").write_text(json.dumps(doc))
+    code, _, err = invoke("inspect", str(out))
+    assert code == 1 and "in total to compile and match" in err and "config.json" in err, err

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from qtool import patterns
 from qtool.cli import app
-from qtool.io import atomic, manifest, outdir, renames
+from qtool.io import atomic, manifest, outcheck, outdir, renames
 from qtool.io.mounts import mount_points
 
 CT = ("--format", "compressed-tensors")
@@ -507,7 +507,7 @@ def test_an_output_swapped_while_it_is_checked_is_a_clear_error(
                 out.write_text("theirs")
         return False
 
-    monkeypatch.setattr(outdir, "is_mount_point", swap)
+    monkeypatch.setattr(outcheck, "is_mount_point", swap)
     code, _, err = invoke("quantize", str(model), *CT, "-o", str(out), "--force")
     assert code == 1 and "changed while qtool checked it" in err and "internal" not in err, err
     assert list(victim.iterdir()) == [] and leftovers(tmp_path) == []

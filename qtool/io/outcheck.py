@@ -98,13 +98,18 @@ def refuse_nesting(out: Path, protected: Sequence[Path]) -> None:
             raise OutputError(out, f"is {what}; choose another output directory")
         if pid in out_chain:
             raise OutputError(
-                out, f"lies inside the input directory {p}; choose a directory outside it"
+                out, f"lies inside the input directory {_named(p)}; choose a directory outside it"
             )
         if out_id is not None and out_id in _chain(p):
             raise OutputError(
                 out, f"contains the input {p}; replacing it would lose the input, "
                 "choose another output directory"
             )  # fmt: skip
+
+
+def _named(path: Path) -> Path:
+    """`path` as a message names it: `.` and `..` spelled out."""
+    return path if path.name not in ("", ".", "..") else Path(os.path.abspath(path))
 
 
 def _chain(path: Path) -> set[tuple[int, int]]:

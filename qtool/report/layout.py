@@ -1,9 +1,10 @@
 """Plain-text layout for a given width: tables and summary lines, as lines of styled segments.
 
 Each table is laid out once: the widths come from one pass over the cells. When it is wider
-than the width, its optional columns are hidden in their order (the caller says which were and
-notes it), and then its foldable columns (names, descriptions) are folded onto more lines: at
-spaces where there are some, else anywhere. Summary lines are wrapped at their phrase
+than the width, its columns close up (two spaces between them instead of three), then its
+optional columns are hidden in their order (the caller says which were and notes it), and then
+its foldable columns (names, descriptions) are folded onto more lines: at spaces where there
+are some, else anywhere. Summary lines are wrapped at their phrase
 boundaries (` · `, `, `), continued two spaces in. No rich here: console.py prints the lines,
 with their styles on a terminal and as plain text elsewhere.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 Segment = tuple[str, str]  # text, style ("" for none; a rich style name on a terminal)
 Line = list[Segment]
 GAP = "   "  # between columns
+TIGHT = "  "  # between the columns of a table that is too wide with GAP
 EDGE = " "  # before the first column
 RULE = "─"
 INDENT = "  "  # continuation lines of a wrapped summary
@@ -65,21 +67,22 @@ def table(columns: Sequence[Column], width: int | None) -> Table:
     `width` cells (None: as wide as its content)."""
     shown = list(columns)
     widths = {id(c): _natural(c) for c in shown}
+    gap = GAP if width is None or _total(shown, widths, GAP) <= width else TIGHT
     hidden: list[str] = []
     for c in sorted((c for c in columns if c.hide), key=lambda c: c.hide):
-        if width is None or _total(shown, widths) <= width:
+        if width is None or _total(shown, widths, gap) <= width:
             break
         shown.remove(c)
         hidden.append(c.name)
     if width is not None:
-        _fold(shown, widths, _total(shown, widths) - width)
+        _fold(shown, widths, _total(shown, widths, gap) - width)
     sizes = [widths[id(c)] for c in shown]
     lines: list[Line] = [[]]
-    lines.append(_joined([(c.header, "bold") for c in shown], shown, sizes))
-    lines.append([(EDGE + RULE * (sum(sizes) + len(GAP) * (len(sizes) - 1)), "")])
+    lines.append(_joined([(c.header, "bold") for c in shown], shown, sizes, gap))
+    lines.append([(EDGE + RULE * (sum(sizes) + len(gap) * (len(sizes) - 1)), "")])
     rows = len(shown[0].cells) if shown else 0
     for r in range(rows):
-        lines += _row([c.cells[r] for c in shown], shown, sizes)
+        lines += _row([c.cells[r] for c in shown], shown, sizes, gap)
     lines.append([])
     return Table(lines, hidden)
 
@@ -88,8 +91,8 @@ def _natural(c: Column) -> int:
     return max([cell_width(c.header), *(cell_width(text) for text, _ in c.cells)])
 
 
-def _total(shown: Sequence[Column], widths: dict[int, int]) -> int:
-    return len(EDGE) + sum(widths[id(c)] for c in shown) + len(GAP) * (len(shown) - 1)
+def _total(shown: Sequence[Column], widths: dict[int, int], gap: str) -> int:
+    return len(EDGE) + sum(widths[id(c)] for c in shown) + len(gap) * (len(shown) - 1)
 
 
 def _fold(shown: Sequence[Column], widths: dict[int, int], excess: int) -> None:
@@ -103,7 +106,9 @@ def _fold(shown: Sequence[Column], widths: dict[int, int], excess: int) -> None:
         excess -= take
 
 
-def _row(cells: Sequence[Segment], shown: Sequence[Column], sizes: Sequence[int]) -> list[Line]:
+def _row(
+    cells: Sequence[Segment], shown: Sequence[Column], sizes: Sequence[int], gap: str
+) -> list[Line]:
     """One row, over as many lines as its tallest folded cell needs."""
     pieces = [
         _folded(text, size) if cell_width(text) > size else [text]
@@ -115,16 +120,18 @@ def _row(cells: Sequence[Segment], shown: Sequence[Column], sizes: Sequence[int]
         texts = [
             (p[i] if i < len(p) else "", style) for p, (_, style) in zip(pieces, cells, strict=True)
         ]
-        out.append(_joined(texts, shown, sizes))
+        out.append(_joined(texts, shown, sizes, gap))
     return out
 
 
-def _joined(cells: Sequence[Segment], shown: Sequence[Column], sizes: Sequence[int]) -> Line:
+def _joined(
+    cells: Sequence[Segment], shown: Sequence[Column], sizes: Sequence[int], gap: str
+) -> Line:
     line: Line = [(EDGE, "")]
     for k, ((text, style), c, size) in enumerate(zip(cells, shown, sizes, strict=True)):
         pad = " " * max(0, size - cell_width(text))
         if k:
-            line.append((GAP, ""))
+            line.append((gap, ""))
         line += [(pad, ""), (text, style)] if c.right else [(text, style), (pad, "")]
     while line and not line[-1][0].strip():  # no trailing spaces
         line.pop()

@@ -1,27 +1,32 @@
-"""Benchmark qtool against the textbook kernel, torch's own quantizer and the memory/disk limits.
+"""Benchmark qtool against the textbook kernel, torch's own quantizer, llm-compressor and the
+memory/disk limits.
 
     python scripts/bench.py [--gib 1] [--repeat 5] [--json bench.json] [--skip-e2e]
-                            [--sweep-gib 4] [--skip-kernels]
+        [--skip-kernels] [--skip-costs] [--models] [--before TREE] [--sweep-gib 8]
+        [--shard-gib 1] [--skip-startup] [--skip-tiny]
 
 Kernel section (in memory, fp32 and bf16 weights of 4096x4096 and 4096x11008 up to --gib GiB):
 throughput in GB/s of input, every method timed once per round, round after round (so load
 from other processes hits them alike), median of --repeat rounds; "x limit" is the median of
-the per-round ratios to the memory limit (a cast into a preallocated int8 buffer: read the
-input once, write one byte per element). The fused CPU kernels (numerics/fused.py) are
-measured when numba is installed.
+the per-round ratios to the memory limit (a cast into a preallocated int8 buffer). Costs: ns
+per element of each work class the automatic kernel choice knows (numerics/select.py COSTS).
 
-End-to-end section: a deterministic --gib GiB fp32 safetensors checkpoint on disk; wall time of
-`qtool quantize` (QTOOL_KERNEL auto, torch and fused) paired with the bare
-`import torch, safetensors.torch` floor in every round (median of the per-round differences),
-`cp` of the file, peak memory (the peak anonymous RSS sampled every 5 ms), a naive
-load-all/save-all quantizer, and a checkpoint twice as large with the same largest tensor to
-show that memory does not grow with checkpoint size. --sweep-gib: the same paired measurement
-for checkpoints of 64 MiB up to that size, to show time linear in bytes.
+End-to-end sections (scripts/bench_e2e.py): whole commands in fresh processes, each right after
+a run of the bare `import torch, safetensors.torch` floor, one unmeasured warm-up round, medians
+of the per-pair differences and same-run ratios, peak RSS and anonymous memory sampled every
+5 ms. --gib: an fp32 checkpoint, int8 per channel, qtool with numba and with numba hidden, `cp`,
+a naive load-all quantizer, a 2x checkpoint. --models: a SmolLM2-shaped bf16 model (built from
+--smol-config) exported as compressed-tensors int4 g64 min-max and mse, llm-compressor's
+model_free_ptq on it (its own venv under build/, made on first use), MiniLM with --range mse.
+--before TREE: another qtool source tree (say `git archive main`) runs the same commands in the
+same rounds. --sweep-gib: 64 MiB up to that size, one file and sharded (--shard-gib), skipping
+sizes the disk cannot hold. Rendering: print_quantize of 272 rows to a pipe, both trees.
 
 Start-up section: `qtool --help`, `quantize --help` and `inspect` of a 291-tensor checkpoint
 against bare Python, median of at least 10 interleaved runs. Tiny-tensor section: `qtool
 quantize` of 50,000 fp32 [16, 16] tensors and of a mix of 50,000 small tensors, with --json
-and with the (piped) table; wall and CPU seconds (skip with --skip-startup / --skip-tiny).
+and with the (piped) table; wall and CPU seconds. Results so far are written to --json after
+each section.
 """
 
 from __future__ import annotations
@@ -532,15 +537,19 @@ def main() -> None:
     }
     workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
     try:
+        _save(args.json, report)
         if args.models:
             llmc = None if args.no_llmc else llmc_python(Path(__file__).parent.parent / "build")
             report["models"] = bench_models(workdir, args.e2e_repeat, args.before, llmc,
                                             args.smol_config, args.minilm)  # fmt: skip
             report["render"] = bench_render(args.before, 3)
+            _save(args.json, report)
         if not args.skip_e2e:
             report["end_to_end"] = bench_end_to_end(workdir, args.gib, args.e2e_repeat, args.before)
+            _save(args.json, report)
         if args.sweep_gib:
             report["growth"] = bench_growth(workdir, args.sweep_gib, 1, args.shard_gib)
+            _save(args.json, report)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if not (args.skip_startup and args.skip_tiny):
@@ -549,6 +558,12 @@ def main() -> None:
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _save(path: Path | None, report: dict[str, Any]) -> None:
+    """The results so far (a long run stopped early keeps its finished sections)."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def bench_small(args: argparse.Namespace) -> dict[str, Any]:

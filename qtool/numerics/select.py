@@ -50,7 +50,8 @@ COSTS = {
     "restore": (0.8, 0.25),  # dequantize, per byte of input
 }
 WIDE_INPUT = 1.3  # bf16/fp16 cost the torch kernels an exact upcast pass more
-MIN_MEASURED = 0.1  # seconds of torch calls before their speed is trusted (fixed costs aside)
+MIN_MEASURED = 0.1  # seconds of torch calls before their speed is trusted,
+MIN_PREDICTED = 0.01  # and quiet seconds of work in them (tiny calls are all fixed costs)
 HINT_SECONDS = 5.0  # a run that would have saved this much says so when numba is missing
 # a restore (dequantize) of this many bytes pays for loading numba
 AUTO_MIN_BYTES = math.ceil(LOAD_SECONDS / ((COSTS["restore"][0] - COSTS["restore"][1]) * 1e-9))
@@ -156,8 +157,10 @@ class _Meter:
 
     @property
     def slowdown(self) -> float:
-        """Measured over quiet torch time (1 until MIN_MEASURED seconds were measured)."""
-        return self.measured / self.predicted if self.measured >= MIN_MEASURED else 1.0
+        """Measured over quiet torch time (1 until enough was measured to tell)."""
+        if self.measured < MIN_MEASURED or self.predicted < MIN_PREDICTED:
+            return 1.0
+        return self.measured / self.predicted
 
     def projected_saving(self) -> float:
         """Seconds the fused kernels would save on the rest of the run, at the load seen."""

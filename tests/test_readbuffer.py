@@ -20,8 +20,9 @@ from qtool.io.readbuffer import ReadBuffer
 def model(tmp_path: Path) -> Path:
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "m.safetensors"
-    save_file({"a": torch.randn(300, 7, generator=g), "b": torch.randn(5, 3, 2, generator=g),
-               "c": torch.randn(40, generator=g).bfloat16(), "d": torch.tensor(2.5)}, path)  # fmt: skip
+    tensors = {"a": torch.randn(300, 7, generator=g), "b": torch.randn(5, 3, 2, generator=g)}
+    tensors |= {"c": torch.randn(40, generator=g).bfloat16(), "d": torch.tensor(2.5)}
+    save_file(tensors, path)
     return path
 
 

@@ -95,16 +95,16 @@ def test_slow_torch_calls_bring_in_the_fused_kernels_mid_run(
 ) -> None:
     """Under load the torch kernels run many times slower than on a quiet machine: measured,
     that makes the rest of the run worth loading numba for."""
-    work = [select.Work((1024, 1024), False, QSpec())] * 200  # 0.25 s of quiet torch time
+    work = [select.Work((1024, 1024), False, QSpec())] * 200  # 1 s of quiet torch time
     select.expect_work(CPU, work)
     assert not fresh.tried
     x = torch.randn(1024, 1024)
-    monkeypatch.setattr(select.time, "perf_counter", Clock(0.05))  # 40x a quiet machine
+    monkeypatch.setattr(select.time, "perf_counter", Clock(0.05))  # 10x a quiet machine
     calls = 0
     while fresh.module is None and calls < 20:
         select.quantize_tensor(x, QSpec())
         calls += 1
-    assert fresh.module is not None and 8 <= calls < 20  # once 10 ms of work were timed
+    assert fresh.module is not None and 3 <= calls < 20  # once 10 ms of work were timed
 
 
 @needs_numba
@@ -112,7 +112,7 @@ def test_quiet_torch_calls_keep_the_torch_kernels(
     fresh: select._Loader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     select.expect_work(CPU, [select.Work((1024, 1024), False, QSpec())] * 200)
-    monkeypatch.setattr(select.time, "perf_counter", Clock(1024 * 1024 * 1.2e-9))
+    monkeypatch.setattr(select.time, "perf_counter", Clock(1024 * 1024 * 4e-9))
     x = torch.randn(1024, 1024)
     for _ in range(50):
         select.quantize_tensor(x, QSpec())

@@ -40,13 +40,15 @@ from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, matrix_shape
 ENV = "QTOOL_KERNEL"
 INSTALL_HINT = "pip install 'qtool[fast]'"
 LOAD_SECONDS = 1.0  # numba's import and first call, cache warm: 0.7-1.1 s (docs/performance.md)
-# (torch, fused) nanoseconds per element on 2 threads of a quiet machine, with error sums
-# (scripts/bench.py --costs; docs/performance.md). Under load the torch kernels slow down many
-# times more than the fused ones: the measurement below catches that.
+# (torch, fused) nanoseconds per element on 2 threads of a quiet machine, with error sums and
+# everything around the kernels in a run (min-max: 1.25 and 0.25 s per GiB of fp32 in process,
+# docs/performance.md; groups and the mse search scaled by their kernel-only ratios). Under load
+# the torch kernels slow down many times more than the fused ones: the measurement below
+# catches that.
 COSTS = {
-    "minmax": (1.2, 0.4),
-    "groups": (1.6, 0.9),
-    "mse": (50.0, 3.0),
+    "minmax": (4.7, 0.9),
+    "groups": (6.0, 1.8),
+    "mse": (60.0, 4.0),
     "restore": (0.8, 0.25),  # dequantize, per byte of input
 }
 WIDE_INPUT = 1.3  # bf16/fp16 cost the torch kernels an exact upcast pass more

@@ -124,6 +124,8 @@ def prepared(
         yield Placement(target, scratch, stale=remove_stale_temps(scratch))
         return
     directory = target.directory
+    if source.directory is None:  # a lone file's directory is its model's, spelled otherwise
+        protected.append(source.path.parent)
     copied, notes = companions(source)
     index = [source.index.index] if source.index is not None else []
     finals = [*files, *(directory / p.name for p in [*copied, *index])]

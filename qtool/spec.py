@@ -357,8 +357,7 @@ def _fit_gguf(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
     if stored == spec.gguf or stored.name in _NOT_BLOCKS:
         return spec, ""
     t = spec.gguf
-    note = (f"rows of {shape[-1]} are not whole {t.name} blocks of {t.block_size}: "
-            f"{stored.name}, as llama-quantize falls back")  # fmt: skip
+    note = f"fallback: rows of {shape[-1]} are not whole {t.name} blocks"
     return QSpec(gguf=stored), note
 
 

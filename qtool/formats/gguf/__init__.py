@@ -88,8 +88,8 @@ def _output(context: FormatContext) -> OutputFormat:
 
 def _refuses(spec: QSpec) -> str | None:
     if spec.gguf is None:
-        return (f"--format gguf stores llama.cpp's block types: give one of "
-                f"{', '.join(GGUF_QUANTIZE_TYPES)} (not {spec.describe()})")  # fmt: skip
+        return (f"--format gguf stores llama.cpp's block types, not {spec.describe()}: give one "
+                f"of {', '.join(GGUF_QUANTIZE_TYPES)}")  # fmt: skip
     if spec.gguf.name not in GGUF_QUANTIZE_TYPES:
         types = ", ".join(GGUF_QUANTIZE_TYPES)
         return f"qtool cannot quantize to {spec.gguf.name}; use one of {types}"

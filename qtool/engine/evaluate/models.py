@@ -1,0 +1,90 @@
+"""FLOAT, the reference model: a Hugging Face model directory checked by qtool (config.json
+read like every config; its safetensors headers read strictly and refused when already
+quantized) and then loaded by transformers, once, in the compute dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qtool.engine.evaluate import hf
+from qtool.engine.evaluate.config import kind_of, read_config
+from qtool.errors import InputError
+from qtool.eval_results import CAUSAL_LM
+from qtool.formats.ct_read import model_shards
+from qtool.formats.detect import refuse_quantized
+from qtool.io.safeopen import InputDir
+from qtool.io.stformat import HeaderError, read_header
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The tensors a checkpoint holds: name -> (shape, safetensors dtype)."""
+
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class FloatModel:
+    path: Path
+    architecture: str
+    kind: str  # CAUSAL_LM or ENCODER
+    model: Any  # a transformers PreTrainedModel, in eval mode, in the compute dtype
+    tokenizer: Any
+    checkpoint: Checkpoint
+    unexpected: frozenset[str]  # checkpoint tensors the architecture does not use (a head)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """The tensors of a model directory's safetensors (headers only; a quantized one refused)."""
+    within = InputDir(path)
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in model_shards(path, within):
+        try:
+            header = read_header(shard)
+        except HeaderError as err:
+            raise InputError(shard, f"not a valid safetensors file: {err}") from None
+        refuse_quantized(shard, header.metadata, [e.name for e in header.tensors])
+        tensors |= {e.name: (e.shape, e.dtype) for e in header.tensors}
+    return Checkpoint(tensors)
+
+
+def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
+    """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when it lacks a
+    weight its architecture needs (transformers would initialise it at random)."""
+    config = read_config(path)
+    kind, architecture = kind_of(config)
+    checkpoint = read_checkpoint(path)
+    transformers = hf.transformers_module()
+    cls = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
+    model, info = hf.from_pretrained(cls, path, "FLOAT", dtype=dtype)
+    unexpected = frozenset(info.get("unexpected_keys") or ())  # e.g. a head AutoModel drops
+    problem = loading_problem(info, unexpected)
+    if problem:
+        raise InputError(path, f"FLOAT {problem}")
+    tokenizer = hf.tokenizer(path, "FLOAT")
+    return FloatModel(path, architecture, kind, model.eval(), tokenizer, checkpoint, unexpected)
+
+
+def loading_problem(info: dict[str, Any], unexpected_ok: frozenset[str]) -> str | None:
+    """What transformers' loading info says went wrong, or None: weights the architecture needs
+    but the checkpoint lacks, tensors of another shape, tensors nothing uses."""
+    for key, what in (
+        ("missing_keys", "lacks weights its architecture needs"),
+        ("mismatched_keys", "has weights of another shape than its architecture's"),
+    ):
+        names = sorted(str(n if isinstance(n, str) else n[0]) for n in info.get(key) or ())
+        if names:
+            return f"{what}: {listed(names)}"
+    extra = sorted(set(info.get("unexpected_keys") or ()) - unexpected_ok)
+    if extra:
+        return f"holds tensors the architecture does not use: {listed(extra)}"
+    return None
+
+
+def listed(names: list[str], limit: int = 3) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

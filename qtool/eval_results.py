@@ -181,3 +181,20 @@ def check(bounds: EvalBounds, summary: EvalSummary) -> list[EvalViolation]:
             detail = f"{what} {value:.6g} is {side} {limit:.6g} ({unit})"
         out.append(EvalViolation(name, value, limit, detail))
     return out
+
+
+LAYER_ORDERS = ("output", "weight", "model")
+
+
+def arrange_layers(rows: tuple[LayerRow, ...], order: str, top: int | None) -> list[LayerRow]:
+    """Worst output SQNR first ("output", the default), worst weight SQNR first ("weight"), or
+    the model's own order ("model"); NaN (a layer the text never reached) last; `top` first."""
+    if order not in LAYER_ORDERS:
+        raise ValueError(f"order must be one of {', '.join(LAYER_ORDERS)}, got {order!r}")
+
+    def key(r: LayerRow) -> float:
+        value = r.output_sqnr_db if order == "output" else r.weight_sqnr_db
+        return math.inf if math.isnan(value) else value
+
+    out = list(rows) if order == "model" else sorted(rows, key=key)
+    return out[:top] if top is not None else out

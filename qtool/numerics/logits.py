@@ -42,9 +42,11 @@ def score_window(
         raise ValueError(f"expected logits [{ids.shape[0]}, V], got {list(logits_float.shape)}")
     if ids.shape[0] < 2:
         raise ValueError("a window needs at least 2 tokens (one prediction)")
-    targets = ids[1:].to(logits_float.device)  # [L-1]
+    targets = ids[1:].to(logits_float.device)  # [L-1]: what positions 0..L-2 predict
+    scored_f, scored_q = logits_float[:-1], logits_quant[:-1]  # [L-1, V]; the last predicts
+    # a token beyond the window, so it is not scored
     parts = [
-        _score_rows(logits_float[r : r + ROWS_PER_CHUNK], logits_quant[r : r + ROWS_PER_CHUNK],
+        _score_rows(scored_f[r : r + ROWS_PER_CHUNK], scored_q[r : r + ROWS_PER_CHUNK],
                     targets[r : r + ROWS_PER_CHUNK])
         for r in range(0, targets.shape[0], ROWS_PER_CHUNK)
     ]  # fmt: skip
@@ -55,6 +57,8 @@ def _score_rows(
     lf: torch.Tensor, lq: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(nll_f, nll_q, kl, agree) of rows that predict `targets` (rows [n, V], targets [n])."""
+    if not lf.shape[0] == lq.shape[0] == targets.shape[0]:
+        raise ValueError(f"{lf.shape[0]} rows of logits for {targets.shape[0]} targets")
     logp_f = torch.log_softmax(lf.float(), dim=-1)  # [n, V]
     logp_q = torch.log_softmax(lq.float(), dim=-1)
     return (

@@ -34,6 +34,7 @@ class EvalOptions:
     dtype: str = "float32"
     device: str = "auto"
     per_layer: bool = False
+    threads: int | None = None  # CPU threads for torch; None: torch's default
 
 
 def evaluate(
@@ -41,6 +42,8 @@ def evaluate(
 ) -> EvalSummary:
     text = read_text(options.text) if options.text is not None else default_text()
     device = resolve_device(options.device)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
     started = perf_counter()
     reference = load_float(float_dir, DTYPES[options.dtype])
     ctx = window_length(options.ctx, reference)

@@ -1,0 +1,171 @@
+"""`qtool eval FLOAT QUANT`: both models on the same tokens; perplexity, KL and top-1 agreement
+(causal LMs) or embedding cosine (encoders), per-layer output error, and gates on them. Parses,
+calls qtool.api.evaluate, hands the result to the report (definitions in docs/eval.md)."""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from qtool.cli.app import GATE_FAILED, Command, app, lazy_module, user_errors
+from qtool.cli.options import DeviceOpt, JsonOpt, ThreadsOpt, TopOpt
+from qtool.errors import UsageError
+from qtool.eval_results import ENCODER, EvalBounds, arrange_layers, check
+from qtool.spec import Device, EvalDtype
+
+if TYPE_CHECKING:
+    from qtool import api
+    from qtool.report import console as report
+    from qtool.report import eval_console as eval_report
+    from qtool.report import eval_json
+else:
+    api = lazy_module("qtool.api")
+    report = lazy_module("qtool.report.console")
+    eval_report = lazy_module("qtool.report.eval_console")
+    eval_json = lazy_module("qtool.report.eval_json")
+
+
+class LayerOrder(str, Enum):
+    OUTPUT = "output"
+    WEIGHT = "weight"
+    MODEL = "model"
+
+
+def _finite(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number; give a finite bound")
+    return value
+
+
+def _bound(help_text: str, lo: float | None = None, hi: float | None = None) -> Any:
+    return typer.Option(
+        help=help_text, min=lo, max=hi, callback=_finite, metavar="X", show_default=False
+    )
+
+
+FloatArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="FLOAT",
+        help="The float model: a Hugging Face model directory (config.json, safetensors "
+        "weights, tokenizer).",
+        show_default=False,
+    ),
+]
+QuantArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="QUANT",
+        help="The same model quantized: a compressed-tensors directory, a qtool-quantized file "
+        "or sharded set, or a float checkpoint (e.g. dequantized).",
+        show_default=False,
+    ),
+]
+
+
+@app.command(
+    "eval",
+    cls=Command,
+    short_help="Run a float and a quantized model on the same text: perplexity, KL, top-1.",
+    epilog="Example: qtool eval models/llama models/llama-w4a16 --max-kl 0.05 --per-layer",
+)
+def eval_models(
+    float_dir: FloatArg,
+    quant: QuantArg,
+    text: Annotated[
+        Path | None,
+        typer.Option(
+            help="UTF-8 text to evaluate on [default: CPython's pydoc_data topics].",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ] = None,
+    tokens: Annotated[
+        int, typer.Option(help="Tokens of the text to use (its first N).", min=2, metavar="N")
+    ] = 4096,
+    ctx: Annotated[
+        int | None,
+        typer.Option(
+            help="Window length in tokens (encoders: the longest sentence) [default: 512, or "
+            "FLOAT's max_position_embeddings if smaller].",
+            min=2,
+            metavar="N",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[
+        EvalDtype, typer.Option(help="The dtype both models run in.", metavar="DTYPE")
+    ] = EvalDtype.FLOAT32,
+    device: DeviceOpt = Device.AUTO,
+    threads: ThreadsOpt = None,
+    per_layer: Annotated[
+        bool,
+        typer.Option(
+            "--per-layer",
+            help="Add a row per quantized Linear: weight SQNR and output SQNR on FLOAT's inputs.",
+        ),
+    ] = False,
+    order: Annotated[
+        LayerOrder,
+        typer.Option(
+            "--sort", help="Per-layer rows: worst output or weight SQNR first, or model order."
+        ),
+    ] = LayerOrder.OUTPUT,
+    top: TopOpt = None,
+    max_kl: Annotated[
+        float | None, _bound("Fail (exit 3) above this mean KL, nats/token.", 0.0)
+    ] = None,
+    max_ppl_ratio: Annotated[
+        float | None, _bound("Fail (exit 3) above this perplexity ratio QUANT/FLOAT.", 0.0)
+    ] = None,
+    min_top1: Annotated[
+        float | None, _bound("Fail (exit 3) below this top-1 agreement (0 to 1).", 0.0, 1.0)
+    ] = None,
+    min_cosine: Annotated[
+        float | None, _bound("Encoders: fail (exit 3) below this mean cosine.", -1.0, 1.0)
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Run FLOAT and QUANT on the same tokens, window by window, and compare their outputs:
+    perplexity of each, KL(FLOAT || QUANT) per token, top-1 agreement (causal LMs), or the
+    cosine of sentence embeddings (encoders). Writes nothing."""
+    bounds = EvalBounds(max_kl, max_ppl_ratio, min_top1, min_cosine)
+    with user_errors(as_json):
+        _check_bounds(bounds, api.eval_kind(float_dir))
+        options = api.EvalOptions(
+            text, tokens, ctx, dtype.value, device.value, per_layer, threads=threads
+        )
+        with eval_report.eval_progress() as progress:
+            summary = api.evaluate(float_dir, quant, options, progress)
+    for note in summary.notes:
+        report.print_warning(note)
+    violations = check(bounds, summary)
+    layers = None
+    if summary.layers is not None:
+        layers = arrange_layers(summary.layers, order.value, top)
+    if as_json:
+        report.print_json(eval_json.eval_json(summary, layers, bounds, violations))
+    else:
+        shown = violations if bounds.active else None
+        eval_report.print_eval(summary, layers, shown, order.value)
+    if violations:
+        raise typer.Exit(GATE_FAILED)
+
+
+def _check_bounds(bounds: EvalBounds, kind: str) -> None:
+    """A bound on a figure this kind of model has not is a usage error (exit 2)."""
+    wrong = [f"--{name.replace('_', '-')}" for name in bounds.misplaced(kind)]
+    if not wrong:
+        return
+    if kind == ENCODER:
+        why = "bound(s) a causal LM's figures; FLOAT is an encoder: use --min-cosine"
+    else:
+        why = (
+            "bounds an encoder's figure; FLOAT is a causal LM: use --max-kl, --max-ppl-ratio "
+            "or --min-top1"
+        )
+    raise UsageError(None, f"{', '.join(wrong)} {why}")

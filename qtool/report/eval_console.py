@@ -56,8 +56,8 @@ def _figures(s: EvalSummary) -> Table:
     table.add_column("value", no_wrap=True)
     c, e = s.causal, s.encoder
     if c is not None:
-        table.add_row("perplexity FLOAT", f"{c.ppl_float:.4g}")
-        table.add_row("perplexity QUANT", f"{c.ppl_quant:.4g} (x{c.ppl_ratio:.4f})")
+        table.add_row("perplexity FLOAT", f"{c.ppl_float:,.2f}")
+        table.add_row("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})")
         table.add_row("KL(FLOAT ‖ QUANT) mean", f"{_num(c.kl.mean)} nats per token")
         kl = c.kl
         table.add_row("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90,

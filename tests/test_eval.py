@@ -363,3 +363,11 @@ def test_cli_without_transformers_names_the_extra(
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
     code, out, err = invoke("eval", str(root / "llama"), str(root / "llama"))
     assert code == 1 and "pip install 'qtool[interop]'" in err and out == ""
+
+
+def test_bfloat16_compute_runs_both_models_in_bfloat16(root: Path) -> None:
+    s = evaluate(root, "llama-tied", "tied.int4.safetensors", tokens=200, dtype="bfloat16",
+                 per_layer=True)  # fmt: skip
+    assert s.dtype == "bfloat16" and s.causal is not None
+    assert math.isfinite(s.causal.kl.mean) and s.causal.kl.mean > 0
+    assert s.layers and all(math.isfinite(r.output_sqnr_db) for r in s.layers)

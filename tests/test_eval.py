@@ -266,7 +266,7 @@ def test_encoder_compressed_tensors_equals_its_dequantized_copy(root: Path) -> N
         ("llama-tied", "llama-ct-int4", "not FLOAT's architecture"),
         ("llama", "tied.int4.safetensors", "not a checkpoint of FLOAT's model"),
         ("llama-ct-int4", "llama", "FLOAT is already quantized"),
-        ("llama/model.safetensors", "llama", "FLOAT must be a model directory"),
+        ("llama/model.safetensors", "llama", "FLOAT must be a Hugging Face model directory"),
         ("llama", "missing.safetensors", "no such file"),
     ],
     ids=["names", "ct-arch", "tied-vs-untied", "tied-names", "float-quantized", "float-file",
@@ -342,7 +342,7 @@ def test_cli_bad_inputs_are_one_line(root: Path, invoke: Invoke, tmp_path: Path)
         code == 1 and "not UTF-8 text (byte 0xff at offset 3)" in err and len(err.splitlines()) == 1
     )
     code, _, err = invoke("eval", str(root / "nothing"), str(root / "llama"))
-    assert code == 1 and "FLOAT must be a model directory" in err
+    assert code == 1 and "nothing: no such file or directory" in err
     code, _, err = invoke("eval", str(root / "llama"), str(root / "llama"), "--min-top1", "2")
     assert code == 2 and "--min-top1" in err
     code, _, err = invoke("eval", str(root / "llama"), str(root / "llama"), "--max-kl", "nan")

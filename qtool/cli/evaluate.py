@@ -11,20 +11,22 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from qtool.cli.app import GATE_FAILED, Command, app, lazy_module, user_errors
-from qtool.cli.options import DeviceOpt, JsonOpt, ThreadsOpt, TopOpt
+from qtool.cli.app import app
+from qtool.cli.errors import user_errors
+from qtool.cli.help import DEBUG_ENV, GATES, INPUT, REPORT, RUN, Command, choices, epilog
+from qtool.cli.inputs import EVAL_FLOAT, EVAL_QUANT
+from qtool.cli.lazy import api, lazy_module, report
+from qtool.cli.options import JsonOpt, TopOpt
+from qtool.cli.quantize_options import MAX_THREADS, thread_count
+from qtool.cli.render import GATE_FAILED, print_notes
 from qtool.errors import UsageError
 from qtool.eval_results import ENCODER, EvalBounds, arrange_layers, check
 from qtool.spec import Device, EvalDtype
 
 if TYPE_CHECKING:
-    from qtool import api
-    from qtool.report import console as report
     from qtool.report import eval_console as eval_report
     from qtool.report import eval_json
 else:
-    api = lazy_module("qtool.api")
-    report = lazy_module("qtool.report.console")
     eval_report = lazy_module("qtool.report.eval_console")
     eval_json = lazy_module("qtool.report.eval_json")
 
@@ -43,26 +45,83 @@ def _finite(value: float | None) -> float | None:
 
 def _bound(help_text: str, lo: float | None = None, hi: float | None = None) -> Any:
     return typer.Option(
-        help=help_text, min=lo, max=hi, callback=_finite, metavar="X", show_default=False
+        help=help_text,
+        min=lo,
+        max=hi,
+        callback=_finite,
+        metavar="X",
+        show_default=False,
+        rich_help_panel=GATES,
     )
 
 
-FloatArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="FLOAT",
-        help="The float model: a Hugging Face model directory (config.json, safetensors "
-        "weights, tokenizer).",
+FloatArg = Annotated[Path, typer.Argument(metavar="FLOAT", help=EVAL_FLOAT, show_default=False)]
+QuantArg = Annotated[Path, typer.Argument(metavar="QUANT", help=EVAL_QUANT, show_default=False)]
+TextOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="UTF-8 text to evaluate on [default: CPython's pydoc_data topics].",
+        metavar="FILE",
         show_default=False,
+        rich_help_panel=INPUT,
     ),
 ]
-QuantArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="QUANT",
-        help="The same model quantized: a compressed-tensors directory, a qtool-quantized file "
-        "or sharded set, or a float checkpoint (e.g. dequantized).",
+TokensOpt = Annotated[
+    int,
+    typer.Option(
+        help="Tokens of the text to use (its first N).", min=2, metavar="N", rich_help_panel=INPUT
+    ),
+]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Window length in tokens (encoders: the longest sentence) [default: 512, or "
+        "FLOAT's max_position_embeddings if smaller].",
+        min=2,
+        metavar="N",
         show_default=False,
+        rich_help_panel=INPUT,
+    ),
+]
+EvalDtypeOpt = Annotated[
+    EvalDtype,
+    typer.Option(
+        help="The dtype both models run in.", metavar=choices(EvalDtype), rich_help_panel=RUN
+    ),
+]
+EvalDeviceOpt = Annotated[
+    Device,
+    typer.Option(
+        help="Where both models run; auto picks CUDA when available.",
+        metavar=choices(Device),
+        rich_help_panel=RUN,
+    ),
+]
+EvalThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help=f"CPU threads for the forward passes, 1 to {MAX_THREADS} [default: all cores].",
+        callback=thread_count,
+        metavar="N",
+        show_default=False,
+        rich_help_panel=RUN,
+    ),
+]
+PerLayerOpt = Annotated[
+    bool,
+    typer.Option(
+        "--per-layer",
+        help="Add a row per quantized Linear: weight SQNR and output SQNR on FLOAT's inputs.",
+        rich_help_panel=REPORT,
+    ),
+]
+LayerSortOpt = Annotated[
+    LayerOrder,
+    typer.Option(
+        "--sort",
+        help="Per-layer rows: worst output or weight SQNR first, or model order.",
+        metavar=choices(LayerOrder),
+        rich_help_panel=REPORT,
     ),
 ]
 
@@ -71,64 +130,33 @@ QuantArg = Annotated[
     "eval",
     cls=Command,
     short_help="Run a float and a quantized model on the same text: perplexity, KL, top-1.",
-    epilog="Example: qtool eval models/llama models/llama-w4a16 --max-kl 0.05 --per-layer",
+    epilog=epilog(
+        "qtool eval models/llama models/llama-w4a16 --max-kl 0.05 --per-layer", DEBUG_ENV
+    ),
 )
 def eval_models(
     float_dir: FloatArg,
     quant: QuantArg,
-    text: Annotated[
-        Path | None,
-        typer.Option(
-            help="UTF-8 text to evaluate on [default: CPython's pydoc_data topics].",
-            metavar="FILE",
-            show_default=False,
-        ),
-    ] = None,
-    tokens: Annotated[
-        int, typer.Option(help="Tokens of the text to use (its first N).", min=2, metavar="N")
-    ] = 4096,
-    ctx: Annotated[
-        int | None,
-        typer.Option(
-            help="Window length in tokens (encoders: the longest sentence) [default: 512, or "
-            "FLOAT's max_position_embeddings if smaller].",
-            min=2,
-            metavar="N",
-            show_default=False,
-        ),
-    ] = None,
-    dtype: Annotated[
-        EvalDtype, typer.Option(help="The dtype both models run in.", metavar="DTYPE")
-    ] = EvalDtype.FLOAT32,
-    device: DeviceOpt = Device.AUTO,
-    threads: ThreadsOpt = None,
-    per_layer: Annotated[
-        bool,
-        typer.Option(
-            "--per-layer",
-            help="Add a row per quantized Linear: weight SQNR and output SQNR on FLOAT's inputs.",
-        ),
-    ] = False,
-    order: Annotated[
-        LayerOrder,
-        typer.Option(
-            "--sort", help="Per-layer rows: worst output or weight SQNR first, or model order."
-        ),
-    ] = LayerOrder.OUTPUT,
-    top: TopOpt = None,
-    max_kl: Annotated[
-        float | None, _bound("Fail (exit 3) above this mean KL, nats/token.", 0.0)
-    ] = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = 4096,
+    ctx: CtxOpt = None,
+    max_kl: Annotated[float | None, _bound("Fail above this mean KL, nats/token.", 0.0)] = None,
     max_ppl_ratio: Annotated[
-        float | None, _bound("Fail (exit 3) above this perplexity ratio QUANT/FLOAT.", 0.0)
+        float | None, _bound("Fail above this perplexity ratio QUANT/FLOAT.", 0.0)
     ] = None,
     min_top1: Annotated[
-        float | None, _bound("Fail (exit 3) below this top-1 agreement (0 to 1).", 0.0, 1.0)
+        float | None, _bound("Fail below this top-1 agreement (0 to 1).", 0.0, 1.0)
     ] = None,
     min_cosine: Annotated[
-        float | None, _bound("Encoders: fail (exit 3) below this mean cosine.", -1.0, 1.0)
+        float | None, _bound("Encoders: fail below this mean cosine.", -1.0, 1.0)
     ] = None,
+    per_layer: PerLayerOpt = False,
+    order: LayerSortOpt = LayerOrder.OUTPUT,
+    top: TopOpt = None,
     as_json: JsonOpt = False,
+    dtype: EvalDtypeOpt = EvalDtype.FLOAT32,
+    device: EvalDeviceOpt = Device.AUTO,
+    threads: EvalThreadsOpt = None,
 ) -> None:
     """Run FLOAT and QUANT on the same tokens, window by window, and compare their outputs:
     perplexity of each, KL(FLOAT || QUANT) per token, top-1 agreement (causal LMs), or the
@@ -141,8 +169,7 @@ def eval_models(
         )
         with eval_report.eval_progress() as progress:
             summary = api.evaluate(float_dir, quant, options, progress)
-    for note in summary.notes:
-        report.print_warning(note)
+    print_notes(list(summary.notes))
     violations = check(bounds, summary)
     layers = None
     if summary.layers is not None:

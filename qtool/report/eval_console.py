@@ -1,6 +1,7 @@
 """`qtool eval` for people: the figures of both models, the per-layer table, the gate line,
-and a progress bar (tokens, tokens/s) on stderr in a terminal. Renders with Rich, through
-report/console.py's streams (no colour off a terminal, control characters escaped)."""
+and a progress bar (tokens, tokens/s) on stderr in a terminal. Laid out as plain lines within
+the output's width (report/layout.py) and printed through report/console.py (styles on a
+terminal only, control characters escaped); Rich draws the progress bar alone."""
 
 from __future__ import annotations
 
@@ -8,16 +9,15 @@ import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.progress import Task as RichTask
-from rich.table import Table
 from rich.text import Text
 
 from qtool.eval_results import EvalSummary, EvalViolation, LayerRow
-from qtool.report.console import console, emit, safe
+from qtool.report import layout
+from qtool.report.console import console, emit, safe, width_of
+from qtool.report.layout import Column, Line
 
 
 def print_eval(
@@ -27,72 +27,92 @@ def print_eval(
     order: str,
 ) -> None:
     """The report on stdout; `violations` None: no bound was given."""
-    lines: list[Any] = [*_header(summary), _figures(summary)]
+    width = width_of(sys.stdout)
+    lines = _plain([piece for line in _header(summary) for piece in layout.phrases([line], width)])
+    lines += layout.table(_figures(summary), width).lines
     if layers is not None:
-        lines += _layer_lines(summary, layers, order)
-    lines.append(Text(_speed(summary)))
+        lines += _layer_lines(summary, layers, order, width)
+    lines += _plain(layout.phrases([_speed(summary)], width))
     if violations is not None:
-        lines.append(_gate_line(violations))
-    emit(sys.stdout, *lines)
+        lines += _gate_lines(violations, width)
+    emit(sys.stdout, lines)
 
 
-def _header(s: EvalSummary) -> list[Text]:
+def _plain(texts: list[str], style: str = "") -> list[Line]:
+    return [[(t, style)] for t in texts]
+
+
+def _header(s: EvalSummary) -> list[str]:
     pieces = "windows" if s.causal is not None else "sentences"
     scored = f", {s.causal.predicted:,} positions scored" if s.causal is not None else ""
     cut = f"of {s.ctx}" if s.causal is not None else f"cut at {s.ctx}"
     return [
-        Text(f"FLOAT {safe(s.inputs[0])} ({safe(s.architecture)})"),
-        Text(f"QUANT {safe(s.inputs[1])} ({safe(s.loaded_as)})"),
-        Text(
-            f"{s.tokens:,} tokens of {safe(s.text.source)} in {s.windows:,} {pieces} {cut}"
-            f"{scored}; {s.dtype} on {s.device}"
-        ),
+        f"FLOAT {safe(s.inputs[0])} ({safe(s.architecture)})",
+        f"QUANT {safe(s.inputs[1])} ({safe(s.loaded_as)})",
+        f"{s.tokens:,} tokens of {safe(s.text.source)} in {s.windows:,} {pieces} {cut}{scored}; "
+        f"{s.dtype} on {s.device}",
     ]
 
 
-def _figures(s: EvalSummary) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("figure", no_wrap=True)
-    table.add_column("value", no_wrap=True)
+def _figures(s: EvalSummary) -> list[Column]:
+    rows: list[tuple[str, str]] = []
     c, e = s.causal, s.encoder
     if c is not None:
-        table.add_row("perplexity FLOAT", f"{c.ppl_float:,.2f}")
-        table.add_row("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})")
-        table.add_row("KL(FLOAT ‖ QUANT) mean", f"{_num(c.kl.mean)} nats per token")
         kl = c.kl
-        table.add_row("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90,
-                      kl.p99, kl.max))))  # fmt: skip
-        table.add_row("top-1 agreement", f"{c.top1 * 100:.1f} % ({c.agree:,} of {c.predicted:,})")
+        rows += [
+            ("perplexity FLOAT", f"{c.ppl_float:,.2f}"),
+            ("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})"),
+            ("KL(FLOAT ‖ QUANT) mean", f"{_num(kl.mean)} nats per token"),
+            ("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.max)))),
+            ("top-1 agreement", f"{c.top1 * 100:.1f} % ({c.agree:,} of {c.predicted:,})"),
+        ]
     if e is not None:
-        table.add_row("cosine mean", f"{e.cosine_mean:.6f} ({e.sentences:,} sentences)")
-        table.add_row("cosine min", f"{e.cosine_min:.6f}")
-        table.add_row("last hidden state rel. error", _num(e.hidden_rel_error))
-    table.add_row("weights that differ", f"{s.changed:,} of {s.parameters:,} tensors")
-    return table
+        rows += [
+            ("cosine mean", f"{e.cosine_mean:.6f} ({e.sentences:,} sentences)"),
+            ("cosine min", f"{e.cosine_min:.6f}"),
+            ("last hidden state rel. error", _num(e.hidden_rel_error)),
+        ]
+    rows.append(("weights that differ", f"{s.changed:,} of {s.parameters:,} tensors"))
+    return [
+        Column("figure", [(name, "") for name, _ in rows], fold=12),
+        Column("value", [(value, "") for _, value in rows], fold=16),
+    ]
 
 
 def _num(value: float) -> str:
     return f"{value:.4g}" if math.isfinite(value) else str(value)
 
 
-def _layer_lines(s: EvalSummary, layers: list[LayerRow], order: str) -> list[Any]:
+def _layer_lines(s: EvalSummary, layers: list[LayerRow], order: str, width: int) -> list[Line]:
+    if not layers:
+        return _plain(["no Linear's weight differs between FLOAT and QUANT"])
     total = len(s.layers or ())
     first = {"output": "worst output SQNR first", "weight": "worst weight SQNR first"}
     title = f"Per quantized Linear ({first.get(order, 'model order')}; output on FLOAT's inputs)"
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("layer", overflow="fold", min_width=12)
-    table.add_column("shape", no_wrap=True)
-    for header in ("weight SQNR dB", "output SQNR dB", "output - weight"):
-        table.add_column(header, justify="right", no_wrap=True)
-    for r in layers:
-        gap = _db(r.output_sqnr_db - r.weight_sqnr_db, signed=True)
-        shape = "[" + ", ".join(map(str, r.shape)) + "]"
-        table.add_row(Text(safe(r.name)), shape, _db(r.weight_sqnr_db), _db(r.output_sqnr_db), gap)
-    out: list[Any] = [Text(title), table]
-    if not layers:
-        out = [Text("no Linear's weight differs between FLOAT and QUANT")]
-    elif len(layers) < total:
-        out.append(Text(f"(showing {len(layers)} of {total} layers)", style="dim"))
+    columns = [
+        Column(
+            "layer", [(safe(r.name), "") for r in layers], fold=12 if sys.stdout.isatty() else 0
+        ),
+        Column("shape", [("[" + ", ".join(map(str, r.shape)) + "]", "") for r in layers], hide=1),
+        Column("weight SQNR dB", [(_db(r.weight_sqnr_db), "") for r in layers], right=True),
+        Column("output SQNR dB", [(_db(r.output_sqnr_db), "") for r in layers], right=True),
+        Column(
+            "output - weight",
+            [(_db(r.output_sqnr_db - r.weight_sqnr_db, signed=True), "") for r in layers],
+            right=True,
+            hide=2,
+        ),
+    ]
+    table = layout.table(columns, width)
+    out = _plain(layout.phrases([title], width)) + table.lines
+    if table.hidden:
+        how = "widen the terminal" if sys.stdout.isatty() else "set COLUMNS wider"
+        out += _plain(layout.phrases(
+            [f"({', '.join(table.hidden)} hidden to fit {width} columns; {how}, or use --json)"],
+            width,
+        ), "dim")  # fmt: skip
+    if len(layers) < total:
+        out += _plain([f"(showing {len(layers)} of {total} layers)"], "dim")
     return out
 
 
@@ -111,11 +131,11 @@ def _speed(s: EvalSummary) -> str:
     )
 
 
-def _gate_line(violations: list[EvalViolation]) -> Text:
+def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
     if not violations:
-        return Text("gate: passed", style="green")
+        return _plain(["gate: passed"], "green")
     broken = "; ".join(safe(v.detail) for v in violations)
-    return Text(f"gate: FAILED ({broken})", style="bold red")
+    return _plain(layout.phrases([f"gate: FAILED ({broken})"], width), "bold red")
 
 
 # ---- progress ------------------------------------------------------------------------------

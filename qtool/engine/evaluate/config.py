@@ -1,5 +1,6 @@
-"""FLOAT's config.json, read like every config (torch-free): whether it is a model directory
-at all, not an already quantized one, and which kind of model it is."""
+"""FLOAT as `detect` finds it (torch-free): a model directory with its config.json (read once,
+through the directory's descriptor, like every config), not an already quantized one, and which
+kind of model it is."""
 
 from __future__ import annotations
 
@@ -7,25 +8,34 @@ from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM, ENCODER
-from qtool.io.jsonfile import read_json_object
-from qtool.io.safeopen import InputDir
+from qtool.formats.detect import CONFIG, Detected, detect
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+FLOAT_WANTED = (
+    "FLOAT must be a Hugging Face model directory (config.json beside safetensors weights)"
+)
 
 
-def read_config(path: Path) -> dict[str, object]:
-    """FLOAT's config.json (InputError when `path` is not a model directory, or a quantized one)."""
+def float_source(path: Path) -> tuple[Detected, dict[str, object]]:
+    """FLOAT detected, and its config.json (InputError when `path` is not a float model
+    directory: a file, a directory without config.json, or a quantized model)."""
+    if not path.exists():
+        raise InputError(path, "no such file or directory; check the path")
     if not path.is_dir():
+        raise InputError(path, f"{FLOAT_WANTED}; this is a file")
+    found = detect(path)
+    config = found.config
+    if config is None:
+        raise InputError(path, f"{FLOAT_WANTED}; it has no {CONFIG}")
+    if not isinstance(config, dict):
+        raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
+    if "quantization_config" in config or found.quantized:
+        what = found.description if found.quantized else "its config.json has a quantization_config"
         raise InputError(
-            path, "FLOAT must be a model directory (config.json and safetensors weights)"
-        )
-    config = read_json_object(path / "config.json", within=InputDir(path), what="config.json")
-    if "quantization_config" in config:
-        raise InputError(
-            path, "FLOAT is already quantized (its config.json has a quantization_config); "
-            "give the float model as FLOAT and the quantized one as QUANT",
+            path, f"FLOAT is already quantized ({what}); give the float model as FLOAT and the "
+            "quantized one as QUANT",
         )  # fmt: skip
-    return config
+    return found, config
 
 
 def kind_of(config: dict[str, object]) -> tuple[str, str]:

@@ -1,6 +1,7 @@
-"""FLOAT, the reference model: a Hugging Face model directory checked by qtool (config.json
-read like every config; its safetensors headers read strictly and refused when already
-quantized) and then loaded by transformers, once, in the compute dtype."""
+"""FLOAT, the reference model: a Hugging Face model directory checked by qtool (found by
+`detect`; config.json and the safetensors headers read through the directory's descriptor,
+strictly, and refused when already quantized) and then loaded by transformers, once, in the
+compute dtype."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from typing import Any
 import torch
 
 from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.config import kind_of, read_config
+from qtool.engine.evaluate.config import float_source, kind_of
+from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM
-from qtool.formats.ct_read import model_shards
-from qtool.formats.detect import refuse_quantized
-from qtool.io.safeopen import InputDir
-from qtool.io.stformat import HeaderError, read_header
+from qtool.formats.detect import Detected, refuse_quantized
+from qtool.io.stformat import HeaderError
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,14 @@ class FloatModel:
     unexpected: frozenset[str]  # checkpoint tensors the architecture does not use (a head)
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """The tensors of a model directory's safetensors (headers only; a quantized one refused)."""
-    within = InputDir(path)
+def read_checkpoint(found: Detected) -> Checkpoint:
+    """The tensors of a model directory's safetensors (headers only, read through the
+    directory's descriptor; a quantized one refused)."""
+    source = Source(found)
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    for shard in model_shards(path, within):
+    for shard in source.shards:
         try:
-            header = read_header(shard)
+            header = source.header(shard)
         except HeaderError as err:
             raise InputError(shard, f"not a valid safetensors file: {err}") from None
         refuse_quantized(shard, header.metadata, [e.name for e in header.tensors])
@@ -55,9 +56,9 @@ def read_checkpoint(path: Path) -> Checkpoint:
 def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when it lacks a
     weight its architecture needs (transformers would initialise it at random)."""
-    config = read_config(path)
+    found, config = float_source(path)
     kind, architecture = kind_of(config)
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(found)
     transformers = hf.transformers_module()
     cls = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
     model, info = hf.from_pretrained(cls, path, "FLOAT", dtype=dtype)

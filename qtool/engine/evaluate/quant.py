@@ -28,7 +28,8 @@ from qtool.engine.evaluate import hf
 from qtool.engine.evaluate.models import FloatModel, listed, loading_problem
 from qtool.engine.evaluate.readers import read_tensors
 from qtool.errors import InputError
-from qtool.formats.ct_read import is_compressed_tensors, read_config
+from qtool.formats.detect import Detected, detect
+from qtool.spec import FormatName
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
 # config keys that say nothing about the architecture (or are checked another way)
@@ -51,30 +52,32 @@ class QuantModel:
 
 @dataclass(frozen=True)
 class QuantLoader:
-    claims: Callable[[Path], bool]
-    load: Callable[[Path, FloatModel, torch.dtype], QuantModel]
+    claims: Callable[[Detected], bool]
+    load: Callable[[Detected, FloatModel, torch.dtype], QuantModel]
 
 
 def load_quant(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
     """QUANT in FLOAT's architecture and `dtype` (InputError when it is not the same model)."""
-    if not path.exists():
-        raise InputError(path, "no such file or directory; check the path")
-    loader = next(loader for loader in LOADERS if loader.claims(path))
-    return loader.load(path, reference, dtype)
+    found = detect(path)  # InputError for a path that does not exist or holds no checkpoint
+    loader = next(loader for loader in LOADERS if loader.claims(found))
+    return loader.load(found, reference, dtype)
 
 
 # ---- compressed-tensors: transformers loads it ---------------------------------------------
 
 
-def _is_ct(path: Path) -> bool:
-    return path.is_dir() and is_compressed_tensors(path)
+def _is_ct(found: Detected) -> bool:
+    return found.format == FormatName.COMPRESSED_TENSORS.value and found.directory is not None
 
 
-def _load_ct(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
+def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
+    assert found.directory is not None
+    path = found.directory
     check_same_architecture(reference, path)
     kwargs: dict[str, Any] = {}
     how = "compressed-tensors, loaded by transformers"
-    if _asymmetric(path):
+    config = _quantization_config(found)
+    if _asymmetric(path, config):
         kwargs["quantization_config"] = hf.transformers_module().CompressedTensorsConfig(
             dequantize=True
         )
@@ -83,24 +86,32 @@ def _load_ct(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantMode
     try:
         model, info = hf.from_pretrained(type(reference.model), path, "QUANT", **kwargs)
     except InputError as err:
-        raise InputError(path, f"{err.message}{_tied_hint(reference.model, path)}") from None
+        hint = _tied_hint(reference.model, config)
+        raise InputError(path, f"{err.message}{hint}") from None
     problem = loading_problem(info, reference.unexpected)
     if problem:
         raise InputError(path, f"QUANT {problem}")
-    _decompress(model, path, reference)
+    _decompress(model, path, reference, config)
     return QuantModel(model.to(dtype).eval(), how, own_tokenizer(path))
 
 
-def _asymmetric(path: Path) -> bool:
+def _quantization_config(found: Detected) -> dict[str, Any]:
+    """config.json's quantization_config as detect read it (through the directory's
+    descriptor); only the keys transformers' loading paths depend on are looked at here."""
+    config = found.config if isinstance(found.config, dict) else {}
+    q = config.get("quantization_config")
+    return q if isinstance(q, dict) else {}
+
+
+def _asymmetric(path: Path, config: dict[str, Any]) -> bool:
     """True for a single-scheme asymmetric export (which loads only with dequantize=True);
-    InputError for a mixed-scheme asymmetric one, which has no working transformers path."""
-    try:
-        config = read_config(path)
-    except InputError:
-        return False  # a variant qtool does not read: transformers decides
-    if all(g.weights.symmetric for g in config.groups):
+    InputError for a mixed-scheme asymmetric one, which has no working transformers path
+    (dequantize=True applies the first config group to every module)."""
+    groups = config.get("config_groups")
+    weights = [g.get("weights") for g in groups.values()] if isinstance(groups, dict) else []
+    if not any(isinstance(w, dict) and w.get("symmetric") is False for w in weights):
         return False
-    if len(config.groups) > 1:
+    if len(weights) > 1:
         raise InputError(
             path, "an asymmetric compressed-tensors model with several schemes: transformers "
             "loads it on no path (docs/formats.md); evaluate its float copy (qtool dequantize)",
@@ -108,7 +119,7 @@ def _asymmetric(path: Path) -> bool:
     return True
 
 
-def _decompress(model: Any, path: Path, reference: FloatModel) -> None:
+def _decompress(model: Any, path: Path, reference: FloatModel, config: dict[str, Any]) -> None:
     """compressed-tensors decompresses the weights on the first forward: run one token, then
     check that every Linear holds float weights."""
     with torch.no_grad(), hf.quiet():  # not inference_mode: the weights stay parameters
@@ -117,7 +128,7 @@ def _decompress(model: Any, path: Path, reference: FloatModel) -> None:
         except (RuntimeError, AttributeError, ValueError, TypeError) as err:
             raise InputError(
                 path, f"transformers loaded QUANT but cannot run it: {hf.first_line(err)}"
-                f"{_tied_hint(reference.model, path)}",
+                f"{_tied_hint(reference.model, config)}",
             ) from None  # fmt: skip
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -125,15 +136,12 @@ def _decompress(model: Any, path: Path, reference: FloatModel) -> None:
             raise InputError(path, f"QUANT's Linear {name} has no float weight after loading")
 
 
-def _tied_hint(model: Any, path: Path) -> str:
+def _tied_hint(model: Any, config: dict[str, Any]) -> str:
     """Why a tied-head export fails to load: its `ignore` must name the head."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return ""
-    try:
-        ignore = read_config(path).ignore
-    except InputError:
-        return ""
-    if any("lm_head" in entry for entry in ignore):
+    ignore = config.get("ignore")
+    if any("lm_head" in str(entry) for entry in (ignore if isinstance(ignore, list) else [])):
         return ""
     return (
         "; its output head is tied to the embeddings but quantization_config.ignore lacks "
@@ -148,13 +156,15 @@ def _is_float(t: object) -> bool:
 # ---- anything qtool reads: dequantized in memory ---------------------------------------------
 
 
-def _load_tensors(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
-    if path.is_dir() and (path / "config.json").is_file():
-        check_same_architecture(reference, path)
-    tensors, quantized = read_tensors(path)
+def _load_tensors(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
+    path = found.named
+    if found.directory is not None and found.config is not None:
+        check_same_architecture(reference, found.directory)
+    tensors, quantized = read_tensors(found)
     model = into_float_architecture(tensors, reference, dtype, path)
     how = "qtool reader, dequantized in memory" if quantized else "float checkpoint"
-    return QuantModel(model, how, own_tokenizer(path) if path.is_dir() else None)
+    tokenizer = own_tokenizer(found.directory) if found.directory is not None else None
+    return QuantModel(model, how, tokenizer)
 
 
 def into_float_architecture(
@@ -228,5 +238,5 @@ def own_tokenizer(path: Path) -> Any | None:
 
 LOADERS: tuple[QuantLoader, ...] = (
     QuantLoader(_is_ct, _load_ct),
-    QuantLoader(lambda path: True, _load_tensors),  # whatever qtool's readers take
+    QuantLoader(lambda found: True, _load_tensors),  # whatever qtool's readers take
 )

@@ -43,7 +43,8 @@ def _plain(texts: list[str], style: str = "") -> list[Line]:
 
 
 def _header(s: EvalSummary) -> list[str]:
-    pieces = "windows" if s.causal is not None else "sentences"
+    pieces = "window" if s.causal is not None else "sentence"
+    pieces += "" if s.windows == 1 else "s"
     scored = f", {s.causal.predicted:,} positions scored" if s.causal is not None else ""
     cut = f"of {s.ctx}" if s.causal is not None else f"cut at {s.ctx}"
     return [

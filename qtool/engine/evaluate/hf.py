@@ -14,8 +14,23 @@ from types import ModuleType
 from typing import Any
 
 from qtool.errors import InputError, QtoolError
+from qtool.io.safeopen import InputDir
 
 INTEROP = "pip install 'qtool[interop]'"
+# the files transformers' tokenizers are read from (the ones it finds in a model directory)
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+        "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model",
+        "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+    }
+)  # fmt: skip
+# a tokenizer needs one of these (the others only configure it)
+TOKENIZER_VOCABULARIES = frozenset(
+    {"tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model",
+     "sentencepiece.bpe.model"}
+)  # fmt: skip
+TOKENIZER_WANTED = "tokenizer.json, tokenizer.model, vocab.txt or vocab.json"
 
 
 def transformers_module() -> ModuleType:
@@ -71,8 +86,37 @@ def from_pretrained(cls: Any, path: Path | None, what: str, **kwargs: Any) -> tu
         raise InputError(path, f"transformers cannot load {what}: {first_line(err)}") from None
 
 
+def tokenizer_files(path: Path) -> list[str]:
+    """The tokenizer files of the model directory `path`, each checked as qtool checks every
+    input file before transformers reads it: a regular file inside the directory (a link only
+    to a file beside it), never a FIFO or device (InputError naming the file otherwise)."""
+    within = InputDir(path)
+    try:
+        found = [n for n in within.names() if n in TOKENIZER_FILES]
+        for name in found:
+            problem = within.problem(name)
+            if problem is not None:
+                raise InputError(
+                    path / name, f"{problem}; qtool reads only regular files inside the model "
+                    "directory (copy the file in, e.g. cp -L, instead of linking it)",
+                )  # fmt: skip
+    finally:
+        within.close()
+    return found
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether the model directory holds a tokenizer's vocabulary (its files checked)."""
+    return not TOKENIZER_VOCABULARIES.isdisjoint(tokenizer_files(path))
+
+
 def tokenizer(path: Path, what: str) -> Any:
     """The tokenizer saved in the model directory `path` (InputError when there is none)."""
+    if not has_tokenizer(path):
+        raise InputError(
+            path, f"{what} has no tokenizer ({TOKENIZER_WANTED}); copy the model's tokenizer "
+            "files into the directory",
+        )  # fmt: skip
     transformers = transformers_module()
     try:
         with quiet():

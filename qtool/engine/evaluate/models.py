@@ -59,6 +59,7 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     found, config = float_source(path)
     kind, architecture = kind_of(config)
     checkpoint = read_checkpoint(found)
+    tokenizer = hf.tokenizer(path, "FLOAT")  # before the weights: a missing one fails at once
     transformers = hf.transformers_module()
     cls = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
     model, info = hf.from_pretrained(cls, path, "FLOAT", dtype=dtype)
@@ -66,7 +67,6 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     problem = loading_problem(info, unexpected)
     if problem:
         raise InputError(path, f"FLOAT {problem}")
-    tokenizer = hf.tokenizer(path, "FLOAT")
     return FloatModel(path, architecture, kind, model.eval(), tokenizer, checkpoint, unexpected)
 
 

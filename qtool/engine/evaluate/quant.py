@@ -31,7 +31,6 @@ from qtool.errors import InputError
 from qtool.formats.detect import Detected, detect
 from qtool.spec import FormatName
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
 # config keys that say nothing about the architecture (or are checked another way)
 CONFIG_NOISE = frozenset(
     {
@@ -231,7 +230,7 @@ def check_same_architecture(reference: FloatModel, path: Path) -> None:
 
 def own_tokenizer(path: Path) -> Any | None:
     """QUANT's tokenizer when its directory holds one (compared with FLOAT's on the text)."""
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not hf.has_tokenizer(path):
         return None
     return hf.tokenizer(path, "QUANT")
 

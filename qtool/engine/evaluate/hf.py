@@ -86,6 +86,21 @@ def from_pretrained(cls: Any, path: Path | None, what: str, **kwargs: Any) -> tu
         raise InputError(path, f"transformers cannot load {what}: {first_line(err)}") from None
 
 
+def config_from(doc: dict[str, object], path: Path, what: str) -> Any:
+    """transformers' config of the config.json content `doc` (read by qtool, through the model
+    directory's descriptor), built as from_pretrained builds it from the file."""
+    transformers = transformers_module()
+    model_type = doc.get("model_type")
+    try:
+        with quiet():
+            cls = transformers.AutoConfig.for_model(str(model_type)).__class__
+            return cls.from_dict(dict(doc))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(
+            path / "config.json", f"transformers cannot read {what}'s config: {first_line(err)}"
+        ) from None
+
+
 def tokenizer_files(path: Path) -> list[str]:
     """The tokenizer files of the model directory `path`, each checked as qtool checks every
     input file before transformers reads it: a regular file inside the directory (a link only

@@ -13,6 +13,7 @@ import torch
 
 from qtool.engine.evaluate import hf
 from qtool.engine.evaluate.config import float_source, kind_of
+from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM
@@ -53,6 +54,12 @@ def read_checkpoint(found: Detected) -> Checkpoint:
     return Checkpoint(tensors)
 
 
+def read_float_tensors(found: Detected) -> dict[str, torch.Tensor]:
+    """FLOAT's tensors, read through the directory's descriptor by the format registry's
+    reader (transformers gets them as a state dict: it never opens FLOAT's weight files)."""
+    return read_tensors(found)[0]
+
+
 def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when it lacks a
     weight its architecture needs (transformers would initialise it at random)."""
@@ -61,8 +68,19 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     checkpoint = read_checkpoint(found)
     tokenizer = hf.tokenizer(path, "FLOAT")  # before the weights: a missing one fails at once
     transformers = hf.transformers_module()
-    cls = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
-    model, info = hf.from_pretrained(cls, path, "FLOAT", dtype=dtype)
+    auto = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
+    hf_config = hf.config_from(config, path, "FLOAT")
+    try:
+        cls = auto._model_mapping[type(hf_config)]  # the class from_pretrained(path) would pick
+    except KeyError:
+        raise InputError(
+            path, f"transformers has no {auto.__name__} for model_type {config.get('model_type')!r}"
+        ) from None
+    tensors = read_float_tensors(found)  # through qtool's reader, never by path again
+    model, info = hf.from_pretrained(
+        cls, None, "FLOAT", config=hf_config, state_dict=tensors, dtype=dtype
+    )
+    del tensors
     unexpected = frozenset(info.get("unexpected_keys") or ())  # e.g. a head AutoModel drops
     problem = loading_problem(info, unexpected)
     if problem:

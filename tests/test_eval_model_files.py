@@ -82,3 +82,31 @@ def test_quant_of_another_model_is_one_line(invoke: Invoke) -> None:
     code, out, err = invoke("eval", str(LM), str(other), "--tokens", "20", "--threads", "1")
     assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
     assert "not FLOAT's architecture: its config.json differs in" in err
+
+
+@pytest.fixture(scope="module")
+def ct_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(FLOAT, its compressed-tensors int4 export), built once."""
+    from qtool import api
+    from qtool.spec import PerGroup, QSpec, StorageDtype
+    from tests.eval_models import build
+
+    root = tmp_path_factory.mktemp("ct")
+    model = build(root / "llama", "llama")
+    spec = QSpec(dtype=StorageDtype.INT4, granularity=PerGroup(32))
+    options = api.QuantizeOptions(spec, format="compressed-tensors")
+    api.quantize(model, root / "ct", options, device="cpu")
+    return model, root / "ct"
+
+
+@pytest.mark.parametrize("attack", [_fifo, _link_out], ids=["fifo", "link-out"])
+def test_compressed_tensors_weights_are_checked_before_transformers_opens_them(
+    invoke: Invoke, tmp_path: Path, ct_export: tuple[Path, Path], attack: Callable[[Path], None]
+) -> None:
+    model, ct = ct_export
+    copy = tmp_path / "ct"
+    shutil.copytree(ct, copy)
+    attack(copy / "model.safetensors")
+    code, out, err = invoke("eval", str(model), str(copy), "--tokens", "20", "--threads", "1")
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "model.safetensors" in err

@@ -72,7 +72,8 @@ def _is_ct(found: Detected) -> bool:
 def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
     assert found.directory is not None
     path = found.directory
-    check_same_architecture(reference, path)
+    check_same_architecture(reference, found)
+    _check_weight_files(found)
     kwargs: dict[str, Any] = {}
     how = "compressed-tensors, loaded by transformers"
     config = _quantization_config(found)
@@ -92,6 +93,20 @@ def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> Quan
         raise InputError(path, f"QUANT {problem}")
     _decompress(model, path, reference, config)
     return QuantModel(model.to(dtype).eval(), how, own_tokenizer(path))
+
+
+def _check_weight_files(found: Detected) -> None:
+    """Every weight file transformers is about to open by path is a regular file inside the
+    directory, as qtool's own reads require (a FIFO would hang it, a link lead outside)."""
+    if found.within is None:
+        return
+    for weights in found.weights:
+        problem = found.within.problem(weights.name)
+        if problem is not None:
+            raise InputError(
+                weights, f"{problem}; qtool reads only regular files inside the model "
+                "directory (copy the file in, e.g. cp -L, instead of linking it)",
+            )  # fmt: skip
 
 
 def _quantization_config(found: Detected) -> dict[str, Any]:
@@ -158,7 +173,7 @@ def _is_float(t: object) -> bool:
 def _load_tensors(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
     path = found.named
     if found.directory is not None and found.config is not None:
-        check_same_architecture(reference, found.directory)
+        check_same_architecture(reference, found)
     tensors, quantized = read_tensors(found)
     model = into_float_architecture(tensors, reference, dtype, path)
     how = "qtool reader, dequantized in memory" if quantized else "float checkpoint"
@@ -208,15 +223,15 @@ def check_same_tensors(tensors: dict[str, torch.Tensor], reference: FloatModel, 
 # ---- checks shared by the loaders ---------------------------------------------------------
 
 
-def check_same_architecture(reference: FloatModel, path: Path) -> None:
-    """QUANT's config.json describes FLOAT's architecture (as transformers reads both), but
-    for its quantization_config, dtypes, token ids and bookkeeping."""
-    transformers = hf.transformers_module()
-    try:
-        with hf.quiet():
-            theirs = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise InputError(path, f"cannot read QUANT's config: {hf.first_line(err)}") from None
+def check_same_architecture(reference: FloatModel, found: Detected) -> None:
+    """QUANT's config.json (as detect read it) describes FLOAT's architecture (as transformers
+    reads both), but for its quantization_config, dtypes, token ids and bookkeeping."""
+    assert found.directory is not None
+    path = found.directory
+    doc = found.config
+    if not isinstance(doc, dict):
+        raise InputError(path / "config.json", "not a valid config.json: expected a JSON object")
+    theirs = hf.config_from(doc, path, "QUANT")
     ours, other = reference.model.config.to_dict(), theirs.to_dict()
     keys = sorted((set(ours) | set(other)) - CONFIG_NOISE)
     differ = [k for k in keys if ours.get(k) != other.get(k)]

@@ -5,6 +5,7 @@ calls qtool.api.evaluate, hands the result to the report (definitions in docs/ev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -16,7 +17,7 @@ from qtool.cli.errors import user_errors
 from qtool.cli.help import DEBUG_ENV, GATES, INPUT, REPORT, RUN, Command, choices, epilog
 from qtool.cli.inputs import EVAL_FLOAT, EVAL_QUANT
 from qtool.cli.lazy import api, lazy_module, report
-from qtool.cli.options import JsonOpt, TopOpt
+from qtool.cli.options import JsonOpt
 from qtool.cli.quantize_options import MAX_THREADS, thread_count
 from qtool.cli.render import GATE_FAILED, print_notes
 from qtool.errors import UsageError
@@ -43,12 +44,32 @@ def _finite(value: float | None) -> float | None:
     return value
 
 
-def _bound(help_text: str, lo: float | None = None, hi: float | None = None) -> Any:
+def _at_least(least: int) -> Callable[[int | None], int | None]:
+    """Typer's own `min=` would print `[x>=2]` in the help; the check is the same."""
+
+    def check(value: int | None) -> int | None:
+        if value is not None and value < least:
+            raise typer.BadParameter(f"must be at least {least}, got {value}")
+        return value
+
+    return check
+
+
+def _within(lo: float, hi: float) -> Callable[[float | None], float | None]:
+    def check(value: float | None) -> float | None:
+        value = _finite(value)
+        if value is not None and not lo <= value <= hi:
+            span = f"at least {lo:g}" if hi == math.inf else f"{lo:g} to {hi:g}"
+            raise typer.BadParameter(f"{value:g} is out of range; give {span}")
+        return value
+
+    return check
+
+
+def _bound(help_text: str, lo: float, hi: float = math.inf) -> Any:
     return typer.Option(
         help=help_text,
-        min=lo,
-        max=hi,
-        callback=_finite,
+        callback=_within(lo, hi),
         metavar="X",
         show_default=False,
         rich_help_panel=GATES,
@@ -69,7 +90,10 @@ TextOpt = Annotated[
 TokensOpt = Annotated[
     int,
     typer.Option(
-        help="Tokens of the text to use (its first N).", min=2, metavar="N", rich_help_panel=INPUT
+        help="Tokens of the text to use (its first N, at least 2).",
+        callback=_at_least(2),
+        metavar="N",
+        rich_help_panel=INPUT,
     ),
 ]
 CtxOpt = Annotated[
@@ -77,7 +101,7 @@ CtxOpt = Annotated[
     typer.Option(
         help="Window length in tokens (encoders: the longest sentence) [default: 512, or "
         "FLOAT's max_position_embeddings if smaller].",
-        min=2,
+        callback=_at_least(2),
         metavar="N",
         show_default=False,
         rich_help_panel=INPUT,
@@ -105,6 +129,16 @@ EvalThreadsOpt = Annotated[
         metavar="N",
         show_default=False,
         rich_help_panel=RUN,
+    ),
+]
+LayerTopOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Per-layer rows: show only the first N (after --sort).",
+        callback=_at_least(1),
+        metavar="N",
+        show_default=False,
+        rich_help_panel=REPORT,
     ),
 ]
 PerLayerOpt = Annotated[
@@ -152,7 +186,7 @@ def eval_models(
     ] = None,
     per_layer: PerLayerOpt = False,
     order: LayerSortOpt = LayerOrder.OUTPUT,
-    top: TopOpt = None,
+    top: LayerTopOpt = None,
     as_json: JsonOpt = False,
     dtype: EvalDtypeOpt = EvalDtype.FLOAT32,
     device: EvalDeviceOpt = Device.AUTO,

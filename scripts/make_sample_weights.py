@@ -197,6 +197,8 @@ def write_tiny_llama_gguf(path: Path) -> None:
         specs.append((_gguf_name(hf), gtype, tuple(reversed(t.shape))))
         datas.append(t.contiguous().view(torch.int16 if gtype == "BF16" else t.dtype).numpy())
     write_gguf(path, meta, specs, datas)
+
+
 TINY_LM_SPECIALS = ["<unk>", "<s>", "</s>"]
 TINY_LM_CHARS = ["\n", " ", *(chr(c) for c in range(33, 127))]  # other characters: <unk>
 TINY_LM_VOCAB = len(TINY_LM_SPECIALS) + len(TINY_LM_CHARS)  # 99

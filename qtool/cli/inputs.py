@@ -32,5 +32,6 @@ EVAL_FLOAT = (
 )
 EVAL_QUANT = (
     "The same model quantized: a compressed-tensors model directory, a qtool-quantized file or "
-    "sharded set (or its directory), or a float checkpoint (e.g. a dequantized one)."
+    "sharded set (or its directory), a GGUF file (its tensors matched to FLOAT's names), or a "
+    "float checkpoint (e.g. a dequantized one)."
 )

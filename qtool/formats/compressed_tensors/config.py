@@ -239,9 +239,15 @@ def quantization_config(
     selections: Sequence[Selection],
     version: str,
     candidates: Mapping[str, Sequence[float]] | None = None,
+    *,
+    absent: Sequence[str] = (),
+    dequantize: bool = False,
 ) -> dict[str, object]:
     """The `quantization_config` of config.json; `candidates` (name -> multipliers) records
-    the mse search's candidate lists under the `qtool` key, which loaders ignore."""
+    the mse search's candidate lists under the `qtool` key, which loaders ignore; `absent`: the
+    Linears the checkpoint holds no weight for (ignored too); `dequantize` writes
+    `"dequantize": true`, which makes transformers dequantize at load time (see
+    dequantize_at_load)."""
     specs = [s.spec for s in selections if s.spec is not None]
     methods = sorted({s.range_method.value for s in specs})
     record: dict[str, object] = {
@@ -252,16 +258,19 @@ def quantization_config(
     if RangeMethod.MSE.value in methods:
         record["mse_algorithm"] = MSE_ALGORITHM
         record["mse_candidates"] = {k: list(v) for k, v in (candidates or {}).items()}
-    return {
+    q: dict[str, object] = {
         "quant_method": FORMAT,
         "format": PACK_QUANTIZED,
         "quantization_status": "compressed",
         "config_groups": config_groups(selections),
-        "ignore": ignore_list(selections),
+        "ignore": ignore_list(selections, absent),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
         "qtool": record,
     }
+    if dequantize:
+        q["dequantize"] = True
+    return q
 
 
 def with_quantization_config(
@@ -272,8 +281,30 @@ def with_quantization_config(
     return {**config, "quantization_config": dict(qconfig)}
 
 
-def export_warnings(selections: Sequence[Selection]) -> list[str]:
-    """One line per choice that will not run everywhere (vLLM kernels, transformers paths)."""
+def dequantize_at_load(
+    selections: Sequence[Selection], sentence_transformers: bool
+) -> tuple[bool, str | None]:
+    """Whether the export writes `"dequantize": true` (transformers then dequantizes every
+    Linear at load time), and a warning when it cannot. Only a sentence-transformers directory
+    needs it: sentence-transformers calls the model's `forward` directly, which skips the
+    forward pre-hook through which transformers' default path decompresses the model, so
+    `encode` fails on weights still packed. transformers' load-time dequantization reads every
+    module with one config group's args, so it is written only for a single group."""
+    if not sentence_transformers:
+        return False, None
+    if len(config_groups(selections)) == 1:
+        return True, None
+    return False, (
+        "sentence-transformers (modules.json): this export mixes schemes, which transformers "
+        "cannot dequantize at load time, so SentenceTransformer(out).encode fails until the "
+        "model is decompressed by hand (docs/formats.md, sentence-transformers); with one "
+        "scheme for every Linear it loads as it is"
+    )
+
+
+def export_warnings(selections: Sequence[Selection], *, dequantize: bool = False) -> list[str]:
+    """One line per choice that will not run everywhere (vLLM kernels, transformers paths);
+    `dequantize`: the export asks transformers to dequantize at load time."""
     specs = {s.spec for s in selections if s.spec is not None}
     warnings = []
     if any(s.scheme is Scheme.ASYM and s.dtype is StorageDtype.INT8 for s in specs):
@@ -297,7 +328,7 @@ def export_warnings(selections: Sequence[Selection]) -> list[str]:
             "asymmetric with several schemes (e.g. a group fallback): transformers 5.23 with "
             "compressed-tensors 0.20 has no path that loads it correctly; vLLM and qtool read it"
         )
-    if asym:
+    if asym and not dequantize:
         warnings.append(
             "asymmetric: transformers loads it only with "
             "CompressedTensorsConfig(dequantize=True) (compressed-tensors 0.20 zero-point bug)"

@@ -4,7 +4,9 @@
 temp:` builds in `.<name>.qtool-tmp-<pid>-<random>/` beside `out`, locked (flock) for its whole
 life so a later run's cleanup never takes it. On success the transaction writes a manifest of
 what it built (`.qtool-export.json`: each file's size, and the SHA-256 of small ones), then
-publishes in one atomic step without replacing anything unexpected:
+publishes in one atomic step without replacing anything unexpected (the manifest records files
+by relative path, `1_Pooling/config.json`, and lists the subdirectories, so a subdirectory it
+built is replaced only when every file in it is one it wrote, unchanged):
 
 - `out` missing (or an empty directory): `renameat2(RENAME_NOREPLACE)` (fallback: an exclusive
   mkdir then a rename over that empty placeholder). A directory that appeared meanwhile is never
@@ -46,6 +48,7 @@ from qtool.io.safeopen import file_kind
 MANIFEST = ".qtool-export.json"
 MANIFEST_FORMAT = "qtool-export"
 HASHED_MAX_BYTES = 16 << 20  # files this small (configs, tokenizers) are hashed, weights sized
+MAX_DEPTH = 8  # subdirectory levels a manifest records (a copied subdirectory has at most 4)
 LISTED = 3
 _TEMP_DIR_RE = re.compile(r"^\.(.+)\.qtool-(tmp|old)-(\d+)-[0-9a-f]+$")
 
@@ -310,14 +313,11 @@ def _chain(path: Path) -> set[tuple[int, int]]:
 
 def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
     """OutputError naming up to three entries of the directory `fd` that are not files of a
-    previous qtool export, unchanged since (or that are a protected file)."""
+    previous qtool export, unchanged since (or that are a protected file); a subdirectory the
+    manifest records is checked entry by entry, never through a link."""
     recorded = _read_manifest(fd)
     guarded = {i for p in protected if (i := file_id(p)) is not None}
-    unknown = [
-        name + ("/" if _is_dir_at(fd, name) else "")
-        for name in sorted(os.listdir(fd))
-        if name != MANIFEST and not _is_recorded(fd, name, recorded, guarded)
-    ]
+    unknown = _unknown_entries(fd, "", recorded, _recorded_dirs(fd), guarded)
     if not unknown:
         return
     shown = ", ".join(unknown[:LISTED]) + (
@@ -331,15 +331,46 @@ def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
     )
 
 
+def _unknown_entries(
+    fd: int,
+    prefix: str,
+    recorded: dict[str, dict[str, object]] | None,
+    dirs: frozenset[str],
+    guarded: set[tuple[int, int]],
+) -> list[str]:
+    """Entries under `fd` (named `prefix` + name) that are not recorded and unchanged."""
+    unknown = []
+    for name in sorted(os.listdir(fd)):
+        rel = prefix + name
+        if rel == MANIFEST:
+            continue
+        if rel in dirs and prefix.count("/") < MAX_DEPTH and _is_dir_at(fd, name):
+            sub = _open_dir_at(fd, name)
+            if sub >= 0:
+                try:  # a mount in its place is not what qtool wrote
+                    if os.fstat(sub).st_dev == os.fstat(fd).st_dev:
+                        unknown += _unknown_entries(sub, rel + "/", recorded, dirs, guarded)
+                        continue
+                finally:
+                    os.close(sub)
+        if not _is_recorded(fd, name, rel, recorded, guarded):
+            unknown.append(rel + ("/" if _is_dir_at(fd, name) else ""))
+    return unknown
+
+
 def _is_recorded(
-    fd: int, name: str, recorded: dict[str, dict[str, object]] | None, guarded: set[tuple[int, int]]
+    fd: int,
+    name: str,
+    rel: str,
+    recorded: dict[str, dict[str, object]] | None,
+    guarded: set[tuple[int, int]],
 ) -> bool:
-    if recorded is None or name not in recorded:
+    if recorded is None or rel not in recorded:
         return False
     st = _lstat_at(fd, name)
     if st is None or not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in guarded:
         return False
-    record = recorded[name]
+    record = recorded[rel]
     if record.get("size") != st.st_size:
         return False
     digest = record.get("sha256")
@@ -350,15 +381,14 @@ def _is_recorded(
 
 
 def write_manifest(fd: int) -> None:
-    """Record every regular file of the directory `fd` (size; SHA-256 when small)."""
+    """Record every regular file of the directory `fd` by its relative path (size; SHA-256 when
+    small), and its subdirectories (at most MAX_DEPTH levels, never through a link)."""
     files: dict[str, dict[str, object]] = {}
-    for name in sorted(os.listdir(fd)):
-        st = _lstat_at(fd, name)
-        if name == MANIFEST or st is None or not stat.S_ISREG(st.st_mode):
-            continue
-        small = st.st_size <= HASHED_MAX_BYTES
-        files[name] = {"size": st.st_size, "sha256": _sha256_at(fd, name) if small else None}
-    doc = {"format": MANIFEST_FORMAT, "version": 1, "files": files}
+    directories: list[str] = []
+    _record(fd, "", files, directories)
+    doc: dict[str, object] = {"format": MANIFEST_FORMAT, "version": 1, "files": files}
+    if directories:
+        doc["directories"] = directories
     data = json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n"
     out = os.open(MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=fd)
     with os.fdopen(out, "wb") as f:
@@ -367,8 +397,46 @@ def write_manifest(fd: int) -> None:
         os.fsync(f.fileno())
 
 
+def _record(
+    fd: int, prefix: str, files: dict[str, dict[str, object]], directories: list[str]
+) -> None:
+    for name in sorted(os.listdir(fd)):
+        st, rel = _lstat_at(fd, name), prefix + name
+        if rel == MANIFEST or st is None:
+            continue
+        if stat.S_ISDIR(st.st_mode) and prefix.count("/") < MAX_DEPTH:
+            sub = _open_dir_at(fd, name)
+            if sub >= 0:
+                directories.append(rel)
+                try:
+                    _record(sub, rel + "/", files, directories)
+                finally:
+                    os.close(sub)
+        elif stat.S_ISREG(st.st_mode):
+            small = st.st_size <= HASHED_MAX_BYTES
+            files[rel] = {"size": st.st_size, "sha256": _sha256_at(fd, name) if small else None}
+
+
+def _recorded_dirs(fd: int) -> frozenset[str]:
+    """The subdirectories a manifest lists (none for a manifest without any)."""
+    doc = _manifest_doc(fd)
+    dirs = doc.get("directories") if doc is not None else None
+    if not isinstance(dirs, list):
+        return frozenset()
+    return frozenset(d for d in dirs if isinstance(d, str))
+
+
 def _read_manifest(fd: int) -> dict[str, dict[str, object]] | None:
     """The files a manifest lists, or None when there is no (valid) manifest."""
+    doc = _manifest_doc(fd)
+    files = doc.get("files") if doc is not None else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        return None
+    return files
+
+
+def _manifest_doc(fd: int) -> dict[str, object] | None:
+    """The manifest of the directory `fd`, None when there is no valid one."""
     try:
         mfd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
     except OSError:
@@ -383,10 +451,7 @@ def _read_manifest(fd: int) -> dict[str, dict[str, object]] | None:
         return None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         return None
-    files = doc.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        return None
-    return files
+    return doc
 
 
 def _sha256_at(fd: int, name: str) -> str | None:

@@ -19,6 +19,7 @@ from qtool.api import QuantizeOptions
 from qtool.engine import companions as comp
 from qtool.errors import InputError, OutputError
 from qtool.formats.compressed_tensors import config as ct_config
+from qtool.formats.compressed_tensors import loaders
 from qtool.io.safeopen import InputDir
 from tests.conftest import SAMPLES, Invoke
 
@@ -325,9 +326,9 @@ def test_dequantize_at_load_only_for_sentence_transformers_with_one_scheme() -> 
     int4 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32))
     one = [sel("a", int8), sel("b", int8)]
     mixed = [sel("a", int8), sel("b", int4)]
-    assert ct_config.dequantize_at_load(one, sentence_transformers=False) == (False, None)
-    assert ct_config.dequantize_at_load(one, sentence_transformers=True) == (True, None)
-    dense, warning = ct_config.dequantize_at_load(mixed, sentence_transformers=True)
+    assert loaders.dequantize_at_load(one, sentence_transformers=False) == (False, None)
+    assert loaders.dequantize_at_load(one, sentence_transformers=True) == (True, None)
+    dense, warning = loaders.dequantize_at_load(mixed, sentence_transformers=True)
     assert not dense and warning is not None and "mixes schemes" in warning
     q = ct_config.quantization_config(one, "0", dequantize=True)
     assert q["dequantize"] is True

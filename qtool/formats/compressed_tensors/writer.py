@@ -18,6 +18,7 @@ from qtool import __version__
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, FormatContext, Planned, Ruled
 from qtool.formats.compressed_tensors import config as ct_config
+from qtool.formats.compressed_tensors import groups, loaders
 from qtool.formats.compressed_tensors import selection as ct
 from qtool.formats.compressed_tensors.codec import encode_result, fp16_underflow_warning
 from qtool.formats.compressed_tensors.modules import Linears, model_linears
@@ -142,7 +143,7 @@ class CompressedTensorsFormat:
             raise RecipeError(None, str(err)) from None
         except ValueError as err:
             raise InputError(None, str(err), hint="dtype") from None
-        chosen = ct.resolve_groups(chosen, self.fallback)
+        chosen = groups.resolve_groups(chosen, self.fallback)
         _check_fused(chosen)
         return list(chosen)
 
@@ -189,17 +190,17 @@ class CompressedTensorsFormat:
         return {"config.json": text.encode()}
 
     def _dequantize_at_load(self, selections: Sequence[ct.Selection]) -> bool:
-        return ct_config.dequantize_at_load(selections, self.sentence_transformers)[0]
+        return loaders.dequantize_at_load(selections, self.sentence_transformers)[0]
 
     def warnings(self, planned: Sequence[Planned]) -> list[str]:
         """What the model's module list says, the scheme's warnings, then those found in the
         data written so far (fp16 scales)."""
         selections = self._selections(planned)
         linears = self.linears(planned)
-        dense, st_warning = ct_config.dequantize_at_load(selections, self.sentence_transformers)
+        dense, st_warning = loaders.dequantize_at_load(selections, self.sentence_transformers)
         return [
             *_module_notes(linears, self.config_path),
-            *ct_config.export_warnings(selections, dequantize=dense),
+            *loaders.export_warnings(selections, dequantize=dense),
             *([st_warning] if st_warning else []),
             *self.data_warnings,
         ]

@@ -311,6 +311,59 @@ def test_the_output_subdirectory_is_built_inside_the_transaction(
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["extra.safetensors", "model.qparams.safetensors", "model.safetensors.index.json",
+     "pytorch_model.bin"],
+)  # fmt: skip
+@pytest.mark.parametrize("fmt", [(), CT], ids=["qtool", "compressed-tensors"])
+def test_a_directory_named_like_an_output_file_is_left_behind(
+    invoke: Invoke, model: Path, tmp_path: Path, name: str, fmt: tuple[str, ...]
+) -> None:
+    """Before: `extra.safetensors/` made detection count two checkpoint files, an index-named
+    one two indexes, and `model.qparams.safetensors/` was created in the output where qtool
+    writes its sidecar (`is a directory, not a regular file`)."""
+    (model / name).mkdir()
+    (model / name / "notes.txt").write_text("not weights")
+    out = tmp_path / "out"
+    code, _, err = invoke("quantize", str(model), *fmt, "-o", str(out))
+    assert code == 0, err
+    assert f"{name}/: not copied: a directory named like a weight file or an index" in err
+    assert not (out / name).is_dir() and not (out / name / "notes.txt").exists()
+    assert tree(out) == EXPECTED
+
+
+def test_a_subdirectory_on_another_filesystem_is_not_entered(
+    invoke: Invoke, model: Path, tmp_path: Path
+) -> None:
+    """A mount inside the checkpoint directory (tmpfs on 1_Pooling/) is left behind with a
+    warning, in a private mount namespace so nothing leaks out of the test."""
+    import subprocess
+    import sys
+
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespaces here (unshare failed)")
+    out = tmp_path / "out"
+    pooling = model / "1_Pooling"
+    script = (
+        f"mount -t tmpfs none {pooling} && echo '{{}}' > {pooling}/config.json && "
+        f"{sys.executable} -m qtool quantize {model} -o {out}"
+    )
+    result = subprocess.run([*unshare, script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "1_Pooling/: not copied: on another filesystem" in result.stderr
+    assert "1_Pooling/" not in tree(out) and "2_Dense/config.json" in tree(out)
+
+
+def test_a_huge_sparse_file_is_left_behind_at_the_real_bound(model: Path) -> None:
+    with open(model / "1_Pooling" / "big.txt", "wb") as f:
+        f.truncate(comp.MAX_BYTES + 1)  # sparse: takes no disk
+    names, notes = notes_of(model)
+    assert "1_Pooling/big.txt" not in names and "1_Pooling/config.json" in names
+    assert any("big.txt: not copied: over the 4 GiB" in n for n in notes)
+
+
 # ---------------------------------------------------------------- dequantize at load time
 
 

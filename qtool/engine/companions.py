@@ -6,11 +6,13 @@ Subdirectories: each module directory modules.json names (sentence-transformers:
 `2_Normalize/`, `2_Dense/` with its own float weights), and every other one that holds no weight
 file (`additional_chat_templates/`). A directory of weights that is no module (`onnx/`,
 `checkpoint-500/`) holds the float model in another form, or another checkpoint: not copied.
-Hidden ones are skipped like hidden files. They are walked through descriptors (never through a
-symlink, never onto another filesystem: InputDir.subdir), at most MAX_DEPTH levels deep, listing
-at most MAX_ENTRIES entries and copying at most MAX_BYTES bytes in all; each file by the rules
-of the top level. Every file or directory not copied gets a note saying why. A file is copied
-through the descriptors again and must still be the size it was listed with.
+Hidden ones are skipped like hidden files, and so is one named like a weight file or an index
+(`extra.safetensors/`): in the output root it would clash with the weights qtool writes. They
+are walked through descriptors (never through a symlink, never onto another filesystem:
+InputDir.subdir), at most MAX_DEPTH levels deep, listing at most MAX_ENTRIES entries and copying
+at most MAX_BYTES bytes in all; each file by the rules of the top level. Every file or directory
+not copied gets a note saying why. A file is copied through the descriptors again and must still
+be the size it was listed with.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ MAX_BYTES = 4 << 30  # bytes copied from all subdirectories together
 MODULES_JSON = "modules.json"
 OTHER_WEIGHTS = (*WEIGHT_SUFFIXES, ".onnx", ".onnx_data", ".msgpack", ".h5", ".tflite", ".ot")
 """Files that make a subdirectory a store of weights (another format, another checkpoint)."""
+NAMED_LIKE_WEIGHTS = (
+    "a directory named like a weight file or an index; in the export it would sit among the "
+    "files qtool writes and be taken for one of them"
+)
 
 
 @dataclass(frozen=True)
@@ -79,9 +85,13 @@ def companions(source: Source) -> Companions:
     for name in within.names():
         if name.startswith("."):
             continue
+        weighty = name.endswith(WEIGHT_SUFFIXES) or name.endswith(INDEX_SUFFIX)
         if within.is_dir(name):
-            _subdirectory(within, name, name in modules, walk)
-        elif not name.endswith(WEIGHT_SUFFIXES) and not name.endswith(INDEX_SUFFIX):
+            if weighty:
+                walk.notes.append(f"{within.file(name)}/: not copied: {NAMED_LIKE_WEIGHTS}")
+            else:
+                _subdirectory(within, name, name in modules, walk)
+        elif not weighty:
             _file(within, name, name, walk, top=True)
     return Companions(tuple(walk.files), tuple(walk.directories), tuple(walk.notes))
 

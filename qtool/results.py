@@ -11,7 +11,8 @@ from qtool.spec import FormatName, QSpec
 
 
 class Progress(Protocol):
-    """Receives the input bytes to process, then each tensor as it is done."""
+    """Receives the input bytes to process, then each tensor's name as it starts (0 bytes) and
+    its bytes as they are done (a large tensor's slab by slab)."""
 
     def start(self, total_bytes: int) -> None: ...
 

@@ -543,7 +543,7 @@ CASES: list[Case] = [
         _dequantize_setup(
             lambda d: save_file({"w": torch.ones(8, 4, dtype=torch.int8)}, d / "q.safetensors")
         ),
-        "not a qtool-quantized file",
+        "not a quantized file",
     ),  # fmt: skip
     Case("D02-zero-scale", _bound_edit(lambda t, m: t["w.scale"].zero_()), "scale holds zero"),
     Case(

@@ -229,11 +229,14 @@ def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(
     assert code == 1 and stdout == "" and stderr.rstrip().endswith("(pass --force)")
 
 
-def test_piped_tables_keep_every_column_whatever_columns_says(samples: Path) -> None:
+def test_piped_tables_fit_columns_and_name_the_columns_they_hide(samples: Path) -> None:
     args = ["quantize", str(samples / "mlp.safetensors"), "--dry-run", "--estimate"]
     result = qtool(*args, env={**os.environ, "COLUMNS": "80"})
     header = next(line for line in result.stdout.splitlines() if "tensor" in line)
-    assert result.returncode == 0 and "shape" in header and "max err" in header
+    assert result.returncode == 0 and "shape" not in header and "SQNR" in header
+    lines = [line for line in result.stdout.splitlines() if str(samples) not in line]
+    assert max(len(line) for line in lines) <= 80  # a path is never broken: it may not fit
+    assert "(shape, max err hidden to fit 80 columns (COLUMNS)" in result.stdout
 
 
 def test_commands_leave_no_reference_cycles(tmp_path: Path) -> None:

@@ -123,6 +123,8 @@ def prepared(
         yield Placement(target, scratch, stale=remove_stale_temps(scratch))
         return
     directory = target.directory
+    if source.directory is None:  # a lone file's directory is its model's, spelled otherwise
+        protected.append(source.path.parent)
     found = companions(source)
     index = [source.index.index.name] if source.index is not None else []
     finals = [*files, *(directory / rel for rel in [*found.names, *index])]

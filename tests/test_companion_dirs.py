@@ -356,6 +356,31 @@ def test_a_subdirectory_on_another_filesystem_is_not_entered(
     assert "1_Pooling/" not in tree(out) and "2_Dense/config.json" in tree(out)
 
 
+def test_force_never_takes_a_mount_over_a_listed_subdirectory_for_qtools(
+    invoke: Invoke, model: Path, tmp_path: Path
+) -> None:
+    """A tmpfs mounted on the export's 1_Pooling/ holding the very file qtool wrote there is
+    not qtool's to replace: --force refuses, naming it (private mount namespace)."""
+    import subprocess
+    import sys
+
+    unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespaces here (unshare failed)")
+    out = tmp_path / "out"
+    assert invoke("quantize", str(model), "-o", str(out))[0] == 0
+    pooling = out / "1_Pooling"
+    script = (
+        f"cp {pooling}/config.json {tmp_path}/saved && mount -t tmpfs none {pooling} && "
+        f"cp {tmp_path}/saved {pooling}/config.json && "
+        f"{sys.executable} -m qtool quantize {model} -o {out} --force"
+    )
+    result = subprocess.run([*unshare, script], capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr
+    assert "holds files qtool did not write" in result.stderr and "1_Pooling" in result.stderr
+    assert (pooling / "config.json").read_text() == '{"word_embedding_dimension": 64}'
+
+
 def test_a_huge_sparse_file_is_left_behind_at_the_real_bound(model: Path) -> None:
     with open(model / "1_Pooling" / "big.txt", "wb") as f:
         f.truncate(comp.MAX_BYTES + 1)  # sparse: takes no disk

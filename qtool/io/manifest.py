@@ -1,8 +1,9 @@
 """The manifest of an export (`.qtool-export.json`): what qtool wrote into an output directory,
 so that `--force` replaces a directory only when it holds nothing else, unchanged.
 
-Each regular file is recorded by its size and a fingerprint another writer cannot match by
-accident:
+Each regular file is recorded by its path inside the export (`1_Pooling/config.json`; the
+subdirectories qtool made are listed under `directories`), its size and a fingerprint another
+writer cannot match by accident:
 
 - files up to HASHED_MAX_BYTES (configs, tokenizers, small shards): the SHA-256 of the content;
 - larger files (weights): inode, mtime_ns, and the SHA-256 of sampled blocks (the first and

@@ -454,3 +454,12 @@ class Device(str, enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class EvalDtype(str, enum.Enum):
+    """The dtype `qtool eval` runs both models in (their weights are cast to it, exactly for
+    float32 from bf16/fp16)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"

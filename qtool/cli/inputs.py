@@ -23,3 +23,10 @@ INSPECT_INPUT = (
     "compressed-tensors model directory."
 )
 PLOT_INPUT = "A float checkpoint file: .safetensors or a .pt/.pth/.bin state dict."
+EVAL_FLOAT = (
+    "The float model: a Hugging Face model directory (config.json, safetensors weights, tokenizer)."
+)
+EVAL_QUANT = (
+    "The same model quantized: a compressed-tensors model directory, a qtool-quantized file or "
+    "sharded set (or its directory), or a float checkpoint (e.g. a dequantized one)."
+)

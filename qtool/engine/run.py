@@ -81,7 +81,7 @@ def quantize(
 
 def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
     """The output format, set up with the model's config.json (read through the directory)."""
-    context = FormatContext(source.config, options.group_fallback, source.config_dir)
+    context = FormatContext(source.config, options.group_fallback, source.config_dir, source.within)
     fmt = output_format(options.format, context)
     if fmt.model_directory and not all(s.name.endswith(".safetensors") for s in source.shards):
         raise InputError(source.path, f"a {fmt.name} export reads .safetensors checkpoints only")

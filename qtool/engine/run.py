@@ -87,7 +87,11 @@ def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
     if refused is not None:
         raise UsageError(source.path, refused, hint="format")
     context = FormatContext(
-        source.config, options.group_fallback, source.config_dir, tuple(source.shards)
+        source.config,
+        options.group_fallback,
+        source.config_dir,
+        source.within,
+        tuple(source.shards),
     )
     fmt = output_format(options.format, context)
     if fmt.model_directory and not all(s.name.endswith(".safetensors") for s in source.shards):

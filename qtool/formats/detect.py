@@ -128,7 +128,9 @@ class Probe:
         directory holds several."""
         if not self.is_dir:
             return self.path.name if self.path.name.endswith(INDEX_SUFFIX) else None
-        found = [n for n in self.names if n.endswith(INDEX_SUFFIX)]
+        within = self.within
+        assert within is not None
+        found = [n for n in self.names if n.endswith(INDEX_SUFFIX) and not within.is_dir(n)]
         if len(found) > 1:
             raise InputError(
                 self.path,
@@ -147,8 +149,12 @@ class Probe:
         return load_index(self.directory / self.index_name, self.within)
 
     def safetensors_files(self) -> list[str]:
-        """The directory's *.safetensors entries (sorted)."""
-        return [n for n in self.names if n.endswith(SAFETENSORS)] if self.is_dir else []
+        """The directory's *.safetensors entries (sorted), but not directories so named (an
+        `extra.safetensors/` beside the model is no second checkpoint file)."""
+        within = self.within
+        if not self.is_dir or within is None:
+            return []
+        return [n for n in self.names if n.endswith(SAFETENSORS) and not within.is_dir(n)]
 
     @cached_property
     def header(self) -> Header | None:

@@ -307,9 +307,23 @@ class InspectRow:
 
 
 @dataclass(frozen=True)
+class TypeTotal:
+    """A file's tensors of one stored type (a GGUF type: 'Q4_K'), for inspect's totals."""
+
+    dtype: str
+    tensors: int
+    numel: int
+    nbytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
 class InspectSummary:
     path: str
-    kind: str  # "checkpoint", "quantized", "sidecar", "sharded"
+    kind: str  # "checkpoint", "quantized", "sidecar", "sharded", "gguf"
     rows: list[InspectRow]
     metadata: dict[str, str] | None = None
     manifest: dict[str, object] | None = None
@@ -317,6 +331,7 @@ class InspectSummary:
     shards: int = 0
     quantized_modules: int | None = None  # compressed-tensors: modules its config quantizes
     ignore: list[str] | None = None  # compressed-tensors: the config's `ignore` list
+    type_totals: list[TypeTotal] | None = None  # GGUF: per type, most bytes first
 
     @property
     def total_bytes(self) -> int:

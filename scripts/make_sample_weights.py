@@ -10,6 +10,9 @@ sharded-mlp/: the bf16 mlp split in two shards with an HF-style index and a conf
 tiny-llama/: a Hugging Face model directory (config.json, generation_config.json, bf16
           model.safetensors) of a 2-layer Llama that transformers loads: the
           compressed-tensors export example. Random weights, so its outputs mean nothing.
+tiny-llama.gguf: the same Llama as llama.cpp's convert_hf_to_gguf.py writes it (BF16 weights,
+          F32 norms, llama.cpp's names, q/k rows permuted for rotary; no tokenizer): the GGUF
+          examples of docs/gguf.md.
 tiny-lm/: a 2-layer Llama with tied embeddings and a character-level tokenizer (tokenizer.json
           written here, no merges: one token per character, a BOS first): the `qtool eval`
           example. Random weights too: its figures show the report, not a language model.
@@ -77,6 +80,7 @@ def main(outdir: Path) -> None:
     torch.save({"state_dict": models["convnet"], "epoch": 7}, outdir / "convnet.pt")
     write_sharded(models["mlp-bf16"], outdir / "sharded-mlp")
     write_tiny_llama(outdir / "tiny-llama")
+    write_tiny_llama_gguf(outdir / "tiny-llama.gguf")
     write_tiny_lm(outdir / "tiny-lm")
 
 
@@ -136,6 +140,63 @@ def write_tiny_llama(directory: Path) -> None:
     (directory / "config.json").write_text(config)
     generation = {"bos_token_id": 1, "eos_token_id": 2}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+_GGUF_NAMES = {  # transformers' Llama names -> llama.cpp's (gguf-py's TensorNameMap)
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def _gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    if hf in top:
+        return top[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute (rows of q/k reordered for rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_llama_gguf(path: Path) -> None:
+    """tiny_llama() as a float GGUF, written by qtool's own GGUF writer (deterministic)."""
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_layout import GGUFValue
+    from qtool.io.gguf_write import write_gguf
+
+    c = TINY_LLAMA_CONFIG
+    u32 = {"block_count": c["num_hidden_layers"], "context_length": c["max_position_embeddings"],
+           "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
+           "attention.head_count": c["num_attention_heads"],
+           "attention.head_count_kv": c["num_key_value_heads"],
+           "rope.dimension_count": c["head_dim"], "vocab_size": c["vocab_size"]}  # fmt: skip
+    meta = {
+        "general.architecture": GGUFValue(ValueType.STRING, "llama"),
+        "general.name": GGUFValue(ValueType.STRING, "tiny llama"),
+        **{f"llama.{k}": GGUFValue(ValueType.UINT32, int(v)) for k, v in u32.items()},  # type: ignore[call-overload]
+        "llama.attention.layer_norm_rms_epsilon": GGUFValue(ValueType.FLOAT32, 1e-6),
+        "general.file_type": GGUFValue(ValueType.UINT32, 32),  # BF16
+    }
+    specs, datas = [], []
+    for hf, t in tiny_llama().items():
+        if hf.endswith("q_proj.weight"):
+            t = _permute(t, 4)
+        if hf.endswith("k_proj.weight"):
+            t = _permute(t, 2)
+        if t.ndim == 1:
+            t, gtype = t.to(torch.float32), "F32"
+        else:
+            gtype = "BF16"
+        specs.append((_gguf_name(hf), gtype, tuple(reversed(t.shape))))
+        datas.append(t.contiguous().view(torch.int16 if gtype == "BF16" else t.dtype).numpy())
+    write_gguf(path, meta, specs, datas)
 
 
 TINY_LM_SPECIALS = ["<unk>", "<s>", "</s>"]

@@ -61,7 +61,8 @@ def test_quantize_help_is_in_panels_in_order(invoke: Invoke) -> None:
     assert all(flag in gates for flag in ("--max-mse", "--min-sqnr", "--min-overall-sqnr"))
 
 
-_METAVAR = re.compile(r"[A-Z]+(\.[a-z]+)?|[a-z0-9-]+(\|[a-z0-9-]+)+")
+# a choice's values are lower-case words, or GGUF type names (Q4_K) after them
+_METAVAR = re.compile(r"[A-Z]+(\.[a-z]+)?|[a-z0-9-]+(\|[a-z0-9-]+)+(\|Q[0-9]_[0-9K])*")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -28,7 +28,7 @@ from qtool.engine.source import Source
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import detect
-from qtool.formats.registry import open_reader, write_float
+from qtool.formats.registry import entry, open_reader, write_float
 from qtool.io.atomic import OutputSet, resolve_output
 from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
@@ -60,7 +60,7 @@ def dequantize(
             else "a compressed-tensors model keeps its scales inside"
         )
         raise UsageError(qparams, f"{inside}; give no sidecar")
-    if not found.quantized and qparams is None:
+    if not found.quantized and qparams is None and not entry(found.format).dequantize_float:
         raise InputError(
             src,
             f"not a quantized file: a float checkpoint ({found.description}), so there is "

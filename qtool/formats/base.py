@@ -67,6 +67,10 @@ class Ruling(Protocol):
     def rule_origin(self) -> str:
         """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
 
+    @property
+    def budget(self) -> bool:
+        """The error budget decides the tensor (it holds int8 per channel until it has)."""
+
 
 class Ruled(Planned, Protocol):
     """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
@@ -129,6 +133,7 @@ class FormatContext:
     group_fallback: GroupFallback = GroupFallback.ERROR
     config_dir: InputDir | None = None
     directory: InputDir | None = None
+    inputs: tuple[Path, ...] = ()  # the checkpoint files the run reads (GGUF: its header)
 
 
 class OutputFormat(Protocol):

@@ -174,7 +174,7 @@ def _load_tensors(found: Detected, reference: FloatModel, dtype: torch.dtype) ->
     path = found.named
     if found.directory is not None and found.config is not None:
         check_same_architecture(reference, found)
-    tensors, quantized = read_tensors(found)
+    tensors, quantized = read_tensors(found, list(reference.checkpoint.tensors))
     model = into_float_architecture(tensors, reference, dtype, path)
     how = "qtool reader, dequantized in memory" if quantized else "float checkpoint"
     tokenizer = own_tokenizer(found.directory) if found.directory is not None else None

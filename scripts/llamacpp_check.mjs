@@ -2,11 +2,13 @@
 // they came from): load each on the CPU with node-llama-cpp's prebuilt llama.cpp, greedily answer
 // one chat prompt through the model's own chat template, and score a fixed paragraph (the one
 // scripts/gguf_smollm2.py scores with transformers): perplexity from llama.cpp's own next-token
-// probabilities. Prints one JSON line per file, then a Markdown table. Needs npm; not run in CI.
+// probabilities. Prints one JSON line per file, then a Markdown table; exits 1 if a file did not
+// load or run, or llama.cpp logged an error for it. Needs npm; not run in CI (a test,
+// tests/test_gguf_llamacpp.py, runs it where node-llama-cpp resolves).
 //
 //   mkdir -p /tmp/nlc && cd /tmp/nlc && npm init -y && npm i -E node-llama-cpp@3.21.1
-//   NODE_PATH=/tmp/nlc/node_modules node scripts/llamacpp_check.mjs [--threads 2]
-//       [--tokens 20] [--no-ppl] smol-bf16.gguf smol-Q8_0.gguf ...
+//   NODE_PATH=/tmp/nlc/node_modules node scripts/llamacpp_check.mjs [--threads 1]
+//       [--tokens 20] [--decode 32] [--no-ppl] smol-bf16.gguf smol-Q8_0.gguf ...
 //
 // (ES modules ignore NODE_PATH, so the script resolves node-llama-cpp from NODE_PATH itself.)
 // `npm i` may warn that node-llama-cpp's postinstall script was not run: the prebuilt binaries
@@ -29,16 +31,17 @@ const TEXT =
   "one of the most recognisable structures in the world.";
 
 function parseArgs(argv) {
-  const opts = { threads: 2, tokens: 20, ppl: true, files: [] };
+  const opts = { threads: 1, tokens: 20, decode: 32, ppl: true, files: [] };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
     if (a === "--threads") opts.threads = Number(argv[++i]);
     else if (a === "--tokens") opts.tokens = Number(argv[++i]);
+    else if (a === "--decode") opts.decode = Number(argv[++i]);
     else if (a === "--no-ppl") opts.ppl = false;
     else opts.files.push(a);
   }
   if (opts.files.length === 0) {
-    console.error("usage: node scripts/llamacpp_check.mjs [--threads N] [--tokens N] [--no-ppl] FILE.gguf ...");
+    console.error("usage: node scripts/llamacpp_check.mjs [--threads N] [--tokens N] [--decode N] [--no-ppl] FILE.gguf ...");
     process.exit(2);
   }
   return opts;
@@ -78,6 +81,28 @@ async function perplexity(model, context) {
   }
   sequence.dispose();
   return { tokens: tokens.length, ppl: Math.exp(nll / (tokens.length - 1)) };
+}
+
+// Decode speed on a fixed workload: greedy-generate `n` tokens after the paragraph's first 16,
+// timed from the first generated token on, in wall seconds and in this process's CPU seconds
+// (the latter barely moves with the machine's load; ggml's threads spin, so use --threads 1).
+async function decodeSpeed(model, context, n) {
+  const sequence = context.getSequence();
+  let count = 0;
+  let wall0 = 0;
+  let cpu0 = null;
+  for await (const token of sequence.evaluate(model.tokenize(TEXT).slice(0, 16), { temperature: 0 })) {
+    void token;
+    if (cpu0 === null) {
+      wall0 = performance.now();
+      cpu0 = process.cpuUsage();
+    } else count++;
+    if (count >= n) break;
+  }
+  const cpu = process.cpuUsage(cpu0);
+  const wall = (performance.now() - wall0) / 1000;
+  sequence.dispose();
+  return { decodeTokens: count, decodeTps: count / wall, decodeTpsCpu: count / ((cpu.user + cpu.system) / 1e6) };
 }
 
 async function answer(model, context, LlamaChatSession, maxTokens) {
@@ -120,6 +145,7 @@ async function checkFile(llama, lib, file, opts) {
     const context = await model.createContext({ contextSize: 512, threads: opts.threads, sequences: 1 });
     const a = await answer(model, context, lib.LlamaChatSession, opts.tokens);
     Object.assign(row, { answer: a.text, answerTokens: a.count, tokensPerSecond: a.tps });
+    if (opts.decode > 0) Object.assign(row, await decodeSpeed(model, context, opts.decode));
     if (opts.ppl) Object.assign(row, await perplexity(model, context));
     await context.dispose();
   } catch (err) {
@@ -160,12 +186,19 @@ for (const file of opts.files) {
   console.log(JSON.stringify(row));
   rows.push(row);
 }
-console.log("\n| file | size MB | load | answer (greedy, chat template) | tokens/s | perplexity |");
-console.log("|---|---:|---|---|---:|---:|");
+console.log("\n| file | size MB | load | answer (greedy, chat template) | decode tok/s (wall) | tok/CPU-s | perplexity |");
+console.log("|---|---:|---|---|---:|---:|---:|");
 for (const r of rows) {
-  const ans = (r.answer ?? r.error ?? "").replace(/\s+/g, " ").replace(/\|/g, "\\|");
-  const tps = r.tokensPerSecond == null ? "-" : r.tokensPerSecond.toFixed(1);
+  const ans = (r.answer ?? r.error ?? "")
+    .replace(/\s+/g, " ")
+    .replace(/[\x00-\x1f\x7f]/g, (c) => `\\x${c.charCodeAt(0).toString(16).padStart(2, "0")}`)
+    .replace(/\|/g, "\\|");
+  const tps = r.decodeTps == null ? "-" : r.decodeTps.toFixed(1);
+  const cpu = r.decodeTpsCpu == null ? "-" : r.decodeTpsCpu.toFixed(1);
   const ppl = r.ppl == null ? "-" : r.ppl.toFixed(3);
-  console.log(`| ${r.file} | ${r.mb.toFixed(1)} | ${r.load} | ${ans} | ${tps} | ${ppl} |`);
+  console.log(`| ${r.file} | ${r.mb.toFixed(1)} | ${r.load} | ${ans} | ${tps} | ${cpu} | ${ppl} |`);
 }
 await llama.dispose();
+// exit 1 when a file did not load or did not run, or llama.cpp logged an error for it
+const failed = rows.filter((r) => r.load !== "ok" || r.error || r.warnings.some((w) => w.startsWith("error")));
+process.exitCode = failed.length > 0 ? 1 : 0;

@@ -19,19 +19,23 @@ from qtool.formats.base import FloatReader
 from qtool.formats.ct_read import is_compressed_tensors
 from qtool.io.index import is_sharded, load_index
 from qtool.numerics.metrics import count_nonfinite, error_stats
-from qtool.results import CompareRow, CompareSummary
+from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
 
 
-def compare_files(a: Path, b: Path) -> CompareSummary:
+def compare_files(a: Path, b: Path, pool: str = POOL_QUANTIZED) -> CompareSummary:
     """One row per tensor name of A, then those only in B; sharded sets shard by shard; a
     compressed-tensors model directory (either side) as a whole, dequantized on the fly.
+    `pool`: what the overall figures pool (results.CompareSummary.pooled_over).
     InputError when no tensor of the two could be compared (unrelated files)."""
+    if pool not in (POOL_QUANTIZED, POOL_ALL):
+        raise ValueError(f"pool must be {POOL_QUANTIZED!r} or {POOL_ALL!r}, not {pool!r}")
     if is_compressed_tensors(a) or is_compressed_tensors(b):  # whole models, by float names
         summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
     elif is_sharded(a) or is_sharded(b):
         summary = _compare_sharded(a, b)
     else:
         summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
+    summary = replace(summary, pool=pool)
     if not summary.compared:
         raise InputError(a, f"no tensor could be compared with {b}: {_why_none(summary)}")
     return summary
@@ -129,7 +133,15 @@ def _compare_one(
     left.release(name)
     right.release(name)
     row = sides.row(_label(left, right, name), mismatch=False, compared=True)
-    return replace(row, errors=stats)
+    return replace(row, errors=stats, restored=_restored(left, right, name))
+
+
+def _restored(left: FloatReader, right: FloatReader, name: str) -> str | None:
+    """The dtype a quantized side was restored to (B's when both are); None for float/float."""
+    for side in (right, left):
+        if side.quantization(name) is not None:
+            return side.dtype(name)
+    return None
 
 
 def _label(left: FloatReader, right: FloatReader, name: str) -> str:

@@ -316,6 +316,8 @@ def print_quantize(
     summary: QuantizeSummary, rows: list[QuantizeRow] | None = None, gate: GateResult | None = None
 ) -> None:
     title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
+    if summary.overall is not None:
+        title += f"; errors {summary.measured}"
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
     table = quantize_table(shown, title, failed, width=_terminal_width())
@@ -342,7 +344,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     ]
     overall = summary.overall
     if overall is not None:
-        parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
+        parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     if summary.budget_sizes is not None:
@@ -354,12 +356,19 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
     return " · ".join(parts)
 
 
+def _pooled(pooled_over: str) -> str:
+    """What an overall SQNR pools, for the summary line."""
+    return "quantized tensors" if pooled_over == "quantized" else "all compared tensors"
+
+
 # ---- compare -----------------------------------------------------------------------------------
 
 
 def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
+    if summary.overall is not None:
+        title += f"; errors {summary.measured}"
     width = _terminal_width()
     table = quantize_table(rows, title, failed, width=width, headers=("dtype A→B", "compared"))
     overall = summary.overall
@@ -368,7 +377,7 @@ def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateRes
         f"{len(summary.mismatches)} mismatched"
     )
     if overall is not None:
-        totals += f" · overall SQNR {_fmt_db(overall.sqnr_db)}"
+        totals += f" · overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})"
     lines: list[Any] = [table, Text(totals)]
     if len(rows) < len(summary.rows):
         lines.append(_shown_line(len(rows), len(summary.rows)))

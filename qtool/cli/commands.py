@@ -38,6 +38,8 @@ from qtool.cli.options import (
     OutDtype,
     PerChannelOpt,
     PlotOpt,
+    Pool,
+    PoolOpt,
     QuantizeOutOpt,
     RangeOpt,
     RecipeOpt,
@@ -56,6 +58,7 @@ from qtool.spec import (
     GroupFallback,
     RangeMethod,
     Scheme,
+    SpecPatch,
     StorageDtype,
 )
 
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
     from qtool import api
     from qtool.api import Mode, QuantizeOptions
     from qtool.gates import GateResult
+    from qtool.recipe.rules import Recipe
     from qtool.report import console as report
     from qtool.report import json as documents
     from qtool.results import QuantizeRow, QuantizeSummary, Row
@@ -81,6 +85,7 @@ R = TypeVar("R", bound="Row")
     "-o model.int8.safetensors",
 )
 def quantize(
+    ctx: typer.Context,
     src: InputArg,
     out: QuantizeOutOpt = None,
     scheme: SchemeOpt = Scheme.SYM,
@@ -121,6 +126,8 @@ def quantize(
     check_format_options(fmt, config, group_fallback)
     with user_errors(as_json) as run:
         loaded = api.load_recipe(recipe) if recipe is not None else None
+        if target_sqnr is not None:
+            _warn_budget_overrides(ctx, loaded)
         options = api.QuantizeOptions(
             spec,
             tuple(include or ()),
@@ -166,6 +173,37 @@ def _plot_target(plot: Path | None, src: Path, command: str) -> Path | None:
         return None
     default = src.with_name(f"{src.stem}.{command}.png")
     return api.output_path(plot, default, (".png",), "--plot", flag="--plot")
+
+
+_SPEC_FLAGS = {
+    "scheme": "--scheme",
+    "dtype": "--dtype",
+    "per_channel": "--per-channel/--per-tensor",
+    "axis": "--axis",
+    "group_size": "--group-size",
+    "range_method": "--range",
+}
+_PATCH_FIELD = {"scheme": "scheme", "dtype": "dtype", "range_method": "range_method"}
+
+
+def _warn_budget_overrides(ctx: typer.Context, recipe: Recipe | None) -> None:
+    """One stderr line naming the spec options given with --target-sqnr, which the budget's
+    ladder overrides (an option still applies where a recipe rule leaves its field open)."""
+    sources = {p: ctx.get_parameter_source(p) for p in _SPEC_FLAGS}
+    given = [p for p, source in sources.items() if source and source.name == "COMMANDLINE"]
+    patches = [
+        r.action for r in (recipe.rules if recipe else ()) if isinstance(r.action, SpecPatch)
+    ]
+    ignored = [
+        _SPEC_FLAGS[p]
+        for p in given
+        if not any(getattr(patch, _PATCH_FIELD.get(p, "granularity")) is None for patch in patches)
+    ]
+    if ignored:
+        report.print_warning(
+            f"{', '.join(ignored)} ignored: --target-sqnr picks each tensor's spec from its "
+            "ladder (docs/recipes.md)"
+        )
 
 
 def _warn_selection(rows: list[QuantizeRow], options: QuantizeOptions) -> None:
@@ -260,6 +298,7 @@ def compare(
     max_mse: MaxMseOpt = None,
     min_sqnr: MinSqnrOpt = None,
     min_overall_sqnr: MinOverallOpt = None,
+    pool: PoolOpt = Pool.QUANTIZED,
     sort: SortOpt = None,
     top: TopOpt = None,
     show_all: AllOpt = False,
@@ -277,7 +316,7 @@ def compare(
         plot = _plot_target(plot, a, "compare")
         if plot is not None:
             api.check_outputs([plot], [a, b], force)
-        summary = api.compare(a, b)
+        summary = api.compare(a, b, pool.value)
         if plot is not None:
             api.plot_compare(summary, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")

@@ -39,6 +39,13 @@ class SortKey(str, Enum):
     SIZE = "size"
 
 
+class Pool(str, Enum):
+    """What compare's overall figures pool (results.CompareSummary.pooled_over)."""
+
+    QUANTIZED = "quantized"
+    ALL = "all"
+
+
 def thread_count(value: int | None) -> int | None:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
@@ -109,6 +116,14 @@ MinOverallOpt = Annotated[
         help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.",
         show_default=False,
         callback=_finite_bound,
+    ),
+]
+PoolOpt = Annotated[
+    Pool,
+    typer.Option(
+        "--pool",
+        help="What the overall SQNR pools: the tensors restored from codes (as quantize "
+        "pools them), or all compared tensors (kept ones count at zero error).",
     ),
 ]
 SortOpt = Annotated[

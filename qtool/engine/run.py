@@ -23,6 +23,7 @@ from qtool.engine.plan import (
     ModelPlan,
     QuantizeOptions,
     default_quantized_path,
+    output_tag,
     plan_headers,
     planned_row,
     quantized_output,
@@ -82,7 +83,7 @@ def _output(src: Path, out: Path | None, options: QuantizeOptions) -> Output:
     if options.format is not FormatName.QTOOL:
         return _model_output(src, out, options)
     source = open_source(src)
-    dtype = options.spec.dtype.value
+    dtype = output_tag(options)
     if source.index is None:
         out = quantized_output(src, out, dtype)
     else:

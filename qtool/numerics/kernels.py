@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.numerics.metrics import RESTORE_ROUNDED, Measure, restore_
+from qtool.numerics.metrics import Measure
 from qtool.numerics.packing import pack_nibbles, unpack_nibbles
 from qtool.numerics.range_methods import (
     MseSearch,
@@ -35,6 +35,7 @@ from qtool.numerics.range_methods import (
     range_method,
 )
 from qtool.numerics.ranges import NonFiniteInput
+from qtool.numerics.slab_errors import Sink, error_of, feed, restored_error
 from qtool.numerics.views import (
     channel_range,
     group_parts,
@@ -43,6 +44,7 @@ from qtool.numerics.views import (
     part_view,
     row_group_length,
 )
+from qtool.numerics.workspace import Workspace as Workspace
 from qtool.results import ErrorStats
 from qtool.spec import (
     PerChannel,
@@ -275,7 +277,7 @@ def _quantize_rows(
     # min-max with float32 scales: no value is clipped
     own = ranger is not None and ranger.exact
     for r0, r1, pieces in _row_walk(c, k, length, block_elems):
-        sink = _Sink(meas, x2[r0:r1], ws) if len(pieces) > 1 else None
+        sink = Sink(meas, x2[r0:r1], ws) if len(pieces) > 1 else None
         for part, cols, g0, g1 in pieces:
             x3, q3 = part_view(x2, part, length), part_view(q2, part, length)
             xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
@@ -289,12 +291,12 @@ def _quantize_rows(
             where = (part[0], part[1] * part[2])  # the part's columns in the rows
             if meas is not None and isinstance(ranger, MseSearch):
                 mm_s, mm_z = ranger.minmax
-                _error_of(xf, work, mm_s[..., None], mm_z[..., None], spec, ws)
-                _feed(meas, sink, xf, work, where, minmax=True)
+                error_of(xf, work, mm_s[..., None], mm_z[..., None], spec, ws)
+                feed(meas, sink, xf, work, where, minmax=True)
             q_slab = q3[r0:r1, g0:g1]
             _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, meas, own, ws)
             if meas is not None:
-                _feed(meas, sink, xf, work, where, minmax=False)
+                feed(meas, sink, xf, work, where, minmax=False)
         if sink is not None:
             sink.flush()
     shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)
@@ -339,42 +341,6 @@ def _row_walk(
                 yield r, r + 1, [(part, cols, g0, min(g0 + gstep, part[1]))]
 
 
-class _Sink:
-    """The errors of the parts of whole rows, gathered in row order before they are measured."""
-
-    def __init__(self, meas: Measure | None, x_rows: torch.Tensor, ws: Workspace) -> None:
-        self.meas, self.x_rows = meas, x_rows
-        shape = tuple(x_rows.shape)
-        self.error = ws.rows(0, shape)
-        self.minmax = ws.rows(1, shape) if meas is not None and meas.searching else None
-
-    def put(self, work: torch.Tensor, where: tuple[int, int], minmax: bool) -> None:
-        start, width = where
-        target = self.minmax if minmax else self.error
-        assert target is not None
-        target[:, start : start + width].copy_(work.reshape(target.shape[0], width))
-
-    def flush(self) -> None:
-        if self.meas is None:
-            return
-        if self.minmax is not None:
-            self.meas.add_minmax(self.minmax)
-        self.meas.add(self.x_rows, self.error)
-
-
-def _feed(
-    meas: Measure, sink: _Sink | None, xf: torch.Tensor, work: torch.Tensor,
-    where: tuple[int, int], *, minmax: bool,
-) -> None:  # fmt: skip
-    """Measure a slab's errors now (it is a flat run of the tensor) or gather them (`sink`)."""
-    if sink is not None:
-        sink.put(work, where, minmax)
-    elif minmax:
-        meas.add_minmax(work)
-    else:
-        meas.add(xf, work)
-
-
 def _quantize_slabs(
     x: torch.Tensor,
     qparams: tuple[torch.Tensor, torch.Tensor],
@@ -396,62 +362,13 @@ def _quantize_slabs(
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
         xf, work = ws.take(x3[i0:i1, c0:c1, p0:p1])  # a contiguous run, in flat order
         if meas is not None and mm3 is not None:
-            _error_of(xf, work, mm3[0][:, c0:c1], mm3[1][:, c0:c1], spec, ws)
+            error_of(xf, work, mm3[0][:, c0:c1], mm3[1][:, c0:c1], spec, ws)
             meas.add_minmax(work)
         q_slab = q3[i0:i1, c0:c1, p0:p1]
         s, z = scale3[:, c0:c1], zp3[:, c0:c1]
         _quantize_block(xf, work, s, z, spec, q_slab, meas, own_qparams, ws)
         if meas is not None:
             meas.add(xf, work)
-
-
-class Workspace:
-    """Memory reused across slabs and tensors: a fresh allocation costs page faults on first
-    touch, which for a cache-sized slab cost as much as the arithmetic itself."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._codes = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._floats = torch.empty(0, dtype=torch.float32, device=self.device)
-        self._rows = [torch.empty(0, dtype=torch.float32, device=self.device) for _ in range(2)]
-        self._restored: dict[torch.dtype, torch.Tensor] = {}
-        self.original = torch.float32  # the dtype of the slab `take` saw last
-
-    def codes(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised 1-byte tensor of `shape`, valid until the next call."""
-        self._codes = _at_least(self._codes, math.prod(shape))
-        return self._codes[: math.prod(shape)].view(dtype).view(shape)
-
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(xf, work): the slab `like` as float32 (itself when it already is; else upcast once
-        into reused memory, exact for f16/bf16) and a float32 scratch of its shape."""
-        n = like.numel()
-        upcast = like.dtype != torch.float32
-        self._floats = _at_least(self._floats, n * (2 if upcast else 1))
-        work = self._floats[:n].view(like.shape)
-        self.original = like.dtype
-        if not upcast:
-            return like, work
-        xf = self._floats[n : 2 * n].view(like.shape)
-        xf.copy_(like)
-        return xf, work
-
-    def rows(self, which: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Float32 scratch `which` (0 or 1) of `shape`, apart from `take`'s memory."""
-        self._rows[which] = _at_least(self._rows[which], math.prod(shape))
-        return self._rows[which][: math.prod(shape)].view(shape)
-
-    def restore_(self, x_hat: torch.Tensor) -> None:
-        """Round a float32 reconstruction in place to the dtype of the last slab `take` saw."""
-        dtype = self.original
-        if dtype in RESTORE_ROUNDED:
-            empty = x_hat.new_empty(0, dtype=dtype)
-            buf = self._restored[dtype] = _at_least(self._restored.get(dtype, empty), x_hat.numel())
-            restore_(x_hat, dtype, buf)
-
-
-def _at_least(buf: torch.Tensor, numel: int) -> torch.Tensor:
-    return buf if buf.numel() >= numel else torch.empty(numel, dtype=buf.dtype, device=buf.device)
 
 
 def _quantize_block(
@@ -485,31 +402,7 @@ def _quantize_block(
         return
     if general:
         work.sub_(zero_point - shift)  # q - zero_point, exact in float32
-    _restored_error(xf, work, scale, ws)
-
-
-def _error_of(
-    xf: torch.Tensor,
-    work: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    spec: QSpec,
-    ws: Workspace,
-) -> None:
-    """work = x - x_hat as restored for the codes qparams (scale, zero_point) give (not stored)."""
-    torch.div(xf, scale, out=work)
-    work.round_().add_(zero_point).clamp_(spec.qmin, spec.qmax).sub_(zero_point)
-    _restored_error(xf, work, scale, ws)
-
-
-def _restored_error(
-    xf: torch.Tensor, work: torch.Tensor, scale: torch.Tensor, ws: Workspace
-) -> None:
-    """work holds q - zero_point: make it x - x_hat, x_hat = (q - zp) * scale in float32 rounded
-    to x's own dtype (what dequantize restores and a loader loads; metrics.py)."""
-    work.mul_(scale)
-    ws.restore_(work)
-    torch.sub(xf, work, out=work)
+    restored_error(xf, work, scale, ws)
 
 
 def _slabs(shape: tuple[int, int, int], block_elems: int) -> Iterator[Box]:

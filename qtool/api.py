@@ -1,8 +1,9 @@
 """The one entry point the CLI and tests call: plan, quantize, dequantize, compare, inspect, plot.
 
-The engine runs single files and sharded checkpoints through one loop (a file is a one-shard
-source). Engine modules that import torch are imported inside the functions:
-`qtool --help`, `inspect` and header-only dry runs never pay for torch.
+The engine runs single files, sharded checkpoints and model directories through one loop (a
+file is a one-shard source); formats/detect.py says what a path holds, for every command.
+Engine modules that import torch are imported inside the functions: `qtool --help`, `inspect`
+and header-only dry runs never pay for torch.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "load_recipe",
     "unmatched_rules",
     "plot_tensor",
+    "format_refuses",
     "quantize",
 ]
 
@@ -67,8 +69,9 @@ def quantize(
     also: Sequence[Path] = (),
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, a sharded checkpoint (its index file or directory) or a
-    model directory; `mode` plan (from headers alone, torch-free for safetensors) or estimate
-    (the figures, nothing written) for a dry run. `also`: files the caller writes afterwards
+    model directory (a directory in gives a directory out, in every format); `mode` plan
+    (from headers alone, torch-free for safetensors) or estimate (the figures, nothing
+    written) for a dry run. `also`: files the caller writes afterwards
     (a plot), checked with the run's outputs."""
     from qtool.engine.job import Mode, RunOptions
     from qtool.engine.run import quantize as run
@@ -84,7 +87,9 @@ def dequantize(
     dtype: str = "original",
     force: bool = False,
 ) -> DequantizeSummary:
-    """Dequantize a quantized file, or a quantized sharded checkpoint."""
+    """Dequantize a qtool-quantized file (a file out), or a directory of them or a
+    compressed-tensors model directory (a float model directory out, or one file when `out`
+    names a .safetensors/.pt file)."""
     from qtool.engine import restore
 
     return restore.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
@@ -162,10 +167,9 @@ def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:
     """Refuse, before anything is read, outputs that would replace an input (or its sidecar),
     an existing file without `force`, or anything but a regular file."""
-    from qtool.engine.source import check_output
+    from qtool.engine.layout import check_files
 
-    for out in outputs:
-        check_output(out, inputs, force)
+    check_files(outputs, inputs, force)
 
 
 def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
@@ -180,3 +184,12 @@ def plot_tensor(
     from qtool.engine import plots
 
     return plots.plot_tensor(checkpoint, tensor, spec, path, force=force)
+
+
+def format_refuses(fmt: str, spec: QSpec) -> str | None:
+    """Why the output format `fmt` can store no tensor at all with `spec` (compressed-tensors:
+    unsigned codes, an axis other than the output channels), or None: checked before any file
+    is read, so the CLI can report a usage error."""
+    from qtool.formats import registry
+
+    return registry.refuses(fmt, spec)

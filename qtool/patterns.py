@@ -2,12 +2,25 @@
 a recipe's `re:` pattern) matched with a bound, so a hostile pattern cannot hang qtool.
 
 They are matched by Python's own `re` engine, as compressed-tensors and vLLM match them (a
-non-backtracking engine would refuse the lookarounds real configs use, or read them otherwise).
-The bound: a pattern longer than MAX_PATTERN_CHARS is refused, and each match may take at most
-MATCH_LIMIT_S seconds of wall time; `re` checks for signals while it backtracks, so a SIGALRM
-timer (ITIMER_REAL) stops a catastrophic pattern (`(a+)+$`, `(.*)*x`, `(a|a)*b`) and the match
-is refused with PatternError naming the pattern. The timer works on the main thread, where
-qtool resolves every config; elsewhere only the length bound applies. Torch-free.
+non-backtracking engine would refuse the lookarounds real configs use, or read them otherwise;
+the `regex` module's `timeout=` is also a backtracking engine, with a dialect of its own).
+The bounds:
+
+- a pattern longer than MAX_PATTERN_CHARS, or one `re` cannot compile (bad syntax, nesting
+  deep enough to overflow its compiler), is refused (`compiled`);
+- each match may take at most MATCH_LIMIT_S seconds;
+- all the matches of one `bounded()` block (one file's patterns against every name of a
+  model: a config's `ignore` and `targets`, a recipe's rules) may take at most TOTAL_LIMIT_S
+  seconds together, however many patterns and names there are. Without it, 31 patterns each
+  just under the per-match limit, times the modules of a model, took minutes.
+
+On the main thread (where qtool resolves every config) a SIGALRM timer ticks every TICK_S
+while a block runs; at a tick during a match over either limit, the handler stops it (`re`
+checks for signals while it backtracks). One timer per block, not two syscalls per match:
+matching 46,000 names against 10 patterns costs little more than `re` itself. Elsewhere a
+match cannot be interrupted, so the limits are checked after each one. A PatternError names
+the pattern; the caller names the file. Results are remembered, so a name matched twice (a
+config resolved for inspect, then for dequantize) costs once. Torch-free.
 """
 
 from __future__ import annotations
@@ -17,11 +30,16 @@ import functools
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import FrameType
 
 MAX_PATTERN_CHARS = 1_000
 MATCH_LIMIT_S = 0.5
+TOTAL_LIMIT_S = 5.0
+TICK_S = 0.05
+_REMEMBERED = 1 << 16  # results kept (pattern, name, full) -> bool; cleared when full
 
 
 class PatternError(ValueError):
@@ -32,7 +50,32 @@ class _Expired(Exception):
     pass
 
 
+@dataclass
+class _Budget:
+    """The time one bounded() block has spent matching, in total and per pattern."""
+
+    spent: float = 0.0
+    count: int = 0
+    by_pattern: dict[str, float] = field(default_factory=dict)
+
+    def add(self, pattern: str, seconds: float) -> None:
+        self.spent += seconds
+        self.count += 1
+        self.by_pattern[pattern] = self.by_pattern.get(pattern, 0.0) + seconds
+
+    def exhausted(self, pattern: str) -> PatternError:
+        slowest = max(self.by_pattern, key=self.by_pattern.__getitem__, default=pattern)
+        share = self.by_pattern.get(slowest, 0.0)
+        return PatternError(
+            f"regular expressions took over {TOTAL_LIMIT_S:g} s in total to compile and match "
+            f"({len(self.by_pattern):,} patterns, {self.count:,} matches; the slowest, "
+            f"{_shown(slowest)}, took {share:.2f} s); qtool refuses them: use fewer, simpler "
+            "patterns (anchor them; avoid repeated .* and nested repetition)"
+        )
+
+
 _state = threading.local()
+_results: dict[tuple[str, str, bool], bool] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -44,50 +87,96 @@ def compiled(pattern: str) -> re.Pattern[str]:
         )
     try:
         return re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as err:
-        raise PatternError(f"invalid regular expression {pattern!r}: {err}") from None
+    except (re.error, RecursionError, OverflowError, MemoryError) as err:
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise PatternError(f"invalid regular expression: {why} (in {_shown(pattern)})") from None
 
 
 def matches(pattern: str, name: str, *, full: bool = False) -> bool:
-    """re.match (or re.fullmatch) of `pattern` on `name`, bounded (see the module docstring)."""
-    rx = compiled(pattern)
-    with bounded():
-        armed = getattr(_state, "armed", False)
-        if armed:
-            signal.setitimer(signal.ITIMER_REAL, MATCH_LIMIT_S)
+    """re.match (or re.fullmatch) of `pattern` on `name`, bounded (see the module docstring):
+    compiling counts against the limits too (15,000 long patterns in an `ignore` list, or more
+    distinct patterns than the compile cache holds, would otherwise take minutes)."""
+    key = (pattern, name, full)
+    known = _results.get(key)
+    if known is not None:
+        return known
+    if getattr(_state, "depth", 0):
+        found = _timed_match(pattern, name, full)
+    else:
+        with bounded():
+            found = _timed_match(pattern, name, full)
+    if len(_results) >= _REMEMBERED:
+        _results.clear()
+    _results[key] = found
+    return found
+
+
+def _timed_match(pattern: str, name: str, full: bool) -> bool:
+    budget: _Budget = _state.budget
+    if budget.spent >= TOTAL_LIMIT_S:
+        raise budget.exhausted(pattern)
+    started = time.perf_counter()
+    expired = compiling = False
+    try:
+        _state.started = started
         try:
+            compiling = True
+            rx = compiled(pattern)
+            compiling = False
             found = rx.fullmatch(name) if full else rx.match(name)
-        except _Expired:
-            raise PatternError(
-                f"regular expression {pattern!r} took over {MATCH_LIMIT_S} s to match "
-                f"{name[:80]!r} (it backtracks catastrophically); qtool refuses it"
-            ) from None
         finally:
-            if armed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            _state.started = None
+    except _Expired:  # also a tick delivered just after the match ended
+        found, expired = None, True
+    took = time.perf_counter() - started
+    budget.add(pattern, took)
+    if budget.spent > TOTAL_LIMIT_S:
+        raise budget.exhausted(pattern)
+    if expired or took > MATCH_LIMIT_S:  # off the main thread: found out afterwards
+        doing = "to compile" if compiling else f"to match {name[:80]!r}"
+        raise PatternError(
+            f"regular expression {_shown(pattern)} took over {MATCH_LIMIT_S} s {doing} "
+            "(it backtracks catastrophically); qtool refuses it"
+        )
     return found is not None
+
+
+def _shown(pattern: str) -> str:
+    return repr(pattern if len(pattern) <= 80 else pattern[:77] + "...")
 
 
 @contextlib.contextmanager
 def bounded() -> Iterator[None]:
-    """Arm the match timer for the block (once, however deeply nested); a no-op off the main
-    thread."""
-    if getattr(_state, "depth", 0) or threading.current_thread() is not threading.main_thread():
-        _state.depth = getattr(_state, "depth", 0) + 1
+    """One budget for every match in the block (the outermost block, however deeply nested);
+    on the main thread, the ticking timer runs for the block."""
+    depth = getattr(_state, "depth", 0)
+    if depth:
+        _state.depth = depth + 1
         try:
             yield
         finally:
             _state.depth -= 1
         return
-    previous = signal.signal(signal.SIGALRM, _expire)
-    _state.depth, _state.armed = 1, True
+    main = threading.current_thread() is threading.main_thread()
+    _state.depth, _state.budget, _state.started = 1, _Budget(), None
+    previous = signal.signal(signal.SIGALRM, _tick) if main else None
+    if main:
+        signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        _state.depth, _state.armed = 0, False
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        _state.depth, _state.started = 0, None
 
 
-def _expire(signum: int, frame: FrameType | None) -> None:
-    raise _Expired()
+def _tick(signum: int, frame: FrameType | None) -> None:
+    """Stop the match in progress once it is over either limit (a no-op between matches)."""
+    started = getattr(_state, "started", None)
+    if started is None:
+        return
+    took = time.perf_counter() - started
+    if took > MATCH_LIMIT_S or _state.budget.spent + took > TOTAL_LIMIT_S:
+        _state.started = None
+        raise _Expired()

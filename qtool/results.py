@@ -7,11 +7,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qtool.spec import QSpec
+from qtool.spec import FormatName, QSpec
 
 
 class Progress(Protocol):
-    """Receives the input bytes to process, then each tensor as it is done."""
+    """Receives the input bytes to process, then each tensor's name as it starts (0 bytes) and
+    its bytes as they are done (a large tensor's slab by slab)."""
 
     def start(self, total_bytes: int) -> None: ...
 
@@ -113,6 +114,39 @@ class Trial:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class RuleRef:
+    """The rule whose pattern matched a tensor: where it comes from (`recipe`, `exclude`,
+    `include`), its number there, its pattern, and for a recipe's its file and line."""
+
+    source: str
+    number: int
+    pattern: str
+    file: str | None = None
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class DecidedBy:
+    """What decided a tensor's fate, as reports show it (engine/decision.py's Decision): the
+    action (`quantize` with `spec`, or `keep` with the `reason`; a quantized tensor's reason is
+    how its spec was adapted or chosen), the `origin` (`default`, `not-included`, `exclude`,
+    `include`, `recipe`, `budget`, `fused-siblings`, `format`, `keep-nonfinite`) with its facts,
+    and the decisions it superseded, oldest first."""
+
+    action: str
+    origin: str
+    spec: QSpec | None = None
+    reason: str = ""
+    history: tuple[DecidedBy, ...] = ()
+    rule: RuleRef | None = None
+    target_sqnr_db: float | None = None
+    trials: tuple[Trial, ...] = ()
+    fused: str | None = None
+    format: str | None = None
+    nonfinite: int | None = None
+
+
 class Row(Protocol):
     """What sorting, tables, gates and plots read of any command's rows."""
 
@@ -154,6 +188,7 @@ class QuantizeRow:
     spec: QSpec | None = None  # the spec it was quantized with
     spec_chosen: bool = False  # a recipe rule or the error budget chose `spec`
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
+    decided_by: DecidedBy | None = None  # what decided it (None: a row built by hand)
 
     @property
     def dtypes(self) -> tuple[str, str]:
@@ -213,7 +248,7 @@ class QuantizeSummary:
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
     # --target-sqnr: the output size with the budget's tensors all int8 / all float
     budget_sizes: tuple[int, int] | None = None
-    format: str = "qtool"
+    format: str = FormatName.QTOOL.value
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 
     @property

@@ -1,6 +1,9 @@
 """The vocabulary: schemes, storage dtypes, granularities, range methods and the QSpec.
 
-Pure Python (no torch), so the CLI can start and `inspect` can answer without importing torch.
+A QSpec is either qtool's integer grid (scheme, dtype, granularity, range method) or one of
+llama.cpp's GGUF block types (`gguf`: Q8_0, Q4_K, Q6_K, ...; label "Q4_K"), whose layout the
+type fixes (see gguf_spec). Pure Python (no torch), so the CLI can start and `inspect` can
+answer without importing torch.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ import enum
 import math
 import re
 from dataclasses import dataclass, fields, replace
+
+from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES, GGMLType, fallback_type
 
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""
@@ -177,41 +182,58 @@ class RangeMethod(str, enum.Enum):
 
 @dataclass(frozen=True)
 class QSpec:
-    """One quantization recipe: scheme, storage dtype, granularity and range method."""
+    """One quantization recipe: scheme, storage dtype, granularity and range method; or, with
+    `gguf` set, a GGUF block type (the other fields then keep their defaults and mean nothing:
+    build one with gguf_spec; qmin, qmax, symmetric_zero_point and axis refuse it)."""
 
     scheme: Scheme = Scheme.SYM
     dtype: StorageDtype = StorageDtype.INT8
     granularity: Granularity = PerChannel(0)
     range_method: RangeMethod = RangeMethod.MINMAX
+    gguf: GGMLType | None = None
+
+    def __post_init__(self) -> None:
+        if self.gguf is not None:
+            _check_gguf(self)
 
     @property
     def qmin(self) -> int:
-        return _QRANGE[self.scheme, self.dtype][0]
+        return _QRANGE[self.scheme, self._int_dtype()][0]
 
     @property
     def qmax(self) -> int:
-        return _QRANGE[self.scheme, self.dtype][1]
+        return _QRANGE[self.scheme, self._int_dtype()][1]
 
     @property
     def symmetric_zero_point(self) -> int:
         """Zero point of every group under the symmetric scheme."""
-        return _SYM_ZERO_POINT[self.dtype]
+        return _SYM_ZERO_POINT[self._int_dtype()]
 
     @property
     def axis(self) -> int | None:
         """The channel axis, None per tensor; a group's rows are channels of axis 0."""
+        self._int_dtype()
         g = self.granularity
         if isinstance(g, PerTensor):
             return None
         return g.axis if isinstance(g, PerChannel) else 0
 
+    def _int_dtype(self) -> StorageDtype:
+        if self.gguf is not None:
+            raise ValueError(f"{self.gguf.name} is a GGUF block type, not an integer grid")
+        return self.dtype
+
     def describe(self) -> str:
-        """Short label for tables: 'sym int8 axis 0', 'asym uint4 group 128 mse'."""
+        """Short label for tables: 'sym int8 axis 0', 'asym uint4 group 128 mse', 'Q4_K'."""
+        if self.gguf is not None:
+            return self.gguf.name
         label = f"{self.scheme.value} {self.dtype.value} {self.granularity.describe()}"
         return label if self.range_method is RangeMethod.MINMAX else f"{label} mse"
 
     def to_json(self) -> dict[str, object]:
-        """The structured form reports and manifests use."""
+        """The structured form reports and manifests use (a GGUF type: gguf_json)."""
+        if self.gguf is not None:
+            return gguf_json(self.gguf)
         return {
             "scheme": self.scheme.value,
             "dtype": self.dtype.value,
@@ -228,10 +250,76 @@ INT8_CHANNEL = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.M
 tensor the budget decides holds until the budget has chosen (every format stores it)."""
 
 
+# -- GGUF block types: 'Q4_K' ------------------------------------------------------------
+
+GGUF_QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""The GGUF types qtool quantizes to, byte-identical to llama.cpp's reference quantizers (a
+GGUF file read may hold any other; its tensors' specs name those too)."""
+_NOT_BLOCKS = (*FLOAT_TYPES, "F64", "I8", "I16", "I32", "I64")
+
+
+def gguf_spec(name: str | GGMLType) -> QSpec:
+    """The QSpec of GGUF block type `name` ('Q4_K', 'q4_k'); ValueError for a name ggml does
+    not define, or for one that is not a quantized block type (F16, I32)."""
+    if isinstance(name, GGMLType):
+        return QSpec(gguf=name)
+    found = GGML_TYPES.get(name.upper())
+    if found is None:
+        raise ValueError(
+            f"'{name}' is not a GGUF type; use one of {', '.join(GGUF_QUANTIZE_TYPES)}"
+        )
+    return QSpec(gguf=found)
+
+
+def is_gguf_name(word: str) -> bool:
+    """Whether `word` names a quantized GGUF block type (any case)."""
+    found = GGML_TYPES.get(word.upper())
+    return found is not None and found.name not in _NOT_BLOCKS
+
+
+def _check_gguf(spec: QSpec) -> None:
+    t = spec.gguf
+    assert t is not None
+    if t.name in _NOT_BLOCKS:
+        raise ValueError(f"{t.name} is not a quantized GGUF type (a tensor of it is kept)")
+    if (spec.scheme, spec.dtype, spec.granularity, spec.range_method) != _INT_DEFAULTS:
+        raise ValueError(f"{t.name} fixes its own block layout; it takes no scheme, dtype, "
+                         "granularity or range method")  # fmt: skip
+
+
+_INT_DEFAULTS = (Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.MINMAX)
+
+
+def gguf_json(t: GGMLType) -> dict[str, object]:
+    """A GGUF spec's structured form: {"gguf_type": "Q4_K", "bits": 4.5, "block_size": 256,
+    "block_bytes": 144} (bits per weight, scales included)."""
+    return {"gguf_type": t.name, "bits": t.bits_per_weight, "block_size": t.block_size,
+            "block_bytes": t.type_size}  # fmt: skip
+
+
+def gguf_stored_type(spec: QSpec, shape: tuple[int, ...]) -> GGMLType:
+    """The type llama-quantize stores a tensor of torch `shape` as when asked for `spec`'s:
+    the type itself when rows (the last dim, ggml's ne[0]) are whole blocks, else its fallback
+    (Q4_K -> Q5_0, Q6_K -> Q8_0, ...), else F16 (gguf_types.fallback_type)."""
+    if spec.gguf is None:
+        raise ValueError(f"{spec.describe()} is not a GGUF type")
+    return fallback_type(spec.gguf, shape[-1] if shape else 1)
+
+
+def gguf_nbytes(spec: QSpec, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of torch `shape` takes stored as gguf_stored_type says."""
+    t = gguf_stored_type(spec, shape)
+    row = shape[-1] if shape else 1
+    return t.row_bytes(row) * math.prod(shape[:-1])
+
+
 def fit_spec(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
     """The spec as it applies to a tensor of `shape`, and a note when it changed: 0-d/1-D ->
     per tensor, a group at least as long as a row -> per channel, the axis normalised.
-    ValueError for a channel axis the tensor lacks."""
+    ValueError for a channel axis the tensor lacks. A GGUF type is left as it is (its
+    fallbacks are the GGUF format's: gguf_stored_type)."""
+    if spec.gguf is not None:
+        return spec, ""
     g, ndim = spec.granularity, len(shape)
     if ndim < 2 and not isinstance(g, PerTensor):
         return replace(spec, granularity=PerTensor()), ""
@@ -273,7 +361,10 @@ class SpecPatch:
 
 
 def spec_label(spec: QSpec) -> str:
-    """Short label, the inverse of parse_spec_label: 'int4 g128 mse', 'asym int8 channel'."""
+    """Short label, the inverse of parse_spec_label: 'int4 g128 mse', 'asym int8 channel',
+    'Q4_K'."""
+    if spec.gguf is not None:
+        return spec.gguf.name
     g = spec.granularity
     if isinstance(g, PerGroup):
         gran = f"g{g.size}"
@@ -289,7 +380,12 @@ def spec_label(spec: QSpec) -> str:
 def parse_spec_label(text: str) -> QSpec:
     """'int4 g128 mse' -> sym int4, groups of 128, mse. Words in any order, each kind at most
     once: sym|asym, the dtype (required), tensor|channel|axisN|gN, minmax|mse; unnamed fields
-    are QSpec's defaults. ValueError otherwise."""
+    are QSpec's defaults; or a GGUF type alone ('Q4_K', any case). ValueError otherwise."""
+    words = text.split()
+    if any(is_gguf_name(w) for w in words):
+        if len(words) > 1:
+            raise ValueError(f"'{text}': a GGUF type fixes its block layout; name it alone")
+        return gguf_spec(words[0])
     patch = SpecPatch()
     for word in text.split():
         part = _label_word(word)

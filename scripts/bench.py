@@ -1,27 +1,32 @@
-"""Benchmark qtool against the textbook kernel, torch's own quantizer and the memory/disk limits.
+"""Benchmark qtool against the textbook kernel, torch's own quantizer, llm-compressor and the
+memory/disk limits.
 
     python scripts/bench.py [--gib 1] [--repeat 5] [--json bench.json] [--skip-e2e]
-                            [--sweep-gib 4] [--skip-kernels]
+        [--skip-kernels] [--skip-costs] [--models] [--before TREE] [--sweep-gib 8]
+        [--shard-gib 1] [--skip-startup] [--skip-tiny]
 
 Kernel section (in memory, fp32 and bf16 weights of 4096x4096 and 4096x11008 up to --gib GiB):
 throughput in GB/s of input, every method timed once per round, round after round (so load
 from other processes hits them alike), median of --repeat rounds; "x limit" is the median of
-the per-round ratios to the memory limit (a cast into a preallocated int8 buffer: read the
-input once, write one byte per element). The fused CPU kernels (numerics/fused.py) are
-measured when numba is installed.
+the per-round ratios to the memory limit (a cast into a preallocated int8 buffer). Costs: ns
+per element of each work class the automatic kernel choice knows (numerics/select.py COSTS).
 
-End-to-end section: a deterministic --gib GiB fp32 safetensors checkpoint on disk; wall time of
-`qtool quantize` (QTOOL_KERNEL auto, torch and fused) paired with the bare
-`import torch, safetensors.torch` floor in every round (median of the per-round differences),
-`cp` of the file, peak memory (the peak anonymous RSS sampled every 5 ms), a naive
-load-all/save-all quantizer, and a checkpoint twice as large with the same largest tensor to
-show that memory does not grow with checkpoint size. --sweep-gib: the same paired measurement
-for checkpoints of 64 MiB up to that size, to show time linear in bytes.
+End-to-end sections (scripts/bench_e2e.py): whole commands in fresh processes, each right after
+a run of the bare `import torch, safetensors.torch` floor, one unmeasured warm-up round, medians
+of the per-pair differences and same-run ratios, peak RSS and anonymous memory sampled every
+5 ms. --gib: an fp32 checkpoint, int8 per channel, qtool with numba and with numba hidden, `cp`,
+a naive load-all quantizer, a 2x checkpoint. --models: a SmolLM2-shaped bf16 model (built from
+--smol-config) exported as compressed-tensors int4 g64 min-max and mse, llm-compressor's
+model_free_ptq on it (its own venv under build/, made on first use), MiniLM with --range mse.
+--before TREE: another qtool source tree (say `git archive main`) runs the same commands in the
+same rounds. --sweep-gib: 64 MiB up to that size, one file and sharded (--shard-gib), skipping
+sizes the disk cannot hold. Rendering: print_quantize of 272 rows to a pipe, both trees.
 
 Start-up section: `qtool --help`, `quantize --help` and `inspect` of a 291-tensor checkpoint
 against bare Python, median of at least 10 interleaved runs. Tiny-tensor section: `qtool
 quantize` of 50,000 fp32 [16, 16] tensors and of a mix of 50,000 small tensors, with --json
-and with the (piped) table; wall and CPU seconds (skip with --skip-startup / --skip-tiny).
+and with the (piped) table; wall and CPU seconds. Results so far are written to --json after
+each section.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -44,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_e2e import bench_end_to_end, bench_growth, bench_models, bench_render
+from bench_e2e import ratio as same_run_ratio
+from bench_models import llmc_python
 
 from qtool.numerics import kernels, select
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
@@ -239,161 +246,51 @@ def bench_kernels(gib: float, repeat: int) -> list[dict[str, object]]:
     return rows
 
 
-# ---- end to end --------------------------------------------------------------------------------
+# ---- what the kernel choice assumes -------------------------------------------------------------
+
+COST_SPECS = {
+    "minmax": QSpec(),
+    "groups": QSpec(granularity=PerGroup(32)),
+    "mse": QSpec(range_method=RangeMethod.MSE),
+}
 
 
-def write_checkpoint(path: Path, gib: float) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {f"layers.{i}.weight": x for i, x in enumerate(weights(gib, torch.float32))}
-    for i in range(len(tensors)):
-        tensors[f"layers.{i}.bias"] = torch.zeros(4096)
-    save_file(tensors, path, metadata={"format": "pt"})
+def _cast(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.int8).copy_(x)
 
 
-def warm(path: Path) -> None:
-    """Read a file once so that it is in the page cache (this VM evicts it eagerly)."""
-    with open(path, "rb", buffering=0) as f:
-        while f.read(1 << 23):
-            pass
-
-
-def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
-    """(seconds, peak RSS MiB, peak anonymous RSS MiB) of one child process, sampled every 5 ms
-    from /proc (ru_maxrss would report this benchmark's own size: it survives fork and exec)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}
-    )
-    peaks = {"VmHWM:": 0, "RssAnon:": 0}
-
-    def sample() -> None:
-        status = Path(f"/proc/{proc.pid}/status")
-        while proc.poll() is None:
-            try:
-                for line in status.read_text().splitlines():
-                    key = line.split(maxsplit=1)[0] if line else ""
-                    if key in peaks:
-                        peaks[key] = max(peaks[key], int(line.split()[1]))
-            except (OSError, ValueError, IndexError):
-                pass
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    _, stderr = proc.communicate()
-    seconds = time.perf_counter() - start
-    sampler.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {stderr.decode()}")
-    return seconds, peaks["VmHWM:"] / 1024, peaks["RssAnon:"] / 1024
-
-
-NAIVE = """
-import sys, torch
-from safetensors.torch import load_file, save_file
-sd = load_file(sys.argv[1])
-out = {}
-for name, x in sd.items():
-    if x.ndim >= 2:
-        s = x.abs().amax(dim=1, keepdim=True) / 127
-        out[name] = torch.round(x / s).clamp(-127, 127).to(torch.int8)
-        out[name + ".scale"] = s.squeeze(1)
-    else:
-        out[name] = x
-save_file(out, sys.argv[2])
-"""
-FLOOR = "import torch, safetensors.torch"
-
-Command = tuple[list[str], Path, dict[str, str]]  # argv, the input to warm, extra environment
-
-
-def paired(workdir: Path, commands: dict[str, Command], repeat: int) -> dict[str, Any]:
-    """Every command `repeat` times, each run right after a run of the import floor (both with
-    the input warmed and the previous outputs deleted); medians of the runs and of the per-pair
-    differences, peaks over all runs."""
-    floor = [sys.executable, "-c", FLOOR]
-    runs: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in commands}
-    for _ in range(repeat):
-        for name, (cmd, source, env) in commands.items():
-            warm(source)
-            for leftover in workdir.glob("[qnc]*.safetensors"):
-                if leftover.name.startswith(("q", "naive", "copy")):
-                    leftover.unlink()
-            base = run_measured(floor)[0]
-            seconds, rss, anon = run_measured(cmd, env)
-            runs[name].append((seconds, base, rss, anon))
-    return {
-        name: {
-            "seconds": round(statistics.median(r[0] for r in rs), 3),
-            "floor_seconds": round(statistics.median(r[1] for r in rs), 3),
-            "seconds_above_import_floor": round(statistics.median(r[0] - r[1] for r in rs), 3),
-            "peak_rss_mib": round(max(r[2] for r in rs)),
-            "peak_anon_rss_mib": round(max(r[3] for r in rs)),
-        }
-        for name, rs in runs.items()
-    }
-
-
-def bench_end_to_end(workdir: Path, gib: float, repeat: int) -> dict[str, object]:
-    """Remove the previous outputs before each run, as `cp` truncates its target: on VMs whose
-    freed memory goes back to the host, fresh page-cache pages cost a host fault each, and both
-    sides should pay (or not pay) that the same way."""
-    src = workdir / "model.safetensors"
-    big = workdir / "model-2x.safetensors"
-    write_checkpoint(src, gib)
-    write_checkpoint(big, 2 * gib)
-    py = sys.executable
-    quantize = [py, "-m", "qtool", "quantize", "--force", "-o"]
-    q = [*quantize, str(workdir / "q.safetensors"), str(src)]
-    commands: dict[str, Command] = {
-        "cp": (["cp", str(src), str(workdir / "copy.safetensors")], src, {}),
-        "qtool quantize": (q, src, {}),
-        "qtool quantize, QTOOL_KERNEL=torch": (q, src, {select.ENV: "torch"}),
-    }
-    if select.numba_installed():
-        commands["qtool quantize, QTOOL_KERNEL=fused"] = (q, src, {select.ENV: "fused"})
-    commands["qtool quantize (2x checkpoint)"] = (
-        [*quantize, str(workdir / "q2.safetensors"), str(big)],
-        big,
-        {},
-    )
-    naive = [py, "-c", NAIVE, str(src), str(workdir / "naive.safetensors")]
-    commands["naive load-all/save_file"] = (naive, src, {})
-    rows = paired(workdir, commands, repeat)
-    size = src.stat().st_size
-    for name, row in rows.items():
-        nbytes = 2 * size if "2x" in name else size
-        above = row["seconds"] if name == "cp" else row["seconds_above_import_floor"]
-        row["s_per_gib_above_floor"] = round(above / (nbytes / GiB), 3)
-    largest = 4096 * 11008 * 4 / (1 << 20)
-    return {"checkpoint_bytes": size, "largest_tensor_mib": largest, "runs": rows}
-
-
-def bench_growth(workdir: Path, max_gib: float, repeat: int) -> list[dict[str, object]]:
-    """`qtool quantize` (auto) of fp32 checkpoints of 64 MiB, x4, .. up to max_gib, paired
-    with the import floor: seconds above the floor per GiB should stay flat."""
-    rows: list[dict[str, object]] = []
-    sizes = [4**k / 16 for k in range(8) if 4**k / 16 <= max_gib]
-    sizes += [max_gib] if max_gib not in sizes else []
-    for gib in sizes:
-        src = workdir / "sweep.safetensors"
-        write_checkpoint(src, gib)
-        size = src.stat().st_size
-        cmd = [sys.executable, "-m", "qtool", "quantize", "--force", "-o"]
-        cmd += [str(workdir / "q-sweep.safetensors"), str(src)]
-        row = paired(workdir, {"qtool quantize": (cmd, src, {})}, repeat)["qtool quantize"]
-        above = row["seconds_above_import_floor"]
-        rows.append(
-            {
-                "checkpoint_gib": round(size / GiB, 3),
-                **row,
-                "s_per_gib_above_floor": round(above / (size / GiB), 3),
+def bench_costs(repeat: int) -> dict[str, Any]:
+    """ns per element of each work class of numerics/select.py (COSTS), torch and fused kernels
+    in turn on one 1024x4096 tensor, fp32 and bf16 (the best and the median of `repeat`
+    rounds; the best is the quiet-machine figure COSTS wants)."""
+    fused = fused_module()
+    x32 = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
+    ws = kernels.Workspace()
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = x32.to(dtype)
+        for kind, spec in COST_SPECS.items():
+            methods: dict[str, Callable[[], object]] = {
+                "torch": partial(kernels.quantize_tensor, x, spec, workspace=ws),
+                LIMIT: partial(_cast, x),
             }
-        )
-        print(f"sweep {size / GiB:.3f} GiB: {rows[-1]}", flush=True)
-        src.unlink()
-    return rows
+            if fused is not None:
+                methods["fused"] = partial(fused.quantize_tensor, x, spec)
+            times: dict[str, list[float]] = {name: [] for name in methods}
+            for _ in range(repeat):
+                for name, fn in methods.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            for name, ts in times.items():
+                ns = [t / x.numel() * 1e9 for t in ts]
+                key = f"{str(dtype).removeprefix('torch.')} {kind} {name}"
+                out[key] = {
+                    "best_ns": round(min(ns), 2),
+                    "median_ns": round(statistics.median(ns), 2),
+                }
+    out["load"] = round(os.getloadavg()[0], 1)
+    return out
 
 
 FIRST_CALL = """
@@ -536,17 +433,42 @@ def print_kernels(report: dict[str, Any]) -> None:
                   f"{row['codes_match_textbook']}")  # fmt: skip
 
 
-def print_end_to_end(e2e: dict[str, Any]) -> None:
-    print(f"\nend to end, {e2e['checkpoint_bytes'] / GiB:.2f} GiB fp32 safetensors "
-          f"(largest tensor {e2e['largest_tensor_mib']:.0f} MiB)")  # fmt: skip
-    header = f"{'command':<38} {'s':>7} {'floor':>6} {'s above floor':>14} {'s/GiB':>6}"
+def print_paired(title: str, runs: dict[str, Any], nbytes: int | None = None) -> None:
+    print(f"\n{title}")
+    header = f"{'command':<44} {'s':>7} {'floor':>6} {'above floor':>12}"
     print(header + f" {'peak RSS MiB':>13} {'peak anon MiB':>14}")
-    for name, r in e2e["runs"].items():
+    for name, r in runs.items():
         print(
-            f"{name:<38} {r['seconds']:>7} {r['floor_seconds']:>6} "
-            f"{r['seconds_above_import_floor']:>14} {r['s_per_gib_above_floor']:>6} "
-            f"{r['peak_rss_mib']:>13} {r['peak_anon_rss_mib']:>14}"
+            f"{name:<44} {r['seconds']:>7} {r['floor_seconds']:>6} "
+            f"{r['seconds_above_import_floor']:>12} {r['peak_rss_mib']:>13} "
+            f"{r['peak_anon_rss_mib']:>14}"
         )
+    loads = [x for r in runs.values() for x in r["load_average"]]
+    print(f"(load average {min(loads)}-{max(loads)} during these rounds)")
+
+
+def print_ratios(report: dict[str, Any]) -> None:
+    """Same-run ratios of the wall times, median of the per-round ratios."""
+    e2e = report.get("end_to_end", {}).get("runs", {})
+    models = report.get("models", {}).get("runs", {})
+    pairs = [
+        (e2e, "qtool quantize (before)", "qtool quantize"),
+        (e2e, "qtool quantize, numba hidden (before)", "qtool quantize, numba hidden"),
+        (models, "qtool ct int4 g64 minmax (before)", "qtool ct int4 g64 minmax"),
+        (models, "qtool ct int4 g64 mse (before)", "qtool ct int4 g64 mse"),
+        (models, "model_free_ptq int4 g64 minmax", "qtool ct int4 g64 minmax"),
+        (models, "model_free_ptq int4 g64 minmax", "qtool ct int4 g64 mse"),
+        (models, "qtool MiniLM int8 mse (before)", "qtool MiniLM int8 mse"),
+    ]
+    print("\nsame-run ratios of wall time (median of per-round ratios)")
+    for rows, a, b in pairs:
+        value = same_run_ratio(rows, a, b)
+        if value is not None:
+            print(f"{a} / {b}: {value}x")
+    for a, b in [("model_free_ptq int4 g64 minmax", "qtool ct int4 g64 minmax")]:
+        if a in models and b in models:
+            mem = models[a]["peak_rss_mib"] / max(1, models[b]["peak_rss_mib"])
+            print(f"peak RSS {a} / {b}: {mem:.2f}x")
 
 
 def print_tables(report: dict[str, Any]) -> None:
@@ -559,11 +481,25 @@ def print_tables(report: dict[str, Any]) -> None:
         print(f"{row['method']:<48} {row['gb_per_s']:>8.3f} GB/s {row['fraction_of_limit']:>8}")
     if report.get("first_call"):
         print(f"\nfirst fused call in a fresh process (s): {json.dumps(report['first_call'])}")
+    if report.get("costs"):
+        print(f"\nns per element by work class: {json.dumps(report['costs'])}")
     if report.get("end_to_end"):
-        print_end_to_end(report["end_to_end"])
+        size = report["end_to_end"]["checkpoint_bytes"] / GiB
+        print_paired(f"end to end, {size:.2f} GiB fp32 safetensors", report["end_to_end"]["runs"])
+    if report.get("models"):
+        print_paired("SmolLM2-shaped bf16 model (compressed-tensors) and MiniLM",
+                     report["models"]["runs"])  # fmt: skip
+    if report.get("render"):
+        print(f"\nprint_quantize of 272 rows to a pipe, s: {json.dumps(report['render'])}")
+    print_ratios(report)
     for row in report.get("growth", []):
-        print(f"growth {row['checkpoint_gib']:>7} GiB: {row['seconds_above_import_floor']:>7} s "
-              f"above the floor, {row['s_per_gib_above_floor']} s/GiB")  # fmt: skip
+        kind = "sharded" if row["sharded"] else "one file"
+        if "skipped" in row:
+            print(f"growth {row['gib']:>7} GiB {kind}: skipped ({row['skipped']})")
+            continue
+        print(f"growth {row['gib']:>7} GiB {kind}: {row['seconds_above_import_floor']:>7} s "
+              f"above the floor, {row['s_per_gib_above_floor']} s/GiB, peak anon "
+              f"{row['peak_anon_rss_mib']} MiB")  # fmt: skip
     if report.get("startup"):
         print_runs("start-up, median of interleaved runs", report["startup"])
     if report.get("tiny"):
@@ -574,11 +510,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="size of the fp32 weights")
     parser.add_argument("--repeat", type=int, default=5, help="rounds of the kernel section")
-    parser.add_argument("--e2e-repeat", type=int, default=7, help="paired end-to-end runs")
+    parser.add_argument("--e2e-repeat", type=int, default=5, help="paired end-to-end runs")
     parser.add_argument("--sweep-gib", type=float, default=0.0, help="growth sweep up to this")
+    parser.add_argument("--shard-gib", type=float, default=1.0, help="shards of the sweep")
+    parser.add_argument("--before", type=Path, help="a qtool source tree to compare, same run")
+    parser.add_argument("--models", action="store_true", help="SmolLM2-shaped, MiniLM, llmc")
+    parser.add_argument("--no-llmc", action="store_true", help="skip model_free_ptq")
+    parser.add_argument("--smol-config", type=Path, default=Path("/work/real/smollm2/config.json"))
+    parser.add_argument("--minilm", type=Path, default=Path("/work/real/minilm/model.safetensors"))
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
-    parser.add_argument("--skip-kernels", action="store_true", help="end to end only")
+    parser.add_argument("--skip-kernels", action="store_true", help="no kernel section")
+    parser.add_argument("--skip-costs", action="store_true", help="no work-class costs")
     parser.add_argument("--workdir", type=Path, help="where to write the checkpoints")
     parser.add_argument("--skip-startup", action="store_true", help="no start-up timings")
     parser.add_argument("--skip-tiny", action="store_true", help="no 50,000-tiny-tensor runs")
@@ -590,13 +533,23 @@ def main() -> None:
         "kernels": [] if args.skip_kernels else bench_kernels(args.gib, args.repeat),
         "range_search": [] if args.skip_kernels else bench_range_search(min(args.repeat, 3)),
         "first_call": {} if args.skip_kernels else bench_first_call(5),
+        "costs": {} if args.skip_costs else bench_costs(args.repeat),
     }
     workdir = Path(tempfile.mkdtemp(prefix="qtool-bench-", dir=args.workdir))
     try:
+        _save(args.json, report)
+        if args.models:
+            llmc = None if args.no_llmc else llmc_python(Path(__file__).parent.parent / "build")
+            report["models"] = bench_models(workdir, args.e2e_repeat, args.before, llmc,
+                                            args.smol_config, args.minilm)  # fmt: skip
+            report["render"] = bench_render(args.before, 3)
+            _save(args.json, report)
         if not args.skip_e2e:
-            report["end_to_end"] = bench_end_to_end(workdir, args.gib, args.e2e_repeat)
+            report["end_to_end"] = bench_end_to_end(workdir, args.gib, args.e2e_repeat, args.before)
+            _save(args.json, report)
         if args.sweep_gib:
-            report["growth"] = bench_growth(workdir, args.sweep_gib, 3)
+            report["growth"] = bench_growth(workdir, args.sweep_gib, 1, args.shard_gib)
+            _save(args.json, report)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if not (args.skip_startup and args.skip_tiny):
@@ -605,6 +558,12 @@ def main() -> None:
     print_tables(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _save(path: Path | None, report: dict[str, Any]) -> None:
+    """The results so far (a long run stopped early keeps its finished sections)."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def bench_small(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""GGUF block kernels: qtool's torch kernels vs gguf-py's numpy `gguf.quants` (and, given a
-llama.cpp tree, ggml's C reference, single-threaded), in MB/s of float32 input.
+"""GGUF block kernels: qtool's fused (numba) and torch kernels vs gguf-py's numpy `gguf.quants`
+(and, given a llama.cpp tree, ggml's C reference, single-threaded), in MB/s of float32 input.
 
 Usage: python scripts/bench_gguf.py [--mib 64] [--repeat 5] [--ggml PATH/ggml] [--device cpu]
 Rounds are interleaved (A B A B ...) and medians reported, so a neighbour's load hits both.
+The torch kernels quantize K-types on a sixteenth of the input (they are slow); MB/s are of
+the input each one gets. The fused kernels' numba compile (first run) is paid before timing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from qtool.gguf_types import GGML_TYPES
 from qtool.numerics import gguf as G
+from qtool.numerics.select import Kernel
 
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
@@ -69,22 +72,31 @@ def bench(args: argparse.Namespace, c_quantize: Any) -> list[dict[str, object]]:
     n = int(args.mib * 2**20 / 4) // 4096 * 4096
     x = torch.randn(n // 4096, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
     xd, xn = x.to(args.device), x.numpy()
-    mb = x.numel() * 4 / 1e6
+    small = xd[: max(1, xd.shape[0] // 16)]
     for qtype in LEGACY + K_TYPES:
-        fns: dict[str, Callable[[], object]] = {"qtool": partial(G.quantize, xd, qtype)}
+        fns: dict[str, tuple[Callable[[], object], int]] = {}
+        if args.device == "cpu":
+            fns["qtool fused"] = (partial(G.quantize, xd, qtype, kernel=Kernel.FUSED), x.numel())
+        xt = small if qtype in K_TYPES else xd
+        fns["qtool torch"] = (partial(G.quantize, xt, qtype, kernel=Kernel.TORCH), xt.numel())
         if qtype in LEGACY:
-            fns["gguf.quants"] = partial(gguf_py(qtype, True), xn)
+            fns["gguf.quants"] = (partial(gguf_py(qtype, True), xn), x.numel())
         if c_quantize is not None:
-            fns["C ref (1 thread)"] = partial(c_quantize, qtype, xn)
+            fns["C ref (1 thread)"] = (partial(c_quantize, qtype, xn), x.numel())
         raw = G.quantize(xd, qtype)
-        deq: dict[str, Callable[[], object]] = {
-            "qtool": partial(G.dequantize, raw, qtype),
-            "gguf.quants": partial(gguf_py(qtype, False), raw.cpu().numpy()),
+        deq: dict[str, tuple[Callable[[], object], int]] = {
+            "qtool torch": (partial(G.dequantize, raw, qtype, kernel=Kernel.TORCH), x.numel()),
+            "gguf.quants": (partial(gguf_py(qtype, False), raw.cpu().numpy()), x.numel()),
         }
+        if args.device == "cpu":
+            fused = partial(G.dequantize, raw, qtype, kernel=Kernel.FUSED)
+            deq = {"qtool fused": (fused, x.numel()), **deq}
         for what, group in (("quantize", fns), ("dequantize", deq)):
-            for name, seconds in interleaved(group, args.repeat).items():
-                rows.append({"type": qtype, "op": what, "impl": name, "MB/s": mb / seconds})
-                print(f"{qtype:5} {what:10} {name:17} {mb / seconds:9.1f} MB/s of float32")
+            timed = interleaved({name: fn for name, (fn, _) in group.items()}, args.repeat)
+            for name, seconds in timed.items():
+                mb = group[name][1] * 4 / 1e6 / seconds
+                rows.append({"type": qtype, "op": what, "impl": name, "MB/s": mb})
+                print(f"{qtype:5} {what:10} {name:17} {mb:9.1f} MB/s of float32", flush=True)
     return rows
 
 

@@ -11,6 +11,10 @@ source is never copied into the repository.
     tar xzf /tmp/src/llama_cpp_python-0.3.36.tar.gz -C /tmp/src
     python scripts/gguf_golden.py /tmp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/ggml
 
+--nonfinite writes tests/data/gguf_golden_nonfinite.npz instead: rows with NaN, Inf and
+float32's extremes at random places, quantized to every type (C's scans skip NaN where numpy's
+and torch's reductions propagate it; qtool's fused kernels follow C).
+
 --fma-study also builds it with -march=native (GCC contracts a*b+c into FMAs, its default for
 GNU C) and with -march=native -ffp-contract=off, and prints how many rows each build changes.
 """
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 
 OUT = Path(__file__).parent.parent / "tests" / "data" / "gguf_golden.npz"
+NONFINITE_OUT = OUT.with_name("gguf_golden_nonfinite.npz")
 QK_K = 256
 TYPES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per block
 LEGACY = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # blocks of 32
@@ -133,6 +138,27 @@ def signed_zero_rows() -> np.ndarray:
     return np.stack(blocks).reshape(3, 256)
 
 
+def nonfinite_rows(seed: int = 29, n: int = 32) -> np.ndarray:
+    """(n, 256) Gaussian rows with 1-3 values replaced by NaN, +-Inf, +-0.0 or float32's
+    extremes at random places (a NaN first, last or alone in a block included)."""
+    rng = np.random.default_rng(seed)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.4e-45, 3.4e38, -3.4e38], np.float32)
+    x = (rng.standard_normal((n, QK_K)) * 0.02).astype(np.float32)
+    for row in x:
+        k = rng.integers(1, 4)
+        row[rng.integers(0, QK_K, k)] = rng.choice(specials, k)
+    x[0, 0], x[1, 31], x[2, :32] = np.nan, np.nan, np.nan  # first, last, all of a block
+    return x
+
+
+def write_nonfinite(lib: ctypes.CDLL, out: Path) -> None:
+    x = nonfinite_rows()
+    outputs = {qtype.lower(): quantize(lib, qtype, x) for qtype in (*TYPES, *LEGACY)}
+    arrays: dict[str, Any] = {"x": x, **outputs, "cflags": np.array(" ".join(RELEASE_FLAGS))}
+    np.savez_compressed(out, **arrays)
+    print(f"{out}: {len(x)} rows, {', '.join(outputs)}")
+
+
 def check_gguf_py(lib: ctypes.CDLL, x: np.ndarray) -> None:
     """Print whether gguf.quants (when installed) gives the C reference's bytes (legacy types)."""
     try:
@@ -165,10 +191,14 @@ def main() -> None:
     parser.add_argument("ggml", type=Path, help="llama.cpp's ggml/ directory (src/, include/)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--fma-study", action="store_true")
+    parser.add_argument("--nonfinite", action="store_true", help=f"write {NONFINITE_OUT.name}")
     args = parser.parse_args()
     x = golden_inputs()
     source = (args.ggml / "src" / "ggml-quants.c").read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.nonfinite:
+            write_nonfinite(build(args.ggml, Path(tmp), RELEASE_FLAGS, "ref"), NONFINITE_OUT)
+            return
         if args.fma_study:
             fma_study(args.ggml, Path(tmp), x)
             return

@@ -193,7 +193,7 @@ def _sidecar_edit(edit: Callable[[dict[str, torch.Tensor], dict[str, object]], N
 
 def _keep_digest(d: Path, q: Path) -> None:
     """Re-bind q to its (edited) sidecar so that only the edit itself is under test."""
-    from qtool.formats.qtool import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
+    from qtool.formats.qtool.manifest import BINDING_KEY, DIGEST_KEY, binding_digest, data_digest
     from qtool.io.stformat import read_header
 
     side = d / "q.qparams.safetensors"
@@ -478,7 +478,11 @@ CASES: list[Case] = [
         _pickle(lambda d: {"w": torch.ones(2)}, "m.safetensors"),
         "pickles are only read from .pt/.pth/.bin",
     ),  # fmt: skip
-    Case("S26-text-named-pt", _file(b"hello, world, this is text", "m.pt"), "not a torch"),
+    Case(
+        "S26-text-named-pt",
+        _file(b"hello, world, this is text", "m.pt"),
+        "not a checkpoint: plain text",
+    ),
     # --- torch pickles -------------------------------------------------------------------
     Case(
         "P01-os-system",
@@ -539,7 +543,7 @@ CASES: list[Case] = [
         _dequantize_setup(
             lambda d: save_file({"w": torch.ones(8, 4, dtype=torch.int8)}, d / "q.safetensors")
         ),
-        "not a qtool-quantized file",
+        "not a quantized file",
     ),  # fmt: skip
     Case("D02-zero-scale", _bound_edit(lambda t, m: t["w.scale"].zero_()), "scale holds zero"),
     Case(
@@ -635,7 +639,7 @@ CASES: list[Case] = [
     Case(
         "O07-sharded-output-hardlinks-input",
         _sharded_setup("shard-hardlink-force"),
-        "would overwrite the input",
+        "is not a qtool export",
     ),  # fmt: skip
     Case("I08-shard-symlink-out", _sharded_setup("shard-link-out"), "outside the checkpoint"),
     Case("I08-index-symlink-out", _sharded_setup("index-link-out"), "outside the checkpoint"),

@@ -20,7 +20,7 @@ from qtool import api
 from qtool.engine import batch
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError
-from qtool.formats.qtool import sidecar_path
+from qtool.formats.qtool.manifest import sidecar_path
 from qtool.results import QuantizeRow
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 

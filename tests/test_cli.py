@@ -89,12 +89,12 @@ def test_dequantize_and_inspect_json(invoke: Invoke, samples: Path) -> None:
     ("args", "message"),
     [
         (["quantize", "missing.safetensors"], "no such file"),
-        (["quantize", "{samples}/notes.txt"], "not a valid safetensors file"),
-        (["quantize", "{samples}"], "no *.safetensors.index.json files in this directory"),
+        (["quantize", "{samples}/notes.txt"], "not a checkpoint: plain text"),
+        (["quantize", "{samples}"], "no checkpoint in this directory"),
         (["quantize", "{samples}/mlp.safetensors", "--device", "cuda"], "no CUDA device"),
         (["quantize", "{samples}/mlp.safetensors", "--axis", "5"], "out of range"),
-        (["dequantize", "{samples}/mlp.safetensors"], "no qparams sidecar"),
-        (["inspect", "{samples}/notes.txt"], "not a valid safetensors file"),
+        (["dequantize", "{samples}/mlp.safetensors"], "not a quantized file"),
+        (["inspect", "{samples}/notes.txt"], "not a checkpoint: plain text"),
     ],
 )
 def test_bad_input_is_one_line_exit_1_and_empty_stdout(
@@ -229,11 +229,14 @@ def test_engine_errors_carry_hints_and_the_cli_spells_them_as_options(
     assert code == 1 and stdout == "" and stderr.rstrip().endswith("(pass --force)")
 
 
-def test_piped_tables_keep_every_column_whatever_columns_says(samples: Path) -> None:
+def test_piped_tables_fit_columns_and_name_the_columns_they_hide(samples: Path) -> None:
     args = ["quantize", str(samples / "mlp.safetensors"), "--dry-run", "--estimate"]
     result = qtool(*args, env={**os.environ, "COLUMNS": "80"})
     header = next(line for line in result.stdout.splitlines() if "tensor" in line)
-    assert result.returncode == 0 and "shape" in header and "max err" in header
+    assert result.returncode == 0 and "shape" not in header and "SQNR" in header
+    lines = [line for line in result.stdout.splitlines() if str(samples) not in line]
+    assert max(len(line) for line in lines) <= 80  # a path is never broken: it may not fit
+    assert "(shape, max err hidden to fit 80 columns (COLUMNS)" in result.stdout
 
 
 def test_commands_leave_no_reference_cycles(tmp_path: Path) -> None:
@@ -281,10 +284,10 @@ def test_long_tables_show_their_worst_rows_unless_asked(
 ) -> None:
     """Over TABLE_MAX_ROWS rows, a table shows its TRIMMED_ROWS worst (lowest SQNR first) and
     says so; --all shows every row, --top N any number, --json carries every row."""
-    from qtool.cli import commands
+    from qtool.cli import options
 
-    monkeypatch.setattr(commands, "TABLE_MAX_ROWS", 10)
-    monkeypatch.setattr(commands, "TRIMMED_ROWS", 3)
+    monkeypatch.setattr(options, "TABLE_MAX_ROWS", 10)
+    monkeypatch.setattr(options, "TRIMMED_ROWS", 3)
     src, q = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     gen = torch.Generator().manual_seed(0)
     save_file({f"l.{i}.weight": torch.randn(8, 8 + i, generator=gen) for i in range(12)}, src)

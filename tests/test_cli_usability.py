@@ -41,7 +41,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
         (["quantize", "{s}", "--per-tensor", "--axis", "1"], "--axis: goes with --per-channel"),
         (["plot", "{s}", "-t", "head.weight", "--per-tensor", "--axis", "1"], "--axis: goes with"),
         (["dequantize", "{s}", "--to", "float8"], "--to: 'float8' is not one of original,"),
-        (["compare", "{s}"], "Missing argument 'B'"),
+        (["compare", "{s}"], "missing argument B; usage: qtool compare [OPTIONS] A B"),
     ],
     ids=["choice", "range", "integer", "axis-per-tensor", "plot-axis", "dequantize-to", "missing"],
 )
@@ -148,7 +148,7 @@ def test_globs_that_match_nothing_and_empty_runs_warn(invoke: Invoke, samples: P
 # ---- compare of sharded sets (9) ---------------------------------------------------------------
 
 
-def test_compare_sharded_sets_shard_by_shard(invoke: Invoke, samples: Path) -> None:
+def test_compare_sharded_sets_by_tensor_name(invoke: Invoke, samples: Path) -> None:
     sharded = samples / "sharded-mlp"
     out = samples / "sq"
     assert invoke("quantize", str(sharded), "-o", str(out))[0] == 0
@@ -156,8 +156,9 @@ def test_compare_sharded_sets_shard_by_shard(invoke: Invoke, samples: Path) -> N
     assert code == 0, stderr
     doc = json.loads(stdout)
     assert doc["totals"] == doc["totals"] | {"tensors": 11, "compared": 11, "mismatches": 0}
-    code, _, stderr = invoke("compare", str(sharded), str(samples / MLP))
-    assert code == 1 and "is a single file but sharded-mlp is sharded" in stderr
+    code, stdout, stderr = invoke("compare", str(sharded), str(samples / MLP), "--json")
+    assert code == 0, stderr  # a sharded set against one file: tensor by tensor, by name
+    assert json.loads(stdout)["totals"]["compared"] == 11
 
 
 # ---- misleading messages (13) ------------------------------------------------------------------

@@ -11,14 +11,15 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from qtool.dtypes import DTYPES
 from qtool.engine.plan import QuantizeOptions, plan_tensors
 from qtool.errors import InputError
-from qtool.formats import compressed_tensors as ct
-from qtool.formats import ct_config as ctc
-from qtool.formats import ct_read
-from qtool.formats.ct_tensors import (
+from qtool.formats.compressed_tensors import config as ctc
+from qtool.formats.compressed_tensors import schemes
+from qtool.formats.compressed_tensors import selection as ct
+from qtool.formats.compressed_tensors.codec import (
     dequantize_module,
     dequantize_named,
     encode_weight,
@@ -26,6 +27,7 @@ from qtool.formats.ct_tensors import (
     kernel_dequantized,
     unpack_bits,
 )
+from qtool.formats.detect import detect
 from qtool.io.stformat import TensorEntry
 from qtool.numerics.packing import pack_to_int32
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
@@ -156,9 +158,9 @@ def test_llama_quantizes_every_projection_and_ignores_the_head() -> None:
     assert fates(sel) == {
         "model.embed_tokens.weight": "embedding",
         **{e.name: "q" for e in LLAMA_LAYER},
-        "model.layers.0.input_layernorm.weight": "0-d/1-D (bias, norm, scalar)",
-        "model.layers.0.post_attention_layernorm.weight": "0-d/1-D (bias, norm, scalar)",
-        "model.norm.weight": "0-d/1-D (bias, norm, scalar)",
+        "model.layers.0.input_layernorm.weight": "1-D (bias/norm)",
+        "model.layers.0.post_attention_layernorm.weight": "1-D (bias/norm)",
+        "model.norm.weight": "1-D (bias/norm)",
         "lm_head.weight": "output head (lm_head)",
     }
     assert ct.ignore_list(sel) == ["lm_head"]
@@ -195,9 +197,9 @@ def test_bert_keeps_embeddings_and_the_tied_decoder() -> None:
         "embeddings.position_embeddings.weight": "embedding",
         "embeddings.token_type_embeddings.weight": "embedding",
         "embeddings.position_ids": "not a float tensor (I64)",
-        "embeddings.LayerNorm.weight": "0-d/1-D (bias, norm, scalar)",
+        "embeddings.LayerNorm.weight": "1-D (bias/norm)",
         "encoder.layer.0.attention.self.query.weight": "q",
-        "encoder.layer.0.attention.self.query.bias": "0-d/1-D (bias, norm, scalar)",
+        "encoder.layer.0.attention.self.query.bias": "1-D (bias/norm)",
         "encoder.layer.0.intermediate.dense.weight": "q",
         "pooler.dense.weight": "q",
         "cls.predictions.decoder.weight": "output head tied to the input embeddings",
@@ -454,7 +456,7 @@ def test_encode_decode_matches_the_kernels_bit_for_bit(spec: QSpec, dtype: torch
             want_shape,
         )
         assert t.is_contiguous(), local  # safetensors writes contiguous tensors only
-    args = ct_read.parse_args("g", ctc.weights_args(spec), "pack-quantized")
+    args = ctc.parse_args("g", ctc.weights_args(spec), "pack-quantized")
     decoded = dequantize_module(encoded.tensors, args, "pack-quantized")
     assert decoded.dtype == dtype
     assert torch.equal(decoded, kernel_dequantized(encoded, spec, (9, 48), dtype))
@@ -494,14 +496,14 @@ def test_decode_naive_quantized_and_tensor_asym_by_hand() -> None:
     scale = torch.tensor([[0.5], [2.0]], dtype=torch.bfloat16)
     q = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8)
     zp = torch.tensor([[1], [-1]], dtype=torch.int8)
-    asym = ct_read.CtArgs(8, False, "channel")
+    asym = ctc.CtArgs(8, False, "channel")
     got = dequantize_module(
         {"weight": q, "weight_scale": scale, "weight_zero_point": zp}, asym, "naive-quantized"
     )
     assert got.tolist() == [[0.0, -1.5], [8.0, 10.0]] and got.dtype == torch.bfloat16
     # tensor strategy: the zero point is an unpacked int8 [1] (compressed-tensors packs only
     # channel/group zero points)
-    tensor = ct_read.CtArgs(4, False, "tensor")
+    tensor = ctc.CtArgs(4, False, "tensor")
     packed = pack_to_int32(q, 4)
     tensors = {
         "weight_packed": packed,
@@ -539,7 +541,7 @@ def config(
 
 
 def test_resolution_exact_beats_regex_beats_class_and_ignore_wins() -> None:
-    cfg = ct_read.parse_config(
+    cfg = ctc.parse_config(
         config(
             {
                 "g_class": group("g_class", ["Linear"], 4),
@@ -551,7 +553,7 @@ def test_resolution_exact_beats_regex_beats_class_and_ignore_wins() -> None:
     )
 
     def bits(module: str) -> int | None:
-        g = ct_read.resolve(module, cfg)
+        g = schemes.resolve(module, cfg)
         return g.weights.num_bits if g else None
 
     assert bits("model.layers.0.mlp.down_proj") == 6
@@ -560,15 +562,15 @@ def test_resolution_exact_beats_regex_beats_class_and_ignore_wins() -> None:
     assert bits("model.layers.1.self_attn.q_proj") == 4
     assert bits("lm_head") is None
     assert (
-        ct_read.target_matches("re:down_proj", "model.layers.0.mlp.down_proj") is None
+        schemes.target_matches("re:down_proj", "model.layers.0.mlp.down_proj") is None
     )  # re.match
 
 
 def test_regexes_tie_break_alphabetically() -> None:
-    cfg = ct_read.parse_config(
+    cfg = ctc.parse_config(
         config({"a": group("a", ["re:.*proj$"], 4), "b": group("b", ["re:.*o_proj$"], 8)})
     )
-    got = ct_read.resolve("x.o_proj", cfg)
+    got = schemes.resolve("x.o_proj", cfg)
     assert got is not None and got.weights.num_bits == 8  # "re:.*o_proj$" < "re:.*proj$"
 
 
@@ -654,7 +656,7 @@ def test_regexes_tie_break_alphabetically() -> None:
 def test_unsupported_variants_are_named(change: dict[str, object], match: str) -> None:
     doc = {**config({"g": group("g", ["Linear"])}), **change}
     with pytest.raises(ValueError, match=match):
-        ct_read.parse_config(doc)
+        ctc.parse_config(doc)
 
 
 def test_int_quantized_weights_are_read_back_and_strategy_is_inferred() -> None:
@@ -668,40 +670,43 @@ def test_int_quantized_weights_are_read_back_and_strategy_is_inferred() -> None:
             }
         }
     )
-    assert ct_read.parse_config(doc).groups[0].weights == ct_read.CtArgs(8, True, "channel")
+    assert ctc.parse_config(doc).groups[0].weights == ctc.CtArgs(8, True, "channel")
 
 
 def test_detect_and_read_a_model_directory(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps({"quantization_config": config({"g": group("g", ["Linear"])})})
     )
-    assert ct_read.is_compressed_tensors(tmp_path)
-    assert ct_read.is_compressed_tensors(tmp_path / "config.json")
-    assert ct_read.read_config(tmp_path).groups[0].format == "pack-quantized"
+    save_file({"x.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    for path in (tmp_path, tmp_path / "config.json"):
+        found = detect(path)
+        assert (found.format, found.directory, found.quantized) == (ct.FORMAT, tmp_path, True)
+        assert ctc.read_config(found.config, path).groups[0].format == "pack-quantized"
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"model_type": "llama"}')
-    assert not ct_read.is_compressed_tensors(tmp_path / "other")
+    save_file({"x.weight": torch.zeros(2, 2)}, tmp_path / "other" / "model.safetensors")
+    assert detect(tmp_path / "other").format != ct.FORMAT
     with pytest.raises(InputError, match="no compressed-tensors quantization_config"):
-        ct_read.read_config(tmp_path / "other")
+        ctc.read_config({"model_type": "llama"}, tmp_path / "other" / "config.json")
 
 
 def test_restore_plan_and_named_dequantization() -> None:
-    cfg = ct_read.parse_config(config({"g": group("g", ["Linear"])}, ignore=["lm_head"]))
+    cfg = ctc.parse_config(config({"g": group("g", ["Linear"])}, ignore=["lm_head"]))
     enc = encode_weight(torch.randn(9, 8), INT8_CH)
     stored = {f"layer.{k}": v for k, v in enc.tensors.items()}
     stored |= {"layer.bias": torch.zeros(9), "lm_head.weight": torch.ones(3, 8)}
-    plan = ct_read.restore_plan(stored, cfg)
+    plan = schemes.restore_plan(stored, cfg)
     assert [name for name, _ in plan] == ["layer.weight", "layer.bias", "lm_head.weight"]
     module = plan[0][1]
     assert module is not None
     got = dequantize_named(module, stored.__getitem__, stored)
     assert torch.equal(got, kernel_dequantized(enc, INT8_CH, (9, 8), torch.float32))
     with pytest.raises(ValueError, match="no config group targets it"):
-        ct_read.quantized_modules(
-            ["x.weight_packed"], ct_read.parse_config(config({"g": group("g", ["y"])}))
+        schemes.quantized_modules(
+            ["x.weight_packed"], ctc.parse_config(config({"g": group("g", ["y"])}))
         )
     with pytest.raises(ValueError, match="weight_g_idx"):
-        ct_read.quantized_modules(["x.weight_packed", "x.weight_g_idx"], cfg)
+        schemes.quantized_modules(["x.weight_packed", "x.weight_g_idx"], cfg)
 
 
 def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None:
@@ -711,17 +716,21 @@ def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None
     (tmp_path / "config.json").write_text(
         json.dumps({"quantization_config": config({"g": group("g", ["Linear"])})})
     )
+    save_file({"a.weight_packed": torch.zeros(1, dtype=torch.int32)}, tmp_path / "m.safetensors")
     code = (
         "import sys\n"
-        "from qtool.formats import compressed_tensors as ct, ct_config, ct_read\n"
+        "from qtool.formats.compressed_tensors import config as ct_config, schemes\n"
+        "from qtool.formats.compressed_tensors import selection as ct\n"
+        "from qtool.formats.detect import detect\n"
         "from qtool.engine.plan import QuantizeOptions, plan_tensors\n"
         "from qtool.io.stformat import TensorEntry\n"
         "e = (TensorEntry('a.weight', 'BF16', (16, 64), 0, 0),)\n"
         "s = ct.select_planned(plan_tensors('m', e, QuantizeOptions()), {})\n"
         "ct_config.quantization_config(s, 'x'); ct.output_tensors(s[0])\n"
         "from pathlib import Path\n"
-        f"cfg = ct_read.read_config(Path({str(tmp_path)!r}))\n"
-        "ct_read.restore_plan(['a.weight_packed'], cfg)\n"
+        f"found = detect(Path({str(tmp_path)!r}))\n"
+        "cfg = ct_config.read_config(found.config, found.path)\n"
+        "schemes.restore_plan(['a.weight_packed'], cfg)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

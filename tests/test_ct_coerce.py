@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from qtool import patterns
 from qtool.cli import app
-from qtool.formats import ct_coerce
-from qtool.formats.compressed_tensors import literal_target
+from qtool.formats.compressed_tensors import coerce as ct_coerce
+from qtool.formats.compressed_tensors.selection import literal_target
 
 SAMPLES = Path(__file__).parent.parent / "sample_weights"
 CT = ("--format", "compressed-tensors")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qtool.formats import open_reader
-from qtool.formats.ct_tensors import encode_weight
+from qtool.formats.compressed_tensors.codec import encode_weight
+from qtool.formats.registry import open_reader
 from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype
 from tests.conftest import Invoke
 
@@ -222,19 +222,24 @@ def test_warnings_are_one_line_each(invoke: Invoke, llama: Path, tmp_path: Path)
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "message", "exit_code"),
     [
-        (("--dtype", "uint8"), "use int8 or int4"),
-        (("--exclude", "*.0.self_attn.q_proj.weight"), "quantized alike"),
+        (("--dtype", "uint8"), "use int8 or int4", 2),  # an option conflict: a usage error
+        (("--exclude", "*.0.self_attn.q_proj.weight"), "quantized alike", 1),
     ],
     ids=["uint8", "fused-q-k-v"],
 )
 def test_plans_vllm_cannot_load_are_refused(
-    invoke: Invoke, llama: Path, tmp_path: Path, args: tuple[str, ...], message: str
+    invoke: Invoke,
+    llama: Path,
+    tmp_path: Path,
+    args: tuple[str, ...],
+    message: str,
+    exit_code: int,
 ) -> None:
     out = tmp_path / "out"
     code, _, err = invoke("quantize", str(llama), *CT, *args, "-o", str(out))
-    assert code == 1 and message in err and not out.exists()
+    assert code == exit_code and message in err and not out.exists()
 
 
 def test_gates_apply(invoke: Invoke, llama: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from qtool import api
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import SidecarError
-from qtool.formats.qtool import MANIFEST_KEY, sidecar_path
+from qtool.formats.qtool.manifest import MANIFEST_KEY, sidecar_path
 from qtool.numerics.packing import unpack_nibbles
 from qtool.numerics.range_methods import search_candidates
 from qtool.spec import (

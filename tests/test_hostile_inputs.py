@@ -25,13 +25,14 @@ from typer.testing import CliRunner
 from qtool import api
 from qtool.cli import app
 from qtool.engine.plan import QuantizeOptions
-from qtool.formats.qtool import SIDECAR_KEY, sidecar_path
+from qtool.formats.qtool.manifest import SIDECAR_KEY, sidecar_path
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.stformat import read_header
 
 cli = importlib.import_module(
     "qtool.cli.app"
 )  # the module; qtool.cli.app as an attribute is the app
+cli_errors = importlib.import_module("qtool.cli.errors")
 
 
 def _run(*args: str, preexec: object = None, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -317,7 +318,7 @@ def test_sigterm_after_the_commit_names_the_written_outputs(
     _weights(src)
 
     def terminated_while_plotting(*args: object, **kwargs: object) -> None:
-        raise cli.Terminated
+        raise cli_errors.Terminated
 
     import qtool.engine.plots
 
@@ -335,8 +336,8 @@ def test_sigterm_after_the_commit_names_the_written_outputs(
 def test_sigterm_before_the_commit_says_nothing_was_written(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with pytest.raises(typer.Exit) as info, cli.user_errors(True):
-        raise cli.Terminated
+    with pytest.raises(typer.Exit) as info, cli_errors.user_errors(True):
+        raise cli_errors.Terminated
     assert info.value.exit_code == 143
     error = json.loads(capsys.readouterr().err)["error"]
     assert error == {

@@ -320,7 +320,7 @@ def test_dequantize_dot_names_its_default_output(model: Path, tmp_path: Path) ->
     finally:
         os.chdir(cwd)
     assert code == 0, err
-    assert (tmp_path / "q.dequantized.safetensors").exists()
+    assert (tmp_path / "q.dequantized" / "model.safetensors").exists()
 
 
 def test_disk_full_while_copying_a_companion_names_the_output(

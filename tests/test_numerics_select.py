@@ -28,6 +28,7 @@ def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[select._Loader]:
     """Each test starts as a fresh process would: nothing loaded, nothing planned."""
     loader = select._Loader()
     monkeypatch.setattr(select, "_LOADER", loader)
+    monkeypatch.setattr(select, "_METER", select._Meter())  # nor measured
     monkeypatch.delenv(select.ENV, raising=False)
     yield loader
 

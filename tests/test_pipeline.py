@@ -14,7 +14,7 @@ from qtool import api
 from qtool.engine.inspect import inspect_path
 from qtool.engine.plan import QuantizeOptions
 from qtool.errors import NumericError, OutputError, SidecarError
-from qtool.formats.qtool import BINDING_KEY, Record, sidecar_path, validate_qparams
+from qtool.formats.qtool.manifest import BINDING_KEY, Record, sidecar_path, validate_qparams
 from qtool.spec import QSpec, Scheme, StorageDtype
 from tests import reference
 from tests.specs import qspec
@@ -348,7 +348,7 @@ def test_inspect_reports_a_newer_sidecar_instead_of_refusing(samples: Path) -> N
 
     from safetensors.torch import load_file as load_tensors
 
-    from qtool.formats.qtool import MANIFEST_KEY
+    from qtool.formats.qtool.manifest import MANIFEST_KEY
 
     q = samples / "q.safetensors"
     api.quantize(samples / "mlp.safetensors", q, QuantizeOptions(), device="cpu")

@@ -221,9 +221,9 @@ def test_resolve_reproduces_the_planner(
             assert str(resolved.value) == str(planned)
             continue
         res = resolve(rules, e, base, checkpoint=path)
-        assert (res.spec, res.note) == (plan.spec, plan.note), e.name
+        assert (res.spec, res.note) == (plan.spec, plan.decision.note), e.name
         if plan.spec is None:
-            assert res.action == Keep(plan.reason), e.name
+            assert res.action == Keep(plan.decision.reason), e.name
 
 
 # -- loading: errors name the file, the line and the key ------------------------------------

@@ -23,8 +23,8 @@ from qtool.engine.decision import (
     Selection,
     TensorPlan,
 )
-from qtool.formats import compressed_tensors as ct
-from qtool.formats import open_reader
+from qtool.formats.compressed_tensors import selection as ct
+from qtool.formats.registry import open_reader
 from qtool.io.stformat import TensorEntry
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, StorageDtype
 from tests.conftest import Invoke
@@ -260,7 +260,7 @@ def test_align_fused_follows_a_sibling_a_rule_fixed() -> None:
     ]
     aligned = align_fused(plans, key)
     assert [p.spec for p in aligned] == [g32, g32]
-    assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].note
+    assert "aligned with its fused siblings m.{gate_proj,up_proj}" in aligned[1].decision.note
 
 
 def test_an_aligned_decision_says_why_and_keeps_the_budgets_as_history() -> None:

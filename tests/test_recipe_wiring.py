@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from qtool import api
 from qtool.engine.plan import QuantizeOptions
-from qtool.formats.qtool_reader import QtoolReader
+from qtool.formats.qtool.reader import QtoolReader
 from qtool.numerics.metrics import error_stats
 from qtool.recipe.file import parse_recipe
 from qtool.spec import QSpec, parse_spec_label

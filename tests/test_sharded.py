@@ -56,7 +56,7 @@ def test_sharded_round_trip_keeps_sharding_and_companions(
     summary = api.quantize(src, None, QuantizeOptions(QSpec(scheme)), device="cpu")
     out = tmp_path / "model.int8"
     assert summary.outputs == [str(out)]
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if p.name != ".qtool-export.json")
     assert names == sorted(
         [f"model-0000{i}-of-00003{suffix}" for i in (1, 2, 3)
          for suffix in (".safetensors", ".qparams.safetensors")]
@@ -201,7 +201,11 @@ def test_companions_are_regular_files_inside_the_directory(tmp_path: Path) -> No
     (tmp_path / "m/merges.txt").symlink_to("vocab.txt")  # stays inside: copied
     os.mkfifo(tmp_path / "m/pipe.json")
     summary = api.quantize(tmp_path / "m", tmp_path / "q", QuantizeOptions(), device="cpu")
-    copied = sorted(p.name for p in (tmp_path / "q").iterdir() if not p.name.endswith("tensors"))
+    copied = sorted(
+        p.name
+        for p in (tmp_path / "q").iterdir()
+        if not p.name.endswith(("tensors", ".qtool-export.json"))
+    )
     assert copied == ["config.json", "merges.txt", "model.safetensors.index.json", "vocab.txt"]
     assert not (tmp_path / "q/merges.txt").is_symlink()
     assert (tmp_path / "q/merges.txt").read_text() == "a b c"

@@ -1,7 +1,8 @@
 """The `qtool` command line: the only package that imports typer. app.py is the program (entry
-point, signals, exit codes), commands.py its commands (imported here, which registers them)."""
+point, signals, exit codes); each command is a module that registers itself on `app` when it
+is imported here (parse the options, call qtool.api, render)."""
 
-from qtool.cli import commands as commands
+from qtool.cli import compare, dequantize, inspect, plot, quantize
 from qtool.cli.app import app, main
 
-__all__ = ["app", "main"]
+__all__ = ["app", "compare", "dequantize", "inspect", "main", "plot", "quantize"]

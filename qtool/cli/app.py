@@ -1,71 +1,36 @@
-"""The `qtool` program around its commands (cli/commands.py): the Typer app, the entry point,
-signals, exit codes and the mapping of errors to one line.
+"""The `qtool` program around its commands (one module per command in qtool/cli/, each
+registering itself on `app`): the Typer app, the entry point, signals, exit codes and the
+mapping of errors to one line.
 
 Exit codes: 0 success, 1 a clear error, 2 a usage error, 3 a quality gate failed (outputs are
 still written), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Only cli/ imports typer.
-Torch, Rich and the engine are loaded only when a command needs them (lazy_module), so
+Torch, Rich and the engine are loaded only when a command needs them (cli/lazy.py), so
 `qtool --help` and `qtool inspect model.safetensors` answer at once.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
-import re
 import signal
 import sys
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from types import FrameType
+from typing import Annotated, NoReturn
 
 import typer
-from typer.core import TyperCommand
 
 from qtool import __version__
-from qtool.errors import (
-    InternalError,
-    InterruptError,
-    QtoolError,
-    TerminatedError,
-    UsageError,
-)
+from qtool.cli.errors import Terminated, usage_line
+from qtool.cli.help import DEBUG_ENV, KERNEL_ENV, Group
+from qtool.cli.lazy import report
+from qtool.errors import InternalError, InterruptError, QtoolError, TerminatedError, UsageError
 
-
-def lazy_module(name: str) -> ModuleType:
-    """The module `name`, executed on its first attribute access (importlib's LazyLoader):
-    `qtool --help` and usage errors never pay for the engine or Rich."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.loader is not None
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-if TYPE_CHECKING:
-    from qtool.report import console as report
-else:
-    report = lazy_module("qtool.report.console")
-
-
-class Command(TyperCommand):
-    """Usage lines show arguments as INPUT, not Typer's {INPUT}."""
-
-    def collect_usage_pieces(self, ctx: Any) -> list[str]:
-        pieces: list[str] = super().collect_usage_pieces(ctx)
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
-
-
-app = typer.Typer(  # its commands are cli/commands.py, registered when qtool.cli is imported
+app = typer.Typer(  # its commands register themselves when qtool.cli imports them
     name="qtool",
+    cls=Group,
     help="Quantize model checkpoints to 8- or 4-bit integers, exactly, with per-layer errors.",
+    epilog=f"{KERNEL_ENV}\n\n{DEBUG_ENV}",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -74,76 +39,8 @@ app = typer.Typer(  # its commands are cli/commands.py, registered when qtool.cl
 )
 
 
-GATE_FAILED = 3
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised where the process is so that outputs are cleaned up on the way out."""
-
-
 def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise Terminated
-
-
-@contextmanager
-def user_errors(as_json: bool) -> Iterator[RunState]:
-    """Expected failures become one line on stderr and exit code 1 (2 for usage), with no
-    traceback; an interruption says truthfully what was already written."""
-    run = RunState()
-    try:
-        yield run
-    except QtoolError as err:
-        if os.environ.get("QTOOL_DEBUG") == "1":
-            raise
-        report.print_error(with_option_names(err), as_json)
-        raise typer.Exit(2 if isinstance(err, UsageError) else 1) from None
-    except KeyboardInterrupt:
-        report.print_error(InterruptError(None, _stopped("interrupted", run)), as_json)
-        raise typer.Exit(130) from None
-    except Terminated:
-        report.print_error(TerminatedError(None, _stopped("terminated", run)), as_json)
-        raise typer.Exit(143) from None
-
-
-# How the command line spells what the engine's hints ask of the user.
-OPTION_HINTS = {
-    "axis": "--axis N",
-    "config": "--config PATH",
-    "device": "--device cpu",
-    "dtype": "--dtype int8|int4",
-    "estimate": "--estimate",
-    "exclude": "--exclude NAME",
-    "force": "pass --force",
-    "group-fallback": "--group-fallback channel|keep",
-    "keep-nonfinite": "--keep-nonfinite",
-    "qparams": "--qparams PATH",
-    "restore-dtype": "--to float32",
-}
-
-
-def with_option_names(err: QtoolError) -> QtoolError:
-    """The error with its hints spelled as this command line's options, e.g. `(pass --force)`."""
-    names = [OPTION_HINTS[h] for h in err.hints if h in OPTION_HINTS]
-    if not names:
-        return err
-    rendered = type(err).__new__(type(err))  # (copy.copy would re-run __init__ with args)
-    rendered.__dict__.update(err.__dict__, message=f"{err.message} ({'; '.join(names)})")
-    return rendered
-
-
-@dataclass
-class RunState:
-    """What a command has done so far, so that an interruption reports it truthfully."""
-
-    written: list[str] = field(default_factory=list)
-
-
-def _stopped(what: str, run: RunState) -> str:
-    if run.written:
-        return (
-            f"{what} after {', '.join(run.written)} were written (complete); the rest was not done"
-        )
-    return f"{what}; no output was written"
 
 
 def _warning_line(
@@ -205,7 +102,7 @@ def _run_command(argv: list[str] | None) -> None:
     try:
         code = app(args=args, prog_name="qtool", standalone_mode=False)
     except typer.TyperException as err:  # Typer's usage errors (and its own abort)
-        code = _usage_error(err, as_json)
+        code = _usage_error(err, args, as_json)
     except (typer.Abort, KeyboardInterrupt):
         report.print_error(InterruptError(None, "interrupted"), as_json)
         sys.exit(130)
@@ -250,33 +147,14 @@ def _reopen_closed_std_streams() -> list[str]:
     return closed
 
 
-def _usage_error(err: typer.TyperException, as_json: bool) -> int:
+def _usage_error(err: typer.TyperException, args: list[str], as_json: bool) -> int:
     """Print a usage error as one line (or JSON) on stderr; the exit code (2) to use."""
     text = err.format_message()
     if text.startswith("Usage:"):  # `qtool` alone: the help is the answer
         sys.stderr.write(text + "\n")
         return err.exit_code
-    report.print_error(UsageError(None, usage_message(text)), as_json)
+    report.print_error(UsageError(None, usage_line(err, args)), as_json)
     return err.exit_code
-
-
-def usage_message(text: str) -> str:
-    """Typer's wording, one line: "Invalid value for '--scheme': Value error, 'foo' is not one
-    of 'sym', 'asym'." -> "--scheme: 'foo' is not one of sym, asym"."""
-    text = re.sub(r"^Invalid value for (.+?): ", lambda m: m[1].replace("'", "") + ": ", text)
-    for pattern, plain in _PLAIN_WORDING:
-        text = re.sub(pattern, plain, text)
-    return " ".join(text.split()).rstrip(".")
-
-
-_PLAIN_WORDING = (  # pydantic's phrases, as Typer passes them on, in the words of a CLI
-    (r"(Value|Input) error, ", ""),
-    (r"is not one of (.+?)\.?$", lambda m: "is not one of " + m[1].replace("'", "")),
-    (r"Input should be greater than or equal to (\S+)", r"must be at least \1"),
-    (r"Input should be less than or equal to (\S+)", r"must be at most \1"),
-    (r"Input should be a valid integer.*", "expects a whole number"),
-    (r"Input should be a valid number.*", "expects a number"),
-)
 
 
 def _silence_stdout() -> None:

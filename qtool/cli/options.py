@@ -1,5 +1,6 @@
-"""The command line's options, declared once and shared by the commands: their types, help
-texts and checks (a contradiction is a usage error, exit 2, before anything is read)."""
+"""The options several commands share, declared once: their types, help texts, panels and
+checks (a contradiction is a usage error, exit 2, before anything is read). The options of
+quantize alone are in cli/quantize_options.py; the help layout in cli/help.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ from typing import Annotated
 
 import typer
 
+from qtool.cli.help import GATES, HOW, OUTPUT, REPORT, choices
 from qtool.spec import (
-    Device,
-    FormatName,
     Granularity,
-    GroupFallback,
     PerChannel,
     PerGroup,
     PerTensor,
@@ -46,12 +45,6 @@ class Pool(str, Enum):
     ALL = "all"
 
 
-def thread_count(value: int | None) -> int | None:
-    if value is not None and not 1 <= value <= MAX_THREADS:
-        raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
-    return value
-
-
 def _at_least_one(value: int | None) -> int | None:
     """Typer's own `min=1` would print `[x>=1]` in the help; the check is the same."""
     if value is not None and value < 1:
@@ -73,57 +66,22 @@ def _mse_bound(value: float | None) -> float | None:
     return value
 
 
+# -- output and report ---------------------------------------------------------------------------
+
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")
+    bool,
+    typer.Option(
+        "--json",
+        help="Print one JSON document on stdout instead of tables.",
+        rich_help_panel=REPORT,
+    ),
 ]
 ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force",
         help="Replace existing output files (an output directory: only a previous qtool export).",
-    ),
-]
-MaxMseOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if any tensor's MSE is above this.",
-        show_default=False,
-        callback=_mse_bound,
-    ),
-]
-MinSqnrOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if any tensor's SQNR (dB) is below this.",
-        show_default=False,
-        callback=_finite_bound,
-    ),
-]
-TargetSqnrOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--target-sqnr",
-        help="Error budget: per tensor, the cheapest ladder spec whose SQNR reaches DB, "
-        "else float (with --dry-run, add --estimate).",
-        metavar="DB",
-        show_default=False,
-        callback=_finite_bound,
-    ),
-]
-MinOverallOpt = Annotated[
-    float | None,
-    typer.Option(
-        help="Gate: fail (exit 3) if the pooled SQNR (dB) is below this.",
-        show_default=False,
-        callback=_finite_bound,
-    ),
-]
-PoolOpt = Annotated[
-    Pool,
-    typer.Option(
-        "--pool",
-        help="What the overall SQNR pools: the tensors restored from codes (as quantize "
-        "pools them), or all compared tensors (kept ones count at zero error).",
+        rich_help_panel=OUTPUT,
     ),
 ]
 SortOpt = Annotated[
@@ -131,16 +89,19 @@ SortOpt = Annotated[
     typer.Option(
         help="Order rows: name, mse/sqnr (worst first), size (largest first) "
         "[default: file order].",
+        metavar=choices(SortKey),
         show_default=False,
+        rich_help_panel=REPORT,
     ),
 ]
 TopOpt = Annotated[
     int | None,
     typer.Option(
-        help="Show only the first N rows (after --sort).",
+        help="Show only the first N rows (after --sort); --all overrides it.",
         callback=_at_least_one,
         metavar="N",
         show_default=False,
+        rich_help_panel=REPORT,
     ),
 ]
 TABLE_MAX_ROWS = 1000  # a longer table shows only its TRIMMED_ROWS worst rows unless asked
@@ -149,8 +110,9 @@ AllOpt = Annotated[
     bool,
     typer.Option(
         "--all",
-        help=f"Show every row in the table (a table of over {TABLE_MAX_ROWS} rows shows its "
-        f"{TRIMMED_ROWS} worst unless --top or --all says otherwise; --json has every row).",
+        help=f"Show every row, whatever --top says (a table of over {TABLE_MAX_ROWS} rows "
+        f"shows its {TRIMMED_ROWS} worst otherwise; --json has every row unless --top).",
+        rich_help_panel=REPORT,
     ),
 ]
 PlotOpt = Annotated[
@@ -159,31 +121,90 @@ PlotOpt = Annotated[
         "--plot",
         help="Also draw per-layer SQNR and the worst layers' error histograms to this PNG "
         "(needs qtool[plot]).",
+        metavar="FILE.png",
         show_default=False,
+        rich_help_panel=REPORT,
     ),
 ]
+
+# -- quality gates -------------------------------------------------------------------------------
+
+MaxMseOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Fail if any tensor's MSE is above X (0: exact).",
+        metavar="X",
+        show_default=False,
+        callback=_mse_bound,
+        rich_help_panel=GATES,
+    ),
+]
+MinSqnrOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Fail if any tensor's SQNR is below DB decibels.",
+        metavar="DB",
+        show_default=False,
+        callback=_finite_bound,
+        rich_help_panel=GATES,
+    ),
+]
+MinOverallOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Fail if the overall SQNR (by default pooled over the quantized tensors) is "
+        "below DB decibels.",
+        metavar="DB",
+        show_default=False,
+        callback=_finite_bound,
+        rich_help_panel=GATES,
+    ),
+]
+PoolOpt = Annotated[
+    Pool,
+    typer.Option(
+        "--pool",
+        help="What the overall SQNR pools: the tensors restored from codes (as quantize "
+        "pools them), or all compared tensors (kept ones count at zero error).",
+        metavar=choices(Pool),
+        rich_help_panel=GATES,
+    ),
+]
+
+# -- the spec (quantize and plot) ----------------------------------------------------------------
+
 SchemeOpt = Annotated[
     Scheme,
     typer.Option(
         help="sym: scale from max|x| (max|x|/127 for 8-bit), zero point fixed; "
-        "asym: affine over [min, max]."
+        "asym: affine over [min, max].",
+        metavar=choices(Scheme),
+        rich_help_panel=HOW,
     ),
 ]
 DtypeOpt = Annotated[
     StorageDtype,
-    typer.Option(help="Integer type of the codes; int4/uint4 are packed two per byte."),
+    typer.Option(
+        help="Integer type of the codes; int4/uint4 are packed two per byte.",
+        metavar=choices(StorageDtype),
+        rich_help_panel=HOW,
+    ),
 ]
 PerChannelOpt = Annotated[
     bool,
     typer.Option(
-        "--per-channel/--per-tensor", help="One scale per channel along --axis, or one per tensor."
+        "--per-channel/--per-tensor",
+        help="One scale per channel along --axis, or one per tensor.",
+        rich_help_panel=HOW,
     ),
 ]
 AxisOpt = Annotated[
     int | None,
     typer.Option(
         help="Channel axis for --per-channel (negative counts from the end) [default: 0].",
+        metavar="N",
         show_default=False,
+        rich_help_panel=HOW,
     ),
 ]
 GroupSizeOpt = Annotated[
@@ -194,6 +215,7 @@ GroupSizeOpt = Annotated[
         help="One scale per G consecutive elements of each row (the input dimension of a "
         "Linear weight), e.g. 128 or 32. G >= 2.",
         show_default=False,
+        rich_help_panel=HOW,
     ),
 ]
 RangeOpt = Annotated[
@@ -202,38 +224,10 @@ RangeOpt = Annotated[
         "--range",
         help="minmax: the full range of each group; mse: the clipped or stretched range with "
         "the least squared error (never worse than minmax).",
+        metavar=choices(RangeMethod),
+        rich_help_panel=HOW,
     ),
 ]
-MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
-
-
-def quantize_mode(dry_run: bool, estimate: bool, gated: bool, budget: bool) -> str:
-    """The run --dry-run and --estimate ask for (plan, estimate or write; qtool.api.Mode);
-    typer.BadParameter (exit 2) for one that cannot do what the other options need."""
-    if estimate and not dry_run:
-        raise typer.BadParameter("goes only with --dry-run", param_hint="--estimate")
-    if dry_run and not estimate and gated:
-        raise typer.BadParameter(
-            "a gate needs error figures, which a plain dry run does not compute; "
-            "add --estimate (or drop --dry-run)",
-            param_hint="--dry-run",
-        )
-    if dry_run and not estimate and budget:
-        raise typer.BadParameter(
-            "the error budget measures each tensor, which a plain dry run does not; "
-            "add --estimate (or drop --dry-run)",
-            param_hint="--target-sqnr",
-        )
-    return "estimate" if estimate else "plan" if dry_run else "write"
-
-
-def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFallback) -> None:
-    """--config and --group-fallback only mean something to compressed-tensors."""
-    if fmt is FormatName.QTOOL and (config is not None or fallback is not GroupFallback.ERROR):
-        raise typer.BadParameter(
-            "--config and --group-fallback go with --format compressed-tensors",
-            param_hint="--format",
-        )
 
 
 def build_spec(
@@ -262,124 +256,3 @@ def build_spec(
             param_hint="--group-size",
         )
     return QSpec(scheme, dtype, PerGroup(group_size), range_method)
-
-
-# -- quantize --------------------------------------------------------------------------------------
-
-InputArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="INPUT",
-        help="Checkpoint: .safetensors, a .pt/.pth/.bin state dict, "
-        "or a sharded checkpoint (its *.safetensors.index.json or directory).",
-        show_default=False,
-    ),
-]
-
-QuantizeOutOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--out",
-        "-o",
-        help="Output .safetensors file, or an existing directory to put the default name in "
-        "(for sharded input, and for --format compressed-tensors: the output directory) "
-        "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
-        show_default=False,
-    ),
-]
-
-IncludeOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--include",
-        help="Glob of tensor names to quantize (repeatable); also selects 1-D tensors.",
-        metavar="GLOB",
-        show_default=False,
-    ),
-]
-
-ExcludeOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--exclude",
-        help="Glob of tensor names to keep as they are (repeatable; tried first, see "
-        "docs/recipes.md for the order).",
-        metavar="GLOB",
-        show_default=False,
-    ),
-]
-
-RecipeOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--recipe",
-        help="TOML file of per-tensor rules: a spec or keep-in-float per name pattern.",
-        metavar="FILE",
-        show_default=False,
-    ),
-]
-
-FormatOpt = Annotated[
-    FormatName,
-    typer.Option(
-        "--format",
-        help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
-        "(pack-quantized) that transformers and vLLM load; needs -o DIR.",
-    ),
-]
-
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--config",
-        help="The model's config.json, for --format compressed-tensors from a single "
-        ".safetensors file [default: INPUT/config.json for a model directory].",
-        metavar="PATH",
-        show_default=False,
-    ),
-]
-
-GroupFallbackOpt = Annotated[
-    GroupFallback,
-    typer.Option(
-        "--group-fallback",
-        help="compressed-tensors, when --group-size does not divide a tensor's row length: "
-        "error (name them), channel (those per channel) or keep (those in float).",
-    ),
-]
-
-DeviceOpt = Annotated[
-    Device, typer.Option(help="Where the kernels run; auto picks CUDA when available.")
-]
-
-KeepNonfiniteOpt = Annotated[
-    bool,
-    typer.Option(
-        "--keep-nonfinite", help="Keep tensors holding NaN/Inf unquantized instead of failing."
-    ),
-]
-
-DryRunOpt = Annotated[
-    bool,
-    typer.Option(
-        "--dry-run", help="Print what would be done (from headers only) and write nothing."
-    ),
-]
-
-EstimateOpt = Annotated[
-    bool,
-    typer.Option(
-        "--estimate",
-        help="With --dry-run: also compute the error figures (reads the data, writes nothing).",
-    ),
-]
-
-ThreadsOpt = Annotated[
-    int | None,
-    typer.Option(
-        help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: all cores].",
-        callback=thread_count,
-        metavar="N",
-        show_default=False,
-    ),
-]

@@ -152,7 +152,7 @@ def layout(plan: TensorPlan) -> Layout | None:
     search, per channel on another axis, 4-bit codes whose packing stacking would change, or
     chosen by the error budget)."""
     spec, entry = plan.spec, plan.entry
-    if plan.budget:  # the error budget quantized it already (engine/spill.py)
+    if plan.decision.budget:  # the error budget quantized it already (engine/spill.py)
         return None
     if spec is None or not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:
         return None

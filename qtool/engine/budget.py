@@ -21,13 +21,12 @@ from qtool.engine.decision import (
     Keep,
     Quantize,
     TensorPlan,
-    qparam_nbytes,
-    stored_nbytes,
 )
 from qtool.engine.job import Job
 from qtool.engine.loop import Kernels, quantize_one
 from qtool.engine.plan import ModelPlan, QuantizeOptions, plan_data
 from qtool.engine.shards import Shards
+from qtool.engine.sizes import qparam_nbytes, stored_nbytes
 from qtool.engine.spill import Spill
 from qtool.formats.base import OutputFormat
 from qtool.io.checkpoint import Checkpoint
@@ -78,7 +77,7 @@ class Measured:
         for shard, plans in plan.per_shard():
             ckpt = self.shards.checkpoint(shard)
             workspace = kernels.Workspace(self.run.device)
-            out += [self._choose(ckpt, p, workspace) if p.budget else p for p in plans]
+            out += [self._choose(ckpt, p, workspace) if p.decision.budget else p for p in plans]
         return plan.with_plans(out)
 
     def align(self, plans: tuple[TensorPlan, ...]) -> list[TensorPlan]:
@@ -159,13 +158,13 @@ def align_fused(plans: Sequence[TensorPlan], key: Callable[[str], str | None]) -
             sets.setdefault(k, []).append(i)
     out = list(plans)
     for k, members in sets.items():
-        chosen = [plans[i] for i in members if plans[i].budget]
+        chosen = [plans[i] for i in members if plans[i].decision.budget]
         if not chosen or len({p.spec for p in (plans[i] for i in members)}) == 1:
             continue
-        fixed = [plans[i] for i in members if not plans[i].budget]
+        fixed = [plans[i] for i in members if not plans[i].decision.budget]
         pick = fixed[0] if fixed else max(chosen, key=_dearness)
         for i in members:
-            if plans[i].budget and plans[i].spec != pick.spec:
+            if plans[i].decision.budget and plans[i].spec != pick.spec:
                 out[i] = _aligned(plans[i], pick, k)
     return out
 
@@ -178,7 +177,8 @@ def _dearness(plan: TensorPlan) -> float:
 
 
 def _aligned(plan: TensorPlan, pick: TensorPlan, key: str) -> TensorPlan:
-    why = f"aligned with its fused siblings {key}; own choice {plan.note or plan.reason}"
+    own = plan.decision.note or plan.decision.reason
+    why = f"aligned with its fused siblings {key}; own choice {own}"
     action = Keep(f"kept float: {why}") if pick.spec is None else Quantize(pick.spec, why)
     return TensorPlan(plan.entry, plan.decision.then(action, FusedSiblings(key)))
 
@@ -190,7 +190,7 @@ def needed_bytes(plans: Sequence[TensorPlan], options: QuantizeOptions) -> int:
     ladder = ladder_of(options)
     total = 0
     for p in plans:
-        if p.budget:
+        if p.decision.budget:
             dearest = max(budget.bytes_per_tensor(s, p.entry.shape) for s in ladder)
             total += max(p.entry.nbytes, dearest) + dearest
         else:
@@ -209,7 +209,7 @@ def _size_if(plans: Sequence[TensorPlan], fmt: OutputFormat, spec: QSpec | None)
     quantized with `spec` (None: kept), as the format stores it."""
     total = 0
     for plan in plans:
-        if not plan.budget:
+        if not plan.decision.budget:
             total += plan.out_nbytes + plan.qparam_nbytes
             continue
         entry = plan.entry

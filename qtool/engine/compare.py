@@ -1,8 +1,10 @@
 """`qtool compare A B`: per-tensor error between two checkpoints that share tensor names.
 
-Either side may be a float checkpoint or a qtool-quantized file, which is dequantized on the fly
-through its sidecar, so the pairings float/quantized, quantized/quantized and float/float all
-work. A is the reference: SQNR is A's energy over the energy of A - B. Streams tensor by tensor.
+Either side may be anything `detect` recognises: a float checkpoint, a qtool-quantized file
+(dequantized on the fly through its sidecar), a sharded set or a model directory (read whole,
+by tensor name), a compressed-tensors model directory (dequantized on the fly), so the pairings
+float/quantized, quantized/quantized and float/float all work. A is the reference: SQNR is A's
+energy over the energy of A - B. Streams tensor by tensor.
 """
 
 from __future__ import annotations
@@ -14,28 +16,31 @@ import torch
 
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError
-from qtool.formats import open_reader
 from qtool.formats.base import FloatReader
-from qtool.formats.ct_read import is_compressed_tensors
-from qtool.io.index import is_sharded, load_index
+from qtool.formats.registry import open_reader
 from qtool.numerics.metrics import count_nonfinite, error_stats
 from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
 
 
 def compare_files(a: Path, b: Path, pool: str = POOL_QUANTIZED) -> CompareSummary:
-    """One row per tensor name of A, then those only in B; sharded sets shard by shard; a
-    compressed-tensors model directory (either side) as a whole, dequantized on the fly.
-    `pool`: what the overall figures pool (results.CompareSummary.pooled_over).
-    InputError when no tensor of the two could be compared (unrelated files)."""
+    """One row per tensor name of A, then those only in B; `pool`: what the overall figures
+    pool (results.CompareSummary.pooled_over). InputError when no tensor of the two could be
+    compared (unrelated files)."""
     if pool not in (POOL_QUANTIZED, POOL_ALL):
         raise ValueError(f"pool must be {POOL_QUANTIZED!r} or {POOL_ALL!r}, not {pool!r}")
-    if is_compressed_tensors(a) or is_compressed_tensors(b):  # whole models, by float names
-        summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
-    elif is_sharded(a) or is_sharded(b):
-        summary = _compare_sharded(a, b)
-    else:
-        summary = CompareSummary(inputs=[str(a), str(b)], rows=_compare_pair(a, b, None))
-    summary = replace(summary, pool=pool)
+    left = open_reader(a)
+    try:
+        right = open_reader(b)
+    except BaseException:
+        left.close()
+        raise
+    try:
+        inputs = [str(left.path), str(right.path)]
+        rows = _compare_readers(left, right)
+        summary = CompareSummary(inputs=inputs, rows=rows, pool=pool)
+    finally:
+        left.close()
+        right.close()
     if not summary.compared:
         raise InputError(a, f"no tensor could be compared with {b}: {_why_none(summary)}")
     return summary
@@ -53,59 +58,16 @@ def _why_none(summary: CompareSummary) -> str:
     )
 
 
-def _compare_pair(a: Path, b: Path, names: set[str] | None) -> list[CompareRow]:
-    """Rows for the tensors of two files (all of them, or those in `names`), in A's order."""
-    left = open_reader(a)
-    try:
-        right = open_reader(b)
-    except BaseException:
-        left.close()
-        raise
-    try:
-        in_left, in_right = set(left.names), set(right.names)
-        order = left.names + [n for n in right.names if n not in in_left]
-        return [
-            _compare_one(left, right, n, in_left, in_right)
-            for n in order
-            if names is None or n in names
-        ]
-    finally:
-        left.close()
-        right.close()
-
-
-def _compare_sharded(a: Path, b: Path) -> CompareSummary:
-    """Two sharded sets: each tensor is compared between the shards that hold it, one pair of
-    shards open at a time (a name missing on one side is paired with that side's first shard,
-    which does not hold it, so the row says where it is missing)."""
-    for path, other in ((a, b), (b, a)):
-        if not is_sharded(path):
-            raise InputError(
-                path,
-                f"is a single file but {other.name} is sharded; compare a sharded set with a "
-                "sharded set, or one shard with one file",
-            )
-    left, right = load_index(a), load_index(b)
-    groups: dict[tuple[str, str], set[str]] = {}
-    names = list(left.weight_map) + [n for n in right.weight_map if n not in left.weight_map]
-    for name in names:
-        key = (
-            left.weight_map.get(name, left.shards[0]),
-            right.weight_map.get(name, right.shards[0]),
-        )
-        groups.setdefault(key, set()).add(name)
-    rows: list[CompareRow] = []
-    for (sa, sb), group in sorted(groups.items()):
-        rows += _compare_pair(left.directory / sa, right.directory / sb, group)
-    return CompareSummary(inputs=[str(left.index), str(right.index)], rows=rows)
+def _compare_readers(left: FloatReader, right: FloatReader) -> list[CompareRow]:
+    """Rows for every tensor of the two, in A's order, then those only in B."""
+    in_left, in_right = set(left.names), set(right.names)
+    order = left.names + [n for n in right.names if n not in in_left]
+    return [_compare_one(left, right, n, in_left, in_right) for n in order]
 
 
 def open_tensor_source(path: Path, name: str) -> FloatReader:
-    """The file (a shard, for a sharded set) that holds tensor `name`, as float values."""
-    if not is_sharded(path):
-        return open_reader(path)
-    sharded = load_index(path)
-    return open_reader(sharded.directory / sharded.weight_map[name])
+    """The checkpoint at `path` (a file or a directory, read whole) as float values."""
+    return open_reader(path)
 
 
 def _compare_one(
@@ -119,9 +81,10 @@ def _compare_one(
         detail = f"shape mismatch: {list(left.shape(name))} vs {list(right.shape(name))}"
         return sides.row(detail, mismatch=True)
     da, db = left.dtype(name), right.dtype(name)
-    if (da in FLOAT_DTYPES) != (db in FLOAT_DTYPES):
+    restored = left.quantization(name) is not None or right.quantization(name) is not None
+    if not restored and (da in FLOAT_DTYPES) != (db in FLOAT_DTYPES):
         return sides.row(f"dtype mismatch: {da} vs {db}", mismatch=True)
-    x, y = left.values(name), right.values(name)
+    x, y = left.values(name), right.values(name)  # a quantized side's scales checked here
     if da not in FLOAT_DTYPES:
         same = x.dtype == y.dtype and torch.equal(x, y)
         detail = "identical" if same else "values differ"

@@ -8,31 +8,22 @@ Each planning pass (engine/plan.py lists them in order) may give a tensor a new 
 decision it replaces stays as `superseded`, so a table can say "budget chose int4 g128; aligned
 with its fused siblings". A pass that leaves the action as it was leaves the decision as it was.
 No pass edits a decision or flips a flag on it; everything a report or a format asks of a plan
-(TensorPlan) is read from its decision. Torch-free.
+(TensorPlan) is read from its decision (`report()` gives the reports' DecidedBy). Torch-free.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from qtool.dtypes import DTYPE_BITS
+from qtool.engine.sizes import Stored, qparam_nbytes, stored_dtype, stored_nbytes
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Keep as Keep  # the decision's keep: a rule's, or any pass's
 from qtool.recipe.rules import Rule, RuleKind
-from qtool.results import Trial
-from qtool.spec import QSpec, RangeMethod, packed_shape, qparam_shape, spec_label
+from qtool.results import DecidedBy, RuleRef, Trial
+from qtool.spec import QSpec, spec_label
 
 # -- actions: Keep(reason) (a recipe rule's keep is the same value), or Quantize -----------
-
-
-@dataclass(frozen=True)
-class Stored:
-    """How a format other than qtool's stores a quantized tensor: its bytes and its codes' dtype."""
-
-    nbytes: int
-    dtype: str
 
 
 @dataclass(frozen=True)
@@ -49,6 +40,26 @@ class Quantize:
 
 
 Action = Keep | Quantize
+
+
+@dataclass(frozen=True)
+class Step:
+    """An action as reports show it, before its origin adds what decided it."""
+
+    action: str
+    spec: QSpec | None
+    reason: str
+    history: tuple[DecidedBy, ...] = ()
+
+    @classmethod
+    def of(cls, action: Action, history: tuple[DecidedBy, ...]) -> Step:
+        if isinstance(action, Quantize):
+            return cls("quantize", action.spec, action.note, history)
+        return cls("keep", None, action.reason, history)
+
+    def head(self, origin: str) -> tuple[str, str, QSpec | None, str]:
+        """DecidedBy's first fields: action, origin, spec, reason."""
+        return self.action, origin, self.spec, self.reason
 
 
 # -- origins -----------------------------------------------------------------------------
@@ -72,6 +83,21 @@ class Selection:
         where = f" ({self.rule.file}: line {self.rule.line})" if self.rule.file else ""
         return self.rule.describe() + where
 
+    def step(self, act: Step) -> DecidedBy:
+        rule = self.rule
+        if rule is None:
+            return DecidedBy(*act.head("not-included" if self.by_name else "default"), act.history)
+        source = _RULE_SOURCES[rule.kind]
+        ref = RuleRef(source, rule.number, rule.pattern, rule.file, rule.line)
+        return DecidedBy(*act.head(source), act.history, rule=ref)
+
+
+_RULE_SOURCES = {
+    RuleKind.RECIPE: "recipe",
+    RuleKind.EXCLUDE: "exclude",
+    RuleKind.INCLUDE: "include",
+}
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -86,6 +112,10 @@ class Budget:
             return f"left to the budget ({self.target_db:g} dB)"
         return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
 
+    def step(self, act: Step) -> DecidedBy:
+        head = act.head("budget")
+        return DecidedBy(*head, act.history, target_sqnr_db=self.target_db, trials=self.trials)
+
 
 @dataclass(frozen=True)
 class FusedSiblings:
@@ -95,6 +125,9 @@ class FusedSiblings:
 
     def describe(self) -> str:
         return f"aligned with its fused siblings {self.key}"
+
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("fused-siblings"), act.history, fused=self.key)
 
 
 @dataclass(frozen=True)
@@ -106,6 +139,9 @@ class FormatConstraint:
     def describe(self) -> str:
         return f"{self.format} format"
 
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("format"), act.history, format=self.format)
+
 
 @dataclass(frozen=True)
 class NonFiniteGuard:
@@ -115,6 +151,9 @@ class NonFiniteGuard:
 
     def describe(self) -> str:
         return f"{self.count} NaN/Inf values (--keep-nonfinite)"
+
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("keep-nonfinite"), act.history, nonfinite=self.count)
 
 
 Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard
@@ -173,58 +212,58 @@ class Decision:
         steps = reversed(list(self.history))
         return "; ".join(f"{d.origin.describe()}: {_label(d.action)}" for d in steps)
 
+    def report(self) -> DecidedBy:
+        """The decision as reports show it: this one, with the ones it superseded (oldest
+        first) as its history (built with constructors only: 50,000 rows ask)."""
+        earlier = () if self.superseded is None else tuple(self.superseded._oldest_first())
+        return self.origin.step(Step.of(self.action, earlier))
 
-def _label(action: Action) -> str:
-    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
+    def _oldest_first(self) -> list[DecidedBy]:
+        steps = [] if self.superseded is None else self.superseded._oldest_first()
+        return [*steps, self.origin.step(Step.of(self.action, ()))]
 
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor and its decision. Everything else is read from the decision: the spec, the
-    reason it is kept, how it is stored (the formats read plans through formats.base.Ruled)."""
-
-    entry: TensorEntry
-    decision: Decision
+    # -- what the reports and the formats read of it (formats.base.Ruling) ----------------
 
     @property
     def spec(self) -> QSpec | None:
-        action = self.decision.action
-        return action.spec if isinstance(action, Quantize) else None
+        """The spec it is quantized with (None: kept)."""
+        return self.action.spec if isinstance(self.action, Quantize) else None
 
     @property
     def reason(self) -> str:
         """Why it is kept ("" when quantized)."""
-        action = self.decision.action
-        return action.reason if isinstance(action, Keep) else ""
+        return self.action.reason if isinstance(self.action, Keep) else ""
 
     @property
     def note(self) -> str:
-        action = self.decision.action
-        return action.note if isinstance(action, Quantize) else ""
+        """How the spec was adapted to the tensor or why it was chosen ("" when kept)."""
+        return self.action.note if isinstance(self.action, Quantize) else ""
 
     @property
     def asked(self) -> QSpec | None:
-        action = self.decision.action
-        return action.asked if isinstance(action, Quantize) else None
+        """The spec before it was fitted to the tensor (None: as `spec`, or kept)."""
+        return self.action.asked if isinstance(self.action, Quantize) else None
 
     @property
-    def budget(self) -> bool:
-        return self.decision.budget
+    def stored(self) -> Stored | None:
+        return self.action.stored if isinstance(self.action, Quantize) else None
 
     @property
-    def by_rule(self) -> bool:
-        return self.decision.selection.by_name
+    def by_name(self) -> bool:
+        """A rule decided by name (an --exclude, a recipe rule or an --include, or --include
+        matching nothing); False for the default selection."""
+        return self.selection.by_name
 
     @property
-    def rule(self) -> str:
+    def rule_label(self) -> str:
         """The rule that decided, as tables name it ("rule 3 'mlp.*'"; "" without a recipe)."""
-        selection = self.decision.selection
+        selection = self.selection
         return selection.rule.describe() if selection.labelled and selection.rule else ""
 
     @property
     def rule_origin(self) -> str:
         """Where a recipe rule is written ("llm.toml: line 12: "; "" for others)."""
-        rule = self.decision.selection.rule
+        rule = self.selection.rule
         if rule is None or rule.kind is not RuleKind.RECIPE:
             return ""
         return f"{rule.file}: line {rule.line}: "
@@ -234,50 +273,36 @@ class TensorPlan:
         """A recipe rule or the error budget chose the spec, not the command line."""
         if self.spec is None:
             return False
-        rule = self.decision.selection.rule
+        rule = self.selection.rule
         by_recipe = rule is not None and rule.kind is RuleKind.RECIPE
-        return by_recipe or any(isinstance(d.origin, Budget) for d in self.decision.history)
+        return by_recipe or any(isinstance(d.origin, Budget) for d in self.history)
+
+
+def _label(action: Action) -> str:
+    return spec_label(action.spec) if isinstance(action, Quantize) else f"kept ({action.reason})"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor and its decision; what it is and why is read from the decision (the formats
+    read it through formats.base.Ruled), how many bytes it takes from both."""
+
+    entry: TensorEntry
+    decision: Decision
 
     @property
-    def stored(self) -> Stored | None:
-        action = self.decision.action
-        return action.stored if isinstance(action, Quantize) else None
+    def spec(self) -> QSpec | None:
+        return self.decision.spec
 
     @property
     def out_dtype(self) -> str:
-        return stored_dtype(self.entry, self.spec, self.stored)
+        return stored_dtype(self.entry, self.spec, self.decision.stored)
 
     @property
     def out_nbytes(self) -> int:
         """Bytes of the tensor in the output file: its codes, or the tensor as it is."""
-        return stored_nbytes(self.entry, self.spec, self.stored)
+        return stored_nbytes(self.entry, self.spec, self.decision.stored)
 
     @property
     def qparam_nbytes(self) -> int:
-        return qparam_nbytes(self.entry, self.spec, self.stored)
-
-
-def stored_dtype(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> str:
-    """The dtype the tensor is stored as: the format's, its codes', or its own when kept."""
-    if stored is not None:
-        return stored.dtype
-    return spec.dtype.safetensors_dtype if spec is not None else entry.dtype
-
-
-def stored_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
-    """Bytes of the tensor as stored: 4-bit codes are packed two per byte along the last
-    dimension; a format that says how many bytes it stores is taken at its word."""
-    if stored is not None:
-        return stored.nbytes
-    shape = packed_shape(entry.shape) if spec is not None and spec.dtype.packed else entry.shape
-    return math.prod(shape) * DTYPE_BITS[stored_dtype(entry, spec)] // 8
-
-
-def qparam_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
-    """Bytes the tensor adds to the sidecar: a float32 scale and a 1-byte zero point per group,
-    and with --range mse the 1-byte index of the range each group kept (0 when kept, or when the
-    format counts its qparams in its stored bytes)."""
-    if spec is None or stored is not None:
-        return 0
-    per_group = 6 if spec.range_method is RangeMethod.MSE else 5
-    return math.prod(qparam_shape(spec.granularity, entry.shape)) * per_group
+        return qparam_nbytes(self.entry, self.spec, self.decision.stored)

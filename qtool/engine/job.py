@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qtool.engine.model_dir import ModelInput
+from qtool.engine.layout import Target
 from qtool.engine.plan import ModelPlan, QuantizeOptions
 from qtool.engine.shards import Shards
-from qtool.engine.source import Source, Target
+from qtool.engine.source import Source
 from qtool.formats.base import OutputFormat
 from qtool.results import Progress, QuantizeRow
 
@@ -48,12 +48,11 @@ class RunOptions:
 
 @dataclass(frozen=True)
 class Output:
-    """What a run reads and where it writes: `target` as the summary names it (a model
-    directory by its final name: it is built under a temporary one); `model` for a model export."""
+    """What a run reads and where it writes: `target` as the summary names it (a directory by
+    its final name: it is built under a temporary one)."""
 
     source: Source
     target: Target
-    model: ModelInput | None = None
 
 
 @dataclass(frozen=True)

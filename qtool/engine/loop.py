@@ -3,7 +3,10 @@ to the format's writer, then the next. Nothing holds the whole shard. The plan i
 the loop starts (engine/plan.py); the loop only carries it out.
 
 Tensor k is handed to the writer by a background thread (io/writer.py) while tensor k+1 is
-quantized: the write syscalls and the torch kernels both release the GIL.
+quantized: the write syscalls and the torch kernels both release the GIL. Tensors are read into
+one reused buffer, large ones a slab of rows at a time (engine/slabs.py). Progress is reported
+in bytes: the tensor's name as it starts (0 bytes), then its bytes as they are done, slab by
+slab for a large one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from qtool.engine import batch
 from qtool.engine.decision import TensorPlan
 from qtool.engine.plan import planned_row
+from qtool.engine.slabs import Reader, quantize_by_slabs, slab_rows
 from qtool.engine.spill import Figures, Spill
 from qtool.errors import DeviceError, NumericError
 from qtool.formats.base import ShardWriter
@@ -48,8 +52,18 @@ class Kernels:
     scales_in_weight_dtype: bool = False
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
-        """Tell the kernel choice how much this run quantizes (numerics/select.py)."""
-        select.expect(self.device, sum(p.entry.nbytes for p in plans if p.spec is not None))
+        """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
+        go through the torch kernels a batch at a time: numerics/select.py)."""
+        work = [
+            select.Work(p.entry.shape, p.entry.dtype in ("BF16", "F16"), p.spec)
+            for p in plans
+            if p.spec is not None and batch.layout(p) is None
+        ]
+        select.expect_work(self.device, work)
+
+    def notes(self) -> list[str]:
+        """What the kernel choice has to say about the run (a much faster path not taken)."""
+        return select.notes()
 
 
 def write_shard(
@@ -73,8 +87,6 @@ def write_shard(
             else:
                 background.submit(entry, writer.quantized, entry, plan.spec, done.result)
                 rows[entry.name] = measured_row(plan, done.figures)
-            if run.progress is not None:
-                run.progress.advance(entry.name, entry.nbytes)
     ckpt.check_unchanged()
     writer.finish()
     return [rows[p.entry.name] for p in plans]
@@ -119,35 +131,56 @@ def _results(
     codes being written are never the ones being computed."""
     workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
     tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
+    reader = Reader(run.progress)
     for k, plan in enumerate(order):
-        if plan.spec is None or plan.entry.name in skip:
+        name, nbytes = plan.entry.name, plan.entry.nbytes
+        reader.advance(name, 0)  # the tensor now being processed
+        if plan.spec is None or name in skip:
+            reader.advance(name, nbytes)
             yield plan, None
             continue
-        result = spill.take(plan.entry.name, plan.spec) if spill is not None else None
+        result = spill.take(name, plan.spec) if spill is not None else None
         done = tiny.take(k) if result is None else None
         if done is None:
             if result is None:
-                result = quantize_one(ckpt, plan, workspaces[k % 2], run.scales_in_weight_dtype)
+                weight_dtype = run.scales_in_weight_dtype
+                result = quantize_one(ckpt, plan, workspaces[k % 2], weight_dtype, reader)
+            else:
+                reader.advance(name, nbytes)
             done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
+        else:
+            reader.advance(name, nbytes)
         yield plan, done
 
 
 def quantize_one(
-    ckpt: Checkpoint, plan: TensorPlan, workspace: kernels.Workspace, weight_dtype: bool = False
+    ckpt: Checkpoint,
+    plan: TensorPlan,
+    workspace: kernels.Workspace,
+    weight_dtype: bool = False,
+    reader: Reader | None = None,
 ) -> kernels.QuantizedTensor:
     """One tensor quantized as planned; NumericError naming the file and the tensor when its
-    values cannot be (NaN/Inf, beyond float32, a grid that would overflow)."""
+    values cannot be (NaN/Inf, beyond float32, a grid that would overflow). With a `reader`,
+    it is read into the reader's reused buffer (a large one a slab at a time, engine/slabs.py)
+    and its bytes reported to the reader's progress as they are done."""
     assert plan.spec is not None
-    x = ckpt.tensor(plan.entry).to(workspace.device)
-    scale_dtype = x.dtype if weight_dtype else torch.float32
     try:
-        return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+        if reader is None:
+            return _quantize_whole(ckpt, plan, workspace, weight_dtype, None)
+        rows = slab_rows(plan, workspace.device)
+        if rows is not None:
+            return quantize_by_slabs(ckpt, plan, rows, reader, workspace, weight_dtype)
+        result = _quantize_whole(ckpt, plan, workspace, weight_dtype, reader)
+        reader.advance(plan.entry.name, plan.entry.nbytes)
+        return result
     except NonFiniteInput as err:
         if err.count == 0:  # finite float64 values whose float32 range overflows
+            largest = float(ckpt.tensor(plan.entry).abs().max())
             raise NumericError(
                 ckpt.path,
                 f"holds {plan.entry.dtype} values beyond float32's range (largest magnitude "
-                f"{float(x.abs().max()):.3g}), which cannot be quantized in float32; "
+                f"{largest:.3g}), which cannot be quantized in float32; "
                 "exclude this tensor or rescale it",
                 plan.entry.name,
                 hint="exclude",
@@ -163,3 +196,18 @@ def quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
+
+
+def _quantize_whole(
+    ckpt: Checkpoint,
+    plan: TensorPlan,
+    workspace: kernels.Workspace,
+    weight_dtype: bool,
+    reader: Reader | None,
+) -> kernels.QuantizedTensor:
+    """The tensor read whole (into the reader's buffer when there is one) and quantized."""
+    assert plan.spec is not None
+    x = ckpt.tensor(plan.entry, reader.buffer if reader is not None else None)
+    x = x.to(workspace.device)
+    scale_dtype = x.dtype if weight_dtype else torch.float32
+    return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)

@@ -17,7 +17,9 @@ def guard(plan: ModelPlan, shards: Shards) -> ModelPlan:
     out: list[TensorPlan] = []
     for shard, plans in plan.per_shard():
         ckpt = shards.checkpoint(shard)
-        out += [_checked(ckpt, p) if p.spec is not None and not p.budget else p for p in plans]
+        out += [
+            _checked(ckpt, p) if p.spec is not None and not p.decision.budget else p for p in plans
+        ]
     return plan.with_plans(out)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from qtool import patterns
 from qtool.engine.decision import (
     Action,
     Budget,
@@ -34,9 +35,9 @@ from qtool.engine.decision import (
     Keep,
     Quantize,
     Selection,
-    Stored,
     TensorPlan,
 )
+from qtool.engine.sizes import Stored
 from qtool.errors import InputError
 from qtool.formats.base import Choice, OutputFormat
 from qtool.io.atomic import resolve_output
@@ -126,10 +127,11 @@ def plan_headers(
     """Passes 1 to 3 over every shard's tensors (from their headers): the plan a dry run shows.
     InputError for an axis a tensor lacks; the format's own errors (a spec it cannot store)."""
     shards, plans, counts = [], [], []
-    for shard, entries in headers:
-        shards.append(shard)
-        counts.append(len(entries))
-        plans += plan_tensors(shard, entries, options)  # passes 1 and 2
+    with patterns.bounded():  # one time budget for the recipe's patterns over every tensor
+        for shard, entries in headers:
+            shards.append(shard)
+            counts.append(len(entries))
+            plans += plan_tensors(shard, entries, options)  # passes 1 and 2
     return ModelPlan(tuple(shards), tuple(by_format(plans, fmt)), tuple(counts))  # pass 3
 
 
@@ -195,7 +197,7 @@ def _format_action(plan: TensorPlan, choice: Choice) -> Action:
     if choice.spec is None:
         return Keep(choice.reason)
     stored = Stored(choice.nbytes, choice.stored_dtype)
-    return Quantize(choice.spec, choice.note, plan.asked, stored)
+    return Quantize(choice.spec, choice.note, plan.decision.asked, stored)
 
 
 def planned_row(
@@ -218,25 +220,28 @@ def planned_row(
         errors=errors,
         scale_range=scale_range,
         spec=plan.spec,
-        spec_chosen=plan.spec_chosen,
+        spec_chosen=plan.decision.spec_chosen,
+        decided_by=plan.decision.report(),
     )
 
 
 def _detail(plan: TensorPlan) -> str:
-    """'sym int4 group 128 (64x2 groups) (note) [rule 3 'mlp.*']', or why it is kept (the
-    budget's reasons say 'kept float: ...' themselves)."""
-    spec = plan.spec
+    """The table's words for the decision: 'sym int4 group 128 (64x2 groups) (note) [rule 3
+    'mlp.*']', or why it is kept (the budget's reasons say 'kept float: ...' themselves)."""
+    decision = plan.decision
+    spec = decision.spec
     if spec is None:
-        detail = plan.reason if plan.budget else f"kept: {plan.reason}"
+        detail = decision.reason if decision.budget else f"kept: {decision.reason}"
     else:
         detail = spec.describe()
         if isinstance(spec.granularity, PerGroup):
             c, n = qparam_shape(spec.granularity, plan.entry.shape)
             detail = f"{detail} ({c}x{n} groups)"
-        if plan.note:
-            detail = f"{detail} ({plan.note})"
-    if plan.rule and plan.rule not in detail:  # "excluded by --exclude 'x'" names it already
-        detail = f"{detail} [{plan.rule}]"
+        if decision.note:
+            detail = f"{detail} ({decision.note})"
+    rule = decision.rule_label
+    if rule and rule not in detail:  # "excluded by --exclude 'x'" names it already
+        detail = f"{detail} [{rule}]"
     return detail
 
 

@@ -1,6 +1,6 @@
 """Pictures for hunting the bad layer (matplotlib, the optional `plot` extra).
 
-- plot_quantize / plot_compare: per-layer SQNR bars (the worst highlighted) above the error
+- plot_quantize / plot_compare: per-layer SQNR bars (outliers highlighted) above the error
   histograms of the worst layers, recomputed for those few tensors only.
 - plot_tensor: one tensor's original, codes, reconstruction and error as heatmaps, with a
   histogram of its values and the representable range of the quantization grid marked.
@@ -11,9 +11,11 @@ atomically.
 
 from __future__ import annotations
 
+import difflib
 import io
 import math
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,12 +23,10 @@ from typing import Any
 import torch
 
 from qtool.engine.plan import QuantizeOptions, fitted_spec, plan_tensors
-from qtool.engine.source import protected_paths
-from qtool.errors import QtoolError
-from qtool.formats.detect import refuse_quantized
+from qtool.engine.source import open_source, protected_paths
+from qtool.errors import InputError, QtoolError
+from qtool.formats.detect import detect
 from qtool.io.atomic import preflight, write_file
-from qtool.io.checkpoint import open_checkpoint
-from qtool.io.index import is_sharded, load_index
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
 from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
@@ -34,7 +34,8 @@ from qtool.spec import QSpec
 
 FIGURE_PX = (1400, 900)
 DPI = 100
-WORST = 3
+WORST = 3  # error histograms of the lowest SQNRs; red bars: at most this many outliers
+OUTLIER_DB = 3.0  # a red bar's SQNR lies at least this far below the median (2x the error power)
 MAX_SIDE = 256  # heatmaps show at most this many rows and columns (a strided sample)
 
 
@@ -78,6 +79,17 @@ def _worst(rows: Sequence[Row]) -> list[Row]:
     return sorted(scored, key=lambda r: r.errors.sqnr_db if r.errors else 0.0)[:WORST]
 
 
+def _outliers(rows: Sequence[Row]) -> list[Row]:
+    """The bars painted red: of the WORST lowest SQNRs, those at least OUTLIER_DB below the
+    median SQNR of the measured tensors (so four similar layers get no red bar, never three of
+    four); -inf (all error) always counts."""
+    sqnr = [r.errors.sqnr_db for r in rows if r.errors is not None]
+    if not sqnr:
+        return []
+    median = statistics.median_low(sqnr)
+    return [r for r in _worst(rows) if r.errors and r.errors.sqnr_db <= median - OUTLIER_DB]
+
+
 def short_label(name: str, width: int = 36) -> str:
     """A tick label that keeps both ends of a long name (the layer index sits at the front,
     the parameter at the back): the middle is cut."""
@@ -95,7 +107,7 @@ def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None)
     markers instead of a bar of made-up height; the gate's bound is a dashed line."""
     measured = sorted((r for r in rows if r.errors is not None), key=lambda r: natural_key(r.name))
     sqnr = [r.errors.sqnr_db if r.errors else math.nan for r in measured]
-    worst = {r.name for r in _worst(measured)}
+    worst = {r.name for r in _outliers(measured)}
     finite = [v for v in sqnr if math.isfinite(v)]
     top = max([*finite, *([min_sqnr] if min_sqnr is not None else []), 0.0]) + 5
     bottom = min([*finite, 0.0])
@@ -103,7 +115,9 @@ def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None)
     heights = [v if math.isfinite(v) else 0.0 for v in sqnr]
     colors = [_WORST_COLOR if r.name in worst else _BAR_COLOR for r in measured]
     ax.bar(xs, heights, color=colors)
-    handles = [_patch(_WORST_COLOR, f"worst {len(worst)}"), _patch(_BAR_COLOR, "SQNR")]
+    handles = [_patch(_BAR_COLOR, "SQNR")]
+    if worst:
+        handles.insert(0, _patch(_WORST_COLOR, f"{OUTLIER_DB:g}+ dB below the median"))
     for value, marker, color, label, y in (
         (math.inf, "^", "#2ca02c", "exact (error 0)", top),
         (-math.inf, "v", "black", "-inf (B all wrong, or A all zero)", bottom),
@@ -220,14 +234,12 @@ def _requantize(
     src: Path, names: list[str], options: QuantizeOptions
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(x, x_hat) of a few tensors, quantized again exactly as the run did."""
-    files: dict[str, Path] = {}
-    if is_sharded(src):
-        index = load_index(src)
-        files = {n: index.directory / index.weight_map[n] for n in names}
+    source = open_source(src)  # a file, a sharded checkpoint or a model directory
     out = {}
     for name in names:
-        path = files.get(name, src)
-        ckpt = open_checkpoint(path)
+        path = source.shard_holding(name)
+        assert path is not None  # the run's own rows name its tensors
+        ckpt = source.checkpoint(path)
         try:
             entry = ckpt.by_name()[name]
             spec = plan_tensors(path, (entry,), options)[0].spec
@@ -246,6 +258,26 @@ def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
     return kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()
 
 
+def _refuse_quantized(path: Path) -> None:
+    """plot quantizes a float tensor: a quantized file holds codes, not the values to draw."""
+    found = detect(path)
+    if found.quantized:
+        raise InputError(
+            path,
+            f"is {found.description}, not a float checkpoint: plot draws a float tensor "
+            "quantized; give the original float checkpoint (or `qtool compare ORIGINAL "
+            "QUANTIZED --plot FILE.png` for the errors of this one)",
+        )
+
+
+def _no_such_tensor(tensor: str, entries: Iterable[str]) -> str:
+    """The no-such-tensor message, with the closest names when the name looks mistyped."""
+    close = difflib.get_close_matches(tensor, list(entries), n=3)
+    if close:
+        return f"no such tensor; did you mean {' or '.join(close)}? (qtool inspect lists them)"
+    return "no such tensor; list them with qtool inspect"
+
+
 def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", tensor)[:100]
     return checkpoint.with_name(f"{checkpoint.stem}.{safe}.png")
@@ -258,12 +290,18 @@ def plot_tensor(
     protected = protected_paths([checkpoint])
     preflight([path], protected, force=force)
     plt = _pyplot()
-    ckpt = open_checkpoint(checkpoint)
+    _refuse_quantized(checkpoint)
+    source = open_source(checkpoint)
+    shard = source.shard_holding(tensor)
+    if shard is None:
+        assert source.index is not None  # a lone file holds every name it is asked for
+        names = source.index.weight_map
+        raise QtoolError(checkpoint, _no_such_tensor(tensor, names), tensor)
+    ckpt = source.checkpoint(shard)
     try:
-        refuse_quantized(checkpoint, ckpt.metadata, [e.name for e in ckpt.entries])
         entry = ckpt.by_name().get(tensor)
         if entry is None:
-            raise QtoolError(checkpoint, "no such tensor; list them with qtool inspect", tensor)
+            raise QtoolError(checkpoint, _no_such_tensor(tensor, ckpt.by_name()), tensor)
         x = ckpt.tensor(entry)
         if not x.is_floating_point() or x.ndim == 0 or x.numel() == 0:
             raise QtoolError(checkpoint, "only non-empty float tensors can be plotted", tensor)
@@ -293,16 +331,20 @@ def plot_tensor(
     _value_histogram(axes[1, 1], x, result, spec)
     stats = result.errors
     assert stats is not None
-    text = (
-        f"{tensor}  {list(x.shape)} {entry.dtype}  {spec.describe()}  ·  MSE {stats.mse:.3g}  "
-        f"max |err| {stats.max_abs:.3g}  SQNR {stats.sqnr_db:.1f} dB"
-    )
+    parts = [
+        tensor,
+        f"{list(x.shape)} {entry.dtype}",
+        spec.describe(),
+        f"MSE {stats.mse:.3g}",
+        f"max |err| {stats.max_abs:.3g}",
+        f"SQNR {stats.sqnr_db:.1f} dB",
+    ]
     if result.scale.ndim == 2:  # groups: where each row's scales jump (outlier groups)
         _heatmap(fig, axes[1, 2], result.scale, "scale of each group (row x group)", "magma")
     else:
         axes[1, 2].axis("off")
-        axes[1, 2].text(0.0, 1.0, text.replace("  ", "\n"), va="top", family="monospace")
-    fig.suptitle(text, fontsize=10)
+        axes[1, 2].text(0.0, 1.0, "\n".join(parts), va="top", family="monospace")
+    fig.suptitle("  ·  ".join(parts), fontsize=10)
     fig.tight_layout()
     _save(fig, path, protected, force)
     plt.close(fig)

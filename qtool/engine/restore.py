@@ -1,33 +1,37 @@
-"""`qtool dequantize`: quantized files (a single file, or every shard of a sharded checkpoint)
-back into float checkpoints with the original names, shapes and dtypes. Every quantized input
-is opened and checked (the pair belongs together, its qparams are sane) before anything is
-written; tensors that were not quantized are copied byte for byte."""
+"""`qtool dequantize`: any quantized checkpoint `detect` recognises (a qtool file, a directory of
+them, a compressed-tensors model directory) back into float tensors with the original names,
+shapes and dtypes. Every quantized input is opened and checked (a qtool pair belongs together,
+every scale is sane) before anything is written; tensors that were not quantized are copied
+byte for byte.
+
+A file gives a file; a directory gives a float model directory that mirrors it (one file per
+weight file, the config without its quantization_config, the companions, the index), unless
+`-o` names one .safetensors/.pt file, which then holds every tensor."""
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from qtool.engine.source import finish_directory, open_source, prepared, target_for
-from qtool.errors import UsageError
-from qtool.formats.ct_read import config_path, is_compressed_tensors
-from qtool.formats.ct_reader import ModelReader
-from qtool.formats.dense import write_dense
-from qtool.formats.qtool import sidecar_path
-from qtool.formats.qtool_reader import QtoolReader
-from qtool.io.atomic import (
-    OutputSet,
-    preflight,
-    refuse_file_name_for_directory,
-    remove_stale_temps,
-    resolve_output,
+from qtool.engine.layout import (
+    Target,
+    default_directory,
+    directory_target,
+    file_target,
+    finish_directory,
+    prepared,
 )
-from qtool.io.index import check_inside
-from qtool.io.safeopen import InputDir
+from qtool.engine.source import Source
+from qtool.errors import InputError, UsageError
+from qtool.formats.base import FloatReader
+from qtool.formats.detect import detect
+from qtool.formats.registry import open_reader, write_float
+from qtool.io.atomic import OutputSet, resolve_output
 from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
+from qtool.spec import FormatName
 
 DEQUANTIZED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -47,81 +51,77 @@ def dequantize(
 ) -> DequantizeSummary:
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
     `qparams` names the sidecar of a single file that was moved away from it."""
-    if is_compressed_tensors(src):
-        return dequantize_model(src, out, dtype=dtype, force=force)
-    source = open_source(src)
-    if source.index is None:
-        default = default_dequantized_path(src)
-        out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
-    else:
-        refuse_file_name_for_directory(out, "dequantize")
-        if qparams is not None:
-            raise UsageError(
-                qparams,
-                "a sharded checkpoint has one sidecar per shard, found beside each shard; "
-                "give no sidecar",
-                hint="qparams",
-            )
-    target = target_for(source, out, default_dequantized_path(src), "dequantized")
-    if source.index is not None:
-        for shard in source.shards:
-            check_inside(source.index.within, sidecar_path(shard))
-    readers = _open_all(source.shards, qparams, source.within)
+    found = detect(src)
+    if qparams is not None and found.directory is not None:
+        inside = (
+            "a qtool-quantized directory has one sidecar per shard, found beside each shard"
+            if found.format == FormatName.QTOOL.value
+            else "a compressed-tensors model keeps its scales inside"
+        )
+        raise UsageError(qparams, f"{inside}; give no sidecar")
+    if not found.quantized and qparams is None:
+        raise InputError(
+            src,
+            f"not a quantized file: a float checkpoint ({found.description}), so there is "
+            "nothing to dequantize; give what qtool quantize wrote or a compressed-tensors "
+            "model directory (qtool inspect shows what a file holds)",
+        )
+    source = Source(found)
+    target = _target(source, src, out)
+    reader = open_reader(found, qparams)
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
-        protect = [r.sidecar_path for r in readers]
-        with prepared(source, target, lambda out: [out], force, protect=protect) as notes:
-            remove_stale_temps(target.directory or target.shard_outputs[0].parent)
-            rows: list[DequantizedRow] = []
-            with OutputSet() as outputs:
-                for reader, shard_out in zip(readers, target.shard_outputs, strict=True):
-                    rows += write_dense(reader, shard_out, outputs, dtype)
-                finish_directory(outputs, source, target, sum(r.bytes_out for r in rows), {})
-                outputs.commit()
-    finally:
-        for reader in readers:
-            reader.close()
-    return DequantizeSummary(
-        inputs=[str(source.path)],
-        sidecars=[str(r.sidecar_path) for r in readers],
-        outputs=[str(p) for p in target.named],
-        rows=rows,
-        notes=notes,
-    )
-
-
-def dequantize_model(
-    src: Path, out: Path | None, *, dtype: str = "original", force: bool = False
-) -> DequantizeSummary:
-    """A compressed-tensors model directory (whoever wrote it) as one float safetensors (or
-    torch) file with the original names; default `<directory>.dequantized.safetensors`."""
-    directory = config_path(src).parent
-    named = Path(os.path.abspath(directory))  # `.` and `..` have no name to build one from
-    default = named.with_name(f"{named.name}.dequantized.safetensors")
-    out = resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize")
-    reader = ModelReader(directory)
-    try:
-        preflight([out], [directory / "config.json", *reader.shard_paths], force=force)
-        remove_stale_temps(out.parent)
-        with OutputSet() as outputs:
-            rows = write_dense(reader, out, outputs, dtype)
-            outputs.commit()
+        with prepared(source, target, lambda o: [o], force, protect=reader.sidecars) as place:
+            rows = _write(reader, source, place.target, dtype)
     finally:
         reader.close()
     return DequantizeSummary(
-        inputs=[str(directory)], sidecars=[], outputs=[str(out)], rows=rows, notes=[]
+        inputs=[str(source.path)],
+        sidecars=[str(s) for s in reader.sidecars],
+        outputs=[str(p) for p in target.named],
+        rows=rows,
+        notes=place.notes,
     )
 
 
-def _open_all(
-    shards: tuple[Path, ...], qparams: Path | None, within: InputDir | None
-) -> list[QtoolReader]:
-    readers: list[QtoolReader] = []
-    try:
-        for shard in shards:
-            readers.append(QtoolReader(shard, qparams, within))
-    except BaseException:
-        for reader in readers:
-            reader.close()
-        raise
-    return readers
+def _target(source: Source, src: Path, out: Path | None) -> Target:
+    """A file for a file (`-o`, or beside it); for a directory, the directory `-o` names (or
+    `<dir>.dequantized/`), or the one file it names."""
+    if source.directory is None:
+        default = default_dequantized_path(src)
+        return file_target(resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize"))
+    if out is not None and out.suffix.lower() in DEQUANTIZED_SUFFIXES and not out.is_dir():
+        return file_target(out)
+    return directory_target(source, out or default_directory(source, "dequantized"))
+
+
+def _write(reader: FloatReader, source: Source, target: Target, dtype: str) -> list[DequantizedRow]:
+    """Every tensor into its output (a directory: the file mirroring the one that held it),
+    then a directory's own files; committed only when all is written."""
+    rows: list[DequantizedRow] = []
+    weight_map: dict[str, str] = {}
+    with OutputSet() as outputs:
+        for out, names in _per_output(reader, source, target):
+            rows += write_float(reader, out, outputs, dtype, names)
+            weight_map |= dict.fromkeys(names, out.name)
+        total = sum(r.bytes_out for r in rows)
+        files = reader.restored_files()
+        finish_directory(outputs, source, target, files, weight_map, total)
+        outputs.commit()
+    by_name = {r.name: r for r in rows}
+    return [by_name[n] for n in reader.names]
+
+
+def _per_output(
+    reader: FloatReader, source: Source, target: Target
+) -> Iterator[tuple[Path, list[str]]]:
+    """Each output file with the names it holds, in the order of the input's files."""
+    if target.directory is None:
+        yield target.shard_outputs[0], reader.names
+        return
+    held: dict[str, list[str]] = {}
+    for name in reader.names:
+        held.setdefault(reader.file_of(name).name, []).append(name)
+    for shard, out in zip(source.shards, target.shard_outputs, strict=True):
+        if shard.name in held:
+            yield out, held[shard.name]

@@ -1,10 +1,12 @@
 """`quantize`: one function for every input and output, in one of three modes (job.Mode).
 
-A single file is a one-shard source, a sharded checkpoint its index and shards; the output is
-what the format writes (qtool: a file and its sidecar per shard; compressed-tensors: a model
-directory). Every run plans from the headers first (engine/plan.py, passes 1-3); a PLAN stops
-there, an ESTIMATE reads and measures (passes 4-7, then the loop without a writer), a WRITE
-checks its outputs, then does the same with the format's writer (engine/write.py).
+A lone file is a one-shard source, a checkpoint directory (sharded, or a model directory with
+one weight file) its shards; the output is what the format writes (qtool: a file and its
+sidecar per shard, in a directory that mirrors an input directory; compressed-tensors: a model
+directory), laid out by engine/layout.py. Every run plans from the headers first
+(engine/plan.py, passes 1-3); a PLAN stops there, an ESTIMATE reads and measures (passes 4-7,
+then the loop without a writer), a WRITE checks its outputs, then does the same with the
+format's writer (engine/write.py).
 
 Torch-free at import: the modules that need torch are imported when the mode needs them.
 """
@@ -18,24 +20,28 @@ from typing import TYPE_CHECKING
 
 from qtool.engine.decision import TensorPlan
 from qtool.engine.job import Done, Job, Mode, Output, RunOptions
-from qtool.engine.model_dir import model_target, open_model
+from qtool.engine.layout import (
+    Target,
+    default_directory,
+    directory_target,
+    file_target,
+    refuse_file_name,
+)
 from qtool.engine.plan import (
     ModelPlan,
     QuantizeOptions,
-    default_quantized_path,
     output_tag,
     plan_headers,
     planned_row,
     quantized_output,
 )
 from qtool.engine.shards import Shards
-from qtool.engine.source import open_source, target_for
-from qtool.errors import UsageError
-from qtool.formats import output_format
+from qtool.engine.source import Source, open_source
+from qtool.errors import InputError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
-from qtool.io.atomic import preflight, refuse_file_name_for_directory
+from qtool.formats.registry import output_format
+from qtool.io.atomic import preflight
 from qtool.results import QuantizeRow, QuantizeSummary
-from qtool.spec import FormatName
 
 if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
@@ -52,21 +58,18 @@ def quantize(
             "the error budget measures each tensor, which a plan from headers does not",
             hint="estimate",
         )
-    output = _output(src, out, options)
-    fmt = _format(options, output)
+    source = open_source(src, options.config)
+    fmt = _format(options, source)
+    output = Output(source, _target(source, src, out, options, fmt))
     kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt)
     shards = Shards(output.source, header_only=kernels is None)
     job = Job(output, fmt, options, run, shards, kernels)
     try:
         plan = plan_headers(shards.headers(), options, fmt)
         if run.mode is Mode.WRITE:
-            from qtool.engine import write
+            from qtool.engine.write import write
 
-            done = (
-                write.write_files(job, plan)
-                if output.model is None
-                else write.write_model(job, plan)
-            )
+            done = write(job, plan)
         else:
             preflight(run.also, output.source.protected, force=run.force)
             done = (
@@ -77,34 +80,29 @@ def quantize(
         shards.close()
 
 
-def _output(src: Path, out: Path | None, options: QuantizeOptions) -> Output:
-    """qtool's output: a file and its sidecar beside `src` (or `out`), or for a sharded
-    checkpoint a directory of them. Other formats write a model directory, named by `out`."""
-    if options.format is not FormatName.QTOOL:
-        return _model_output(src, out, options)
-    source = open_source(src)
+def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
+    """The output format, set up with the model's config.json (read through the directory)."""
+    context = FormatContext(source.config, options.group_fallback, source.config_dir)
+    fmt = output_format(options.format, context)
+    if fmt.model_directory and not all(s.name.endswith(".safetensors") for s in source.shards):
+        raise InputError(source.path, f"a {fmt.name} export reads .safetensors checkpoints only")
+    return fmt
+
+
+def _target(
+    source: Source, src: Path, out: Path | None, options: QuantizeOptions, fmt: OutputFormat
+) -> Target:
+    """A model directory for a format that writes one (named by `out`); else qtool's file and
+    sidecar beside `src` (or `out`), or for a checkpoint directory a directory of them."""
+    if fmt.model_directory:
+        if out is None:
+            raise UsageError(None, f"--format {fmt.name} writes a model directory: name it with -o")
+        return directory_target(source, out)
     dtype = output_tag(options)
-    if source.index is None:
-        out = quantized_output(src, out, dtype)
-    else:
-        refuse_file_name_for_directory(out, "quantize")
-    return Output(source, target_for(source, out, default_quantized_path(src, dtype), dtype))
-
-
-def _model_output(src: Path, out: Path | None, options: QuantizeOptions) -> Output:
-    if out is None:
-        raise UsageError(
-            None, f"--format {options.format.value} writes a model directory: name it with -o"
-        )
-    model = open_model(src, options.config)
-    return Output(model.source, model_target(model, out), model)
-
-
-def _format(options: QuantizeOptions, output: Output) -> OutputFormat:
-    if output.model is None:
-        return output_format(options.format)
-    context = FormatContext(output.model.config, options.group_fallback, output.model.config_dir)
-    return output_format(options.format, context)
+    if source.directory is None:
+        return file_target(quantized_output(src, out, dtype))
+    refuse_file_name(out, "quantize")
+    return directory_target(source, out or default_directory(source, dtype))
 
 
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:
@@ -143,7 +141,11 @@ def _summary(job: Job, done: Done, started: float) -> QuantizeSummary:
         skipped=job.shards.skipped,
         stale_temps_removed=done.stale_temps_removed,
         seconds=time.perf_counter() - started,
-        notes=[*done.notes, *job.fmt.warnings(plans)],
+        notes=[
+            *done.notes,
+            *job.fmt.warnings(plans),
+            *(job.kernels.notes() if job.kernels else []),
+        ],
         budget_sizes=_budget_sizes(job, plans),
         format=job.fmt.name,
         ignore=job.fmt.ignore(plans),

@@ -38,8 +38,8 @@ class Planned(Protocol):
     def spec(self) -> QSpec | None: ...
 
 
-class Ruled(Planned, Protocol):
-    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+class Ruling(Protocol):
+    """A tensor's decision as a format reads it (engine/decision.py's Decision)."""
 
     @property
     def reason(self) -> str:
@@ -50,22 +50,29 @@ class Ruled(Planned, Protocol):
         """How the spec was adapted to this tensor ("" when it was not)."""
 
     @property
-    def rule(self) -> str:
-        """The recipe rule that decided, for messages ("" without a recipe)."""
-
-    @property
-    def rule_origin(self) -> str:
-        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
-
-    @property
     def asked(self) -> QSpec | None:
         """The spec before qtool fitted it to the tensor (a group longer than a row is per
         channel for qtool; a format may refuse it instead); None: as `spec`."""
 
     @property
-    def by_rule(self) -> bool:
+    def by_name(self) -> bool:
         """True when a rule decided by name (an --exclude, a recipe rule or an --include, or
         --include matching nothing); False for the default selection."""
+
+    @property
+    def rule_label(self) -> str:
+        """The recipe run's rule that decided, for messages ("" without a recipe)."""
+
+    @property
+    def rule_origin(self) -> str:
+        """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
+
+
+class Ruled(Planned, Protocol):
+    """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
+
+    @property
+    def decision(self) -> Ruling: ...
 
 
 class ShardWriter(Protocol):
@@ -160,7 +167,12 @@ class OutputFormat(Protocol):
         None: qtool's count (its codes and a float32 scale and a zero point per group)."""
 
     def layout(self, out: Path) -> list[Path]:
-        """Every file one output shard named `out` occupies (checked before writing)."""
+        """Every file one output shard named `out` occupies (checked before writing);
+        OutputError for a name the format cannot store."""
+
+    def index_section(self, outputs: Sequence[Path]) -> dict[str, object] | None:
+        """What a sharded output's index records of the format under its `qtool` key, given
+        the output shards (None: nothing)."""
 
     def writer(
         self,
@@ -204,9 +216,26 @@ class FloatReader(Protocol):
     def stored_dtype(self, name: str) -> str:
         """The dtype as stored (the codes' dtype, for a quantized tensor)."""
 
+    def file_of(self, name: str) -> Path:
+        """The weight file that holds the tensor (a directory's output mirrors its files)."""
+
+    @property
+    def sidecars(self) -> list[Path]:
+        """The qtool sidecars read along ([] for other formats)."""
+
+    def restored_files(self) -> dict[str, bytes]:
+        """Files a float model directory restored from this one writes itself, in place of its
+        copies of the same name (compressed-tensors: config.json without the quantization_config);
+        {}: none."""
+
     def release(self, name: str) -> None:
         """Drop the pages of a tensor already consumed."""
 
     def check_unchanged(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
+    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}

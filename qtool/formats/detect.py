@@ -1,73 +1,264 @@
-"""Recognising checkpoints that are already quantized, so that they are never quantized again
-(torch-free: headers only).
+"""What a path holds: `detect(path)`, the one answer every command starts from (torch-free).
 
-Quantizing codes would store codes of codes: the int8 tensors would pass through as "integer
-tensors", a new, empty sidecar would replace the link to the real one, and dequantize would
-then "restore" raw codes as floats. Each detector looks at what a header shows (metadata,
-tensor names, the file's place on disk) and names the format it recognises. A new quantized
-format adds one detector to DETECTORS; compressed-tensors: a `config.json` beside the file with
-a compressed-tensors `quantization_config`, or tensors named `*.weight_packed` / `*.weight_scale`.
+Each format registers its detectors with a priority (formats/registry.py loads the formats);
+`detect` asks them in this fixed order and the first that recognises the path answers:
+
+  10 qtool sidecar            a safetensors file whose metadata holds a qparams manifest
+  20 qtool-quantized file     a safetensors file whose metadata binds it to a sidecar
+  30 compressed-tensors       a model directory (or its index or config.json) whose config.json
+                              has a compressed-tensors quantization_config
+  35 compressed-tensors file  a lone safetensors file holding *.weight_packed / *.weight_scale
+                              (a shard out of its directory: read only through that directory)
+  40 qtool-format directory   a directory (or index) of qtool-quantized files: an index with a
+                              `qtool` section, or weight files that are qtool-quantized
+  50 sharded checkpoint       an index file, or a directory holding exactly one index
+  60 model directory          a directory with one *.safetensors file and no index
+  70 float file               any other file (.safetensors, .pt, .pth, .bin; its reader says
+                              what is wrong with anything else)
+
+A directory's config.json is read once, by the one bounded, regular-file-only reader: a FIFO,
+`/dev/zero`, a file nested too deep or too big there is an error naming config.json, never "no
+checkpoint here". A new format (GGUF: a `.gguf` file, say at 25) registers one more detector.
+
+Header detectors are the per-file check the quantize loop runs on each shard: a checkpoint
+that is already quantized is never quantized again (codes of codes).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from qtool.errors import InputError
-from qtool.formats.ct_read import is_compressed_tensors
-from qtool.formats.qtool import MANIFEST_KEY, is_quantized
+from qtool.formats import builtins
+from qtool.io.index import INDEX_SUFFIX, ShardedInput, load_index
+from qtool.io.jsonfile import read_json
+from qtool.io.safeopen import InputDir
+from qtool.io.stformat import Header, HeaderError, read_header, read_header_file
+
+CONFIG = "config.json"
+SAFETENSORS = ".safetensors"
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What `detect` found at `path`.
+
+    `format` names the registered format that reads it; `weights` are its weight files in
+    order (a lone file: itself); `directory` is the model or checkpoint directory (None: a lone
+    file), held open as `within`; `index` its validated index (None: no index); `config` its
+    config.json, parsed (None: there is none)."""
+
+    path: Path
+    kind: str
+    format: str
+    description: str
+    quantized: bool
+    weights: tuple[Path, ...]
+    directory: Path | None = None
+    index: ShardedInput | None = field(default=None, repr=False)
+    within: InputDir | None = field(default=None, repr=False, compare=False)
+    config: object = field(default=None, repr=False, compare=False)
+    header: Header | None = field(default=None, repr=False, compare=False)
+    """A lone safetensors file's header, as detect read it (a 50,000-tensor header costs a
+    second to parse: the planner takes it from here)."""
+
+    @property
+    def named(self) -> Path:
+        """What messages and summaries name: the index, the model directory, or the file."""
+        if self.index is not None:
+            return self.index.index
+        return self.directory if self.directory is not None else self.path
+
+    @property
+    def config_path(self) -> Path | None:
+        """Where config.json lies (None: not a directory)."""
+        return self.directory / CONFIG if self.directory is not None else None
+
+
+class Probe:
+    """What a detector may look at, each read at most once: the path and, for a directory (or
+    an index or config.json in one), its entries through one descriptor, its config.json, its
+    index; for a file, its safetensors header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise InputError(path, "no such file or directory; check the path") from None
+        except OSError as err:
+            raise InputError(path, f"cannot read: {err.strerror or err}") from None
+        self.is_dir = stat.S_ISDIR(st.st_mode)
+        self.index_file = not self.is_dir and path.name.endswith(INDEX_SUFFIX)
+        inside = self.index_file or (not self.is_dir and path.name == CONFIG)
+        self.directory: Path | None = path if self.is_dir else (path.parent if inside else None)
+
+    @property
+    def checkpoint_dir(self) -> bool:
+        """The path names a checkpoint directory: the directory itself, or its index."""
+        return self.is_dir or self.index_file
+
+    @cached_property
+    def within(self) -> InputDir | None:
+        """The directory, opened once (None: a lone file)."""
+        return InputDir(self.directory) if self.directory is not None else None
+
+    @cached_property
+    def names(self) -> list[str]:
+        return self.within.names() if self.within is not None else []
+
+    @cached_property
+    def config(self) -> object:
+        """The directory's config.json, parsed (None: there is none); InputError naming it when
+        it cannot be read (not a regular file, too big, too deep, not JSON)."""
+        if self.within is None or not self.within.exists(CONFIG):
+            return None
+        assert self.directory is not None
+        return read_json(self.directory / CONFIG, within=self.within, what=CONFIG)
+
+    @cached_property
+    def index_name(self) -> str | None:
+        """The index named, or the one index in the directory (None: none); InputError when a
+        directory holds several."""
+        if not self.is_dir:
+            return self.path.name if self.path.name.endswith(INDEX_SUFFIX) else None
+        found = [n for n in self.names if n.endswith(INDEX_SUFFIX)]
+        if len(found) > 1:
+            raise InputError(
+                self.path,
+                f"{len(found)} *{INDEX_SUFFIX} files in this directory; give the index file itself",
+            )
+        return found[0] if found else None
+
+    @cached_property
+    def sharded(self) -> ShardedInput | None:
+        """The validated index and shards (None: no index)."""
+        if self.index_name is None:
+            return None
+        if not self.is_dir:
+            return load_index(self.path)  # the index you name is read by its path
+        assert self.within is not None and self.directory is not None
+        return load_index(self.directory / self.index_name, self.within)
+
+    def safetensors_files(self) -> list[str]:
+        """The directory's *.safetensors entries (sorted)."""
+        return [n for n in self.names if n.endswith(SAFETENSORS)] if self.is_dir else []
+
+    @cached_property
+    def header(self) -> Header | None:
+        """A lone file's safetensors header (None: not a safetensors file, or unreadable: its
+        reader says why)."""
+        if self.is_dir or self.directory is not None:
+            return None
+        try:
+            return read_header(self.path)
+        except (HeaderError, InputError, OSError):
+            return None
+
+    def header_of(self, name: str) -> Header | None:
+        """The header of the file `name` in the directory (None: not safetensors)."""
+        assert self.within is not None
+        try:
+            with self.within.open(name) as f:
+                return read_header_file(f)
+        except HeaderError:
+            return None
+
+    def as_file(self, kind: str, fmt: str, description: str, *, quantized: bool) -> Detected:
+        """The path as a lone file."""
+        return Detected(
+            self.path, kind, fmt, description, quantized, (self.path,), header=self.header
+        )
+
+    def as_directory(
+        self,
+        kind: str,
+        fmt: str,
+        description: str,
+        *,
+        quantized: bool,
+        weights: Sequence[str] | None = None,
+    ) -> Detected:
+        """The path as a checkpoint directory: its `weights` (None: the index's shards)."""
+        assert self.directory is not None
+        sharded = self.sharded if weights is None else None
+        within = sharded.within if sharded is not None else self.within
+        names = sharded.shards if sharded is not None else list(weights or ())
+        return Detected(
+            self.path, kind, fmt, description, quantized,
+            tuple(self.directory / n for n in names), self.directory, sharded, within,
+            self.config,
+        )  # fmt: skip
+
+
+Detector = Callable[[Probe], Detected | None]
+_DETECTORS: list[tuple[int, Detector]] = []
+
+
+def register(priority: int, detector: Detector) -> None:
+    """Add a detector at `priority` (see the module docstring for the order in use)."""
+    _DETECTORS.append((priority, detector))
+    _DETECTORS.sort(key=lambda d: d[0])
+
+
+def detect(path: Path) -> Detected:
+    """What `path` holds (see the module docstring); InputError when nothing recognises it."""
+    builtins.load()
+    probe = Probe(path)
+    for _, detector in _DETECTORS:
+        found = detector(probe)
+        if found is not None:
+            return found
+    raise InputError(
+        path,
+        f"no checkpoint in this directory: no *{INDEX_SUFFIX} file and not exactly one "
+        f"*{SAFETENSORS} file ({len(probe.safetensors_files())} found); give a file or an index",
+    )
+
+
+# ---------------------------------------------------------------- per-file checks
 
 
 @dataclass(frozen=True)
 class HeaderView:
-    """What a detector may look at: a checkpoint file's path, metadata and tensor names."""
+    """What a header detector may look at: a checkpoint file's path, metadata, tensor names."""
 
     path: Path
     metadata: dict[str, str]
     names: Sequence[str]
 
 
-Detector = Callable[[HeaderView], str | None]
+HeaderDetector = Callable[[HeaderView], str | None]
+_HEADER_DETECTORS: list[HeaderDetector] = []
 
 
-def _qtool_quantized(view: HeaderView) -> str | None:
-    return "a qtool-quantized file" if is_quantized(view.metadata) else None
-
-
-def _qtool_sidecar(view: HeaderView) -> str | None:
-    return "a qtool qparams sidecar" if MANIFEST_KEY in view.metadata else None
-
-
-_CT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point")
-
-
-def _compressed_tensors(view: HeaderView) -> str | None:
-    """Its tensor names (pack-quantized codes, or naive-quantized scales), or the config.json
-    beside it (a shard of a compressed-tensors model directory)."""
-    if any(n.endswith(_CT_SUFFIXES) for n in view.names):
-        return "a compressed-tensors checkpoint (it holds *.weight_packed / *.weight_scale)"
-    if is_compressed_tensors(view.path.parent):
-        return "a shard of a compressed-tensors model (its config.json has a quantization_config)"
-    return None
-
-
-DETECTORS: tuple[Detector, ...] = (_qtool_sidecar, _qtool_quantized, _compressed_tensors)
+def register_header(detector: HeaderDetector) -> None:
+    """Add a check that names the quantized format a checkpoint file is already in."""
+    _HEADER_DETECTORS.append(detector)
 
 
 def quantized_format(view: HeaderView) -> str | None:
     """The quantized format the file is in, or None for a plain (float) checkpoint."""
-    return next((found for d in DETECTORS if (found := d(view)) is not None), None)
+    builtins.load()
+    return next((found for d in _HEADER_DETECTORS if (found := d(view)) is not None), None)
 
 
 def refuse_quantized(path: Path, metadata: dict[str, str] | None, names: Sequence[str]) -> None:
     """InputError when `path` is already quantized (or is a sidecar)."""
     found = quantized_format(HeaderView(path, metadata or {}, names))
     if found is not None:
-        raise InputError(
-            path,
-            f"is {found}, not a float checkpoint: it holds already quantized data, and "
-            "quantizing it again would store codes of codes; quantize the original float "
-            "checkpoint (qtool dequantize makes a float copy if the original is lost)",
-        )
+        raise already_quantized(path, found)
+
+
+def already_quantized(path: Path, what: str) -> InputError:
+    return InputError(
+        path,
+        f"is {what}, not a float checkpoint: it holds already quantized data, and "
+        "quantizing it again would store codes of codes; quantize the original float "
+        "checkpoint (qtool dequantize makes a float copy if the original is lost)",
+    )

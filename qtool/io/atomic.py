@@ -30,6 +30,8 @@ from types import TracebackType
 from typing import BinaryIO
 
 from qtool.errors import OutputError, UsageError
+from qtool.io import tempdirs
+from qtool.io.mounts import is_mount_point
 from qtool.io.safeopen import file_kind
 
 _TEMP_RE = re.compile(r"^\..+\.qtool-tmp-(\d+)-[0-9a-f]+$")
@@ -129,25 +131,51 @@ def _lock_own_temp(fd: int, temp: Path) -> bool:
 
 
 def write_file(final: Path, data: bytes) -> None:
-    """Write one small output atomically (temp in the target directory, fsync, rename)."""
+    """Write one small output atomically (temp in the target directory, fsync, rename), after
+    removing what killed runs left in that directory."""
+    remove_stale_temps(final.parent)
     with OutputSet() as outputs:
         outputs.create(final).write(data)
         outputs.commit()
 
 
 def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files left in `directory` by qtool runs that were killed; return the count.
+    """Delete the temp files and temp directories left in `directory` by qtool runs that were
+    killed (an old export a killed `--force` had moved aside is put back); return the count.
 
     A temp is stale when its lock can be taken: a live run, in any PID namespace, holds the lock
-    of each of its temps until the commit. Where locks are not enforced (some network
-    filesystems), only temps untouched for STALE_AGE_S are removed."""
+    of each of its temps until the commit (of its temp directory until its end). Where locks are
+    not enforced (some network filesystems), only temps untouched for STALE_AGE_S are removed
+    (see tempdirs.py)."""
+    names = _temp_names(directory)
+    if not names:
+        return 0
     locks_work = _locks_enforced(directory)
     removed = 0
     with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
-            if _TEMP_RE.match(entry.name) and _remove_if_stale(Path(entry.path), locks_work):
-                removed += 1
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in names:
+                if tempdirs.is_dir_at(fd, name):
+                    gone = tempdirs.remove_if_dead(
+                        fd, name, locks_work=locks_work, max_age=STALE_AGE_S
+                    )
+                else:
+                    gone = bool(_TEMP_RE.match(name)) and _remove_if_stale(
+                        directory / name, locks_work
+                    )
+                removed += gone
+        finally:
+            os.close(fd)
     return removed
+
+
+def _temp_names(directory: Path) -> list[str]:
+    """Names in `directory` that look like a qtool temp file or temp directory."""
+    try:
+        return [n for n in os.listdir(directory) if tempdirs.TEMP_DIR_RE.match(n)]
+    except OSError:
+        return []
 
 
 def _remove_if_stale(path: Path, locks_work: bool) -> bool:
@@ -282,6 +310,12 @@ def _check_output(out: Path, guarded: dict[FileId, Path], force: bool) -> None:
         )
     if st is not None:
         _refuse_special(out)
+        if is_mount_point(out):  # a bind-mounted file: renaming onto it fails with EBUSY
+            raise OutputError(
+                out,
+                "is a mount point; qtool writes a new file and renames it into place, which a "
+                "mount point cannot take: write elsewhere",
+            )
         if not force:
             raise OutputError(out, "already exists; it is replaced only when asked", hint="force")
     if not os.access(out.parent, os.W_OK | os.X_OK):

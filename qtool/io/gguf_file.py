@@ -1,18 +1,20 @@
-"""An open GGUF file: its validated header and memory-mapped, read-only tensor data.
+"""An open GGUF file: its validated header and its tensors' bytes, read with pread.
 
     with GGUFFile(path) as f:
         for info in f.header.tensors:
-            raw = f.tensor_bytes(info)     # uint8 view of the file, no copy
-            arr = f.tensor_array(info)     # typed view in torch order, or raw blocks
+            raw = f.tensor_bytes(info)     # read-only uint8 array of its own
+            arr = f.tensor_array(info)     # typed, in torch order, or raw blocks
+        f.check_unchanged()
 
 A file that is not a valid GGUF is refused with an InputError naming it and saying what is
-wrong (the parse is gguf_header's). The mapping stays valid while views of it live.
+wrong (the parse is gguf_header's). Nothing is memory-mapped: a mapped file truncated while
+open kills the process with SIGBUS, which Python cannot catch, so the header and each tensor
+are read into buffers of their own and a short read is an error ("changed while reading").
+The header is read in growing prefixes (1 MiB, then doubling), at most MAX_HEADER_BYTES.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 from pathlib import Path
 from types import TracebackType
@@ -20,9 +22,12 @@ from types import TracebackType
 import numpy as np
 
 from qtool.errors import InputError
-from qtool.io.gguf_header import GGUFHeaderError, parse_header
+from qtool.io.gguf_header import GGUFHeaderError, NeedMore, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
+
+MAX_HEADER_BYTES = 256 << 20  # a 256k-token vocabulary with its merges takes ~20 MiB
+FIRST_READ = 1 << 20
 
 # ggml types whose elements are plain little-endian numbers
 _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4",
@@ -30,32 +35,68 @@ _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I
 
 
 class GGUFFile:
-    """A GGUF file opened read-only: `header` and zero-copy access to each tensor's bytes."""
+    """A GGUF file opened read-only: `header` and a copy of any tensor's bytes on demand."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        with open_regular(self.path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise InputError(self.path, "not a valid GGUF file: it is empty")
-            try:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except OSError as err:
-                raise InputError(self.path, f"cannot map: {err.strerror or err}") from None
+        self._file = open_regular(self.path)
         try:
-            self.header: GGUFHeader = parse_header(memoryview(self._map))
-        except GGUFHeaderError as err:
-            self.close()
-            raise InputError(self.path, f"not a valid GGUF file: {err}") from None
+            st = os.fstat(self._file.fileno())
+            self._stat = (st.st_size, st.st_mtime_ns)
+            if st.st_size == 0:
+                raise InputError(self.path, "not a valid GGUF file: it is empty")
+            self.header: GGUFHeader = self._parse(st.st_size)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _parse(self, size: int) -> GGUFHeader:
+        want = min(size, FIRST_READ)
+        while True:
+            prefix = self._pread(0, want, "the header")
+            try:
+                return parse_header(prefix.data, size)
+            except GGUFHeaderError as err:
+                raise InputError(self.path, f"not a valid GGUF file: {err}") from None
+            except NeedMore as more:
+                if more.needed > MAX_HEADER_BYTES:
+                    raise InputError(
+                        self.path, f"its GGUF header is over qtool's limit of "
+                        f"{MAX_HEADER_BYTES >> 20} MiB; is it a GGUF file?",
+                    ) from None  # fmt: skip
+                want = min(size, max(more.needed, 2 * want), MAX_HEADER_BYTES)
+
+    def _pread(self, start: int, n: int, what: str, out: np.ndarray | None = None) -> np.ndarray:
+        """n bytes at `start` into `out` (a fresh uint8 array by default); a short read is an
+        InputError: the file shrank while qtool was reading it."""
+        buf = np.empty(n, dtype=np.uint8) if out is None else out
+        view, done = buf.data, 0
+        while done < n:
+            got = os.preadv(self._file.fileno(), [view[done:]], start + done)
+            if got == 0:
+                raise InputError(
+                    self.path,
+                    f"changed while reading {what} (ended {n - done:,} bytes early); "
+                    "run again once nothing is writing it",
+                )
+            done += got
+        return buf
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's raw data: a read-only uint8 view of `nbytes` bytes."""
-        start = self.header.data_start + info.offset
-        return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=start)
+        """The tensor's raw data: a read-only uint8 array of `nbytes` bytes, its own memory."""
+        buf = self._pread(self.header.data_start + info.offset, info.nbytes, repr(info.name))
+        buf.flags.writeable = False
+        return buf
+
+    def read_into(self, info: GGUFTensorInfo, out: np.ndarray) -> None:
+        """The tensor's raw data into `out`, a C-contiguous uint8 array of `nbytes` bytes."""
+        if out.dtype != np.uint8 or out.size != info.nbytes or not out.flags.c_contiguous:
+            raise ValueError(f"{info.name!r}: give a contiguous uint8 array of {info.nbytes}")
+        self._pread(self.header.data_start + info.offset, info.nbytes, repr(info.name), out)
 
     def tensor_array(self, info: GGUFTensorInfo) -> np.ndarray:
-        """A read-only view in torch order: typed for float/int types (BF16 as its uint16
-        bits, numpy has no bfloat16), else uint8 rows of blocks (..., row_bytes)."""
+        """Read-only, in torch order: typed for float/int types (BF16 as its uint16 bits,
+        numpy has no bfloat16), else uint8 rows of blocks (..., row_bytes)."""
         raw = self.tensor_bytes(info)
         rows = info.torch_shape[:-1] if info.shape else ()
         dtype = _NUMPY.get(info.type.name)
@@ -65,10 +106,18 @@ class GGUFFile:
             return raw.view("<u2").reshape(info.torch_shape)
         return raw.reshape(*rows, info.type.row_bytes(info.shape[0] if info.shape else 1))
 
+    def check_unchanged(self) -> None:
+        """Fail if the file was modified while it was being read (its data may be torn): the
+        descriptor read from is checked, not whatever the path names now."""
+        if self._file.closed:
+            return
+        st = os.fstat(self._file.fileno())
+        if (st.st_size, st.st_mtime_ns) != self._stat:
+            raise InputError(self.path, "the file changed while qtool was reading it; run again")
+
     def close(self) -> None:
-        """Unmap now, unless views are still alive (then when the last one goes)."""
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        """Let go of the file (arrays already read stay valid: they own their memory)."""
+        self._file.close()
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -49,20 +49,32 @@ class GGUFHeaderError(ValueError):
     """The bytes are not a valid GGUF file; the message says what is wrong and where."""
 
 
-class _Cursor:
-    """Reads little-endian fields from `buf`, refusing any that runs past its end."""
+class NeedMore(Exception):
+    """The header runs past the prefix of the file given: parse again with `needed` bytes."""
 
-    def __init__(self, buf: memoryview) -> None:
-        self.buf, self.pos, self.n_strings = buf, 0, 0
+    def __init__(self, needed: int) -> None:
+        super().__init__(f"the header needs the first {needed} bytes of the file")
+        self.needed = needed
+
+
+class _Cursor:
+    """Reads little-endian fields from `buf`, the first bytes of a `size`-byte file, refusing
+    any that runs past the file's end (NeedMore for one past the prefix only)."""
+
+    def __init__(self, buf: memoryview, size: int) -> None:
+        self.buf, self.size, self.pos, self.n_strings = buf, size, 0, 0
 
     def left(self) -> int:
-        return len(self.buf) - self.pos
+        """Bytes of the file left (what declared counts and lengths are bounded by)."""
+        return self.size - self.pos
 
     def take(self, n: int, what: str) -> memoryview:
         if n > self.left():
             raise GGUFHeaderError(
                 f"truncated: {what} at byte {self.pos} needs {n} bytes, {self.left()} are left"
             )
+        if self.pos + n > len(self.buf):
+            raise NeedMore(self.pos + n)
         self.pos += n
         return self.buf[self.pos - n : self.pos]
 
@@ -112,9 +124,13 @@ class _Cursor:
 _LENGTH = struct.Struct("<Q").unpack_from
 
 
-def parse_header(buf: memoryview) -> GGUFHeader:
-    """Validate the GGUF file whose whole content is `buf` (GGUFHeaderError if it is bad)."""
-    cur = _Cursor(buf)
+def parse_header(buf: memoryview, file_size: int | None = None) -> GGUFHeader:
+    """Validate the GGUF file of `file_size` bytes (default: all of `buf`) whose first bytes
+    are `buf`: GGUFHeaderError if it is bad, NeedMore if its header runs past `buf`."""
+    size = len(buf) if file_size is None else file_size
+    cur = _Cursor(buf, size)
+    if len(buf) < min(4, size):
+        raise NeedMore(min(4, size))
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise GGUFHeaderError(f"not a GGUF file: it starts with {bytes(buf[:4])!r}, not b'GGUF'")
     cur.take(4, "the magic")
@@ -126,7 +142,7 @@ def parse_header(buf: memoryview) -> GGUFHeader:
     infos = [_tensor_info(cur, i) for i in range(n_tensors)]
     _unique([name for name, *_ in infos], "tensor name")
     data_start = align(cur.pos, alignment) if infos else cur.pos
-    return GGUFHeader(version, metadata, _place(infos, alignment, data_start, len(buf)),
+    return GGUFHeader(version, metadata, _place(infos, alignment, data_start, size),
                       alignment, data_start)  # fmt: skip
 
 
@@ -146,7 +162,7 @@ def _count(n: int, what: str, cur: _Cursor, min_bytes: int) -> int:
     """A declared count, refused when over MAX_COUNT or when even the smallest entries could
     not fit in the bytes left."""
     if n * min_bytes > cur.left():
-        raise GGUFHeaderError(f"declares {n} {what}, more than the {len(cur.buf)}-byte file holds")
+        raise GGUFHeaderError(f"declares {n} {what}, more than the {cur.size}-byte file holds")
     if n > MAX_COUNT:
         raise GGUFHeaderError(f"declares {n} {what}, over qtool's limit of {MAX_COUNT}")
     return n

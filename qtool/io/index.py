@@ -34,10 +34,6 @@ class ShardedInput:
         return sorted(set(self.weight_map.values()))
 
 
-def is_sharded(path: Path) -> bool:
-    return path.is_dir() or path.name.endswith(INDEX_SUFFIX)
-
-
 def find_index(path: Path, within: InputDir | None = None) -> Path:
     """The index file named by `path`, or the single one inside the directory `path`
     (listed through `within`, that directory held open, when given)."""
@@ -57,13 +53,6 @@ def find_index(path: Path, within: InputDir | None = None) -> Path:
             path, f"{what} *{INDEX_SUFFIX} files in this directory; give the index file itself"
         )
     return directory.path / found[0]
-
-
-def companion_problem(directory: Path | InputDir, path: Path) -> str | None:
-    """Why a file found in a checkpoint directory must not be read or copied, or None (see
-    safeopen.InputDir: a regular file inside the directory, no link leading out of it)."""
-    within = directory if isinstance(directory, InputDir) else InputDir(directory)
-    return within.problem(path.name)
 
 
 def check_inside(directory: Path | InputDir, path: Path) -> None:
@@ -135,9 +124,3 @@ def _complain(path: Path, what: str, names: set[str]) -> None:
         shown = ", ".join(repr(n) for n in sorted(names)[:5])
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         raise InputError(path, f"tensors {what}: {shown}{more}")
-
-
-def default_output_dir(index: Path, suffix: str) -> Path:
-    """`models/llama/` -> `models/llama.int8/` beside it."""
-    directory = index.parent.resolve()
-    return directory.with_name(f"{directory.name}.{suffix}")

@@ -2,9 +2,11 @@
 
 `DirTransaction(out, force=..., protected=...)`: `check()` before any work, then `with tx as
 temp:` builds in `.<name>.qtool-tmp-<pid>-<random>/` beside `out`, locked (flock) for its whole
-life so a later run's cleanup never takes it. On success the transaction writes a manifest of
-what it built (`.qtool-export.json`: each file's size, and the SHA-256 of small ones), then
-publishes in one atomic step without replacing anything unexpected:
+life so a later run's cleanup never takes it (where the filesystem refuses flock on a
+directory, it goes unlocked and cleanups there fall back to an age rule: tempdirs.py). Entering
+removes what killed runs left beside `out` (atomic.remove_stale_temps: files and directories).
+On success the transaction writes a manifest of what it built (manifest.py: each file's size
+and a fingerprint), then publishes in one atomic step without replacing anything unexpected:
 
 - `out` missing (or an empty directory): `renameat2(RENAME_NOREPLACE)` (fallback: an exclusive
   mkdir then a rename over that empty placeholder). A directory that appeared meanwhile is never
@@ -15,22 +17,19 @@ publishes in one atomic step without replacing anything unexpected:
   more (swapped back if anything else appeared) and removed. Without RENAME_EXCHANGE the old
   one is moved aside to `.<name>.qtool-old-<pid>-<random>` first and restored if the new one
   cannot take its place; a run killed in between leaves it there, locked by nobody, and the next
-  run's cleanup (`remove_stale_dirs`) renames it back when `out` is missing.
-- anything else (files qtool did not write, a symlink, a file, `-o .`) is refused in `check()`,
-  before any work, naming up to three of the files that would be lost.
+  run's cleanup renames it back when `out` is missing.
+- anything else (files qtool did not write, a symlink, a file, a mount point, `-o .`) is
+  refused in `check()` (outcheck.py), before any work, naming up to three of the files that
+  would be lost.
 
-Errors inside the build name `out`, never the temp directory. Torch-free.
+Every error, the final renames' included, names `out`, never the temp directory. Torch-free.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import hashlib
-import json
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -38,16 +37,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from qtool.errors import OutputError, QtoolError, UsageError
+from qtool.errors import OutputError, QtoolError
 from qtool.io import renames
-from qtool.io.atomic import describe_os_error, file_id
-from qtool.io.safeopen import file_kind
+from qtool.io import tempdirs as td
+from qtool.io.atomic import describe_os_error, remove_stale_temps
+from qtool.io.manifest import write_manifest
+from qtool.io.outcheck import check_out_dir, refuse_nesting, refuse_unknown_files
 
-MANIFEST = ".qtool-export.json"
-MANIFEST_FORMAT = "qtool-export"
-HASHED_MAX_BYTES = 16 << 20  # files this small (configs, tokenizers) are hashed, weights sized
-LISTED = 3
-_TEMP_DIR_RE = re.compile(r"^\.(.+)\.qtool-(tmp|old)-(\d+)-[0-9a-f]+$")
+__all__ = ["DirTransaction", "check_out_dir", "refuse_nesting", "refuse_unknown_files",
+           "remove_stale_dirs", "transaction"]  # fmt: skip
+
+LOCK_WAIT_S = 120.0  # how long --force waits for another run replacing the same -o
 
 
 class DirTransaction:
@@ -77,7 +77,7 @@ class DirTransaction:
             self._parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as err:
             raise OutputError(self.out, f"cannot open {parent}: {describe_os_error(err)}") from err
-        remove_stale_dirs(parent)
+        remove_stale_temps(parent)
         self._lock_fd = self._make_temp()
         return self.temp
 
@@ -96,8 +96,8 @@ class DirTransaction:
                     self.out, f"cannot create a directory in {self.out.parent}: "
                     f"{describe_os_error(err)}"
                 ) from err  # fmt: skip
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if _same(fd, self._parent_fd, self.temp.name):
+            td.lock_dir(fd)  # where flock fails, cleanups there use the age rule instead
+            if td.same_at(fd, self._parent_fd, self.temp.name):
                 return fd
             os.close(fd)
             self.temp = self.temp.with_name(
@@ -112,16 +112,15 @@ class DirTransaction:
     ) -> None:
         try:
             if exc is None:
-                self._publish()
+                try:
+                    self._publish()  # its errors name `out` (or a kept directory) themselves
+                except BaseException:
+                    self._discard()
+                    raise
                 return
             self._discard()
             if isinstance(exc, QtoolError):
                 _rename_paths(exc, self.temp, self.out)
-        except BaseException as err:
-            self._discard()
-            if isinstance(err, QtoolError):
-                _rename_paths(err, self.temp, self.out)
-            raise
         finally:
             self._close()
 
@@ -137,20 +136,21 @@ class DirTransaction:
         if self._keep_temp:
             return
         if self._parent_fd >= 0:
-            _rmtree_at(self._parent_fd, self.temp.name)
+            td.rmtree_at(self._parent_fd, self.temp.name)
         else:
             shutil.rmtree(self.temp, ignore_errors=True)
 
     # ------------------------------------------------------------ publishing
 
     def _publish(self) -> None:
+        self._check_still_reachable()
         try:
             write_manifest(self._lock_fd)
             os.fsync(self._lock_fd)
         except OSError as err:
             raise OutputError(self.out, f"cannot write: {describe_os_error(err)}") from err
         name = self.out.name
-        st = _lstat_at(self._parent_fd, name)
+        st = td.lstat_at(self._parent_fd, name)
         if st is not None and stat.S_ISDIR(st.st_mode) and _listdir_at(self._parent_fd, name):
             if not self.force:
                 raise _appeared(self.out)
@@ -158,6 +158,22 @@ class DirTransaction:
         else:
             self._create(st)
         _fsync(self._parent_fd)
+
+    def _check_still_reachable(self) -> None:
+        """The build wrote its files by path: if that path no longer leads to the locked temp
+        directory (its parent was moved or swapped for a link meanwhile), they went elsewhere
+        and publishing would give an incomplete export."""
+        try:
+            st = os.stat(self.temp, follow_symlinks=False)
+            same = os.path.samestat(st, os.fstat(self._lock_fd))
+        except OSError:
+            same = False
+        if not same:
+            raise OutputError(
+                self.out,
+                f"its directory {self.out.parent} was moved or replaced while this run wrote "
+                "into it; nothing was published: run again",
+            )
 
     def _create(self, st: os.stat_result | None) -> None:
         """`out` is missing or an empty directory: take its place, replacing nothing else."""
@@ -173,280 +189,118 @@ class DirTransaction:
         except (FileExistsError, IsADirectoryError, NotADirectoryError) as err:
             raise _appeared(self.out) from err
         except OSError as err:
-            if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise _appeared(self.out) from err
-            raise OutputError(
-                self.out, f"cannot rename into place: {describe_os_error(err)}"
-            ) from err
+            raise self._rename_error(err) from err
 
     def _replace(self) -> None:
         """--force over a previous export: lock it, check it, swap, check again, remove."""
         name = self.out.name
-        old_fd = _open_dir_at(self._parent_fd, name)
-        if old_fd < 0:
-            raise _appeared(self.out)
+        old_fd = self._lock_out(name)
         try:
-            fcntl.flock(old_fd, fcntl.LOCK_EX)
             refuse_unknown_files(self.out, old_fd, self.protected)
-            if not renames.exchange(self._parent_fd, self.temp.name, name):
+            try:
+                swapped = renames.exchange(self._parent_fd, self.temp.name, name)
+            except OSError as err:
+                raise self._rename_error(err) from err
+            if not swapped:
                 self._move_aside_and_replace(name)
-            elif _same(old_fd, self._parent_fd, self.temp.name):
+            elif td.same_at(old_fd, self._parent_fd, self.temp.name):
                 self._check_swapped_out(old_fd, name)
-                _rmtree_at(self._parent_fd, self.temp.name)  # the old export, locked by us
-            else:  # the temp name holds something else: leave it alone
-                self._keep_temp = True
+                td.rmtree_at(self._parent_fd, self.temp.name)  # the old export, locked by us
+            else:  # what we swapped out is not what we checked (renamed there meanwhile)
+                self._swap_back(name, _appeared(self.out))
         finally:
+            os.close(old_fd)
+
+    def _lock_out(self, name: str) -> int:
+        """A descriptor on `out`, locked, that is still `out` once locked (another --force run
+        holding the lock may have replaced it meanwhile: then the new one is taken)."""
+        while True:
+            old_fd = td.open_dir_at(self._parent_fd, name)
+            if old_fd < 0:
+                raise _appeared(self.out)
+            try:
+                td.lock_dir(old_fd, LOCK_WAIT_S)
+            except TimeoutError:
+                os.close(old_fd)
+                raise OutputError(
+                    self.out,
+                    f"is locked by another process (another qtool run replacing it?) for over "
+                    f"{LOCK_WAIT_S:g} s; nothing was replaced: run again once it is done",
+                ) from None
+            if td.same_at(old_fd, self._parent_fd, name):
+                return old_fd
             os.close(old_fd)
 
     def _check_swapped_out(self, old_fd: int, name: str) -> None:
         """After the swap: if anything but the old export appeared in it meanwhile, swap back."""
         try:
             refuse_unknown_files(self.out, old_fd, self.protected)
-        except OutputError:
-            if not renames.exchange(self._parent_fd, self.temp.name, name):
-                self._keep_temp = True
-                raise OutputError(
-                    self.out,
-                    f"changed while this run replaced it; its previous content is in {self.temp}",
-                ) from None
-            raise
+        except OutputError as err:
+            self._swap_back(name, err)
+
+    def _swap_back(self, name: str, err: OutputError) -> None:
+        """Put what the swap took from `out` back and raise `err`; if that fails, move it to a
+        name no cleanup takes and say where it is."""
+        try:
+            back = renames.exchange(self._parent_fd, self.temp.name, name)
+        except OSError:
+            back = False
+        if back:
+            raise err
+        self._keep_temp = True
+        kept = f"{name}.qtool-kept-{secrets.token_hex(4)}"
+        try:
+            renames.rename_noreplace(self._parent_fd, self.temp.name, kept)
+        except OSError:
+            kept = self.temp.name
+        raise OutputError(
+            self.out,
+            f"changed while this run replaced it; its previous content is in "
+            f"{self.out.parent / kept}",
+        ) from None
 
     def _move_aside_and_replace(self, name: str) -> None:
         """No RENAME_EXCHANGE here: move the old export aside (it stays locked by us), put the
         new one in its place, and only then remove the old one."""
         aside = f".{name}.qtool-old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(name, aside, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
+        fd = self._parent_fd
         try:
-            renames.rename_noreplace(self._parent_fd, self.temp.name, name)
+            os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError as err:
-            os.rename(aside, name, src_dir_fd=self._parent_fd, dst_dir_fd=self._parent_fd)
-            raise _appeared(self.out) from err
-        _rmtree_at(self._parent_fd, aside)
-
-
-# ---------------------------------------------------------------- checks
-
-
-def check_out_dir(out: Path, protected: Sequence[Path], force: bool) -> None:
-    """Refuse an output directory that is `.`/`..`, a symlink, not a directory, is/contains/
-    lies inside a protected path (an input, its directory, a config), holds files qtool did
-    not write (or anything without `force`), or whose parent is missing or read-only."""
-    if out.name in ("", ".", ".."):
-        raise UsageError(
-            out, "name the output directory itself, not '.' or '..' (e.g. ../NAME)", hint="output"
-        )
-    refuse_nesting(out, protected)
-    try:
-        st = os.lstat(out)
-    except FileNotFoundError:
-        st = None
-    except OSError as err:
-        raise OutputError(out, f"cannot check this output: {describe_os_error(err)}") from err
-    if st is not None:
-        _check_existing(out, st, protected, force)
-    parent = out.parent
-    if not parent.is_dir():
-        raise OutputError(out, f"directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(out, f"directory {parent} is not writable; choose another location")
-
-
-def _check_existing(out: Path, st: os.stat_result, protected: Sequence[Path], force: bool) -> None:
-    if stat.S_ISLNK(st.st_mode):
-        raise OutputError(
-            out,
-            f"is a symlink (to {os.readlink(out)}); give the directory itself, "
-            "qtool does not write through links",
-        )
-    if not stat.S_ISDIR(st.st_mode):
-        kind = "a file" if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
-        raise OutputError(out, f"exists and is {kind}, not a directory; choose a directory name")
-    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not os.listdir(fd):
-            return
-        if not force:
-            raise OutputError(
-                out, "already exists and is not empty; it is replaced only when asked",
-                hint="force",
-            )  # fmt: skip
-        refuse_unknown_files(out, fd, protected)
-    finally:
-        os.close(fd)
-
-
-def refuse_nesting(out: Path, protected: Sequence[Path]) -> None:
-    """OutputError when `out` is, lies inside, or contains a protected path, compared by
-    (st_dev, st_ino) along the resolved chain of each (symlinks and bind mounts included)."""
-    out_chain = _chain(out)
-    out_id = file_id(out)
-    for p in protected:
-        pid = file_id(p)
-        if pid is None:
-            continue
-        if out_id == pid:
-            what = "the input directory" if p.is_dir() else f"the input {p}"
-            raise OutputError(out, f"is {what}; choose another output directory")
-        if pid in out_chain:
-            raise OutputError(
-                out, f"lies inside the input directory {p}; choose a directory outside it"
-            )
-        if out_id is not None and out_id in _chain(p):
-            raise OutputError(
-                out, f"contains the input {p}; replacing it would lose the input, "
-                "choose another output directory"
-            )  # fmt: skip
-
-
-def _chain(path: Path) -> set[tuple[int, int]]:
-    """(device, inode) of every directory above `path` (symlinks resolved), up to the root."""
-    ids: set[tuple[int, int]] = set()
-    current = Path(os.path.realpath(path.parent if path.name else path))
-    for directory in (current, *current.parents):
-        if (i := file_id(directory)) is not None:
-            ids.add(i)
-    return ids
-
-
-def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
-    """OutputError naming up to three entries of the directory `fd` that are not files of a
-    previous qtool export, unchanged since (or that are a protected file)."""
-    recorded = _read_manifest(fd)
-    guarded = {i for p in protected if (i := file_id(p)) is not None}
-    unknown = [
-        name + ("/" if _is_dir_at(fd, name) else "")
-        for name in sorted(os.listdir(fd))
-        if name != MANIFEST and not _is_recorded(fd, name, recorded, guarded)
-    ]
-    if not unknown:
-        return
-    shown = ", ".join(unknown[:LISTED]) + (
-        f" and {len(unknown) - LISTED} more" if len(unknown) > LISTED else ""
-    )
-    what = "is not a qtool export" if recorded is None else "holds files qtool did not write"
-    raise OutputError(
-        out,
-        f"{what} ({shown} would be lost); --force replaces only a previous qtool export "
-        "left as qtool wrote it: move those files or choose another output directory",
-    )
-
-
-def _is_recorded(
-    fd: int, name: str, recorded: dict[str, dict[str, object]] | None, guarded: set[tuple[int, int]]
-) -> bool:
-    if recorded is None or name not in recorded:
-        return False
-    st = _lstat_at(fd, name)
-    if st is None or not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in guarded:
-        return False
-    record = recorded[name]
-    if record.get("size") != st.st_size:
-        return False
-    digest = record.get("sha256")
-    return digest is None or digest == _sha256_at(fd, name)
-
-
-# ---------------------------------------------------------------- the manifest
-
-
-def write_manifest(fd: int) -> None:
-    """Record every regular file of the directory `fd` (size; SHA-256 when small)."""
-    files: dict[str, dict[str, object]] = {}
-    for name in sorted(os.listdir(fd)):
-        st = _lstat_at(fd, name)
-        if name == MANIFEST or st is None or not stat.S_ISREG(st.st_mode):
-            continue
-        small = st.st_size <= HASHED_MAX_BYTES
-        files[name] = {"size": st.st_size, "sha256": _sha256_at(fd, name) if small else None}
-    doc = {"format": MANIFEST_FORMAT, "version": 1, "files": files}
-    data = json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n"
-    out = os.open(MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=fd)
-    with os.fdopen(out, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_manifest(fd: int) -> dict[str, dict[str, object]] | None:
-    """The files a manifest lists, or None when there is no (valid) manifest."""
-    try:
-        mfd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    except OSError:
-        return None
-    with os.fdopen(mfd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        data = f.read(HASHED_MAX_BYTES + 1)
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
-        return None
-    files = doc.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        return None
-    return files
-
-
-def _sha256_at(fd: int, name: str) -> str | None:
-    try:
-        ffd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    except OSError:
-        return None
-    digest = hashlib.sha256()
-    with os.fdopen(ffd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return None
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# ---------------------------------------------------------------- cleanup of dead runs
-
-
-def remove_stale_dirs(parent: Path) -> int:
-    """Remove the temp directories of dead runs in `parent` (those whose lock can be taken);
-    an old export a dead run had moved aside is renamed back when its name is free. Returns
-    the count."""
-    try:
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return 0
-    removed = 0
-    try:
-        for name in os.listdir(fd):
-            match = _TEMP_DIR_RE.match(name)
-            if match and _remove_if_dead(fd, name, match.group(1), match.group(2)):
-                removed += 1
-    finally:
-        os.close(fd)
-    return removed
-
-
-def _remove_if_dead(parent_fd: int, name: str, final: str, kind: str) -> bool:
-    dfd = _open_dir_at(parent_fd, name)
-    if dfd < 0:
-        return False  # a temp file (atomic.remove_stale_temps) or gone
-    try:
+            raise self._rename_error(err) from err
         try:
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # a live run holds it
-        if not _same(dfd, parent_fd, name):
-            return False
-        if kind == "old" and _lstat_at(parent_fd, final) is None:
-            with contextlib.suppress(OSError):
-                renames.rename_noreplace(parent_fd, name, final)
-                return True
-        _rmtree_at(parent_fd, name)
-        return True
-    finally:
-        os.close(dfd)
+            renames.rename_noreplace(fd, self.temp.name, name)
+        except OSError as err:
+            try:
+                os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except OSError:
+                raise OutputError(
+                    self.out,
+                    f"could not take its place ({err.strerror or err}) nor put it back: "
+                    f"your previous export is in {self.out.parent / aside}",
+                ) from err
+            if isinstance(err, FileExistsError) or err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _appeared(self.out) from err
+            raise self._rename_error(err) from err
+        td.rmtree_at(fd, aside)
+
+    def _rename_error(self, err: OSError) -> OutputError:
+        """An OSError of a final rename, as an error naming `out` (never the temp name)."""
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return _appeared(self.out)
+        if err.errno == errno.EBUSY:
+            why = "it is busy (a mount point, or in use); nothing was replaced"
+        else:
+            why = describe_os_error(err)
+        return OutputError(self.out, f"cannot rename into place: {why}")
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def remove_stale_dirs(parent: Path) -> int:
+    """Remove what killed runs left in `parent` (see atomic.remove_stale_temps)."""
+    return remove_stale_temps(parent)
 
 
 def _appeared(out: Path) -> OutputError:
@@ -466,47 +320,14 @@ def _rename_paths(err: QtoolError, temp: Path, out: Path) -> None:
     err.args = (err.message,)
 
 
-def _same(fd: int, parent_fd: int, name: str) -> bool:
-    st = _lstat_at(parent_fd, name)
-    return st is not None and os.path.samestat(os.fstat(fd), st)
-
-
-def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
-    try:
-        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def _is_dir_at(dir_fd: int, name: str) -> bool:
-    st = _lstat_at(dir_fd, name)
-    return st is not None and stat.S_ISDIR(st.st_mode)
-
-
 def _listdir_at(dir_fd: int, name: str) -> list[str]:
-    fd = _open_dir_at(dir_fd, name)
+    fd = td.open_dir_at(dir_fd, name)
     if fd < 0:
         return []
     try:
         return os.listdir(fd)
     finally:
         os.close(fd)
-
-
-def _open_dir_at(dir_fd: int, name: str) -> int:
-    """A descriptor on the directory `name` (never through a link), or -1."""
-    try:
-        return os.open(
-            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
-        )
-    except OSError:
-        return -1
-
-
-def _rmtree_at(dir_fd: int, name: str) -> None:
-    """Remove the directory `name` and all it holds, never following a link out of it."""
-    with contextlib.suppress(OSError):
-        shutil.rmtree(name, dir_fd=dir_fd)
 
 
 def _fsync(fd: int) -> None:

@@ -110,7 +110,20 @@ def describe_head(head: bytes) -> str | None:
             return what
     if head.lstrip()[:1] in (b"{", b"["):
         return "JSON text (a config or index file?)"
+    if head.lstrip().lower().startswith((b"<!doctype html", b"<html")):
+        return "an HTML page (a download that returned a web page?)"
+    if head.startswith(b"version https://git-lfs"):
+        return "a Git LFS pointer, not the file itself (run git lfs pull)"
+    if len(head) >= 8 and _is_text(head):
+        return "plain text (a README, a script or notes?)"
     return None
+
+
+def _is_text(head: bytes) -> bool:
+    """Printable UTF-8 (a multi-byte character may be cut at the end of the 64 bytes)."""
+    text = head.decode("utf-8", errors="ignore")
+    whole = len(text.encode()) >= len(head) - 3
+    return whole and all(c.isprintable() or c in "\t\r\n" for c in text)
 
 
 def not_safetensors_message(path: str | os.PathLike[str], err: HeaderError) -> str:

@@ -13,6 +13,8 @@ as a two's-complement int32.  8-bit [1, 2] -> unsigned [129, 130] -> 129 + 130 *
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -55,6 +57,41 @@ def pack_to_int32(q: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     words = (u.view(*u.shape[:-1], -1, per_word) << shifts).sum(dim=-1)  # disjoint bits: sum == or
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # two's complement
     return words.to(torch.int32).movedim(-1, dim)
+
+
+def stored_to_int32(q: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """`pack_to_int32(codes, bits)` along the last dimension, straight from signed codes as
+    qtool stores them (8-bit: int8 [..., n]; 4-bit: nibbles [..., ceil(n / 2)] from
+    pack_nibbles), in one pass. The bits already agree: a byte holds the unsigned code
+    q + 2^(bits - 1) (int8: its top bit flipped), and element i of a word sits at bits
+    [i * bits, (i + 1) * bits) of four little-endian bytes. So 4-bit rows of a multiple of 8
+    codes are their words as they are (a view, no copy); others are copied once into
+    zero-padded rows (an odd row's pad nibble, the zero point's code in qtool, becomes the 0
+    compressed-tensors pads with)."""
+    per_word = _per_word(bits)
+    if bits not in (4, 8) or sys.byteorder != "little":
+        codes = unpack_nibbles(q, n, signed=True) if bits == 4 else q
+        return pack_to_int32(codes, bits)
+    width = -(-n // 2) if bits == 4 else n
+    expected = torch.uint8 if bits == 4 else torch.int8
+    if q.ndim == 0 or q.shape[-1] != width or q.dtype != expected:
+        raise ValueError(
+            f"{n} {bits}-bit codes are stored as {expected} [..., {width}], got {q.dtype} "
+            f"{tuple(q.shape)}"
+        )
+    words = -(-n // per_word)
+    rows = q.reshape(-1, width)
+    if bits == 4 and width == 4 * words and not n % 2 and rows.is_contiguous():
+        return rows.view(torch.int32).view(*q.shape[:-1], words)
+    out = torch.empty(rows.shape[0], 4 * words, dtype=torch.uint8, device=q.device)
+    out[:, width:] = 0
+    if bits == 8:
+        torch.bitwise_xor(rows.view(torch.uint8), 0x80, out=out[:, :width])
+    else:
+        out[:, :width] = rows
+        if n % 2:
+            out[:, width - 1] &= 0x0F
+    return out.view(torch.int32).view(*q.shape[:-1], words)
 
 
 def unpack_from_int32(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tensor:

@@ -1,15 +1,21 @@
 """Which kernels quantize and dequantize a tensor: the torch reference or the fused CPU kernels.
 
 QTOOL_KERNEL (environment) chooses: `auto` (default), `torch`, or `fused`.
-- auto: the fused kernels for CPU tensors when numba is installed and the run is big enough to
-  pay for loading them (`expect`: AUTO_MIN_BYTES of tensors to quantize or restore; loading is
-  import numba plus its cached machine code, 0.7-1.1 s). Both paths give the same bits, so the
-  choice shows nowhere but in the time. A numba that fails to load leaves the torch kernels.
+- auto: the fused kernels for CPU tensors when numba is installed and the run's work pays for
+  loading them (LOAD_SECONDS: import numba, the kernels' cached machine code, the first call).
+  The work is estimated per tensor from its elements, input dtype and spec (COSTS: the mse
+  search costs tens of times min-max; groups and 16-bit inputs more than rows of fp32), on the
+  figures of a quiet machine, which favour the torch kernels; then it is measured: every torch
+  call is timed, and once the time the rest of the run would save under the load seen so far
+  passes LOAD_SECONDS, the fused kernels are loaded between two calls and take over. Both paths
+  give the same bits, so the choice shows nowhere but in the time. A numba that fails to load
+  leaves the torch kernels.
 - torch: always the torch kernels (the reference, and the only CUDA path).
 - fused: the fused kernels for every CPU tensor they cover; without numba a usage error naming
   the extra to install.
 Whatever is chosen, CUDA tensors, 0-d tensors and the mse search per tensor or per channel on
-an axis other than 0 run the torch kernels.
+an axis other than 0 run the torch kernels. Where numba is missing and the torch kernels took
+much longer than the fused ones would have, `notes()` says so (once per run).
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from __future__ import annotations
 import enum
 import importlib
 import importlib.util
+import math
 import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -25,11 +35,28 @@ import torch
 from qtool.errors import UsageError
 from qtool.numerics import kernels
 from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.spec import QSpec
+from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, matrix_shape
 
 ENV = "QTOOL_KERNEL"
-AUTO_MIN_BYTES = 512 << 20  # break-even of loading numba: 0.1-0.7 GiB (docs/performance.md)
 INSTALL_HINT = "pip install 'qtool[fast]'"
+LOAD_SECONDS = 1.0  # numba's import and first call, cache warm: 0.7-1.1 s (docs/performance.md)
+# (torch, fused) nanoseconds per element on 2 threads of a quiet machine, with error sums and
+# everything around the kernels in a run (min-max: 1.25 and 0.25 s per GiB of fp32 in process,
+# docs/performance.md; groups and the mse search scaled by their kernel-only ratios). Under load
+# the torch kernels slow down many times more than the fused ones: the measurement below
+# catches that.
+COSTS = {
+    "minmax": (4.7, 0.9),
+    "groups": (6.0, 1.8),
+    "mse": (60.0, 4.0),
+    "restore": (0.8, 0.25),  # dequantize, per byte of input
+}
+WIDE_INPUT = 1.3  # bf16/fp16 cost the torch kernels an exact upcast pass more
+MIN_MEASURED = 0.1  # seconds of torch calls before their speed is trusted,
+MIN_PREDICTED = 0.01  # and quiet seconds of work in them (tiny calls are all fixed costs)
+HINT_SECONDS = 5.0  # a run that would have saved this much says so when numba is missing
+# a restore (dequantize) of this many bytes pays for loading numba
+AUTO_MIN_BYTES = math.ceil(LOAD_SECONDS / ((COSTS["restore"][0] - COSTS["restore"][1]) * 1e-9))
 
 
 class Kernel(str, enum.Enum):
@@ -97,16 +124,135 @@ def _why(error: BaseException | None) -> str:
 _LOADER = _Loader()
 
 
+@dataclass(frozen=True)
+class Work:
+    """One tensor a run will quantize: what decides the kernels' time on it."""
+
+    shape: tuple[int, ...]
+    wide: bool  # a 16-bit input (bf16/fp16)
+    spec: QSpec
+
+
+def work_class(spec: QSpec, shape: tuple[int, ...]) -> str | None:
+    """The COSTS entry of quantizing a tensor of `shape` with `spec`; None where the fused
+    kernels do not take it (0-d; the mse search per tensor or on another axis)."""
+    g = spec.granularity
+    rows = isinstance(g, PerGroup) or (isinstance(g, PerChannel) and g.axis == 0)
+    if not shape or (spec.range_method is RangeMethod.MSE and not (rows and len(shape) >= 2)):
+        return None
+    if spec.range_method is RangeMethod.MSE:
+        return "mse"
+    return "groups" if isinstance(g, PerGroup) and g.size < matrix_shape(shape)[1] else "minmax"
+
+
+class _Meter:
+    """The run's work left (in seconds the torch kernels would take on a quiet machine, and
+    what the fused kernels would save of them), and the torch calls measured so far."""
+
+    def __init__(self) -> None:
+        self.reset(0.0, 0.0)
+
+    def reset(self, torch_seconds: float, saving: float) -> None:
+        self.left, self.saving = torch_seconds, saving
+        self.measured = self.predicted = self.predicted_saving = 0.0
+        self.hinted = False
+
+    @property
+    def slowdown(self) -> float:
+        """Measured over quiet torch time (1 until enough was measured to tell)."""
+        if self.measured < MIN_MEASURED or self.predicted < MIN_PREDICTED:
+            return 1.0
+        return self.measured / self.predicted
+
+    def projected_saving(self) -> float:
+        """Seconds the fused kernels would save on the rest of the run, at the load seen."""
+        return self.saving * self.slowdown
+
+    def saved_so_far(self) -> float:
+        """Seconds the fused kernels would have saved on the torch calls measured."""
+        return self.predicted_saving * self.slowdown
+
+    def took(self, predicted: float, saving: float, seconds: float) -> None:
+        if not predicted:  # work the fused kernels would not take: no measure of either
+            return
+        self.left = max(0.0, self.left - predicted)
+        self.saving = max(0.0, self.saving - saving)
+        self.measured += seconds
+        self.predicted += predicted
+        self.predicted_saving += saving
+
+
+_METER = _Meter()
+
+
+def _estimate(work: Iterable[Work]) -> tuple[float, float]:
+    """(quiet torch seconds, seconds the fused kernels save of them) of the work they cover."""
+    torch_s = saved = 0.0
+    for w in work:
+        t, f = _cost(w.spec, w.shape, math.prod(w.shape), w.wide)
+        torch_s, saved = torch_s + t, saved + f
+    return torch_s, saved
+
+
+def _cost(spec: QSpec, shape: tuple[int, ...], numel: int, wide: bool) -> tuple[float, float]:
+    """(quiet torch seconds, fused saving) of one tensor; (0, 0) where fused does not apply."""
+    kind = work_class(spec, shape)
+    if kind is None:
+        return 0.0, 0.0
+    slow, fast = COSTS[kind]
+    slow *= WIDE_INPUT if wide else 1.0
+    return numel * slow * 1e-9, numel * (slow - fast) * 1e-9
+
+
 def expect(device: torch.device, nbytes: int) -> None:
-    """Told at the start of a run how many bytes of tensors it will quantize or restore on
+    """Told at the start of a run how many bytes of tensors it will restore (dequantize) on
     `device`: checks QTOOL_KERNEL, and loads the fused kernels when they will be used."""
+    slow, fast = COSTS["restore"]
+    _expect(device, nbytes * slow * 1e-9, nbytes * (slow - fast) * 1e-9)
+
+
+def expect_work(device: torch.device, work: Iterable[Work]) -> None:
+    """Told at the start of a run what it will quantize on `device` (see the module doc)."""
+    _expect(device, *_estimate(work))
+
+
+def _expect(device: torch.device, torch_seconds: float, saved: float) -> None:
     kernel = requested()
+    _METER.reset(torch_seconds, saved)
     if device.type != "cpu" or kernel is Kernel.TORCH:
         return
     if kernel is Kernel.FUSED:
         _LOADER.now()
-    elif nbytes >= AUTO_MIN_BYTES and numba_installed():
+    elif saved >= LOAD_SECONDS and numba_installed():
         _LOADER.load()
+
+
+def _measured(cost: tuple[float, float], started: float) -> None:
+    """A torch call of `cost` (quiet seconds, fused saving) took since `started`: in auto, load
+    the fused kernels once the rest of the run would pay for them at the speed seen."""
+    _METER.took(*cost, time.perf_counter() - started)
+    if _LOADER.tried or _METER.projected_saving() < LOAD_SECONDS:
+        return
+    if numba_installed():
+        _LOADER.load()
+
+
+def notes() -> list[str]:
+    """What a run has to say about the kernels (once): that the fused kernels, which numba
+    (missing or broken) would have run, would have saved much of the torch kernels' time."""
+    if _METER.hinted or _LOADER.module is not None or requested() is not Kernel.AUTO:
+        return []
+    saved = _METER.saved_so_far()
+    if saved - LOAD_SECONDS < HINT_SECONDS:
+        return []
+    _METER.hinted = True
+    broken = _LOADER.error is not None and not isinstance(_LOADER.error, ImportError)
+    why = f"numba did not load: {_why(_LOADER.error)}" if broken else (
+        f"numba is not installed ({INSTALL_HINT})")  # fmt: skip
+    return [
+        f"the torch kernels took {_METER.measured:.0f} s of this run; the fused kernels would "
+        f"have taken about {saved:.0f} s less, but {why}"
+    ]
 
 
 def _fused_for(device: torch.device, ndim: int, spec: QSpec) -> ModuleType | None:
@@ -132,13 +278,18 @@ def quantize_tensor(
     """kernels.quantize_tensor through the chosen kernels (same results, bit for bit)."""
     module = _fused_for(x.device, x.ndim, spec)
     if module is None:
-        return kernels.quantize_tensor(
+        started = time.perf_counter()
+        result = kernels.quantize_tensor(
             x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace
         )
-    result: QuantizedTensor = module.quantize_tensor(
+        if x.device.type == "cpu" and requested() is Kernel.AUTO:
+            wide = x.dtype in (torch.bfloat16, torch.float16)
+            _measured(_cost(spec, tuple(x.shape), x.numel(), wide), started)
+        return result
+    fused: QuantizedTensor = module.quantize_tensor(
         x, spec, with_errors=with_errors, scale_dtype=scale_dtype
     )
-    return result
+    return fused
 
 
 def dequantize(
@@ -152,6 +303,11 @@ def dequantize(
     """kernels.dequantize through the chosen kernels (same results, bit for bit)."""
     module = _fused_for(q.device, len(shape), spec)
     if module is None:
-        return kernels.dequantize(q, scale, zero_point, spec, dtype, shape=shape)
-    out: torch.Tensor = module.dequantize_tensor(q, scale, zero_point, spec, dtype, shape)
-    return out
+        started = time.perf_counter()
+        out = kernels.dequantize(q, scale, zero_point, spec, dtype, shape=shape)
+        if q.device.type == "cpu" and requested() is Kernel.AUTO and shape:
+            slow, fast = COSTS["restore"]
+            _measured((q.numel() * slow * 1e-9, q.numel() * (slow - fast) * 1e-9), started)
+        return out
+    fused_out: torch.Tensor = module.dequantize_tensor(q, scale, zero_point, spec, dtype, shape)
+    return fused_out

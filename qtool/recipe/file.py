@@ -20,13 +20,13 @@ group_size and range; its unnamed fields are QSpec's defaults (sym, int8, per ch
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import tomllib
 
+from qtool import patterns
 from qtool.errors import InputError, RecipeError
 from qtool.io.safeopen import read_bounded
 from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind
@@ -150,11 +150,11 @@ class _Checker:
             self.fail((*at, "match"), 'missing; a rule needs match = "GLOB" (or "re:REGEX")')
         if not isinstance(match, str) or match in ("", "re:"):
             self.fail((*at, "match"), 'must be a non-empty glob or "re:REGEX"')
-        if match.startswith("re:"):
+        if match.startswith("re:"):  # compiled as it will be matched: bounded, never a crash
             try:
-                re.compile(match[3:])
-            except re.error as err:
-                self.fail((*at, "match"), f"invalid regular expression: {err}")
+                patterns.compiled(match[3:])
+            except patterns.PatternError as err:
+                self.fail((*at, "match"), str(err))
         return match
 
     def _reason(self, at: TomlPath, keep: object) -> str:

@@ -173,7 +173,8 @@ def selection_reason(entry: Entry, *, small: bool = False) -> str | None:
 def unmatched(rules: Iterable[Rule], names: Iterable[str]) -> list[Rule]:
     """The rules whose pattern matches none of `names` (each worth a one-line warning)."""
     names = list(names)
-    return [r for r in rules if not any(r.matches(n) for n in names)]
+    with patterns.bounded():  # one time budget for the recipe's patterns over every name
+        return [r for r in rules if not any(r.matches(n) for n in names)]
 
 
 def _axis_error(

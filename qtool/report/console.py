@@ -1,9 +1,11 @@
-"""Rendering: Rich tables for people, JSON for machines, one-line errors, a progress bar.
+"""Rendering: tables for people, JSON for machines, one-line errors, a progress bar.
 
-The only module that imports rich. Data goes to stdout, messages and progress to stderr. No
-colour or escape codes unless the stream is a terminal (whatever FORCE_COLOR or CI variables
-say), none at all with NO_COLOR, and names from files are shown with control characters escaped
-so a tensor name cannot drive the terminal.
+The only module that imports rich. Tables and summaries are laid out once, as plain lines, for
+the width of the terminal or, off a terminal, of COLUMNS (report/layout.py); a terminal gets
+them through Rich with their styles, a pipe as plain text. Data goes to stdout, messages and
+progress to stderr. No colour or escape codes unless the stream is a terminal (whatever
+FORCE_COLOR or CI variables say), none at all with NO_COLOR, and names from files are shown with
+control characters escaped so a tensor name cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -16,23 +18,24 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any, TypeVar
 
-from rich import box
-from rich.console import Console, Group
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TaskProgressColumn,
     TextColumn,
-    TimeRemainingColumn,
     TransferSpeedColumn,
 )
-from rich.table import Table
 from rich.text import Text
 
 from qtool.errors import OutputError, QtoolError
 from qtool.gates import GateResult
+from qtool.report import layout
 from qtool.report.json import json_text
+from qtool.report.layout import Column, Line
 from qtool.results import (
     CompareRow,
     CompareSummary,
@@ -73,26 +76,24 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def emit(stream: IO[str], *renderables: Any) -> None:
-    """Print to a stream; off a terminal, without the padding Rich adds at line ends."""
+def width_of(stream: IO[str]) -> int:
+    """The width output to `stream` is laid out for: a terminal's own, else COLUMNS (120)."""
+    return console(stream).width
+
+
+def emit(stream: IO[str], lines: Sequence[Line]) -> None:
+    """Print laid-out lines: styled on a terminal, plain text (no trailing spaces) elsewhere."""
     with _report_stream():
-        _emit(stream, *renderables)
+        if stream.isatty():
+            text = Text("\n").join(Text.assemble(*line) for line in lines)
+            console(stream).print(text, soft_wrap=True)
+            return
+        stream.write("".join("".join(t for t, _ in line).rstrip() + "\n" for line in lines))
+        stream.flush()
 
 
-def _emit(stream: IO[str], *renderables: Any) -> None:
-    con = console(stream)
-    if con.is_terminal:
-        for r in renderables:
-            con.print(r)
-        return
-    # Off a terminal nothing wraps: a line as long as its longest name keeps logs greppable.
-    unbounded = con.options.update_width(1 << 20)
-    con.width = max([con.width, *(con.measure(r, options=unbounded).maximum for r in renderables)])
-    with con.capture() as captured:
-        for r in renderables:
-            con.print(r)
-    stream.write("\n".join(line.rstrip() for line in captured.get().splitlines()) + "\n")
-    stream.flush()
+def _plain(texts: Sequence[str], style: str = "") -> list[Line]:
+    return [[(t, style)] for t in texts]
 
 
 def safe(text: str) -> str:
@@ -139,8 +140,9 @@ def print_error(err: QtoolError | str, as_json: bool = False) -> None:
 
 
 def print_line(message: str) -> None:
-    """One plain line of output on stdout (control characters escaped)."""
-    emit(sys.stdout, Text(safe(message)))
+    """One line of output on stdout (control characters escaped; wrapped at its spaces when
+    it is wider than the output)."""
+    emit(sys.stdout, _plain(layout.phrases([safe(message)], width_of(sys.stdout))))
 
 
 def print_note(message: str) -> None:
@@ -154,12 +156,6 @@ def print_warning(message: str) -> None:
 
 
 # ---- numbers -----------------------------------------------------------------------------------
-
-
-def _terminal_width() -> int | None:
-    """The width a table must fit: a terminal's; None in a pipe or file, where lines may be
-    long (every column kept, names never wrapped, so CI logs stay greppable)."""
-    return console(sys.stdout).width if sys.stdout.isatty() else None
 
 
 def _fmt_db(value: float) -> str:
@@ -229,66 +225,80 @@ def table_rows(
     return arrange(rows, sort or "sqnr", limit[1])
 
 
-def _shown_line(shown: int, total: int) -> Text:
-    return Text(f"(showing {shown} of {total} tensors; --all shows every one)", style="dim")
+def _shown_line(shown: int, total: int) -> str:
+    return f"(showing {shown} of {total} tensors; --all shows every one)"
 
 
-def _gate_text(result: GateResult | None) -> Text | None:
+def _hidden_line(hidden: list[str], stream: IO[str]) -> str:
+    """The note that says which columns a narrow output hid, and how to see them."""
+    width = width_of(stream)
+    where = f"a {width}-column terminal" if stream.isatty() else f"{width} columns (COLUMNS)"
+    how = "widen the terminal" if stream.isatty() else "set COLUMNS wider"
+    return f"({', '.join(hidden)} hidden to fit {where}; {how}, or use --json)"
+
+
+def _notes(lines: list[Line], width: int, *notes: str | None) -> None:
+    for note in notes:
+        if note is not None:
+            lines += _plain(layout.phrases([note], width), "dim")
+
+
+def _gate_lines(result: GateResult | None, width: int) -> list[Line]:
     if result is None or not result.gate.active:
-        return None
+        return []
     if result.passed:
-        return Text("gate: passed", style="green")
+        return _plain(["gate: passed"], "green")
     tensors = sorted(result.failed_tensors())
     shown = ", ".join(safe(t) for t in tensors[:5]) + (" ..." if len(tensors) > 5 else "")
     parts = [f"{len(tensors)} tensor(s) out of bounds: {shown}"] if tensors else []
     if any(v.tensor is None for v in result.violations):
         parts.append(f"overall SQNR below {result.gate.min_overall_sqnr} dB")
-    return Text("gate: FAILED (" + "; ".join(parts) + ")", style="bold red")
+    text = "gate: FAILED (" + "; ".join(parts) + ")"
+    return _plain(layout.phrases([text], width), "bold red")
 
 
 # ---- quantize ----------------------------------------------------------------------------------
 
 
-NARROW = 110  # below this terminal width, the shape and max-error columns are left out
-
-Cell = Callable[[Row], "str | Text"]
+Cell = Callable[[Row], "tuple[str, str]"]
 
 
-def quantize_table(
+def quantize_columns(
     rows: Sequence[Row],
-    title: str,
     failed: set[str] | None = None,
-    *,
-    width: int | None = None,
     headers: tuple[str, str] = ("dtype", "quantization"),
-) -> Group:
-    """One row per tensor under a title line; `failed` (when a gate is set) adds a gate column."""
-    wide = width is None or width >= NARROW
-    right = {"justify": "right", "no_wrap": True}
-    columns: list[tuple[str, dict[str, Any], Cell]] = [
-        ("tensor", {"overflow": "fold", "min_width": 12}, lambda r: Text(safe(r.name))),
-        ("shape", {"no_wrap": True}, lambda r: _shape(r.shape)),
-        (headers[0], {"no_wrap": True}, _dtype_cell),
-        (headers[1], {"no_wrap": wide, "overflow": "fold"}, _action_cell),
-        ("MSE", right, lambda r: f"{r.errors.mse:.3g}" if r.errors else ""),
-        ("max err", right, lambda r: f"{r.errors.max_abs:.3g}" if r.errors else ""),
-        ("SQNR dB", right, lambda r: _fmt_sqnr(r.errors.sqnr_db) if r.errors else ""),
-        ("", {"no_wrap": True}, lambda r: _spark(r.errors.sqnr_db) if r.errors else ""),
+    fold_names: bool = True,
+) -> list[Column]:
+    """One column per figure, a cell per row; a gate column when a gate is set (`failed`).
+    Too narrow an output hides shape, then max err, MSE, the SQNR bar and vs minmax, then
+    folds the quantization column, and the names only where `fold_names` (a terminal: piped
+    names stay whole, so logs stay greppable)."""
+
+    def column(header: str, cell: Cell, **how: Any) -> Column:
+        return Column(header, [cell(r) for r in rows], **how)
+
+    def figure(fmt: Callable[[ErrorStats], str]) -> Cell:
+        return lambda r: (fmt(r.errors) if r.errors else "", "")
+
+    columns = [
+        column("tensor", lambda r: (safe(r.name), ""), fold=12 if fold_names else 0),
+        column("shape", lambda r: (_shape(r.shape), ""), hide=1),
+        column(headers[0], lambda r: (_dtype_cell(r), "")),
+        column(headers[1], lambda r: (safe(r.detail), "dim" if r.dimmed else ""), fold=16),
     ]
-    if any(r.errors is not None and r.errors.mse_gain is not None for r in rows):
-        columns.insert(7, ("vs minmax", right, lambda r: _fmt_gain(r.errors)))
-    if not wide:
-        columns = [c for c in columns if c[0] not in ("shape", "max err")]
-    if not any(r.errors for r in rows):  # a plan without --estimate: no figures to show
-        columns = [c for c in columns if c[0] not in ("MSE", "max err", "SQNR dB", "")]
+    if any(r.errors for r in rows):  # a plan without --estimate: no figures to show
+        columns += [
+            column("MSE", figure(lambda e: f"{e.mse:.3g}"), right=True, hide=3),
+            column("max err", figure(lambda e: f"{e.max_abs:.3g}"), right=True, hide=2),
+            column("SQNR dB", figure(lambda e: _fmt_sqnr(e.sqnr_db)), right=True),
+        ]
+        if any(r.errors is not None and r.errors.mse_gain is not None for r in rows):
+            columns.append(column("vs minmax", lambda r: (_fmt_gain(r.errors), ""), right=True,
+                                  hide=5))  # fmt: skip
+        columns.append(column("", figure(lambda e: _spark(e.sqnr_db)), hide=4, label="SQNR bar"))
     if failed is not None:
-        columns.append(("gate", {"no_wrap": True}, lambda r: _gate_cell(r, failed)))
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for header, options, _ in columns:
-        table.add_column(header, **options)
-    for r in rows:
-        table.add_row(*(cell(r) for _, _, cell in columns))
-    return Group(Text(title), table)  # a title line of its own: never wrapped to the table
+        columns.append(column("gate", lambda r: _gate_cell(r, failed)))
+    return columns
 
 
 def _fmt_gain(stats: ErrorStats | None) -> str:
@@ -302,14 +312,22 @@ def _dtype_cell(r: Row) -> str:
     return f"{a}→{b}" if a != b else a
 
 
-def _action_cell(r: Row) -> Text:
-    return Text(safe(r.detail), style="dim" if r.dimmed else "")
-
-
-def _gate_cell(r: Row, failed: set[str]) -> str | Text:
+def _gate_cell(r: Row, failed: set[str]) -> tuple[str, str]:
     if r.name in failed:
-        return Text("FAIL", "bold red")
-    return "ok" if r.errors else ""
+        return ("FAIL", "bold red")
+    return ("ok" if r.errors else "", "")
+
+
+def _report(
+    title: str, columns: list[Column], summary: list[str], stream: IO[str]
+) -> tuple[list[Line], int, list[str]]:
+    """The title, the table and the summary phrases laid out for `stream`, with the width
+    and the hidden columns (for the note)."""
+    width = width_of(stream)
+    table = layout.table(columns, width)
+    lines = _plain(layout.phrases([title], width)) + table.lines
+    lines += _plain(layout.phrases(summary, width))
+    return lines, width, table.hidden
 
 
 def print_quantize(
@@ -320,21 +338,26 @@ def print_quantize(
         title += f"; errors {summary.measured}"
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
-    table = quantize_table(shown, title, failed, width=_terminal_width())
-    lines: list[Any] = [table, Text(_quantize_totals(summary))]
-    if len(shown) < len(summary.rows):
-        lines.append(_shown_line(len(shown), len(summary.rows)))
+    columns = quantize_columns(shown, failed, fold_names=sys.stdout.isatty())
+    lines, width, hidden = _report(title, columns, _quantize_totals(summary), sys.stdout)
+    more = len(shown) < len(summary.rows)
+    _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None,
+           _shown_line(len(shown), len(summary.rows)) if more else None)  # fmt: skip
     verb = "would write " if summary.dry_run else "wrote "
-    lines.append(Text(verb + ", ".join(safe(p) for p in summary.outputs)))
-    gate_line = _gate_text(gate)
-    if gate_line is not None:
-        lines.append(gate_line)
-    emit(sys.stdout, *lines)
+    lines += _plain(
+        layout.phrases(
+            [verb + safe(p) for p in summary.outputs[:1]] + [safe(p) for p in summary.outputs[1:]],
+            width,
+            ", ",
+        )
+    )
+    lines += _gate_lines(gate, width)
+    emit(sys.stdout, lines)
     for name in summary.skipped[:1]:
         print_warning(f"skipped {len(summary.skipped)} non-tensor entries (e.g. {name!r})")
 
 
-def _quantize_totals(summary: QuantizeSummary) -> str:
+def _quantize_totals(summary: QuantizeSummary) -> list[str]:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
     spec = "specs per tensor" if summary.per_tensor_specs else summary.spec.describe()
@@ -353,7 +376,7 @@ def _quantize_totals(summary: QuantizeSummary) -> str:
             f"budget: {_fmt_bytes(summary.bytes_out)} vs all-int8 {_fmt_bytes(int8)}, "
             f"all-float {_fmt_bytes(flt)}"
         )
-    return " · ".join(parts)
+    return parts
 
 
 def _pooled(pooled_over: str) -> str:
@@ -369,22 +392,20 @@ def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateRes
     title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
     if summary.overall is not None:
         title += f"; errors {summary.measured}"
-    width = _terminal_width()
-    table = quantize_table(rows, title, failed, width=width, headers=("dtype A→B", "compared"))
+    columns = quantize_columns(rows, failed, ("dtype A→B", "compared"), sys.stdout.isatty())
     overall = summary.overall
-    totals = (
+    totals = [
         f"{len(summary.compared)} of {len(summary.rows)} tensors compared, "
         f"{len(summary.mismatches)} mismatched"
-    )
+    ]
     if overall is not None:
-        totals += f" · overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})"
-    lines: list[Any] = [table, Text(totals)]
-    if len(rows) < len(summary.rows):
-        lines.append(_shown_line(len(rows), len(summary.rows)))
-    gate_line = _gate_text(gate)
-    if gate_line is not None:
-        lines.append(gate_line)
-    emit(sys.stdout, *lines)
+        totals.append(f"overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})")
+    lines, width, hidden = _report(title, columns, totals, sys.stdout)
+    more = len(rows) < len(summary.rows)
+    _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None,
+           _shown_line(len(rows), len(summary.rows)) if more else None)  # fmt: skip
+    lines += _gate_lines(gate, width)
+    emit(sys.stdout, lines)
 
 
 # ---- dequantize --------------------------------------------------------------------------------
@@ -393,14 +414,13 @@ def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateRes
 def print_dequantize(summary: DequantizeSummary) -> None:
     restored = sum(r.restored for r in summary.rows)
     total = sum(r.bytes_out for r in summary.rows)
-    emit(
-        sys.stdout,
-        Text(
-            f"dequantized {restored} of {len(summary.rows)} tensors "
-            f"({len(summary.rows) - restored} copied byte for byte), {_fmt_bytes(total)}; "
-            "wrote " + ", ".join(safe(p) for p in summary.outputs)
-        ),
+    done = (
+        f"dequantized {restored} of {len(summary.rows)} tensors "
+        f"({len(summary.rows) - restored} copied byte for byte), {_fmt_bytes(total)};"
     )
+    paths = [safe(p) for p in summary.outputs]
+    parts = [f"{done} wrote {paths[0]}" if paths else done, *paths[1:]]
+    emit(sys.stdout, _plain(layout.phrases(parts, width_of(sys.stdout), ", ")))
 
 
 # ---- plot --------------------------------------------------------------------------------------
@@ -411,43 +431,32 @@ def print_inspect(summary: InspectSummary) -> None:
     shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
     kind = f"{summary.kind}, {shards}" if summary.shards else summary.kind
     title = f"{safe(summary.path)} ({kind})"
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("tensor", overflow="fold", min_width=12)
-    table.add_column("dtype", no_wrap=True)
-    table.add_column("shape", overflow="fold")
-    table.add_column("elements", justify="right", no_wrap=True)
-    table.add_column("bytes", justify="right", no_wrap=True)
-    if quantized:
-        table.add_column("quantization", overflow="fold")
-    for r in summary.rows:
-        cells: list[str | Text] = [
-            Text(safe(r.name)),
-            r.dtype,
-            _shape(r.shape),
-            f"{r.numel:,}",
-            _fmt_bytes(r.nbytes),
-        ]
-        if quantized:
-            cells.append(_qinfo_text(r.qinfo))
-        table.add_row(*cells)
-    lines: list[Any] = [
-        Text(title),
-        table,
-        Text(
-            f"{len(summary.rows)} tensors, {summary.total_numel:,} elements, "
-            f"{_fmt_bytes(summary.total_bytes)}"
-        ),
+    rows = summary.rows
+    columns = [
+        Column("tensor", [(safe(r.name), "") for r in rows], fold=12 if sys.stdout.isatty() else 0),
+        Column("dtype", [(r.dtype, "") for r in rows]),
+        Column("shape", [(_shape(r.shape), "") for r in rows], fold=8),
+        Column("elements", [(f"{r.numel:,}", "") for r in rows], right=True, hide=1),
+        Column("bytes", [(_fmt_bytes(r.nbytes), "") for r in rows], right=True, hide=2),
     ]
+    if quantized:
+        columns.append(Column("quantization", [(_qinfo_text(r.qinfo), "") for r in rows],
+                              fold=16))  # fmt: skip
+    totals = [
+        f"{len(rows)} tensors, {summary.total_numel:,} elements, {_fmt_bytes(summary.total_bytes)}"
+    ]
+    lines, width, hidden = _report(title, columns, totals, sys.stdout)
+    _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None)
     if summary.metadata:
-        lines.append(Text("metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))))
+        text = "metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))
+        lines += _plain(layout.phrases([text], width))
     if summary.manifest:
-        lines.append(Text(_manifest_text(summary.manifest)))
+        lines += _plain(layout.phrases(_manifest_parts(summary.manifest), width, ", "))
     if summary.quantized_modules is not None:
         ignore = ", ".join(summary.ignore or []) or "none"
-        lines.append(
-            Text(f"{summary.quantized_modules} quantized modules; ignore (kept float): {ignore}")
-        )
-    emit(sys.stdout, *lines)
+        text = f"{summary.quantized_modules} quantized modules; ignore (kept float): {ignore}"
+        lines += _plain(layout.phrases([text], width))
+    emit(sys.stdout, lines)
     for note in summary.notes:
         print_warning(note)
 
@@ -474,31 +483,62 @@ def spec_label(spec: dict[str, object]) -> str:
     return label + (" mse" if spec.get("range_method") == "mse" else "")
 
 
-def _manifest_text(manifest: dict[str, object]) -> str:
+def _manifest_parts(manifest: dict[str, object]) -> list[str]:
     tensors = manifest.get("tensors", {})
     count = len(tensors) if isinstance(tensors, dict) else 0
-    return (
-        f"manifest: {manifest.get('format')} v{manifest.get('format_version')}, "
-        f"semantics {manifest.get('semantics')!r}, qtool {manifest.get('qtool_version')}, "
-        f"for {safe(str(manifest.get('quantized_file')))}, {count} quantized tensors"
-    )
+    return [
+        f"manifest: {manifest.get('format')} v{manifest.get('format_version')}",
+        f"semantics {manifest.get('semantics')!r}",
+        f"qtool {manifest.get('qtool_version')}",
+        f"for {safe(str(manifest.get('quantized_file')))}",
+        f"{count} quantized tensors",
+    ]
 
 
 # ---- progress ----------------------------------------------------------------------------------
 
 
-class _BarProgress:
-    """Tensors and bytes done, throughput and time left, on stderr."""
+PROGRESS_COLUMNS = 64  # what the bar, percentage, bytes, speed and time left take
 
-    def __init__(self, progress: Progress) -> None:
+
+class _BarProgress:
+    """Bytes done of the whole run, the tensor being processed, throughput and time left, on
+    stderr. The loop names each tensor as it starts and adds its bytes as they are done (slab by
+    slab for a large one), so the bar moves within a large tensor."""
+
+    def __init__(self, progress: Progress, width: int) -> None:
         self._progress = progress
-        self._task = progress.add_task("", total=None)
+        self._task = progress.add_task("", total=None, visible=False)  # shown once sized
+        self._name_width = max(16, width - PROGRESS_COLUMNS)
 
     def start(self, total_bytes: int) -> None:
-        self._progress.update(self._task, total=total_bytes)
+        self._progress.update(self._task, total=total_bytes, visible=True)
 
     def advance(self, name: str, nbytes: int) -> None:
-        self._progress.update(self._task, advance=nbytes, description=safe(name)[-40:])
+        shown = _middle_cut(safe(name), self._name_width)
+        self._progress.update(self._task, advance=nbytes, description=shown)
+
+
+def _middle_cut(name: str, width: int) -> str:
+    """`name` in at most `width` characters: whole when it fits, else its start and its end
+    (where layer numbers and the tensor's own name are) around an ellipsis."""
+    if len(name) <= width:
+        return name
+    tail = (width - 1) * 2 // 3
+    return name[: width - 1 - tail] + "…" + name[len(name) - tail :]
+
+
+class _SteadyTimeLeft(ProgressColumn):
+    """Time left from the average speed since the start (Rich's own column follows the last
+    few updates, which jump between small and large tensors): steady, and right on average."""
+
+    def render(self, task: Task) -> Text:
+        elapsed, done, total = task.elapsed, task.completed, task.total
+        if not elapsed or not done or not total or elapsed < 1.0:
+            return Text("-:--:--", style="progress.remaining")
+        left = int(elapsed * max(0.0, total - done) / done)
+        return Text(f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}",
+                    style="progress.remaining")  # fmt: skip
 
 
 @contextmanager
@@ -510,11 +550,11 @@ def progress_bar() -> Iterator[_BarProgress | None]:
         return
     columns = (
         TextColumn("{task.description}", style="dim"),
-        BarColumn(),
+        BarColumn(bar_width=20),
         TaskProgressColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),
-        TimeRemainingColumn(),
+        _SteadyTimeLeft(),
     )
     with Progress(*columns, console=err, transient=True) as progress:
-        yield _BarProgress(progress)
+        yield _BarProgress(progress, err.width)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 from qtool.gates import GateResult
 from qtool.results import (
     CompareRow,
     CompareSummary,
+    DecidedBy,
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
@@ -106,12 +108,47 @@ def spec_json(spec: QSpec) -> dict[str, Any]:
     return {"label": spec.describe(), **spec.to_json()}
 
 
+def decided_json(
+    d: DecidedBy, label: Callable[[QSpec], str] = QSpec.describe, history: bool = True
+) -> dict[str, Any]:
+    """A tensor's decision: its action, origin and the origin's facts, then (`history`) the
+    decisions it superseded, oldest first; `label` names a spec."""
+    out: dict[str, Any] = {"action": d.action, "origin": d.origin}
+    if d.spec is not None:
+        out["spec"] = label(d.spec)
+    if d.reason:
+        out["reason"] = d.reason
+    if d.rule is not None:
+        r = d.rule
+        out["rule"] = {"source": r.source, "number": r.number, "pattern": r.pattern}
+        if r.file is not None:
+            out["rule"] |= {"file": r.file, "line": r.line}
+    if d.target_sqnr_db is not None:
+        out["target_sqnr_db"] = json_number(d.target_sqnr_db)
+    if d.trials:
+        out["trials"] = [
+            {"spec": label(t.spec), "sqnr_db": json_number(t.sqnr_db), "bytes": t.nbytes}
+            for t in d.trials
+        ]
+    for key, value in (("fused", d.fused), ("format", d.format), ("nonfinite", d.nonfinite)):
+        if value is not None:
+            out[key] = value
+    if history:
+        out["history"] = [decided_json(h, label, history=False) for h in d.history]
+    return out
+
+
 def quantize_json(
     summary: QuantizeSummary,
     rows: list[QuantizeRow] | None = None,
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
     specs: dict[QSpec, dict[str, Any]] = {}
+    labels: dict[QSpec, str] = {}
+
+    def label(spec: QSpec) -> str:
+        return labels.get(spec) or labels.setdefault(spec, spec.describe())
+
     tensors = []
     for r in summary.rows if rows is None else rows:
         item: dict[str, Any] = {
@@ -129,6 +166,8 @@ def quantize_json(
             item["spec"] = specs.get(r.spec) or specs.setdefault(r.spec, spec_json(r.spec))
         if r.scale_range is not None:
             item["scale_min"], item["scale_max"] = r.scale_range
+        if r.decided_by is not None:
+            item["decided_by"] = decided_json(r.decided_by, label)
         tensors.append(item)
     quantized = summary.quantized
     return {

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) tensor types as torch kernels: float rows <-> raw ggml blocks, any device.
+"""GGUF (llama.cpp) tensor types: float rows <-> raw ggml blocks, any device.
 
     quantize(x, "Q4_K")        float (..., n) -> uint8 (..., n // 256 * 144)
     dequantize(raw, "Q4_K")    uint8 (..., n // 256 * 144) -> float32 (..., n)
@@ -11,19 +11,27 @@ into FMAs; one that does (-march=native, most ARM builds) gives other bytes in u
 of K-quant rows (scripts/gguf_golden.py --fma-study). Dequantize gives the floats of
 gguf.quants.dequantize for every type here. Input of any float dtype is converted to float32
 first, as ggml does. No I/O.
+
+Two implementations give the same bytes: the torch kernels (q45k.py, q6k.py, legacy.py,
+dequant_k.py: any device, vectorised over blocks) and, on CPU, the fused numba kernels
+(jit*.py: the C transcribed, sub-blocks side by side in vectors), chosen by fast.py as
+QTOOL_KERNEL says. On blocks holding NaN or Inf only the fused kernels follow C's scans (the
+torch reductions propagate NaN); qtool refuses non-finite weights before quantizing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from qtool.gguf_types import GGMLType, ggml_type
-from qtool.numerics.gguf import dequant_k, floats, legacy
+from qtool.numerics.gguf import dequant_k, fast, floats, legacy
 from qtool.numerics.gguf.q6k import quantize_q6_k
 from qtool.numerics.gguf.q45k import quantize_q4_k, quantize_q5_k
+from qtool.numerics.select import Kernel
 
 Blocks = Callable[[torch.Tensor], torch.Tensor]
 
@@ -58,9 +66,12 @@ QUANTIZE_TYPES = tuple(name for name, c in CODECS.items() if c.quantize is not N
 DEQUANTIZE_TYPES = tuple(CODECS)
 
 
-def quantize(x: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor, qtype: str | GGMLType, *, kernel: Kernel | None = None
+) -> torch.Tensor:
     """Raw ggml blocks of float rows x (..., n), n a multiple of the block size: uint8
-    (..., n // block_size * type_size) on x's device (ValueError for misuse)."""
+    (..., n // block_size * type_size) on x's device (ValueError for misuse). `kernel`
+    overrides QTOOL_KERNEL's choice between the torch and the fused kernels (same bytes)."""
     t = ggml_type(qtype)
     codec = CODECS.get(t.name)
     if codec is None or codec.quantize is None:
@@ -72,13 +83,18 @@ def quantize(x: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
     if x.ndim == 0 or x.shape[-1] % t.block_size:
         raise ValueError(f"{t.name}: rows of {tuple(x.shape)} are not multiples of {t.block_size}")
     blocks = x.reshape(-1, t.block_size).to(torch.float32)  # (n_blocks, block_size)
-    out = _chunked(codec.quantize, blocks, codec.chunk, torch.uint8, t.type_size)
+    if fast.chosen(t.name, blocks.device, blocks.numel(), True, kernel):
+        out = fast.quantize(blocks, t.name, t.type_size)
+    else:
+        out = _chunked(codec.quantize, blocks, codec.chunk, torch.uint8, t.type_size)
     return out.view(*x.shape[:-1], x.shape[-1] // t.block_size * t.type_size)
 
 
-def dequantize(raw: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, qtype: str | GGMLType, *, kernel: Kernel | None = None
+) -> torch.Tensor:
     """float32 rows (..., n) of raw ggml blocks (..., row_bytes), row_bytes a multiple of the
-    type's block bytes, on raw's device (ValueError for misuse)."""
+    type's block bytes, on raw's device (ValueError for misuse); `kernel` as for quantize."""
     t = ggml_type(qtype)
     codec = CODECS.get(t.name)
     if codec is None:
@@ -86,7 +102,11 @@ def dequantize(raw: torch.Tensor, qtype: str | GGMLType) -> torch.Tensor:
     if raw.dtype != torch.uint8 or raw.ndim == 0 or raw.shape[-1] % t.type_size:
         raise ValueError(f"{t.name}: raw blocks must be uint8 rows of {t.type_size}-byte blocks")
     blocks = raw.reshape(-1, t.type_size)  # (n_blocks, type_size)
-    out = _chunked(codec.dequantize, blocks, codec.chunk, torch.float32, t.block_size)
+    n_floats = blocks.shape[0] * t.block_size
+    if fast.chosen(t.name, blocks.device, n_floats, False, kernel):
+        out = fast.dequantize(blocks, t.name, t.block_size)
+    else:
+        out = _chunked(codec.dequantize, blocks, codec.chunk, torch.float32, t.block_size)
     return out.view(*raw.shape[:-1], raw.shape[-1] // t.type_size * t.block_size)
 
 
@@ -96,10 +116,28 @@ def _chunked(
     """fn over blocks in runs of at most `chunk` blocks (64x more off the CPU, where kernel
     launches, not caches, bound the time), into one (n_blocks, width) tensor."""
     n = blocks.shape[0]
-    chunk = chunk if blocks.device.type == "cpu" else chunk * 64
-    if n <= chunk:
-        return fn(blocks)
-    out = torch.empty(n, width, dtype=dtype, device=blocks.device)
-    for start in range(0, n, chunk):
-        out[start : start + chunk] = fn(blocks[start : start + chunk])
+    cpu = blocks.device.type == "cpu"
+    chunk = chunk if cpu else chunk * 64
+    with _one_thread(cpu):
+        if n <= chunk:
+            return fn(blocks)
+        out = torch.empty(n, width, dtype=dtype, device=blocks.device)
+        for start in range(0, n, chunk):
+            out[start : start + chunk] = fn(blocks[start : start + chunk])
     return out
+
+
+@contextlib.contextmanager
+def _one_thread(cpu: bool) -> Iterator[None]:
+    """torch on one thread while the torch kernels run on CPU: their ops are small (a chunk
+    stays in L2), and torch's thread pool syncing after each one made the K-quants 50x slower
+    on 2 busy cores (0.09 vs 4.3 MB/s, scripts/bench_gguf.py)."""
+    before = torch.get_num_threads()
+    if not cpu or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

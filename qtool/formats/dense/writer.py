@@ -1,75 +1,22 @@
-"""The dense format: plain float checkpoints. Reading one through the same interface as a
-quantized file (nothing is quantized), and writing any reader's tensors back as a float
-checkpoint (what `qtool dequantize` writes)."""
+"""Writing any reader's tensors back as a float checkpoint (what `qtool dequantize` writes):
+safetensors streamed tensor by tensor (tensors that were not quantized byte for byte), or a
+torch pickle."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from qtool.dtypes import RESTORE_DTYPES
 from qtool.errors import OutputError
-from qtool.formats.base import FloatReader
-from qtool.formats.qtool import carried_metadata
+from qtool.formats.base import FloatReader, carried_metadata
 from qtool.io.atomic import OutputSet, describe_os_error
-from qtool.io.checkpoint import (
-    ST_TO_TORCH,
-    TORCH_TO_ST,
-    Checkpoint,
-    open_checkpoint,
-    tensor_bytes,
-)
+from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, tensor_bytes
 from qtool.io.stformat import build_header
 from qtool.io.writer import StreamingWriter
 from qtool.results import DequantizedRow
-from qtool.spec import QSpec
-
-
-class DenseReader:
-    def __init__(self, path: Path, ckpt: Checkpoint | None = None) -> None:
-        self.path = path
-        self.ckpt = ckpt or open_checkpoint(path)
-        self._entries = self.ckpt.by_name()
-
-    @property
-    def names(self) -> list[str]:
-        return [e.name for e in self.ckpt.entries]
-
-    @property
-    def metadata(self) -> dict[str, str] | None:
-        return self.ckpt.metadata
-
-    def quantization(self, name: str) -> QSpec | None:
-        return None
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name].shape
-
-    def dtype(self, name: str) -> str:
-        return self._entries[name].dtype
-
-    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        t = self.ckpt.tensor(self._entries[name])
-        return t if dtype is None else t.to(dtype)
-
-    def raw(self, name: str) -> memoryview:
-        return self.ckpt.raw(self._entries[name])
-
-    def nbytes(self, name: str) -> int:
-        return self._entries[name].nbytes
-
-    def stored_dtype(self, name: str) -> str:
-        return self._entries[name].dtype
-
-    def release(self, name: str) -> None:
-        self.ckpt.release(self._entries[name])
-
-    def check_unchanged(self) -> None:
-        self.ckpt.check_unchanged()
-
-    def close(self) -> None:
-        self.ckpt.close()
 
 
 def restored_dtype(reader: FloatReader, name: str, dtype: str) -> str:
@@ -81,13 +28,18 @@ def restored_dtype(reader: FloatReader, name: str, dtype: str) -> str:
 
 
 def write_dense(
-    reader: FloatReader, out: Path, outputs: OutputSet, dtype: str
+    reader: FloatReader,
+    out: Path,
+    outputs: OutputSet,
+    dtype: str,
+    names: Sequence[str] | None = None,
 ) -> list[DequantizedRow]:
-    """A float checkpoint with the original names and shapes: a torch pickle when `out` ends in
-    .pt/.pth/.bin, else safetensors (streamed; tensors that were not quantized byte for byte)."""
+    """A float checkpoint of the reader's tensors (or of `names`) with the original names and
+    shapes: a torch pickle when `out` ends in .pt/.pth/.bin, else safetensors (streamed;
+    tensors that were not quantized byte for byte)."""
+    names = list(reader.names if names is None else names)
     if out.suffix.lower() in (".pt", ".pth", ".bin"):
-        return _write_pickle(reader, out, outputs, dtype)
-    names = reader.names
+        return _write_pickle(reader, names, out, outputs, dtype)
     specs = [(n, restored_dtype(reader, n, dtype), reader.shape(n)) for n in names]
     header_bytes, header = build_header(specs, carried_metadata(reader.metadata) or None)
     writer = StreamingWriter(outputs.create(out), header_bytes, header, out)
@@ -109,12 +61,12 @@ def write_dense(
 
 
 def _write_pickle(
-    reader: FloatReader, out: Path, outputs: OutputSet, dtype: str
+    reader: FloatReader, names: Sequence[str], out: Path, outputs: OutputSet, dtype: str
 ) -> list[DequantizedRow]:
     """torch.save needs the whole state dict in memory; .safetensors output streams instead."""
     state: dict[str, torch.Tensor] = {}
     rows = []
-    for name in reader.names:
+    for name in names:
         restored = reader.quantization(name) is not None
         t = reader.values(name, ST_TO_TORCH[restored_dtype(reader, name, dtype)])
         state[name] = t if restored else t.clone()

@@ -1,6 +1,6 @@
 """Writing the qtool format: the quantized file (every tensor under its own name, codes as
 I8/U8, 4-bit packed) streamed tensor by tensor, then its qparams sidecar, then the quantized
-file's header again with the digest that binds the two (formats/qtool.py has the names).
+file's header again with the digest that binds the two (manifest.py has the names).
 
 Torch-free at import (torch comes with the first tensor written): a dry run plans with this
 format without loading torch."""
@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qtool.formats.base import Planned, Ruled
-from qtool.formats.qtool import (
+from qtool.errors import OutputError
+from qtool.formats.base import Planned, Ruled, carried_metadata
+from qtool.formats.qtool.manifest import (
     BINDING_KEY,
     DIGEST_KEY,
     SIDECAR_KEY,
     Manifest,
     Record,
-    carried_metadata,
     choice_name,
     manifest_metadata,
     scale_name,
@@ -30,7 +30,7 @@ from qtool.formats.qtool import (
 from qtool.io.atomic import OutputSet
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.io.writer import StreamingWriter
-from qtool.spec import QSpec, packed_shape
+from qtool.spec import FormatName, QSpec, packed_shape
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ def _patch_digests(header_bytes: bytes, digests: dict[str, str]) -> bytes:
 class QtoolFormat:
     """qtool's own format: codes under the original names, and a sidecar of qparams."""
 
-    name = "qtool"
+    name = FormatName.QTOOL.value
     model_directory = False
     scales_in_weight_dtype = False
 
@@ -92,7 +92,22 @@ class QtoolFormat:
         return None
 
     def layout(self, out: Path) -> list[Path]:
+        """The quantized file and its sidecar; OutputError for a name that is not UTF-8 (the
+        quantized file records its own and its sidecar's names in its UTF-8 metadata)."""
+        try:
+            out.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise OutputError(
+                out,
+                "the output name is not valid UTF-8 and cannot be recorded in the file's "
+                "metadata; choose a UTF-8 name with -o",
+            ) from None
         return [out, sidecar_path(out)]
+
+    def index_section(self, outputs: Sequence[Path]) -> dict[str, object]:
+        """The sidecar of every shard, so that the index says which belongs to which."""
+        sidecars = {out.name: sidecar_path(out).name for out in outputs}
+        return {"format": "qtool.sharded", "format_version": 1, "sidecars": sidecars}
 
     def writer(
         self,

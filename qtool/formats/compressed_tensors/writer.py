@@ -1,8 +1,8 @@
 """Writing compressed-tensors: the output format the quantize loop feeds (formats/base.py).
 
-Selection, group fallback and the fused-set check come from formats/compressed_tensors.py (over
-the whole model, before any data is read), config.json from ct_config.py, the tensors of each
-quantized Linear from ct_tensors.py. A shard is written with its header first and each tensor
+Selection, group fallback and the fused-set check come from selection.py (over the whole model,
+before any data is read), config.json from config.py, the tensors of each quantized Linear from
+codec.py. A shard is written with its header first and each tensor
 at its offset, so one input tensor can become several output tensors of different dtypes
 (which safetensors lays out apart) while only one tensor is held at a time.
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from qtool import __version__
-from qtool.errors import InputError, OutputError, RecipeError
-from qtool.formats import compressed_tensors as ct
-from qtool.formats import ct_config
+from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, FormatContext, Planned, Ruled
-from qtool.formats.ct_tensors import encode_result, fp16_underflow_warning
+from qtool.formats.compressed_tensors import config as ct_config
+from qtool.formats.compressed_tensors import selection as ct
+from qtool.formats.compressed_tensors.codec import encode_result, fp16_underflow_warning
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
 from qtool.io.jsonfile import read_json_object
@@ -35,10 +35,10 @@ def read_model_config(path: Path | None, within: InputDir | None = None) -> dict
     by the one bounded, regular-file-only reader (through `within` when it is the model
     directory's)."""
     if path is None:
-        raise InputError(
+        raise UsageError(
             None,
-            "a compressed-tensors export needs the model's config.json: give a model "
-            "directory, or --config PATH with a single .safetensors file",
+            "a single file needs the model's config.json for a compressed-tensors export; "
+            "pass --config PATH, or give the model directory",
             hint="config",
         )
     doc = read_json_object(path, within=within, what="model config")
@@ -131,6 +131,9 @@ class CompressedTensorsFormat:
 
     def layout(self, out: Path) -> list[Path]:
         return [out]
+
+    def index_section(self, outputs: Sequence[Path]) -> None:
+        return None
 
     def tensor_names(self, planned: Planned) -> list[str]:
         return list(ct.output_tensors(_selection(planned, self.config)))

@@ -94,11 +94,6 @@ def locate_sidecar(quantized: Path, metadata: dict[str, str] | None) -> tuple[Pa
     return quantized.with_name(named), None
 
 
-def carried_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    """The input's own metadata (e.g. {"format": "pt"}), minus qtool's keys."""
-    return {k: v for k, v in (metadata or {}).items() if not k.startswith("qtool.")}
-
-
 def sidecar_path(quantized: Path) -> Path:
     """`model.int8.safetensors` -> `model.int8.qparams.safetensors`, beside it."""
     return quantized.with_name(f"{quantized.stem}.qparams.safetensors")

@@ -1,41 +1,43 @@
-"""A Hugging Face model directory as float tensors: every shard (by its index, or the one
-model.safetensors) behind one FloatReader; a compressed-tensors model is dequantized on the
-fly under the original names (`P.weight`), whoever wrote it."""
+"""A compressed-tensors model directory as float tensors: every shard (by its index, or the one
+weight file) behind one FloatReader, each quantized module dequantized on the fly under its float
+name (`P.weight`), whoever wrote it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from qtool.errors import InputError
-from qtool.formats.ct_read import (
+from qtool.formats.compressed_tensors.codec import dequantize_named
+from qtool.formats.compressed_tensors.config import read_config
+from qtool.formats.compressed_tensors.schemes import (
     COMPONENTS,
     CtModule,
     args_spec,
-    config_path,
-    is_compressed_tensors,
-    model_shards,
-    read_config,
     restore_plan,
 )
-from qtool.formats.ct_tensors import dequantize_named
+from qtool.formats.detect import Detected
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
-from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
 from qtool.spec import QSpec
+
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
 
 
 class ModelReader:
     """A model directory's tensors by their float names (FloatReader)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = config_path(path).parent
-        self.within = InputDir(self.path)  # every file below is read through this descriptor
-        ct = is_compressed_tensors(self.path, self.within)
-        config = read_config(self.path, self.within) if ct else None
+    def __init__(self, found: Detected) -> None:
+        assert found.directory is not None and found.config_path is not None
+        self.path = found.directory
+        self.within = found.within  # every file below is read through this descriptor
+        self._config_doc = found.config
+        config_file = found.config_path
+        config = read_config(found.config, config_file)
         self._ckpts: list[Checkpoint] = []
-        self.shard_paths = model_shards(self.path, self.within)
+        self.shard_paths = list(found.weights)
         try:
             for shard in self.shard_paths:
                 self._ckpts.append(open_checkpoint(shard, self.within))
@@ -45,12 +47,12 @@ class ModelReader:
         self._where = {e.name: (c, e) for c in self._ckpts for e in c.entries}
         stored = [e.name for c in self._ckpts for e in c.entries]
         try:
-            plan = restore_plan(stored, config) if config is not None else []
+            plan = restore_plan(stored, config)
         except ValueError as err:
             self.close()
-            raise InputError(config_path(self.path), str(err)) from None
+            raise InputError(config_file, str(err)) from None
         self._modules: dict[str, CtModule] = {n: m for n, m in plan if m is not None}
-        self._names = [n for n, _ in plan] if plan else stored
+        self._names = [n for n, _ in plan]
         self._stored = stored
         self._shapes: dict[str, tuple[int, ...]] = {}
 
@@ -128,6 +130,21 @@ class ModelReader:
             return self._entry(name).dtype
         parts = self._components(name)
         return self._entry(parts.get("weight_packed", parts.get("weight", ""))).dtype
+
+    def file_of(self, name: str) -> Path:
+        """The shard of the tensor (a quantized module's: that of its first tensor)."""
+        first = next(iter(self._components(name).values())) if name in self._modules else name
+        return self._where[first][0].path
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return []
+
+    def restored_files(self) -> dict[str, bytes]:
+        """config.json without its quantization_config: the float model's."""
+        assert isinstance(self._config_doc, dict)
+        doc = {k: v for k, v in self._config_doc.items() if k not in QUANTIZATION_KEYS}
+        return {"config.json": (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()}
 
     def release(self, name: str) -> None:
         stored = self._components(name).values() if name in self._modules else [name]

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 from qtool.dtypes import RESTORE_DTYPES
-from qtool.errors import NumericError, SidecarError
-from qtool.formats.dense import DenseReader
-from qtool.formats.qtool import (
+from qtool.errors import InputError, NumericError, SidecarError
+from qtool.formats.dense.reader import DenseReader
+from qtool.formats.detect import HeaderView, quantized_format
+from qtool.formats.qtool.manifest import (
     BINDING_KEY,
     DIGEST_KEY,
     MANIFEST_KEY,
@@ -20,6 +21,7 @@ from qtool.formats.qtool import (
     binding_digest,
     data_digest,
     grid_reach,
+    is_quantized,
     locate_sidecar,
     parse_manifest,
     scale_name,
@@ -31,6 +33,20 @@ from qtool.io.safeopen import InputDir
 from qtool.io.stformat import Header, TensorEntry
 from qtool.numerics import select
 from qtool.spec import QSpec, packed_shape
+
+
+def _not_quantized(src: Path, ckpt: Checkpoint) -> InputError:
+    """What a file read as qtool-quantized, without qtool's metadata, is instead."""
+    names = [e.name for e in ckpt.entries]
+    found = quantized_format(HeaderView(src, ckpt.metadata or {}, names))
+    if found is not None:  # a shard of a compressed-tensors model directory
+        return InputError(src, f"is {found}; pass its model directory ({src.parent}) instead")
+    return InputError(
+        src,
+        "not a quantized file: a float checkpoint (no qtool quantization in its metadata), so "
+        "there is nothing to dequantize; give a file written by qtool quantize or a "
+        "compressed-tensors model directory (qtool inspect shows what a file holds)",
+    )
 
 
 class QtoolReader(DenseReader):
@@ -54,6 +70,8 @@ class QtoolReader(DenseReader):
         )
         if not exists:
             ckpt.close()
+            if qparams is None and not is_quantized(ckpt.metadata):
+                raise _not_quantized(src, ckpt)
             raise SidecarError(
                 self.sidecar_path,
                 f"no qparams sidecar for {src.name}; name it if it was moved",
@@ -115,6 +133,10 @@ class QtoolReader(DenseReader):
                 hint="restore-dtype",
             )
         return out
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return [self.sidecar_path]
 
     def close(self) -> None:
         super().close()

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.formats.compressed_tensors import check_spec
-from qtool.formats.ct_read import COMPONENTS, NAIVE_FORMATS, CtArgs, CtModule, packed_words
+from qtool.formats.compressed_tensors.config import NAIVE_FORMATS, CtArgs
+from qtool.formats.compressed_tensors.schemes import COMPONENTS, CtModule, packed_words
+from qtool.formats.compressed_tensors.selection import check_spec
 from qtool.numerics import kernels
-from qtool.numerics.packing import pack_to_int32, unpack_nibbles
+from qtool.numerics.packing import pack_to_int32, stored_to_int32
 from qtool.spec import PerGroup, PerTensor, QSpec, Scheme
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,11 +57,9 @@ def encode_result(
     """The pack-quantized tensors (local names, on the CPU) of the kernels' result for an
     N x K weight of `dtype`, quantized with scales already rounded to `dtype`."""
     n, k = shape
-    q = qt.q.cpu()
-    codes = unpack_nibbles(q, k, signed=True) if spec.dtype.packed else q  # int8 [N, K]
     bits = spec.dtype.bits
     tensors = {
-        "weight_packed": pack_to_int32(codes, bits, dim=1),
+        "weight_packed": stored_to_int32(qt.q.cpu(), bits, k),  # one pass (4-bit: often none)
         "weight_scale": _per_row(qt.scale.cpu(), spec, n).to(dtype),
     }
     if spec.scheme is Scheme.ASYM:

@@ -6,7 +6,7 @@ fused experts are not Linear layers and stay float; the output head (`lm_head`, 
 the input embeddings) and MoE routers/gates are Linear layers kept float by default, and every
 Linear kept float goes into `ignore` by its exact module name. Also here: the group-size checks
 and fallback, the fused-set check, and the tensors each quantized Linear becomes (for dry runs
-and the index). ct_config writes the quantization_config; ct_read and ct_tensors read.
+and the index). config.py writes the quantization_config; codec.py encodes the tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from qtool.errors import InputError
 from qtool.formats.base import Ruled
 from qtool.io.stformat import TensorEntry
 from qtool.spec import (
+    FormatName,
     GroupFallback,
     PerChannel,
     PerGroup,
@@ -30,7 +31,7 @@ from qtool.spec import (
     matrix_shape,
 )
 
-FORMAT = "compressed-tensors"
+FORMAT = FormatName.COMPRESSED_TENSORS.value
 PACK_QUANTIZED = "pack-quantized"
 SUPPORTED_DTYPES = (StorageDtype.INT8, StorageDtype.INT4)
 """compressed-tensors stores signed codes and zero points; qtool's uint8/uint4 are refused."""
@@ -103,7 +104,7 @@ def classify(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
     if ndim == 3:
         return Kind(None, "3-D (fused MoE experts): not a Linear weight", True)
     if ndim != 2:
-        what = "0-d/1-D (bias, norm, scalar)" if ndim < 2 else f"{ndim}-D (conv weight)"
+        what = {0: "0-d scalar", 1: "1-D (bias/norm)"}.get(ndim, f"{ndim}-D (conv weight)")
         return Kind(None, what, True)
     if not name.endswith(".weight"):
         return Kind(None, "not a .weight tensor", True)
@@ -147,21 +148,22 @@ def select_planned(planned: Iterable[Ruled], config: Mapping[str, object]) -> li
 def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
     """The export takes the spec as asked: a group longer than a row breaks K like any other
     group that does not divide it (see GroupFallback)."""
-    entry, spec, note = planned.entry, planned.spec, planned.note
-    if spec is not None and planned.asked is not None and planned.asked != spec:
-        spec, note = planned.asked, ""  # qtool's fitting note no longer applies
+    entry, spec, ruling = planned.entry, planned.spec, planned.decision
+    note = ruling.note
+    if spec is not None and ruling.asked is not None and ruling.asked != spec:
+        spec, note = ruling.asked, ""  # qtool's fitting note no longer applies
     kind = classify(entry, config)
     if spec is None:
-        reason = planned.reason if planned.by_rule else kind.reason or planned.reason
+        reason = ruling.reason if ruling.by_name else kind.reason or ruling.reason
         return Selection(entry, kind.module, None, reason)
-    if kind.fixed or (kind.reason and not planned.by_rule):
+    if kind.fixed or (kind.reason and not ruling.by_name):
         return Selection(entry, kind.module, None, kind.reason)
     try:
         check_spec(spec)
     except ValueError as err:
-        if not planned.rule:
+        if not ruling.rule_label:
             raise
-        where = f"{planned.rule_origin}{planned.rule}"
+        where = f"{ruling.rule_origin}{ruling.rule_label}"
         raise RuleUnstorable(f"{where} (for {entry.name}): {err}") from None
     return Selection(entry, kind.module, spec, note=note)
 

@@ -1,0 +1,239 @@
+"""`qtool quantize`: parse the options, run qtool.api.quantize, render the table or JSON."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from qtool.cli.app import app
+from qtool.cli.errors import user_errors
+from qtool.cli.help import DEBUG_ENV, KERNEL_ENV, Command, epilog
+from qtool.cli.lazy import api, documents, report
+from qtool.cli.options import (
+    AllOpt,
+    AxisOpt,
+    DtypeOpt,
+    ForceOpt,
+    GroupSizeOpt,
+    JsonOpt,
+    MaxMseOpt,
+    MinOverallOpt,
+    MinSqnrOpt,
+    PerChannelOpt,
+    PlotOpt,
+    RangeOpt,
+    SchemeOpt,
+    SortOpt,
+    TopOpt,
+    build_spec,
+)
+from qtool.cli.quantize_options import (
+    ConfigOpt,
+    DeviceOpt,
+    DryRunOpt,
+    EstimateOpt,
+    ExcludeOpt,
+    FormatOpt,
+    GroupFallbackOpt,
+    IncludeOpt,
+    InputArg,
+    KeepNonfiniteOpt,
+    QuantizeOutOpt,
+    RecipeOpt,
+    TargetSqnrOpt,
+    ThreadsOpt,
+    check_format_options,
+    check_format_spec,
+    quantize_mode,
+    warn_budget_overrides,
+)
+from qtool.cli.render import Shown, plot_target, print_notes, show_and_gate
+from qtool.spec import (
+    Device,
+    FormatName,
+    GroupFallback,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+)
+
+if TYPE_CHECKING:
+    from qtool.api import Mode, QuantizeOptions
+    from qtool.gates import Gate
+    from qtool.results import QuantizeSummary
+
+
+@app.command(
+    cls=Command,
+    short_help="Quantize a checkpoint: codes, a qparams sidecar, an error table.",
+    epilog=epilog(
+        "qtool quantize model.safetensors --dtype int4 --group-size 32 -o model.int4.safetensors",
+        KERNEL_ENV,
+        DEBUG_ENV,
+    ),
+)
+def quantize(
+    ctx: typer.Context,
+    src: InputArg,
+    out: QuantizeOutOpt = None,
+    scheme: SchemeOpt = Scheme.SYM,
+    dtype: DtypeOpt = StorageDtype.INT8,
+    per_channel: PerChannelOpt = True,
+    axis: AxisOpt = None,
+    group_size: GroupSizeOpt = None,
+    range_method: RangeOpt = RangeMethod.MINMAX,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    recipe: RecipeOpt = None,
+    target_sqnr: TargetSqnrOpt = None,
+    fmt: FormatOpt = FormatName.QTOOL,
+    config: ConfigOpt = None,
+    group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
+    device: DeviceOpt = Device.AUTO,
+    keep_nonfinite: KeepNonfiniteOpt = False,
+    dry_run: DryRunOpt = False,
+    estimate: EstimateOpt = False,
+    threads: ThreadsOpt = None,
+    max_mse: MaxMseOpt = None,
+    min_sqnr: MinSqnrOpt = None,
+    min_overall_sqnr: MinOverallOpt = None,
+    sort: SortOpt = None,
+    top: TopOpt = None,
+    show_all: AllOpt = False,
+    plot: PlotOpt = None,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+) -> None:
+    """Quantize every selected float tensor of INPUT; write the codes and a qparams sidecar
+    (or, with --format compressed-tensors, a model directory transformers and vLLM load)."""
+    from qtool.gates import Gate, evaluate
+
+    bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
+    spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
+    mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
+    check_format_options(fmt, config, group_fallback)
+    check_format_spec(fmt, spec, budget=target_sqnr is not None)
+    with user_errors(as_json) as run:
+        options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
+                           recipe, target_sqnr)  # fmt: skip
+        if target_sqnr is not None:
+            warn_budget_overrides(ctx, options)
+        plot = plot_target(plot, src, "quantize")
+        summary = _run(src, out, options, api.Mode(mode), device, threads, force, plot)
+        run.written = [] if summary.dry_run else list(summary.outputs)
+        _notes(summary)
+        if plot is not None:
+            api.plot_quantize(summary, options, plot, min_sqnr, force=force)
+            report.print_note(f"wrote {plot}")
+    _warn(summary, options)
+    gate = evaluate(bounds, summary.rows, summary.overall, [])
+    show_and_gate(
+        summary.rows,
+        Shown(sort, top, show_all),
+        gate,
+        as_json,
+        lambda rows: report.print_json(documents.quantize_json(summary, rows, gate)),
+        lambda rows: report.print_quantize(summary, rows, gate),
+    )
+
+
+def _options(
+    spec: QSpec,
+    include: list[str] | None,
+    exclude: list[str] | None,
+    keep_nonfinite: bool,
+    fmt: FormatName,
+    config: Path | None,
+    group_fallback: GroupFallback,
+    recipe: Path | None,
+    target_sqnr: float | None,
+) -> QuantizeOptions:
+    """The options value the engine takes (the recipe read and checked: RecipeError, exit 2)."""
+    return api.QuantizeOptions(
+        spec,
+        tuple(include or ()),
+        tuple(exclude or ()),
+        keep_nonfinite,
+        format=fmt,
+        config=config,
+        group_fallback=group_fallback,
+        recipe=api.load_recipe(recipe) if recipe is not None else None,
+        target_sqnr=target_sqnr,
+    )
+
+
+def _measured(bounds: Gate, plot: Path | None) -> str | None:
+    """The first option given that needs error figures (a plain dry run has none)."""
+    asked = {
+        "--max-mse": bounds.max_mse is not None,
+        "--min-sqnr": bounds.min_sqnr is not None,
+        "--min-overall-sqnr": bounds.min_overall_sqnr is not None,
+        "--plot": plot is not None,
+    }
+    return next((flag for flag, given in asked.items() if given), None)
+
+
+def _run(
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    mode: Mode,
+    device: Device,
+    threads: int | None,
+    force: bool,
+    plot: Path | None,
+) -> QuantizeSummary:
+    also = [plot] if plot is not None else []
+    if mode is api.Mode.PLAN:  # headers only: no kernels, no progress to show
+        return api.quantize(src, out, options, mode=mode, force=force, also=also)
+    _set_threads(threads)
+    with report.progress_bar() as progress:
+        return api.quantize(
+            src, out, options, mode=mode, device=device.value, force=force, progress=progress,
+            also=also,
+        )  # fmt: skip
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def _notes(summary: QuantizeSummary) -> None:
+    """The run's notes; the Linear layers a compressed-tensors export kept in float, if any."""
+    print_notes(summary.notes)
+    if summary.ignore:
+        report.print_note(f"ignore (Linear layers kept in float): {', '.join(summary.ignore)}")
+
+
+def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
+    """One stderr line for globs and rules that select nothing, for runs that quantize
+    nothing, and for a budget that decided nothing."""
+    names = [r.name for r in summary.rows]
+    for flag, patterns in (("--include", options.include), ("--exclude", options.exclude)):
+        for pattern in api.unmatched_globs(names, patterns):
+            report.print_warning(f"{flag} {pattern!r} matches no tensor name")
+    if options.recipe is not None:
+        for rule in api.unmatched_rules(options.recipe.rules, names):
+            where = f"{options.recipe.path}: line {rule.line}: {rule.describe()}"
+            report.print_warning(f"{where} matches no tensor")
+        if options.recipe.ladder is not None and options.target_sqnr is None:
+            report.print_warning(
+                f"{options.recipe.path}: its ladder applies only with --target-sqnr"
+            )
+    if not any(r.quantized for r in summary.rows):
+        flags = "--include/--exclude/--recipe" + ("/--target-sqnr" if options.target_sqnr else "")
+        report.print_warning(
+            f"0 of {len(summary.rows)} tensors selected for quantization; see the kept reasons "
+            f"and check {flags}"
+        )
+    if summary.budget_sizes is not None and len(set(summary.budget_sizes)) == 1:
+        report.print_warning(
+            "--target-sqnr decided no tensor: the recipe or --include/--exclude fixed or kept "
+            "every one"
+        )

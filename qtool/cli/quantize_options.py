@@ -1,0 +1,232 @@
+"""The options of `qtool quantize` alone, and the checks between them: a combination that
+cannot work is a usage error (exit 2) before any file is read. Shared options (the spec, the
+gates, the report) are in cli/options.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qtool.cli.help import OUTPUT, RUN, SELECT, choices
+from qtool.cli.inputs import QUANTIZE_INPUT
+from qtool.cli.lazy import api, report
+from qtool.spec import Device, FormatName, GroupFallback, QSpec, SpecPatch
+
+MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
+
+
+def thread_count(value: int | None) -> int | None:
+    if value is not None and not 1 <= value <= MAX_THREADS:
+        raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
+    return value
+
+
+InputArg = Annotated[Path, typer.Argument(metavar="INPUT", help=QUANTIZE_INPUT, show_default=False)]
+QuantizeOutOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out",
+        "-o",
+        help="Output .safetensors file, or an existing directory to put the default name in "
+        "(for sharded input, and for --format compressed-tensors: the output directory) "
+        "[default: INPUT-STEM.DTYPE.safetensors beside the input; DTYPE reads `quantized` "
+        "when the tensors' dtypes may differ].",
+        metavar="PATH",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+IncludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--include",
+        help="Glob of tensor names to quantize (repeatable); also selects 1-D tensors.",
+        metavar="GLOB",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+ExcludeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--exclude",
+        help="Glob of tensor names to keep as they are (repeatable; tried first, see "
+        "docs/recipes.md for the order).",
+        metavar="GLOB",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+RecipeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--recipe",
+        help="TOML file of per-tensor rules: a spec or keep-in-float per name pattern.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+TargetSqnrOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--target-sqnr",
+        help="Error budget: per tensor, the cheapest ladder spec whose SQNR reaches DB, "
+        "else float (with --dry-run, add --estimate).",
+        metavar="DB",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+KeepNonfiniteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--keep-nonfinite",
+        help="Keep tensors holding NaN/Inf unquantized instead of failing.",
+        rich_help_panel=SELECT,
+    ),
+]
+FormatOpt = Annotated[
+    FormatName,
+    typer.Option(
+        "--format",
+        help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
+        "(pack-quantized, int8/int4) that transformers and vLLM load; needs -o DIR.",
+        metavar=choices(FormatName),
+        rich_help_panel=OUTPUT,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="The model's config.json, for --format compressed-tensors from a single "
+        ".safetensors file [default: INPUT/config.json for a model directory].",
+        metavar="PATH",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+GroupFallbackOpt = Annotated[
+    GroupFallback,
+    typer.Option(
+        "--group-fallback",
+        help="compressed-tensors, when --group-size does not divide a tensor's row length: "
+        "error (name them), channel (those per channel) or keep (those in float).",
+        metavar=choices(GroupFallback),
+        rich_help_panel=OUTPUT,
+    ),
+]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print what would be done (from headers only) and write nothing.",
+        rich_help_panel=OUTPUT,
+    ),
+]
+EstimateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--estimate",
+        help="With --dry-run: also compute the error figures (reads the data, writes nothing).",
+        rich_help_panel=OUTPUT,
+    ),
+]
+DeviceOpt = Annotated[
+    Device,
+    typer.Option(
+        help="Where the kernels run; auto picks CUDA when available.",
+        metavar=choices(Device),
+        rich_help_panel=RUN,
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: all cores].",
+        callback=thread_count,
+        metavar="N",
+        show_default=False,
+        rich_help_panel=RUN,
+    ),
+]
+
+
+def quantize_mode(dry_run: bool, estimate: bool, measured: str | None, budget: bool) -> str:
+    """The run --dry-run and --estimate ask for (plan, estimate or write; qtool.api.Mode);
+    typer.BadParameter (exit 2) for one that cannot give what the other options need.
+    `measured`: the first option given that needs error figures (a gate, --plot), or None."""
+    if estimate and not dry_run:
+        raise typer.BadParameter("goes only with --dry-run", param_hint="--estimate")
+    if dry_run and not estimate and measured is not None:
+        raise typer.BadParameter(
+            f"{measured} needs error figures, which a plain dry run does not compute; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--dry-run",
+        )
+    if dry_run and not estimate and budget:
+        raise typer.BadParameter(
+            "the error budget measures each tensor, which a plain dry run does not; "
+            "add --estimate (or drop --dry-run)",
+            param_hint="--target-sqnr",
+        )
+    return "estimate" if estimate else "plan" if dry_run else "write"
+
+
+def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFallback) -> None:
+    """--config and --group-fallback only mean something to compressed-tensors: the option
+    given is the one blamed."""
+    if fmt is not FormatName.QTOOL:
+        return
+    if config is not None:
+        raise typer.BadParameter(
+            "goes with --format compressed-tensors (the qtool format reads no config.json)",
+            param_hint="--config",
+        )
+    if fallback is not GroupFallback.ERROR:
+        raise typer.BadParameter(
+            "goes with --format compressed-tensors (the qtool format stores groups of any size)",
+            param_hint="--group-fallback",
+        )
+
+
+def check_format_spec(fmt: FormatName, spec: QSpec, budget: bool) -> None:
+    """A spec the output format can store for no tensor at all (compressed-tensors: unsigned
+    codes, another axis) is a usage error naming the option to change; not with the error
+    budget (`budget`), whose ladder chooses the specs instead."""
+    refused = None if budget else api.format_refuses(fmt.value, spec)
+    if refused is not None:
+        raise typer.BadParameter(refused, param_hint="--axis" if spec.dtype.signed else "--dtype")
+
+
+_SPEC_FLAGS = {
+    "scheme": "--scheme",
+    "dtype": "--dtype",
+    "per_channel": "--per-channel/--per-tensor",
+    "axis": "--axis",
+    "group_size": "--group-size",
+    "range_method": "--range",
+}
+_PATCH_FIELD = {"scheme": "scheme", "dtype": "dtype", "range_method": "range_method"}
+
+
+def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions) -> None:
+    """One stderr line naming the spec options given with --target-sqnr, which the budget's
+    ladder overrides (an option still applies where a recipe rule leaves its field open)."""
+    sources = {p: ctx.get_parameter_source(p) for p in _SPEC_FLAGS}
+    given = [p for p, source in sources.items() if source and source.name == "COMMANDLINE"]
+    recipe = options.recipe.rules if options.recipe is not None else ()
+    patches = [r.action for r in recipe if isinstance(r.action, SpecPatch)]
+    ignored = [
+        _SPEC_FLAGS[p]
+        for p in given
+        if not any(getattr(patch, _PATCH_FIELD.get(p, "granularity")) is None for patch in patches)
+    ]
+    if ignored:
+        report.print_warning(
+            f"{', '.join(ignored)} ignored: --target-sqnr picks each tensor's spec from its "
+            "ladder (docs/recipes.md)"
+        )

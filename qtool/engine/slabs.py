@@ -1,0 +1,120 @@
+"""Large tensors quantized a slab of rows at a time, each slab read into one reused buffer.
+
+Per channel (axis 0) and per group, every row of the [C, K] view is quantized on its own: its
+range, qparams, codes (4-bit packing runs along the row) and error sums come from that row
+alone. So a tensor of more than SLAB_BYTES is read SLAB_BYTES of rows at a time into the
+loop's ReadBuffer and each slab is quantized as a tensor of those rows; the codes go to their
+place in the tensor's code buffer, the qparams and the --range mse choices are concatenated,
+the error sums added. The codes and qparams are those of one call on the whole tensor, bit for
+bit; the float64 error sums are added in another order (a difference of an ulp or two).
+Memory: one slab instead of the whole tensor, in memory already touched; and progress moves
+within the tensor, slab by slab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from qtool.engine.decision import TensorPlan
+from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint
+from qtool.io.readbuffer import ReadBuffer
+from qtool.numerics import kernels, select
+from qtool.numerics.kernels import TORCH_STORAGE, QuantizedTensor
+from qtool.numerics.ranges import NonFiniteInput
+from qtool.results import Progress, combine
+from qtool.spec import PerChannel, PerGroup, packed_shape
+
+SLAB_BYTES = 16 << 20  # below glibc's 32 MiB mmap threshold: the kernels' slab-sized arrays
+# are recycled by malloc instead of being mapped (and faulted) afresh for every slab
+
+
+@dataclass
+class Reader:
+    """What the loop reads tensors with: the reused buffer, a workspace for the kernels' calls
+    on slabs, and where progress goes (bytes, as slabs are done)."""
+
+    progress: Progress | None = None
+    buffer: ReadBuffer = field(default_factory=ReadBuffer)
+    slab_workspace: kernels.Workspace = field(default_factory=kernels.Workspace)
+
+    def advance(self, name: str, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(name, nbytes)
+
+
+def slab_rows(plan: TensorPlan, device: torch.device) -> int | None:
+    """Rows per slab when the tensor is read and quantized a slab at a time (a CPU run, rows
+    quantized on their own, over SLAB_BYTES, at least two slabs); None: read it whole."""
+    spec, entry = plan.spec, plan.entry
+    if spec is None or device.type != "cpu" or len(entry.shape) < 2 or entry.numel == 0:
+        return None
+    g = spec.granularity
+    if not (isinstance(g, PerGroup) or g == PerChannel(0)) or entry.nbytes <= SLAB_BYTES:
+        return None
+    rows = max(1, SLAB_BYTES // (entry.nbytes // entry.shape[0]))
+    return rows if rows < entry.shape[0] else None
+
+
+def quantize_by_slabs(
+    ckpt: Checkpoint,
+    plan: TensorPlan,
+    rows: int,
+    reader: Reader,
+    out: kernels.Workspace,
+    weight_dtype: bool,
+) -> QuantizedTensor:
+    """The tensor quantized `rows` rows at a time (see the module doc); its codes live in
+    `out` (valid until the next call with it)."""
+    spec, entry = plan.spec, plan.entry
+    assert spec is not None
+    dtype = ST_TO_TORCH[entry.dtype]
+    scale_dtype = dtype if weight_dtype else torch.float32
+    stored = packed_shape(entry.shape) if spec.dtype.packed else entry.shape
+    codes = out.codes(tuple(stored), TORCH_STORAGE[spec.dtype])
+    parts: list[QuantizedTensor] = []
+    for start in range(0, entry.shape[0], rows):
+        stop = min(start + rows, entry.shape[0])
+        x = ckpt.rows(entry, start, stop, reader.buffer)
+        try:
+            part = select.quantize_tensor(
+                x, spec, workspace=reader.slab_workspace, scale_dtype=scale_dtype
+            )
+        except NonFiniteInput as err:
+            raise NonFiniteInput(err.count and _nonfinite(ckpt, plan, reader)) from None
+        codes[start:stop].copy_(part.q)
+        parts.append(_without_codes(part))
+        reader.advance(entry.name, x.numel() * x.element_size())
+    return _joined(parts, codes)
+
+
+def _without_codes(part: QuantizedTensor) -> QuantizedTensor:
+    """A slab's result without its codes (they live in the kernels' reused memory)."""
+    empty = torch.empty(0, dtype=part.q.dtype)
+    return QuantizedTensor(empty, part.scale, part.zero_point, part.errors, part.choice)
+
+
+def _joined(parts: list[QuantizedTensor], codes: torch.Tensor) -> QuantizedTensor:
+    """The slabs' results as one tensor's: qparams and choices joined along the rows."""
+    errors = [p.errors for p in parts if p.errors is not None]
+    choices = [p.choice for p in parts if p.choice is not None]
+    return QuantizedTensor(
+        codes,
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.zero_point for p in parts]),
+        combine(errors) if len(errors) == len(parts) else None,
+        torch.cat(choices) if len(choices) == len(parts) else None,
+    )
+
+
+def _nonfinite(ckpt: Checkpoint, plan: TensorPlan, reader: Reader) -> int:
+    """NaN/Inf values in the whole tensor (a slab's error counts only its own), slab by slab."""
+    entry = plan.entry
+    rows = max(1, SLAB_BYTES // max(1, entry.nbytes // entry.shape[0]))
+    bad = 0
+    for start in range(0, entry.shape[0], rows):
+        x = ckpt.rows(entry, start, min(start + rows, entry.shape[0]), reader.buffer)
+        bad += int(math.prod(x.shape)) - int(torch.isfinite(x).sum())
+    return bad

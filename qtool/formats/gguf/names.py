@@ -1,0 +1,235 @@
+"""A GGUF file's tensors under the Hugging Face names of the checkpoint it was converted from,
+in that checkpoint's layout, so the two can be compared tensor by tensor.
+
+Names: gguf-py's TensorNameMap for the file's architecture and block count (the table
+convert_hf_to_gguf.py names tensors with). Layout: torch order is GGUF's shape reversed (the
+reader's already), and for the llama family convert_hf_to_gguf.py permutes the rows of the q
+and k projections for its rotary embedding (LlamaModel.permute); `to_hf` undoes that, as
+transformers' GGUF loader does. A tensor neither side can place is listed with the reason,
+never dropped; so is a Hugging Face tensor the GGUF lacks.
+
+    pairing = pair_names(reader.header, hf_names)
+    view = HFView(reader, pairing)          # a FloatReader: view.values("model.layers.0...")
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qtool.errors import InputError, UsageError
+from qtool.formats.base import FloatReader
+from qtool.formats.gguf.reader import INSTALL_GGUF, GGUFFloatReader
+from qtool.formats.gguf.summary import ARCH_KEY
+from qtool.io.gguf_layout import GGUFHeader, GGUFValue
+from qtool.spec import QSpec
+
+# architectures whose converter permutes attn_q/attn_k rows from the Hugging Face layout with
+# LlamaModel.permute (conversion/llama.py and its subclasses, deepseek.py, llada.py)
+PERMUTED_ARCHS = ("llama", "arcee", "smollm3", "llama-embed", "deepseek", "llada")
+SUFFIXES = (".weight", ".bias")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The GGUF tensor `gguf` holds the Hugging Face tensor `hf`; `note`: what it took."""
+
+    hf: str
+    gguf: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """Every tensor of both sides: placed in pairs, or listed with why it could not be."""
+
+    arch: str
+    placed: list[Placement]
+    gguf_unplaced: list[tuple[str, str]] = field(default_factory=list)
+    hf_unplaced: list[tuple[str, str]] = field(default_factory=list)
+    heads: tuple[int, int] | None = None  # (q heads, kv heads) when rows are un-permuted
+
+
+def pair_names(header: GGUFHeader, hf_names: Sequence[str], path: Path | None = None) -> Pairing:
+    """Match the GGUF's tensors (the file `path`, for messages) with the Hugging Face names
+    `hf_names`."""
+    arch = _arch(header, path)
+    tmap = _name_map(arch, _block_count(header, arch))
+    present = {t.name for t in header.tensors}
+    heads = _heads(header, arch, path) if arch in PERMUTED_ARCHS else None
+    placed: list[Placement] = []
+    hf_unplaced: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for hf in hf_names:
+        name = tmap.get_name(hf, try_suffixes=SUFFIXES)
+        tied = name == "output.weight" and name not in present and "token_embd.weight" in present
+        if tied:
+            placed.append(Placement(hf, "token_embd.weight", TIED))
+        elif name is None:
+            hf_unplaced.append((hf, f"gguf's name map for {arch} has no GGUF name for it"))
+        elif name not in present:
+            hf_unplaced.append((hf, f"maps to {name}, which the GGUF file lacks"))
+        elif name in taken:
+            hf_unplaced.append((hf, f"maps to {name}, which another tensor maps to already"))
+        else:
+            taken.add(name)
+            placed.append(Placement(hf, name, _note(name, heads)))
+    taken.update(p.gguf for p in placed)
+    gguf_unplaced = [
+        (t.name, "no tensor of the Hugging Face checkpoint maps to it")
+        for t in header.tensors
+        if t.name not in taken
+    ]
+    return Pairing(arch, placed, gguf_unplaced, hf_unplaced, heads)
+
+
+TIED = "tied: the GGUF stores token_embd.weight once for both"
+
+
+def _note(name: str | None, heads: tuple[int, int] | None) -> str:
+    if name is None or heads is None or not _permuted(name):
+        return ""
+    return "rows un-permuted (the converter's rotary permutation)"
+
+
+def _permuted(gguf_name: str) -> bool:
+    return ".attn_q." in gguf_name or ".attn_k." in gguf_name
+
+
+def to_hf(gguf_name: str, x: torch.Tensor, heads: tuple[int, int] | None) -> torch.Tensor:
+    """The GGUF tensor `x` (torch order) in the Hugging Face layout: the rows of attn_q/attn_k
+    (weight or bias) un-permuted when `heads` (q heads, kv heads) says the converter permuted
+    them: transformers' _reverse_permute_weights."""
+    if heads is None or not _permuted(gguf_name):
+        return x
+    n_head = heads[0] if ".attn_q." in gguf_name else heads[1]
+    rows = x.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{gguf_name}: {rows} rows are not {n_head} heads of pairs")
+    return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _arch(header: GGUFHeader, path: Path | None) -> str:
+    found = header.metadata.get(ARCH_KEY)
+    if found is None or not isinstance(found.value, str):
+        raise InputError(path, f"no {ARCH_KEY}: cannot tell how its tensors are named")
+    return found.value
+
+
+def _uint(value: GGUFValue | None) -> int | None:
+    if value is None or isinstance(value.value, (str, tuple, bool, float)):
+        return None
+    return int(value.value) if not hasattr(value.value, "shape") else None
+
+
+def _block_count(header: GGUFHeader, arch: str) -> int:
+    n = _uint(header.metadata.get(f"{arch}.block_count"))
+    return n if n is not None else 0
+
+
+def _heads(header: GGUFHeader, arch: str, path: Path | None) -> tuple[int, int]:
+    q = _uint(header.metadata.get(f"{arch}.attention.head_count"))
+    kv = _uint(header.metadata.get(f"{arch}.attention.head_count_kv"))
+    if q is None or q <= 0:
+        raise InputError(path, f"no single {arch}.attention.head_count: cannot undo the "
+                         "converter's rotary permutation of attn_q/attn_k")  # fmt: skip
+    return q, kv if kv else q
+
+
+def _name_map(arch: str, n_blocks: int) -> _Names:
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError(None, "matching GGUF tensors with Hugging Face names needs the gguf "
+                         f"package; install it with {INSTALL_GGUF}")  # fmt: skip
+    import gguf
+
+    archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in archs:
+        raise UsageError(None, f"the installed gguf package does not know architecture "
+                         f"{arch!r}; upgrade it (pip install -U gguf)")  # fmt: skip
+    return _Names(gguf.TensorNameMap(archs[arch], n_blocks))
+
+
+class _Names:
+    """gguf.TensorNameMap, typed."""
+
+    def __init__(self, tmap: object) -> None:
+        self._tmap = tmap
+
+    def get_name(self, key: str, try_suffixes: Sequence[str]) -> str | None:
+        found = self._tmap.get_name(key, try_suffixes=try_suffixes)  # type: ignore[attr-defined]
+        return found if isinstance(found, str) else None
+
+
+class HFView:
+    """The placed GGUF tensors as a FloatReader under their Hugging Face names, in the Hugging
+    Face layout (the pairing's unplaced tensors are the caller's to report)."""
+
+    def __init__(self, reader: GGUFFloatReader, pairing: Pairing) -> None:
+        self.reader, self.pairing, self.path = reader, pairing, reader.path
+        self._gguf = {p.hf: p.gguf for p in pairing.placed}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._gguf)
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        return None
+
+    def gguf_name(self, name: str) -> str:
+        return self._gguf[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(self._gguf[name])
+
+    def dtype(self, name: str) -> str:
+        return self.reader.dtype(self._gguf[name])
+
+    def quantization(self, name: str) -> QSpec | None:
+        return self.reader.quantization(self._gguf[name])
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        gguf_name = self._gguf[name]
+        return to_hf(gguf_name, self.reader.values(gguf_name, dtype), self.pairing.heads)
+
+    def raw(self, name: str) -> memoryview:
+        gguf_name = self._gguf[name]
+        if _permuted(gguf_name) and self.pairing.heads is not None:
+            raise ValueError(f"{name}: its GGUF rows are permuted; read its values")
+        return self.reader.raw(gguf_name)
+
+    def nbytes(self, name: str) -> int:
+        return self.reader.nbytes(self._gguf[name])
+
+    def stored_dtype(self, name: str) -> str:
+        return self.reader.stored_dtype(self._gguf[name])
+
+    def file_of(self, name: str) -> Path:
+        return self.reader.path
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return []
+
+    def restored_files(self) -> dict[str, bytes]:
+        return {}
+
+    def release(self, name: str) -> None:
+        self.reader.release(self._gguf[name])
+
+    def check_unchanged(self) -> None:
+        self.reader.check_unchanged()
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def hf_view(reader: GGUFFloatReader, hf_names: Sequence[str]) -> tuple[FloatReader, Pairing]:
+    """The GGUF's tensors as a FloatReader under the Hugging Face names `hf_names` (mypy checks
+    here that HFView is one), and the pairing with what could not be placed."""
+    pairing = pair_names(reader.header, hf_names, reader.path)
+    return HFView(reader, pairing), pairing

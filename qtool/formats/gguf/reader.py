@@ -1,0 +1,156 @@
+"""A GGUF file as float tensors (formats/base.py's FloatReader): every tensor under its GGUF name,
+in torch order (GGUF's shapes reversed), dequantized on the fly to float32 exactly as
+gguf.quants and ggml dequantize it. Types qtool's kernels do not cover (IQ*, TQ*, MXFP4) go
+through gguf.quants when gguf is installed.
+
+    with GGUFFloatReader(path) as r:
+        r.shape("blk.0.attn_q.weight")        (576, 576)
+        r.quantization(...)                   QSpec naming Q4_K (None: stored as it is)
+        r.values(...)                         torch.float32 (576, 576)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from qtool.errors import InputError, UsageError
+from qtool.formats.base import FloatReader
+from qtool.gguf_types import GGMLType
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
+from qtool.numerics import gguf as kernels
+from qtool.spec import QSpec, gguf_spec, is_gguf_name
+
+# GGUF types stored as plain numbers -> (their dtype name, the torch dtype they read as)
+PLAIN: dict[str, torch.dtype] = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}  # fmt: skip
+INSTALL_GGUF = "pip install 'qtool[gguf]'"
+
+
+class GGUFFloatReader:
+    """A GGUF file read as float tensors; quantized ones count as float32 (ggml's compute
+    type) and dequantize to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = GGUFFile(self.path)
+        self.header: GGUFHeader = self.file.header
+        self._infos = self.header.by_name()
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.header.tensors]
+
+    @property
+    def metadata(self) -> dict[str, str] | None:
+        """None: GGUF metadata is typed (summary.py shows it), not safetensors' strings."""
+        return None
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        return self._infos[name]
+
+    def gguf_type(self, name: str) -> GGMLType:
+        return self._infos[name].type
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._infos[name].torch_shape
+
+    def dtype(self, name: str) -> str:
+        t = self._infos[name].type.name
+        return t if t in PLAIN else "F32"
+
+    def quantization(self, name: str) -> QSpec | None:
+        t = self._infos[name].type
+        return gguf_spec(t) if is_gguf_name(t.name) else None
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        info = self._infos[name]
+        raw = np.empty(info.nbytes, dtype=np.uint8)
+        self.file.read_into(info, raw)
+        plain = PLAIN.get(info.type.name)
+        if plain is not None:
+            t = torch.from_numpy(raw).view(plain).reshape(info.torch_shape)
+        else:
+            t = self._dequantize(info, raw)
+        return t if dtype is None else t.to(dtype)
+
+    def _dequantize(self, info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:
+        rows = raw.reshape(-1, info.type.row_bytes(info.shape[0] if info.shape else 1))
+        if info.type.name in kernels.DEQUANTIZE_TYPES:
+            out = kernels.dequantize(torch.from_numpy(rows), info.type)
+        else:
+            out = torch.from_numpy(_gguf_py_dequantize(self.path, info, rows))
+        return out.reshape(info.torch_shape)
+
+    def raw(self, name: str) -> memoryview:
+        info = self._infos[name]
+        if info.type.name not in PLAIN:
+            raise ValueError(f"{name!r} is {info.type.name}-quantized; read its values")
+        return self.file.tensor_bytes(info).data
+
+    def nbytes(self, name: str) -> int:
+        return self._infos[name].nbytes
+
+    def stored_dtype(self, name: str) -> str:
+        """The GGUF type name ('Q4_K'; 'F16', 'BF16', 'F32' as safetensors spells them too)."""
+        return self._infos[name].type.name
+
+    def file_of(self, name: str) -> Path:
+        return self.path
+
+    @property
+    def sidecars(self) -> list[Path]:
+        return []
+
+    def restored_files(self) -> dict[str, bytes]:
+        return {}
+
+    def release(self, name: str) -> None:
+        """Nothing to drop: tensors are read into buffers of their own."""
+
+    def check_unchanged(self) -> None:
+        self.file.check_unchanged()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> GGUFFloatReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def open_gguf(path: Path) -> FloatReader:
+    """A GGUF file as a FloatReader (mypy checks here that GGUFFloatReader is one)."""
+    return GGUFFloatReader(path)
+
+
+def _gguf_py_dequantize(path: Path, info: GGUFTensorInfo, rows: np.ndarray) -> np.ndarray:
+    """gguf.quants' float32 rows of a type qtool's kernels do not cover."""
+    if importlib.util.find_spec("gguf") is None:
+        raise UsageError(
+            path, f"qtool reads {info.type.name} tensors through the gguf package; "
+            f"install it with {INSTALL_GGUF}", info.name,
+        )  # fmt: skip
+    from gguf import GGMLQuantizationType, quants
+
+    try:
+        qtype = GGMLQuantizationType(info.type.id)
+        with np.errstate(all="ignore"):
+            out = quants.dequantize(rows, qtype)
+    except (NotImplementedError, ValueError) as err:
+        raise InputError(path, f"cannot dequantize {info.type.name}: {err}", info.name) from None
+    return np.ascontiguousarray(out, dtype=np.float32)

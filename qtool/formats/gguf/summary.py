@@ -1,0 +1,160 @@
+"""What `qtool inspect model.gguf` shows: the architecture and key metadata, every tensor with
+its GGUF type, shape, bytes and bits per weight, and totals by type. From the header alone
+(no tensor data is read), torch-free.
+
+    summary = summarize(path, header)
+    summary.rows[0]       TensorRow('token_embd.weight', 'Q6_K', (49152, 576), ...)
+    summary.totals        [TypeTotal(gguf_type='Q4_K', tensors=..., numel=..., nbytes=...), ...]
+    summary.to_json()     the same as a JSON-able dict
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qtool.formats.gguf.ftype import FILE_TYPE_KEY, ftype_name
+from qtool.gguf_types import ValueType
+from qtool.io.gguf_layout import GGUFHeader, GGUFValue
+
+ARCH_KEY = "general.architecture"
+SHOWN_KEYS = ("general.name", "general.basename", "general.size_label", "general.quantized_by")
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor: `shape` in torch order (GGUF's reversed), bits per weight of its type."""
+
+    name: str
+    gguf_type: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
+class TypeTotal:
+    gguf_type: str
+    tensors: int
+    numel: int
+    nbytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    """A GGUF file at a glance; None where the file does not say."""
+
+    path: str
+    version: int
+    architecture: str | None
+    name: str | None
+    block_count: int | None
+    context_length: int | None
+    vocab_size: int | None
+    file_type: int | None
+    rows: list[TensorRow]
+    metadata: dict[str, str] = field(default_factory=dict)  # the other key values shown
+    n_metadata: int = 0  # key/value pairs in the file
+
+    @property
+    def file_type_name(self) -> str | None:
+        return None if self.file_type is None else ftype_name(self.file_type)
+
+    @property
+    def totals(self) -> list[TypeTotal]:
+        """Per GGUF type, most bytes first."""
+        by: dict[str, list[TensorRow]] = {}
+        for r in self.rows:
+            by.setdefault(r.gguf_type, []).append(r)
+        totals = [
+            TypeTotal(t, len(rs), sum(r.numel for r in rs), sum(r.nbytes for r in rs))
+            for t, rs in by.items()
+        ]
+        return sorted(totals, key=lambda t: -t.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(r.numel for r in self.rows)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": self.path, "format": "gguf", "version": self.version,
+            "architecture": self.architecture, "name": self.name,
+            "block_count": self.block_count, "context_length": self.context_length,
+            "vocab_size": self.vocab_size, "file_type": self.file_type,
+            "file_type_name": self.file_type_name, "metadata": self.metadata,
+            "n_metadata": self.n_metadata,
+            "tensors": [
+                {"name": r.name, "gguf_type": r.gguf_type, "shape": list(r.shape),
+                 "numel": r.numel, "nbytes": r.nbytes, "bits_per_weight": r.bits_per_weight}
+                for r in self.rows
+            ],
+            "totals": [
+                {"gguf_type": t.gguf_type, "tensors": t.tensors, "numel": t.numel,
+                 "nbytes": t.nbytes, "bits_per_weight": t.bits_per_weight}
+                for t in self.totals
+            ],
+            "total_bytes": self.total_bytes, "total_numel": self.total_numel,
+        }  # fmt: skip
+
+
+def summarize(path: str, header: GGUFHeader) -> GGUFSummary:
+    meta = header.metadata
+    arch = _str(meta.get(ARCH_KEY))
+    rows = [
+        TensorRow(t.name, t.type.name, t.torch_shape, t.numel, t.nbytes) for t in header.tensors
+    ]
+    shown = {k: _show(meta[k]) for k in SHOWN_KEYS if k in meta}
+    return GGUFSummary(
+        path=path,
+        version=header.version,
+        architecture=arch,
+        name=_str(meta.get("general.name")),
+        block_count=_int(meta.get(f"{arch}.block_count")),
+        context_length=_int(meta.get(f"{arch}.context_length")),
+        vocab_size=_vocab_size(meta, arch),
+        file_type=_int(meta.get(FILE_TYPE_KEY)),
+        rows=rows,
+        metadata=shown,
+        n_metadata=len(meta),
+    )
+
+
+def _vocab_size(meta: dict[str, GGUFValue], arch: str | None) -> int | None:
+    """`{arch}.vocab_size`, else the length of the tokenizer's token list."""
+    declared = _int(meta.get(f"{arch}.vocab_size"))
+    if declared is not None:
+        return declared
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and tokens.type is ValueType.ARRAY:
+        return len(tokens.value)  # type: ignore[arg-type]
+    return None
+
+
+_INTS = (ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+         ValueType.INT32, ValueType.UINT64, ValueType.INT64)  # fmt: skip
+
+
+def _int(v: GGUFValue | None) -> int | None:
+    return int(v.value) if v is not None and v.type in _INTS else None  # type: ignore[arg-type]
+
+
+def _str(v: GGUFValue | None) -> str | None:
+    return v.value if v is not None and isinstance(v.value, str) else None
+
+
+def _show(v: GGUFValue) -> str:
+    if v.type is ValueType.ARRAY:
+        return f"[{len(v.value)} items]"  # type: ignore[arg-type]
+    return str(v.value)

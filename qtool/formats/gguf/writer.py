@@ -1,0 +1,161 @@
+"""Writing a quantized GGUF from a float one, as llama-quantize writes it: every metadata value
+carried over (general.quantization_version and general.file_type set, moved last, as
+gguf_set_val does; split keys dropped), the tensors in llama-quantize's order at the input's
+alignment, each one quantized to the type plan.choose gave it by qtool's kernels (the bytes
+of ggml's reference quantizers) or copied as it is.
+
+    with GGUFFile(src) as f, OutputSet() as outputs:
+        choices = plan.choose(f.header.tensors, {"blk.0.attn_q.weight": gguf_spec("Q4_K")}, arch)
+        written = write_quantized(f, choices, out, outputs)
+        outputs.commit()
+
+The header goes last (a placeholder of its exact size first): a tensor found to hold NaN/Inf
+is an error naming it, or, with keep_nonfinite, kept as it is, which changes its type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qtool.errors import InputError, NumericError
+from qtool.formats.gguf import plan
+from qtool.formats.gguf.ftype import FILE_TYPE_KEY, GGML_QNT_VERSION, QUANTIZATION_VERSION_KEY
+from qtool.formats.gguf.plan import TensorChoice
+from qtool.formats.gguf.reader import PLAIN
+from qtool.gguf_types import GGMLType, ValueType
+from qtool.io.atomic import OutputSet
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import GGUFHeader, GGUFValue
+from qtool.io.gguf_write import build_header
+from qtool.numerics import gguf as kernels
+from qtool.numerics.gguf import fast
+from qtool.numerics.metrics import count_nonfinite
+from qtool.results import ErrorStats
+
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+
+@dataclass(frozen=True)
+class WrittenTensor:
+    """One tensor as written: its choice (its `stored` type as in the file) and, when qtool
+    quantized it, the error of what llama.cpp reconstructs from the bytes written."""
+
+    choice: TensorChoice
+    nbytes: int
+    errors: ErrorStats | None = None
+
+    @property
+    def name(self) -> str:
+        return self.choice.info.name
+
+
+def output_metadata(header: GGUFHeader, file_type: int | None) -> dict[str, GGUFValue]:
+    """The input's metadata as llama-quantize writes it: general.quantization_version and
+    general.file_type (when known) set and moved last, split keys dropped."""
+    meta = {k: v for k, v in header.metadata.items() if k not in SPLIT_KEYS}
+    meta.pop(QUANTIZATION_VERSION_KEY, None)
+    meta[QUANTIZATION_VERSION_KEY] = GGUFValue(ValueType.UINT32, GGML_QNT_VERSION)
+    if file_type is not None:
+        meta.pop(FILE_TYPE_KEY, None)
+        meta[FILE_TYPE_KEY] = GGUFValue(ValueType.UINT32, file_type)
+    return meta
+
+
+def write_quantized(
+    src: GGUFFile,
+    choices: Sequence[TensorChoice],
+    out: Path,
+    outputs: OutputSet,
+    *,
+    keep_nonfinite: bool = False,
+    with_errors: bool = True,
+    progress: Callable[[str, int], None] | None = None,
+) -> list[WrittenTensor]:
+    """Write the GGUF `out` (a temp file of `outputs`, renamed on its commit) with the tensors
+    of `src` as `choices` say, in their order; returns each tensor as written."""
+    _refuse_split(src)
+    before = _file_type(src.header)
+    planned = plan.file_type(choices, before)
+    placeholder, _ = build_header(output_metadata(src.header, planned), _specs(choices))
+    handle = outputs.create(out)
+    handle.write(bytes(len(placeholder)))
+    written: list[WrittenTensor] = []
+    for choice in choices:
+        done = _tensor(src, choice, keep_nonfinite, with_errors)
+        data = done[1]
+        handle.write(data.data)
+        handle.write(bytes(-data.nbytes % src.header.alignment))
+        written.append(done[0])
+        if progress is not None:
+            progress(choice.info.name, choice.info.nbytes)
+    final = [w.choice for w in written]
+    kind = plan.file_type(final, before)
+    header, _ = build_header(output_metadata(src.header, planned if kind is None else kind),
+                             _specs(final))  # fmt: skip
+    if len(header) != len(placeholder):  # only types and offsets changed: never
+        raise AssertionError("the GGUF header changed size")
+    handle.seek(0)
+    handle.write(header)
+    src.check_unchanged()
+    return written
+
+
+def _refuse_split(src: GGUFFile) -> None:
+    count = src.header.metadata.get("split.count")
+    if count is not None and int(count.value) > 1:  # type: ignore[arg-type]
+        raise InputError(src.path, f"one part of a GGUF split in {count.value}; merge them "
+                         "first (llama-gguf-split --merge)")  # fmt: skip
+
+
+def _file_type(header: GGUFHeader) -> int | None:
+    found = header.metadata.get(FILE_TYPE_KEY)
+    return int(found.value) if found is not None and isinstance(found.value, int) else None
+
+
+def _specs(choices: Sequence[TensorChoice]) -> list[tuple[str, GGMLType, tuple[int, ...]]]:
+    return [(c.info.name, c.stored, c.info.shape) for c in choices]
+
+
+def _tensor(
+    src: GGUFFile, choice: TensorChoice, keep_nonfinite: bool, with_errors: bool
+) -> tuple[WrittenTensor, np.ndarray]:
+    """The tensor written and its bytes: copied, or quantized to the chosen type."""
+    info = choice.info
+    raw = np.empty(info.nbytes, dtype=np.uint8)
+    src.read_into(info, raw)
+    if not choice.quantized:
+        return WrittenTensor(choice, info.nbytes), raw
+    x = torch.from_numpy(raw).view(PLAIN[info.type.name]).reshape(info.torch_shape)
+    bad = _nonfinite(x)
+    if bad:
+        if not keep_nonfinite:
+            raise NumericError(
+                src.path, f"has {bad:,} NaN/Inf values, which cannot be quantized; fix the "
+                "checkpoint, exclude this tensor, or keep such tensors as they are", info.name,
+                hint=("exclude", "keep-nonfinite"),
+            )  # fmt: skip
+        kept = replace(choice, stored=info.type, spec=None, reason=f"{bad:,} NaN/Inf values: kept")
+        return WrittenTensor(kept, info.nbytes), raw
+    x = x.to(torch.float32)
+    rows = x.reshape(-1, info.shape[0] if info.shape else 1)
+    codes = kernels.quantize(rows, choice.stored)
+    errors = None
+    if with_errors:
+        x_hat = kernels.dequantize(codes, choice.stored).reshape(x.shape)
+        errors = fast.error_stats(x, x_hat)
+    data = codes.numpy().reshape(-1)
+    return WrittenTensor(choice, data.nbytes, errors), data
+
+
+def _nonfinite(x: torch.Tensor) -> int:
+    """How many NaN/Inf values x holds: 0 when its min and max are finite (aminmax propagates
+    NaN; one pass, no boolean temporary, ~20x faster than isfinite on bf16), else counted."""
+    if x.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return 0 if bool(torch.isfinite(lo) & torch.isfinite(hi)) else count_nonfinite(x)

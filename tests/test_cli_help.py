@@ -1,0 +1,182 @@
+"""The help of every command (issue 21 item 10): panels, one metavar style, the inputs each
+command accepts (and that it does accept them), the environment variables, and agreement with
+README.md and docs/cli.md. Commands are read from the app, so a new command is checked too."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from qtool.cli import app
+from tests.conftest import Invoke
+
+ROOT = Path(__file__).parent.parent
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
+
+
+def _commands() -> dict[str, Any]:
+    group: Any = typer.main.get_command(app)
+    return dict(group.commands)
+
+
+COMMANDS = sorted(_commands())
+
+
+def _visible_options(command: str) -> list[Any]:
+    params = _commands()[command].params
+    return [p for p in params if p.param_type_name == "option" and not p.hidden]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_an_example_and_a_mention_in_the_docs(
+    invoke: Invoke, command: str
+) -> None:
+    code, out, _ = invoke(command, "--help")
+    assert code == 0 and _commands()[command].help, command
+    assert f"Example: qtool {command}" in out
+    assert f"qtool {command}" in (ROOT / "README.md").read_text()
+    assert f"## `qtool {command}`" in CLI_DOC
+
+
+def test_quantize_help_is_in_panels_in_order(invoke: Invoke) -> None:
+    out = invoke("quantize", "--help")[1]
+    panels = re.findall(r"^(\S[^:\n]*):$", out, re.MULTILINE)
+    assert panels == [
+        "Arguments",
+        "What to quantize",
+        "How to quantize",
+        "Output",
+        "Quality gates (exit 3 when one is broken)",
+        "Report",
+        "Run",
+        "Options",
+    ]
+    how = out.split("How to quantize:")[1].split("Output:")[0]
+    assert all(flag in how for flag in ("--scheme", "--dtype", "--group-size", "--range"))
+    gates = out.split("Quality gates")[1].split("Report:")[0]
+    assert all(flag in gates for flag in ("--max-mse", "--min-sqnr", "--min-overall-sqnr"))
+
+
+_METAVAR = re.compile(r"[A-Z]+(\.[a-z]+)?|[a-z0-9-]+(\|[a-z0-9-]+)+")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_one_metavar_style(invoke: Invoke, command: str) -> None:
+    """A value is an upper-case word (PATH, N, DB, FILE.png); a choice lists its values."""
+    for param in _commands()[command].params:
+        if param.param_type_name == "argument":
+            assert param.metavar and param.metavar.isupper(), param.name
+        elif not param.is_flag and not param.hidden:
+            assert param.metavar and _METAVAR.fullmatch(param.metavar), (param.opts, param.metavar)
+    out = invoke(command, "--help")[1]
+    assert not re.search(r"<[a-z|-]+>", out), out  # Typer's own <path>, <float>, <sym|asym>
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_names_the_environment_variables(invoke: Invoke, command: str) -> None:
+    out = invoke(command, "--help")[1]
+    assert "QTOOL_DEBUG=1" in out
+    if command in ("quantize", "dequantize", "compare"):
+        assert "QTOOL_KERNEL=auto|torch|fused" in out
+    top = invoke("--help")[1]
+    assert "QTOOL_KERNEL" in top and "QTOOL_DEBUG" in top
+
+
+@pytest.mark.parametrize(
+    ("command", "kinds"),
+    [
+        ("quantize", ("sharded", "model directory", ".pt")),
+        ("dequantize", ("sharded", "compressed-tensors model directory", "qtool quantize")),
+        ("compare", ("sharded", "model directory", "compressed-tensors")),
+        ("inspect", ("sharded", "model directory", "compressed-tensors", "sidecar")),
+        ("plot", (".safetensors", ".pt")),
+    ],
+)
+def test_help_says_which_inputs_a_command_takes(
+    invoke: Invoke, command: str, kinds: tuple[str, ...]
+) -> None:
+    assert invoke(command, "--help")[0] == 0
+    params = _commands()[command].params
+    text = " ".join(p.help or "" for p in params if p.param_type_name == "argument")
+    assert all(kind in text for kind in kinds), (command, text)
+
+
+# Each command on each kind of input its help names.
+@pytest.mark.parametrize(
+    ("command", "input_kind"),
+    [
+        ("quantize", "safetensors"),
+        ("quantize", "pt"),
+        ("quantize", "sharded-dir"),
+        ("quantize", "sharded-index"),
+        ("quantize", "model-dir"),
+        ("dequantize", "qtool"),
+        ("dequantize", "qtool-sharded"),
+        ("dequantize", "ct-dir"),
+        ("compare", "safetensors"),
+        ("compare", "pt"),
+        ("compare", "qtool"),
+        ("compare", "sharded-dir"),
+        ("compare", "ct-dir"),
+        ("compare", "model-dir"),
+        ("inspect", "safetensors"),
+        ("inspect", "qtool"),
+        ("inspect", "sidecar"),
+        ("inspect", "sharded-dir"),
+        ("inspect", "ct-dir"),
+        ("inspect", "model-dir"),
+        ("plot", "safetensors"),
+        ("plot", "pt"),
+    ],
+)
+def test_every_input_the_help_names_is_accepted(
+    invoke: Invoke, samples: Path, command: str, input_kind: str
+) -> None:
+    if command == "plot":
+        pytest.importorskip("matplotlib")
+    q, qs, ct = samples / "q.safetensors", samples / "q-sharded", samples / "ct"
+    assert invoke("quantize", str(samples / "mlp.safetensors"), "-o", str(q))[0] == 0
+    assert invoke("quantize", str(samples / "sharded-mlp"), "-o", str(qs))[0] == 0
+    ct_args = [str(samples / "tiny-llama"), "--format", "compressed-tensors", "-o", str(ct)]
+    assert invoke("quantize", *ct_args)[0] == 0
+    inputs = {
+        "safetensors": samples / "mlp.safetensors",
+        "pt": samples / "mlp.pt",
+        "qtool": q,
+        "sidecar": samples / "q.qparams.safetensors",
+        "qtool-sharded": qs,
+        "sharded-dir": samples / "sharded-mlp",
+        "sharded-index": next((samples / "sharded-mlp").glob("*.index.json")),
+        "ct-dir": ct,
+        "model-dir": samples / "tiny-llama",
+    }
+    path = str(inputs[input_kind])
+    args = {
+        "quantize": ["quantize", path, "--dry-run"],
+        "dequantize": ["dequantize", path, "-o", str(samples / "restored")],
+        "compare": ["compare", path, path],
+        "inspect": ["inspect", path],
+        "plot": ["plot", path, "-t", "head.weight", "-o", str(samples / "p.png")],
+    }[command]
+    if args[0] == "dequantize" and input_kind != "qtool-sharded":
+        args[-1] += ".safetensors"
+    code, _, stderr = invoke(*args)
+    assert code == 0, stderr
+
+
+def test_docs_cli_names_every_option_and_no_stale_one() -> None:
+    """Every visible option of every command is in docs/cli.md, and every option docs/cli.md
+    shows in backticks exists (a few named on purpose: the hidden old spelling, other tools')."""
+    options = {o for c in COMMANDS for p in _visible_options(c) for o in p.opts + p.secondary_opts}
+    long_options = {o for o in options if o.startswith("--")}
+    missing = sorted(o for o in long_options if o not in CLI_DOC)
+    assert not missing, f"docs/cli.md does not describe {missing}"
+    shown = set(re.findall(r"`[^`]*?(--[a-z][a-z-]+)", CLI_DOC))
+    unknown = {"--bits", "--output", "--symmetric"}  # examples of what suggestions answer
+    elsewhere = {"--dtype", "--allow-requantize", "--help", "--version", *unknown}
+    stale = sorted(shown - long_options - elsewhere)
+    assert not stale, f"docs/cli.md shows options no command has: {stale}"

@@ -319,13 +319,14 @@ def _gate_cell(r: Row, failed: set[str]) -> tuple[str, str]:
 
 
 def _report(
-    title: str, columns: list[Column], summary: list[str], stream: IO[str]
+    title: str | list[str], columns: list[Column], summary: list[str], stream: IO[str]
 ) -> tuple[list[Line], int, list[str]]:
-    """The title, the table and the summary phrases laid out for `stream`, with the width
-    and the hidden columns (for the note)."""
+    """The title (its parts joined by "; "), the table and the summary phrases laid out for
+    `stream`, with the width and the hidden columns (for the note)."""
     width = width_of(stream)
     table = layout.table(columns, width)
-    lines = _plain(layout.phrases([title], width)) + table.lines
+    titles = [title] if isinstance(title, str) else title
+    lines = _plain(layout.phrases(titles, width, "; ")) + table.lines
     lines += _plain(layout.phrases(summary, width))
     return lines, width, table.hidden
 
@@ -333,9 +334,9 @@ def _report(
 def print_quantize(
     summary: QuantizeSummary, rows: list[QuantizeRow] | None = None, gate: GateResult | None = None
 ) -> None:
-    title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
+    title = ["Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"]
     if summary.overall is not None:
-        title += f"; errors {summary.measured}"
+        title.append(f"errors {summary.measured}")
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
     columns = quantize_columns(shown, failed, fold_names=sys.stdout.isatty())
@@ -389,9 +390,9 @@ def _pooled(pooled_over: str) -> str:
 
 def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
-    title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
+    title = [f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"]
     if summary.overall is not None:
-        title += f"; errors {summary.measured}"
+        title.append(f"errors {summary.measured}")
     columns = quantize_columns(rows, failed, ("dtype A→B", "compared"), sys.stdout.isatty())
     overall = summary.overall
     totals = [

@@ -67,7 +67,7 @@ def test_square_sums_follow_the_definition_whatever_the_runs(shape: tuple[int, .
             step = rng.choice([1, 7, 100, 4096, 5000, 70000])
             sums.add(flat[i : i + step])
             i += step
-        assert sums.total() == want
+        assert sums.totals() == [want]
 
 
 def test_tensor_sums_of_a_batch_are_each_tensors_own() -> None:
@@ -447,3 +447,18 @@ def test_compressed_tensors_dequantizes_what_the_figures_measure(
                 assert torch.equal(weight, ours), name
         finally:
             reader.close()
+
+
+@pytest.mark.skipif(not NUMBA, reason="no numba")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.describe())
+def test_fused_codes_without_figures_for_rows_longer_than_a_chunk(spec: QSpec) -> None:
+    """Without figures the fused row kernel still walks a long row chunk by chunk (it looped
+    forever on the first chunk's end when only the figures moved it on)."""
+    from qtool.numerics import fused
+
+    x = torch.randn(3, 2 * metrics.CHUNK + 77, generator=torch.Generator().manual_seed(9))
+    if not fused.supports(spec, x.ndim):
+        return
+    got = fused.quantize_tensor(x, spec, with_errors=False)
+    want = kernels.quantize_tensor(x, spec, with_errors=False)
+    assert got.errors is None and torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)

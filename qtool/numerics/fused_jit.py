@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from qtool.numerics.fused_sums import CHUNK, chunk_span, chunk_sums, flush, push
+from qtool.numerics.fused_sums import CHUNK, chunk_span, chunk_sums, fold_squares
 from qtool.numerics.fused_words import (
     f32_to_bf16,
     f32_to_half,
@@ -208,14 +208,16 @@ def rows_kernel(x2, gsize, grid, cands, codes2, out, status, with_err, pack, par
     out = (scale2, zp2 [C, n_groups] float32, choice2 uint8); cands: the mse multipliers (size
     0: min-max). pack = (width, offset, packed [C, K / width * wp]) with width 0 for unpacked
     codes into codes2 [C, K] (else codes2 is a [1, K] template). parts: the chunk sums of x^2,
-    e^2 and (mse) min-max's e^2; kmax: the largest |e| key per thread (one thread each; kmax is
-    an argument of its own: numba 0.6x loses writes to an array unpacked from a tuple inside a
-    prange). A thread owns whole units of rows (fused_sums.py): chunks never cross threads.
+    e^2 and (mse) min-max's e^2; kmax: the largest |e| key per thread (an argument of its own:
+    numba 0.6x loses writes to an array unpacked from a tuple inside a prange). A thread owns
+    whole units of rows (fused_sums.py), so chunks never cross threads; a chunk's errors wait
+    in a window until it is complete (a group longer than a chunk is coded piece by piece).
     """
     scale2, zp2, choice2 = out
     qmin, qmax = grid[2], grid[3]
     width, offset, packed = pack
     rows, k = x2.shape
+    x1 = x2.reshape(-1)
     per_unit = max(1, CHUNK // k) if k <= CHUNK else 1
     nck = 1 if k <= CHUNK else (k + CHUNK - 1) // CHUNK
     units = (rows + per_unit - 1) // per_unit
@@ -223,44 +225,73 @@ def rows_kernel(x2, gsize, grid, cands, codes2, out, status, with_err, pack, par
     search = cands.size > 0
     for ch in prange(nch):
         n = min(gsize, k)
-        es = np.empty(n, np.float32)
-        em = np.empty(n if search and with_err else 0, np.float32)
+        es = np.empty(n if search else 0, np.float32)  # the search's candidate errors
         xf = np.empty(n if search else 0, np.float32)
-        bufs = np.empty((3, CHUNK if with_err else 0), np.float64)
-        cs = np.zeros(2, np.int64)  # fill, chunk index
+        win = np.empty(CHUNK, np.float32)  # the errors of the chunk being filled
+        winm = np.empty(CHUNK if search and with_err else 0, np.float32)  # min-max's
+        buf = np.empty(CHUNK // 2, np.float64)
         tmp = codes2[0].copy()
         km = np.int32(0)
-        u0, u1 = ch * units // nch, (ch + 1) * units // nch
-        cs[1] = u0 * nck
-        for u in range(u0, u1):
-            for r in range(u * per_unit, min(u * per_unit + per_unit, rows)):
+        for u in range(ch * units // nch, (ch + 1) * units // nch):
+            c = u * nck  # the unit's first chunk
+            r0 = u * per_unit
+            r1 = min(r0 + per_unit, rows)
+            for r in range(r0, r1):
                 cr = tmp if width else codes2[r]
+                # where row r's errors go in the window: after the unit's earlier rows, or
+                # (rows longer than a chunk) from the start of the chunk being filled
+                base = (r - r0) * k if nck == 1 else 0
+                start = 0  # the chunk being filled starts at this column (nck > 1)
                 for g in range(scale2.shape[1]):
                     a, b = g * gsize, min(g * gsize + gsize, k)
                     xs = x2[r, a:b]
                     klo, khi = _seg_keys(xs)
                     s0, z0 = np.float32(0.0), np.float32(0.0)
                     if search:
-                        s, z, c, s0, z0, st = _seg_search(
+                        s, z, ci, s0, z0, st = _seg_search(
                             xs, unkey(klo), unkey(khi), grid, cands, xf, es
                         )
-                        choice2[r, g] = c
+                        choice2[r, g] = ci
                     else:
                         s, z, st = qparams(unkey(klo), unkey(khi), grid)
                     status[r] = max(status[r], st)
                     scale2[r, g], zp2[r, g] = s, z
-                    if st != OK:
+                    if st != OK:  # no codes (the call raises): the walk of the chunks goes on
+                        while nck > 1 and start < k and min(k, start + CHUNK) <= b:
+                            start = min(k, start + CHUNK)
+                            c += 1
                         continue
-                    _seg_codes(xs, s, z, qmin, qmax, cr[a:b], es, with_err)
-                    if with_err:
-                        if search:
-                            _restored_errs(xs, s0, z0, qmin, qmax, em[: b - a])
-                        km = max(km, push(xs, es, em, b - a, bufs, cs, parts, search))
+                    p = a
+                    while p < b:
+                        end = min(k, start + CHUNK) if nck > 1 else k
+                        q = min(b, end)
+                        w0, w1 = base + p - start, base + q - start
+                        _seg_codes(x2[r, p:q], s, z, qmin, qmax, cr[p:q], win[w0:w1], with_err)
+                        if search and with_err:
+                            _restored_errs(x2[r, p:q], s0, z0, qmin, qmax, winm[w0:w1])
+                        if q == end and nck > 1:  # a chunk of a long row is done
+                            if with_err:
+                                done = x1[r * k + start : r * k + end]
+                                km = max(km, _sums_of(done, win, winm, end - start, buf, c, parts,
+                                                      search))  # fmt: skip
+                            c += 1
+                            start = end
+                        p = q
                 if width:
                     _pack_rows(cr, packed[r], width, offset, zp2[r], gsize)
-            if with_err:
-                flush(bufs, cs, parts, search)
+            if nck == 1 and with_err:  # the unit is one chunk
+                n_unit = (r1 - r0) * k
+                km = max(km, _sums_of(x1[r0 * k : r1 * k], win, winm, n_unit, buf, c, parts,
+                                      search))  # fmt: skip
         kmax[ch] = km
+
+
+@numba.njit(cache=True, fastmath=False)
+def _sums_of(xs, win, winm, n, buf, c, parts, search):
+    """A complete chunk's sums into its slots (and min-max's with the search); max |e| key."""
+    if search:
+        parts[2][c] = fold_squares(winm, n, buf)
+    return chunk_sums(xs, win, n, buf, c, parts)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
@@ -301,7 +332,7 @@ def segs_codes(x1, seg, grid, scale, zp, codes1, with_err, lay, parts, kmax):
     nch = kmax.size
     for ch in prange(nch):
         es = np.empty(CHUNK, np.float32)
-        bufs = np.empty((2, CHUNK if with_err else 0), np.float64)
+        buf = np.empty(CHUNK // 2, np.float64)
         km = np.int32(0)
         for c in range(ch * nchunks // nch, (ch + 1) * nchunks // nch):
             a, b = chunk_span(c, lay, x1.size)
@@ -314,7 +345,7 @@ def segs_codes(x1, seg, grid, scale, zp, codes1, with_err, lay, parts, kmax):
                            with_err)  # fmt: skip
                 p = q
             if with_err:
-                km = max(km, chunk_sums(x1[a:b], es, b - a, bufs, c, parts))
+                km = max(km, chunk_sums(x1[a:b], es, b - a, buf, c, parts))
         kmax[ch] = km
 
 
@@ -367,13 +398,13 @@ def cols_codes(x1, scale, zp, grid, codes1, with_err, lay, parts, kmax):
     nch = kmax.size
     for ch in prange(nch):
         es = np.empty(CHUNK, np.float32)
-        bufs = np.empty((2, CHUNK if with_err else 0), np.float64)
+        buf = np.empty(CHUNK // 2, np.float64)
         km = np.int32(0)
         for c in range(ch * nchunks // nch, (ch + 1) * nchunks // nch):
             a, b = chunk_span(c, lay, x1.size)
             _col_codes(x1[a:b], a % scale.size, scale, zp, qmin, qmax, codes1[a:b], es, with_err)
             if with_err:
-                km = max(km, chunk_sums(x1[a:b], es, b - a, bufs, c, parts))
+                km = max(km, chunk_sums(x1[a:b], es, b - a, buf, c, parts))
         kmax[ch] = km
 
 

@@ -85,6 +85,14 @@ def f32_to_bf16(f):
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
+@numba.njit(inline="always", cache=True, fastmath=False)
+def _bf16_rounded(f):
+    """f rounded to bf16 (half to even), as float32."""
+    b = np.float32(f).view(np.uint32)
+    r = np.uint32(b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+    return np.uint32(r & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def restore(f, w):
     """x_hat (float32) as the tensor of w's storage type restores it: rounded to bf16 for bf16
     words, to fp16 for fp16 words (overflow to Inf, as torch), kept for float32/float64."""
@@ -93,8 +101,8 @@ def restore(f, w):
 
 @overload(restore, jit_options={"fastmath": False})
 def restore_impl(f, w):
-    if w == types.uint16:
-        return lambda f, w: np.uint32(np.uint32(f32_to_bf16(f)) << 16).view(np.float32)
+    if w == types.uint16:  # f32_to_bf16 in 32-bit lanes (a finite x_hat cannot carry out)
+        return lambda f, w: _bf16_rounded(f)
     if w == types.int16:
         return lambda f, w: half_to_f32(np.int16(np.uint16(f32_to_half(f))))
     if w in (types.float32, types.float64):

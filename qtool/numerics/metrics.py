@@ -30,8 +30,8 @@ import torch
 from qtool.results import ErrorStats
 from qtool.spec import matrix_shape
 
-CHUNK = 4096  # elements per chunk (the fused kernels' fused_jit.CHUNK is the same)
-CAP = 1 << 19  # float64 squares folded at a time (4 MiB, reused)
+CHUNK = 1024  # elements per chunk (the fused kernels' fused_jit.CHUNK is the same)
+CAP = 1 << 18  # values of each quantity folded at a time (2 MiB of float64, reused)
 RESTORE_ROUNDED = (torch.bfloat16, torch.float16)  # dtypes x_hat is rounded to before measuring
 
 
@@ -65,13 +65,25 @@ def chunk_spans(shape: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def fold(buf: torch.Tensor) -> torch.Tensor:
-    """Sums of the rows of a float64 [m, P] tensor (P a power of two), folded in halves in place."""
-    p = buf.shape[1]
-    while p > 1:
-        h = p // 2
-        buf[:, :h].add_(buf[:, h:p])
-        p = h
-    return buf[:, 0]
+    """Sums of the rows of VALUES [..., P] (float64, P a power of two): squared and folded in
+    halves in place (x[i]^2 + x[i + P/2]^2 is exact up to its one rounding, fused or not)."""
+    p = buf.shape[-1]
+    if p == 1:
+        return buf[..., 0].mul_(buf[..., 0])
+    h = p // 2
+    lo, hi = buf[..., :h], buf[..., h:p]
+    lo.mul_(lo).addcmul_(hi, hi)
+    return fold_sums(buf[..., :h])
+
+
+def fold_sums(buf: torch.Tensor) -> torch.Tensor:
+    """Sums of the rows of float64 [..., P] (P a power of two), folded in halves in place."""
+    h = buf.shape[-1]
+    while h > 1:
+        q = h // 2
+        buf[..., :q].add_(buf[..., q:h])
+        h = q
+    return buf[..., 0]
 
 
 def exact_sum(partials: Sequence[float] | torch.Tensor) -> float:
@@ -93,89 +105,91 @@ def restore_(x_hat: torch.Tensor, dtype: torch.dtype, scratch: torch.Tensor | No
 
 
 class SquareSums:
-    """sum v^2 over one tensor by the canonical chunks, fed its values in flat order in runs of
-    any length (each run continues the previous one)."""
+    """sum v^2 of `count` quantities of one tensor (x and its error: one set of operations for
+    both) by the canonical chunks, fed their values in flat order in runs of any length (each
+    run continues the previous one)."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, shape: tuple[int, ...], device: torch.device | str = "cpu", count: int = 1
+    ) -> None:
         self.unit = unit_elems(shape)
         self.device = torch.device(device)
+        self.count = count
         self.pos = 0
-        self.fill = 0  # squares waiting in `carry` for the rest of their chunk
-        self.carry = torch.empty(CHUNK, dtype=torch.float64, device=self.device)
+        self.fill = 0  # values waiting in `carry` for the rest of their chunk
+        self.carry = torch.empty(count, CHUNK, dtype=torch.float64, device=self.device)
         self.buf = torch.empty(0, dtype=torch.float64, device=self.device)
-        self.partials: list[torch.Tensor] = []
-        if self.unit <= CHUNK:
-            self.padded = next_pow2(self.unit)
-        else:
-            self.padded = math.ceil(self.unit / CHUNK) * CHUNK
+        self.sums = torch.empty(count, chunk_count(shape), dtype=torch.float64, device=self.device)
+        self.done = 0  # chunks summed so far
 
-    def add(self, v: torch.Tensor) -> None:
-        v = v.reshape(-1)
-        n, i = v.numel(), 0
+    def add(self, *values: torch.Tensor) -> None:
+        """One run of each quantity (the same elements of the tensor)."""
+        vs = [v.reshape(-1) for v in values]
+        n, i = vs[0].numel(), 0
         while i < n:
             o = self.pos % self.unit
             need = min(self.unit, (o // CHUNK + 1) * CHUNK) - o  # to the end of the chunk
             avail = n - i
             if self.fill or avail < need:
                 take = min(need, avail)
-                self._to_carry(v[i : i + take])
+                self._to_carry([v[i : i + take] for v in vs])
                 if take == need:
                     self._flush()
-            elif o == 0 and avail >= self.unit and self.padded <= CAP:
-                m = min(avail // self.unit, CAP // self.padded)
+            elif o == 0 and avail >= self.unit:
+                m = max(1, min(avail // self.unit, CAP // self.unit))
                 take = m * self.unit
-                self._units(v[i : i + take].view(m, self.unit))
-            elif need == CHUNK:
-                take = min((self.unit - o) // CHUNK, avail // CHUNK, CAP // CHUNK) * CHUNK
-                self._fold_rows(v[i : i + take].view(-1, CHUNK), CHUNK)
-            else:  # a row's last chunk, shorter than CHUNK
-                take = need
-                self._fold_rows(v[i : i + take].view(1, need), next_pow2(need))
+                self._units([v[i : i + take].view(m, self.unit) for v in vs])
+            else:  # whole chunks of a row longer than a chunk, then its last one
+                full = min((self.unit - o) // CHUNK, avail // CHUNK, CAP // CHUNK)
+                take = full * CHUNK if full else need
+                self._chunks([v[i : i + take].view(-1, min(take, CHUNK)) for v in vs])
             i += take
             self.pos += take
 
-    def total(self) -> float:
-        """The exact sum of the chunk sums (the tensor's last, shorter unit included)."""
+    def totals(self) -> list[float]:
+        """The exact sum of each quantity's chunk sums (the last, shorter unit included)."""
         self._flush()
-        if not self.partials:
-            return 0.0
-        return exact_sum(torch.cat(self.partials).cpu())
+        return [exact_sum(row) for row in self.sums[:, : self.done].cpu()]
 
-    def _squares(self, rows: int, width: int) -> torch.Tensor:
-        need = rows * width
+    def _units(self, rows: list[torch.Tensor]) -> None:
+        """m whole units [m, unit]: one chunk each, or rows in chunks (full ones, then a tail).
+        The order of the slots is free: their sum is exact."""
+        m, k = rows[0].shape
+        full = k // CHUNK if k > CHUNK else 0
+        if full:  # [m, full, CHUNK]: a view, whatever k
+            self._chunks([r[:, : full * CHUNK].view(m, full, CHUNK) for r in rows])
+        if k > full * CHUNK:
+            self._chunks([r[:, full * CHUNK :] for r in rows])
+
+    def _chunks(self, chunks: list[torch.Tensor]) -> None:
+        """Sum chunks [..., L] (L <= CHUNK values each) of every quantity into the next slots."""
+        *shape, length = chunks[0].shape
+        lead, p = math.prod(shape), next_pow2(length)
+        need = self.count * lead * p
         if self.buf.numel() < need:
             self.buf = torch.empty(need, dtype=torch.float64, device=self.device)
-        return self.buf[:need].view(rows, width)
+        dst = self.buf[:need].view(self.count, *shape, p)
+        for k, v in enumerate(chunks):
+            dst[k, ..., :length].copy_(v)
+        if length < p:
+            dst[..., length:].zero_()
+        sums = fold(dst).reshape(self.count, lead)
+        self.sums[:, self.done : self.done + lead].copy_(sums)
+        self.done += lead
 
-    def _units(self, v: torch.Tensor) -> None:
-        m = v.shape[0]
-        dst = self._squares(m, self.padded)
-        dst[:, : self.unit].copy_(v)
-        dst[:, self.unit :].zero_()
-        dst.mul_(dst)
-        width = CHUNK if self.unit > CHUNK else self.padded
-        self.partials.append(fold(dst.view(-1, width)).clone())
-
-    def _fold_rows(self, v: torch.Tensor, width: int) -> None:
-        rows, length = v.shape
-        dst = self._squares(rows, width)
-        dst[:, :length].copy_(v)
-        dst[:, length:].zero_()
-        dst.mul_(dst)
-        self.partials.append(fold(dst).clone())
-
-    def _to_carry(self, v: torch.Tensor) -> None:
-        b = self.carry[self.fill : self.fill + v.numel()]
-        b.copy_(v)
-        b.mul_(b)
-        self.fill += v.numel()
+    def _to_carry(self, values: list[torch.Tensor]) -> None:
+        end = self.fill + values[0].numel()
+        for k, v in enumerate(values):
+            self.carry[k, self.fill : end].copy_(v)
+        self.fill = end
 
     def _flush(self) -> None:
         if not self.fill:
             return
         p = next_pow2(self.fill)
-        self.carry[self.fill : p].zero_()
-        self.partials.append(fold(self.carry[:p].view(1, p)).clone())
+        self.carry[:, self.fill : p].zero_()
+        self.sums[:, self.done].copy_(fold(self.carry[:, :p]))
+        self.done += 1
         self.fill = 0
 
 
@@ -187,8 +201,7 @@ class Measure:
     ) -> None:
         """`minmax`: also sum the squared error min-max would give (the mse search's report)."""
         self.numel = math.prod(shape)
-        self._signal = SquareSums(shape, device)
-        self._error = SquareSums(shape, device)
+        self._sums = SquareSums(shape, device, count=2)  # x and e
         self._minmax = SquareSums(shape, device) if minmax else None
         self._max_abs = 0.0
 
@@ -211,16 +224,16 @@ class Measure:
             self._max_abs = math.nan  # sticky: a NaN must never look like a small error
         else:
             self._max_abs = max(self._max_abs, slab_max)
-        self._signal.add(x)
-        self._error.add(error)
+        self._sums.add(x, error)
 
     def result(self) -> ErrorStats:
+        signal, error = self._sums.totals()
         return ErrorStats(
             numel=self.numel,
-            sq_error=self._error.total(),
-            sq_signal=self._signal.total(),
+            sq_error=error,
+            sq_signal=signal,
             max_abs=self._max_abs,
-            sq_error_minmax=self._minmax.total() if self._minmax is not None else None,
+            sq_error_minmax=self._minmax.totals()[0] if self._minmax is not None else None,
         )
 
 
@@ -263,9 +276,7 @@ def tensor_sums(v: torch.Tensor, tensors: Sequence[tuple[int, tuple[int, ...]]])
         owner, start, length = (torch.tensor(c, device=v.device) for c in zip(*chunks, strict=True))
         cols = torch.arange(width, device=v.device)
         index = torch.where(cols < length[:, None], start[:, None] + cols, flat.numel())
-        squares = padded[index]
-        squares.mul_(squares)
-        for t, value in zip(owner.tolist(), fold(squares).tolist(), strict=True):
+        for t, value in zip(owner.tolist(), fold(padded[index]).tolist(), strict=True):
             per_tensor[t].append(value)
     return [exact_sum(values) for values in per_tensor]
 

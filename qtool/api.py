@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from qtool.engine.evaluate.run import EvalOptions
     from qtool.engine.job import Mode
     from qtool.engine.plan import QuantizeOptions
+    from qtool.eval_results import EvalSummary
     from qtool.recipe.rules import Recipe, Rule
     from qtool.results import (
         CompareSummary,
@@ -26,10 +28,13 @@ if TYPE_CHECKING:
     from qtool.spec import QSpec
 
 __all__ = [
+    "EvalOptions",
     "Mode",
     "QuantizeOptions",
     "compare",
     "dequantize",
+    "evaluate",
+    "eval_kind",
     "inspect",
     "plot_compare",
     "plot_quantize",
@@ -50,6 +55,10 @@ def __getattr__(name: str) -> object:
         from qtool.engine.plan import QuantizeOptions
 
         return QuantizeOptions
+    if name == "EvalOptions":
+        from qtool.engine.evaluate.run import EvalOptions
+
+        return EvalOptions
     if name == "Mode":
         from qtool.engine.job import Mode
 
@@ -101,6 +110,23 @@ def compare(a: Path, b: Path, pool: str = "quantized") -> CompareSummary:
     from qtool.engine.compare import compare_files
 
     return compare_files(a, b, pool)
+
+
+def evaluate(
+    float_dir: Path, quant: Path, options: EvalOptions, progress: Progress | None = None
+) -> EvalSummary:
+    """FLOAT and QUANT run on the same tokens: perplexity, KL and top-1 agreement (causal LMs)
+    or embedding cosine (encoders), and per-layer output error; needs the interop extra."""
+    from qtool.engine.evaluate.run import evaluate as run
+
+    return run(float_dir, quant, options, progress)
+
+
+def eval_kind(float_dir: Path) -> str:
+    """ "causal-lm" or "encoder", from FLOAT's config.json alone (torch-free)."""
+    from qtool.engine.evaluate.config import float_source, kind_of
+
+    return kind_of(float_source(float_dir)[1])[0]
 
 
 def inspect(path: Path) -> InspectSummary:

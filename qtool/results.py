@@ -104,6 +104,12 @@ def measured_as(dtypes: list[str]) -> str:
     return f"as restored to each tensor's dtype ({', '.join(kinds)})"
 
 
+def _restored_dtype(row: QuantizeRow) -> str:
+    """The dtype a consumer restores a quantized tensor to: its own, or F32 for a GGUF type
+    (ggml dequantizes to float32)."""
+    return "F32" if row.spec is not None and row.spec.gguf is not None else row.dtype
+
+
 @dataclass(frozen=True)
 class Trial:
     """One candidate the error budget tried on a tensor: its fitted spec, the SQNR it gave and
@@ -282,7 +288,7 @@ class QuantizeSummary:
     @property
     def measured(self) -> str | None:
         """What the figures measure ('as restored to BF16'); None when nothing was measured."""
-        dtypes = [r.dtype for r in self.rows if r.errors is not None]
+        dtypes = [_restored_dtype(r) for r in self.rows if r.errors is not None]
         return measured_as(dtypes) if dtypes else None
 
 
@@ -357,9 +363,23 @@ class InspectRow:
 
 
 @dataclass(frozen=True)
+class TypeTotal:
+    """A file's tensors of one stored type (a GGUF type: 'Q4_K'), for inspect's totals."""
+
+    dtype: str
+    tensors: int
+    numel: int
+    nbytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
 class InspectSummary:
     path: str
-    kind: str  # "checkpoint", "quantized", "sidecar", "sharded"
+    kind: str  # "checkpoint", "quantized", "sidecar", "sharded", "gguf"
     rows: list[InspectRow]
     metadata: dict[str, str] | None = None
     manifest: dict[str, object] | None = None
@@ -367,6 +387,7 @@ class InspectSummary:
     shards: int = 0
     quantized_modules: int | None = None  # compressed-tensors: modules its config quantizes
     ignore: list[str] | None = None  # compressed-tensors: the config's `ignore` list
+    type_totals: list[TypeTotal] | None = None  # GGUF: per type, most bytes first
 
     @property
     def total_bytes(self) -> int:

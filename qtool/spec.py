@@ -271,6 +271,16 @@ def gguf_spec(name: str | GGMLType) -> QSpec:
     return QSpec(gguf=found)
 
 
+def gguf_quantize_spec(name: str) -> QSpec:
+    """The spec of a GGUF type qtool quantizes to ('Q4_K', any case; GGUF_QUANTIZE_TYPES);
+    ValueError naming those for any other name."""
+    found = GGML_TYPES.get(name.upper())
+    if found is None or found.name not in GGUF_QUANTIZE_TYPES:
+        what = "a GGUF type qtool quantizes to" if found is not None else "a GGUF type"
+        raise ValueError(f"'{name}' is not {what}; use one of {', '.join(GGUF_QUANTIZE_TYPES)}")
+    return QSpec(gguf=found)
+
+
 def is_gguf_name(word: str) -> bool:
     """Whether `word` names a quantized GGUF block type (any case)."""
     found = GGML_TYPES.get(word.upper())
@@ -316,10 +326,11 @@ def gguf_nbytes(spec: QSpec, shape: tuple[int, ...]) -> int:
 def fit_spec(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
     """The spec as it applies to a tensor of `shape`, and a note when it changed: 0-d/1-D ->
     per tensor, a group at least as long as a row -> per channel, the axis normalised.
-    ValueError for a channel axis the tensor lacks. A GGUF type is left as it is (its
-    fallbacks are the GGUF format's: gguf_stored_type)."""
+    ValueError for a channel axis the tensor lacks. A GGUF type whose blocks do not fit the
+    rows of a 2+-D tensor becomes llama-quantize's fallback type (Q4_K -> Q5_0); when no block
+    type fits (llama-quantize writes F16) it is left as it is, for the GGUF format to keep."""
     if spec.gguf is not None:
-        return spec, ""
+        return _fit_gguf(spec, shape)
     g, ndim = spec.granularity, len(shape)
     if ndim < 2 and not isinstance(g, PerTensor):
         return replace(spec, granularity=PerTensor()), ""
@@ -338,6 +349,18 @@ def fit_spec(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
     return spec, ""
 
 
+def _fit_gguf(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
+    assert spec.gguf is not None
+    if len(shape) < 2:
+        return spec, ""
+    stored = gguf_stored_type(spec, shape)
+    if stored == spec.gguf or stored.name in _NOT_BLOCKS:
+        return spec, ""
+    t = spec.gguf
+    note = f"fallback: rows of {shape[-1]} are not whole {t.name} blocks"
+    return QSpec(gguf=stored), note
+
+
 # -- labels: 'int4 g128 mse' ----------------------------------------------------------------
 
 
@@ -349,9 +372,23 @@ class SpecPatch:
     dtype: StorageDtype | None = None
     granularity: Granularity | None = None
     range_method: RangeMethod | None = None
+    gguf: GGMLType | None = None  # a GGUF block type: the whole spec, no other field
+
+    def __post_init__(self) -> None:
+        integer = (self.scheme, self.dtype, self.granularity, self.range_method)
+        if self.gguf is not None and any(f is not None for f in integer):
+            raise ValueError(f"{self.gguf.name} fixes its own block layout; it takes no "
+                             "scheme, granularity, group size or range method")  # fmt: skip
 
     def apply(self, base: QSpec) -> QSpec:
-        """`base` with this patch's fields put over it."""
+        """`base` with this patch's fields put over it: a GGUF type replaces it whole; integer
+        fields over a GGUF base go over QSpec's defaults (nothing of a block type carries)."""
+        if self.gguf is not None:
+            return QSpec(gguf=self.gguf)
+        if base.gguf is not None:
+            if self == SpecPatch():
+                return base
+            base = QSpec()
         return QSpec(
             self.scheme or base.scheme,
             self.dtype or base.dtype,
@@ -432,6 +469,7 @@ class FormatName(str, enum.Enum):
 
     QTOOL = "qtool"
     COMPRESSED_TENSORS = "compressed-tensors"
+    GGUF = "gguf"
 
 
 class GroupFallback(str, enum.Enum):
@@ -454,3 +492,12 @@ class Device(str, enum.Enum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class EvalDtype(str, enum.Enum):
+    """The dtype `qtool eval` runs both models in (their weights are cast to it, exactly for
+    float32 from bf16/fp16)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"

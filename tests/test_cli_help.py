@@ -61,7 +61,8 @@ def test_quantize_help_is_in_panels_in_order(invoke: Invoke) -> None:
     assert all(flag in gates for flag in ("--max-mse", "--min-sqnr", "--min-overall-sqnr"))
 
 
-_METAVAR = re.compile(r"[A-Z]+(\.[a-z]+)?|[a-z0-9-]+(\|[a-z0-9-]+)+")
+# a choice's values are lower-case words, or GGUF type names (Q4_K) after them
+_METAVAR = re.compile(r"[A-Z]+(\.[a-z]+)?|[a-z0-9-]+(\|[a-z0-9-]+)+(\|Q[0-9]_[0-9K])*")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -175,7 +176,7 @@ def test_docs_cli_names_every_option_and_no_stale_one() -> None:
     long_options = {o for o in options if o.startswith("--")}
     missing = sorted(o for o in long_options if o not in CLI_DOC)
     assert not missing, f"docs/cli.md does not describe {missing}"
-    shown = set(re.findall(r"`[^`]*?(--[a-z][a-z-]+)", CLI_DOC))
+    shown = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]+)", CLI_DOC))
     unknown = {"--bits", "--output", "--symmetric"}  # examples of what suggestions answer
     elsewhere = {"--dtype", "--allow-requantize", "--help", "--version", *unknown}
     stale = sorted(shown - long_options - elsewhere)

@@ -17,7 +17,8 @@ from qtool.dtypes import DTYPES
 from qtool.engine.plan import QuantizeOptions, plan_tensors
 from qtool.errors import InputError
 from qtool.formats.compressed_tensors import config as ctc
-from qtool.formats.compressed_tensors import schemes
+from qtool.formats.compressed_tensors import groups as ctg
+from qtool.formats.compressed_tensors import loaders, schemes
 from qtool.formats.compressed_tensors import selection as ct
 from qtool.formats.compressed_tensors.codec import (
     dequantize_module,
@@ -30,7 +31,16 @@ from qtool.formats.compressed_tensors.codec import (
 from qtool.formats.detect import detect
 from qtool.io.stformat import TensorEntry
 from qtool.numerics.packing import pack_to_int32
-from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
+from qtool.spec import (
+    GroupFallback,
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    StorageDtype,
+)
 
 
 def select_tensors(
@@ -298,12 +308,12 @@ def group_plan(spec: QSpec) -> list[ct.Selection]:
 
 def test_group_violations_name_every_tensor() -> None:
     plan = group_plan(QSpec(granularity=PerGroup(64)))
-    assert [v.describe() for v in ct.group_violations(plan)] == [
+    assert [v.describe() for v in ctg.group_violations(plan)] == [
         "b.weight (K=96, G=64)",
         "c.weight (K=100, G=64)",
     ]
     with pytest.raises(InputError, match=r"b.weight \(K=96, G=64\), c.weight \(K=100") as err:
-        ct.resolve_groups(plan, ct.GroupFallback.ERROR)
+        ctg.resolve_groups(plan, GroupFallback.ERROR)
     assert err.value.hints == ("group-fallback",)
 
 
@@ -311,7 +321,7 @@ def test_group_refusal_names_a_few_and_counts_the_rest() -> None:
     tensors = [entry(f"layers.{i}.weight", (16, 96)) for i in range(40)]
     plan = select_tensors(tensors, {}, QSpec(granularity=PerGroup(64)))
     with pytest.raises(InputError) as err:
-        ct.resolve_groups(plan, ct.GroupFallback.ERROR)
+        ctg.resolve_groups(plan, GroupFallback.ERROR)
     message = str(err.value)
     assert "layers.2.weight (K=96, G=64) and 37 more" in message
     assert "layers.3.weight" not in message
@@ -319,17 +329,17 @@ def test_group_refusal_names_a_few_and_counts_the_rest() -> None:
 
 def test_group_fallback_channel_and_keep() -> None:
     plan = group_plan(QSpec(granularity=PerGroup(64)))
-    channel = ct.resolve_groups(plan, ct.GroupFallback.CHANNEL)
+    channel = ctg.resolve_groups(plan, GroupFallback.CHANNEL)
     assert [s.spec.granularity if s.spec else None for s in channel] == [
         PerGroup(64),
         PerChannel(0),
         PerChannel(0),
     ]
     assert channel[1].note == "K=96 not a multiple of 64"
-    kept = ct.resolve_groups(plan, ct.GroupFallback.KEEP)
+    kept = ctg.resolve_groups(plan, GroupFallback.KEEP)
     assert [s.quantized for s in kept] == [True, False, False]
     assert ct.ignore_list(kept) == ["b", "c"]
-    assert ct.resolve_groups(group_plan(QSpec(granularity=PerGroup(4))), ct.GroupFallback.ERROR)
+    assert ctg.resolve_groups(group_plan(QSpec(granularity=PerGroup(4))), GroupFallback.ERROR)
 
 
 # ---------------------------------------------------------------- config.json
@@ -371,7 +381,7 @@ def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
         replace(s, entry=replace(s.entry, shape=(256, 320))) if "down" in s.entry.name else s
         for s in plan
     ]
-    plan = ct.resolve_groups(plan, ct.GroupFallback.CHANNEL)
+    plan = ctg.resolve_groups(plan, GroupFallback.CHANNEL)
     q = ctc.quantization_config(plan, "0.1.0", {"group": [1.0, 0.9]})
     groups = q["config_groups"]
     assert isinstance(groups, dict) and list(groups) == ["group_0", "group_1"]
@@ -393,7 +403,7 @@ def test_config_mixed_schemes_put_exact_names_first_and_linear_last() -> None:
         "mse_algorithm": "qtool-mse-v1",
         "mse_candidates": {"group": [1.0, 0.9]},
     }
-    assert any("several schemes" in w for w in ctc.export_warnings(plan))
+    assert any("several schemes" in w for w in loaders.export_warnings(plan))
 
 
 def test_per_tensor_is_written_as_channel() -> None:
@@ -416,11 +426,11 @@ def test_warnings() -> None:
     asym8 = select_tensors(
         [entry("a.weight", (9, 96))], {}, QSpec(Scheme.ASYM, granularity=PerGroup(48))
     )
-    got = ctc.export_warnings(asym8)
+    got = loaders.export_warnings(asym8)
     assert any(w.startswith("asymmetric int8 runs on few vLLM kernels") for w in got)
     assert any(w.startswith("group size 48:") for w in got)
     assert any("dequantize=True" in w for w in got)
-    assert ctc.export_warnings(select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
+    assert loaders.export_warnings(select_tensors([entry("a.weight", (9, 96))], {}, INT8_CH)) == []
     tiny = torch.tensor([[1e-6], [1.0]], dtype=torch.float16)
     assert fp16_underflow_warning("a.weight", tiny) == (
         "a.weight: 1 of 2 float16 scales are subnormal (< 6.1e-05) and lose precision; "

@@ -462,3 +462,17 @@ def test_fused_codes_without_figures_for_rows_longer_than_a_chunk(spec: QSpec) -
     got = fused.quantize_tensor(x, spec, with_errors=False)
     want = kernels.quantize_tensor(x, spec, with_errors=False)
     assert got.errors is None and torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+
+
+def test_a_gguf_output_is_measured_as_ggml_restores_it(invoke: Invoke, tmp_path: Path) -> None:
+    """A GGUF type is dequantized to float32 by ggml: quantize says so (it said BF16, the input's
+    dtype, while compare of the same pair said F32), and both pool to the same digits."""
+    if not (SAMPLES / "tiny-llama.gguf").exists():
+        pytest.skip("no GGUF sample")
+    out = tmp_path / "q.gguf"
+    args = ("--format", "gguf", "--dtype", "Q4_K", "-o", str(out))
+    _, quantized = run_json(invoke, "quantize", str(SAMPLES / "tiny-llama.gguf"), *args)
+    _, compared = run_json(invoke, "compare", str(SAMPLES / "tiny-llama"), str(out))
+    assert quantized["measured"] == compared["measured"] == "as restored to F32"
+    for figure in ("mse", "max_abs_error", "sqnr_db", "pooled_over"):
+        assert quantized["totals"][figure] == compared["totals"][figure], figure

@@ -21,6 +21,7 @@ from qtool.io.atomic import OutputSet
 from qtool.io.gguf_file import GGUFFile
 from qtool.spec import gguf_spec
 from tests import gguf_models as M
+from tests.conftest import Invoke
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -112,3 +113,35 @@ def test_tied_embeddings_load_and_map(tmp_path: Path) -> None:
         assert (pairing.gguf_unplaced, pairing.hf_unplaced) == ([], [])
         for name in view.names:
             assert torch.equal(loaded[name], view.values(name).to(torch.float32)), name
+
+
+def test_the_files_qtool_quantize_writes_load_and_run_close_to_the_float_model(
+    invoke: Invoke, tiny: Path
+) -> None:
+    """The command itself (not the library writer): `qtool quantize --format gguf`, one type
+    and a budget's per-tensor mix; gguf-py reads each file, transformers loads it with weights
+    equal to qtool's dequantization, and its logits stay near the float model's."""
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.no_grad():
+        ref = float_model(ids).logits
+    runs = {"q8": ["--dtype", "Q8_0"], "mix": ["--target-sqnr", "24"]}
+    for name, args in runs.items():
+        out = tiny / f"cli-{name}.gguf"
+        code, _, err = invoke("quantize", str(tiny / "f16.gguf"), "--format", "gguf",
+                              "-o", str(out), *args)  # fmt: skip
+        assert code == 0, err
+        types = {t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+        assert types - {"F32"}, types
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tiny, gguf_file=out.name, dtype=torch.float32
+        )
+        loaded = model.state_dict()
+        with GGUFFloatReader(out) as reader:
+            view, _ = hf_view(reader, list(loaded))
+            for hf in view.names:
+                assert torch.equal(loaded[hf], view.values(hf).to(torch.float32)), (name, hf)
+        with torch.no_grad():
+            logits = model(ids).logits
+        sqnr = 10 * torch.log10(ref.pow(2).sum() / (logits - ref).pow(2).sum())
+        assert sqnr > 15, (name, float(sqnr))

@@ -170,7 +170,7 @@ def test_choices_follow_llama_quantize_order_fallbacks_and_sources() -> None:
         "blk.2.ffn_up.weight", "blk.10.ffn_up.weight",
     ]  # fmt: skip
     assert by["blk.2.ffn_up.weight"].stored.name == "Q5_0"
-    assert "576 are not whole Q4_K blocks of 256: Q5_0" in by["blk.2.ffn_up.weight"].note
+    assert "fallback: rows of 576 are not whole Q4_K blocks" in by["blk.2.ffn_up.weight"].note
     assert by["token_embd.weight"].stored.name == "F16" and not by["token_embd.weight"].quantized
     assert by["blk.2.attn_norm.weight"].spec is None
     assert by["output.weight"].reason.startswith("already Q8_0")

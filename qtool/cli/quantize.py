@@ -15,7 +15,6 @@ from qtool.cli.lazy import api, documents, report
 from qtool.cli.options import (
     AllOpt,
     AxisOpt,
-    DtypeOpt,
     ForceOpt,
     GroupSizeOpt,
     JsonOpt,
@@ -41,12 +40,14 @@ from qtool.cli.quantize_options import (
     IncludeOpt,
     InputArg,
     KeepNonfiniteOpt,
+    QuantizeDtypeOpt,
     QuantizeOutOpt,
     RecipeOpt,
     TargetSqnrOpt,
     ThreadsOpt,
     check_format_options,
     check_format_spec,
+    gguf_cli_spec,
     quantize_mode,
     warn_budget_overrides,
 )
@@ -81,7 +82,7 @@ def quantize(
     src: InputArg,
     out: QuantizeOutOpt = None,
     scheme: SchemeOpt = Scheme.SYM,
-    dtype: DtypeOpt = StorageDtype.INT8,
+    dtype: QuantizeDtypeOpt = StorageDtype.INT8.value,
     per_channel: PerChannelOpt = True,
     axis: AxisOpt = None,
     group_size: GroupSizeOpt = None,
@@ -109,11 +110,16 @@ def quantize(
     force: ForceOpt = False,
 ) -> None:
     """Quantize every selected float tensor of INPUT; write the codes and a qparams sidecar
-    (or, with --format compressed-tensors, a model directory transformers and vLLM load)."""
+    (or, with --format compressed-tensors, a model directory transformers and vLLM load; with
+    --format gguf, a float GGUF's tensors in GGUF types, a file llama.cpp loads)."""
     from qtool.gates import Gate, evaluate
 
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
-    spec = build_spec(scheme, dtype, per_channel, axis, group_size, range_method)
+    spec = (
+        build_spec(scheme, StorageDtype(dtype), per_channel, axis, group_size, range_method)
+        if dtype in {d.value for d in StorageDtype}
+        else gguf_cli_spec(dtype, scheme, per_channel, axis, group_size, range_method)
+    )
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     check_format_spec(fmt, spec, budget=target_sqnr is not None)

@@ -9,10 +9,23 @@ from typing import Annotated
 
 import typer
 
-from qtool.cli.help import OUTPUT, RUN, SELECT, choices
+from qtool.cli.help import HOW, OUTPUT, RUN, SELECT, choices
 from qtool.cli.inputs import QUANTIZE_INPUT
 from qtool.cli.lazy import api, report
-from qtool.spec import Device, FormatName, GroupFallback, QSpec, SpecPatch
+from qtool.spec import (
+    GGUF_QUANTIZE_TYPES,
+    Device,
+    FormatName,
+    GroupFallback,
+    PerChannel,
+    QSpec,
+    RangeMethod,
+    Scheme,
+    SpecPatch,
+    StorageDtype,
+    gguf_quantize_spec,
+    is_gguf_name,
+)
 
 MAX_THREADS = 1024  # torch's thread pools crash (SIGSEGV) when asked for ~100,000 threads
 
@@ -21,6 +34,67 @@ def thread_count(value: int | None) -> int | None:
     if value is not None and not 1 <= value <= MAX_THREADS:
         raise typer.BadParameter(f"must be 1 to {MAX_THREADS}")
     return value
+
+
+_INT_DTYPES = tuple(d.value for d in StorageDtype)
+
+
+def dtype_value(value: str) -> str:
+    """--dtype: an integer code type (int8, ...) or a GGUF block type (Q4_K, any case)."""
+    if value.lower() in _INT_DTYPES:
+        return value.lower()
+    try:
+        spec = gguf_quantize_spec(value)
+    except ValueError as err:
+        if is_gguf_name(value):  # a GGUF type qtool does not write (IQ2_XXS)
+            raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(
+            f"'{value}' is not one of {', '.join(_INT_DTYPES)} nor a GGUF type "
+            f"({', '.join(GGUF_QUANTIZE_TYPES)})"
+        ) from None
+    assert spec.gguf is not None
+    return spec.gguf.name
+
+
+QuantizeDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        help="Integer type of the codes (int4/uint4 are packed two per byte), or a GGUF block "
+        "type for --format gguf (llama.cpp's Q8_0 ... Q6_K, which fix their own layout).",
+        metavar="|".join([*_INT_DTYPES, *GGUF_QUANTIZE_TYPES]),
+        callback=dtype_value,
+        rich_help_panel=HOW,
+    ),
+]
+
+
+def gguf_cli_spec(
+    dtype: str,
+    scheme: Scheme,
+    per_channel: bool,
+    axis: int | None,
+    group_size: int | None,
+    range_method: RangeMethod,
+) -> QSpec:
+    """--dtype Q4_K: the GGUF type's spec; typer.BadParameter naming an option that would set
+    what the block type fixes itself."""
+    given = {
+        "--scheme": scheme is not Scheme.SYM,
+        "--per-tensor": not per_channel,
+        "--axis": axis not in (None, 0),
+        "--group-size": group_size is not None,
+        "--range": range_method is not RangeMethod.MINMAX,
+    }
+    for flag, set_ in given.items():
+        if set_:
+            raise typer.BadParameter(
+                f"{dtype} is a GGUF block type, which fixes its own scales and groups; drop {flag}",
+                param_hint=flag,
+            )
+    spec = gguf_quantize_spec(dtype)
+    assert spec.granularity == PerChannel(0)
+    return spec
 
 
 InputArg = Annotated[Path, typer.Argument(metavar="INPUT", help=QUANTIZE_INPUT, show_default=False)]
@@ -93,7 +167,8 @@ FormatOpt = Annotated[
     typer.Option(
         "--format",
         help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
-        "(pack-quantized, int8/int4) that transformers and vLLM load; needs -o DIR.",
+        "(pack-quantized, int8/int4) that transformers and vLLM load; needs -o DIR. gguf: a "
+        "float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",
         metavar=choices(FormatName),
         rich_help_panel=OUTPUT,
     ),
@@ -179,17 +254,21 @@ def quantize_mode(dry_run: bool, estimate: bool, measured: str | None, budget: b
 def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFallback) -> None:
     """--config and --group-fallback only mean something to compressed-tensors: the option
     given is the one blamed."""
-    if fmt is not FormatName.QTOOL:
+    if fmt is FormatName.COMPRESSED_TENSORS:
         return
     if config is not None:
         raise typer.BadParameter(
-            "goes with --format compressed-tensors (the qtool format reads no config.json)",
+            f"goes with --format compressed-tensors (the {fmt.value} format reads no config.json)",
             param_hint="--config",
         )
     if fallback is not GroupFallback.ERROR:
+        why = (
+            "GGUF types fall back as llama-quantize does"
+            if fmt is FormatName.GGUF
+            else "the qtool format stores groups of any size"
+        )
         raise typer.BadParameter(
-            "goes with --format compressed-tensors (the qtool format stores groups of any size)",
-            param_hint="--group-fallback",
+            f"goes with --format compressed-tensors ({why})", param_hint="--group-fallback"
         )
 
 
@@ -197,9 +276,11 @@ def check_format_spec(fmt: FormatName, spec: QSpec, budget: bool) -> None:
     """A spec the output format can store for no tensor at all (compressed-tensors: unsigned
     codes, another axis) is a usage error naming the option to change; not with the error
     budget (`budget`), whose ladder chooses the specs instead."""
-    refused = None if budget else api.format_refuses(fmt.value, spec)
+    block_type = spec.gguf is not None or fmt is FormatName.GGUF
+    refused = None if budget and not spec.gguf else api.format_refuses(fmt.value, spec)
     if refused is not None:
-        raise typer.BadParameter(refused, param_hint="--axis" if spec.dtype.signed else "--dtype")
+        hint = "--dtype" if block_type or not spec.dtype.signed else "--axis"
+        raise typer.BadParameter(refused, param_hint=hint)
 
 
 _SPEC_FLAGS = {

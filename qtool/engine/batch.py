@@ -154,6 +154,8 @@ def layout(plan: TensorPlan) -> Layout | None:
     spec, entry = plan.spec, plan.entry
     if plan.decision.budget:  # the error budget quantized it already (engine/spill.py)
         return None
+    if spec is not None and spec.gguf is not None:  # GGUF blocks: numerics/gguf, one by one
+        return None
     if spec is None or not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:
         return None
     if spec.range_method is not RangeMethod.MINMAX:

@@ -28,6 +28,7 @@ from qtool.engine.plan import ModelPlan, QuantizeOptions, plan_data
 from qtool.engine.shards import Shards
 from qtool.engine.sizes import qparam_nbytes, stored_nbytes
 from qtool.engine.spill import Spill
+from qtool.formats import registry
 from qtool.formats.base import OutputFormat
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import budget, kernels
@@ -106,9 +107,12 @@ class Measured:
 
 
 def ladder_of(options: QuantizeOptions) -> tuple[QSpec, ...]:
-    """The specs the budget tries: the recipe's ladder, else the default one."""
+    """The specs the budget tries: the recipe's ladder, else the output format's default
+    (GGUF: Q4_K, Q5_K, Q6_K, Q8_0), else qtool's."""
     recipe = options.recipe
-    return recipe.ladder if recipe is not None and recipe.ladder else budget.DEFAULT_LADDER
+    if recipe is not None and recipe.ladder:
+        return recipe.ladder
+    return registry.entry(options.format.value).ladder or budget.DEFAULT_LADDER
 
 
 def choose_plan(

@@ -2,9 +2,12 @@
 
 Either side may be anything `detect` recognises: a float checkpoint, a qtool-quantized file
 (dequantized on the fly through its sidecar), a sharded set or a model directory (read whole,
-by tensor name), a compressed-tensors model directory (dequantized on the fly), so the pairings
-float/quantized, quantized/quantized and float/float all work. A is the reference: SQNR is A's
-energy over the energy of A - B. Streams tensor by tensor.
+by tensor name), a compressed-tensors model directory (dequantized on the fly), a GGUF file
+(dequantized as ggml does), so the pairings float/quantized, quantized/quantized and
+float/float all work. A GGUF file against the Hugging Face checkpoint it was converted from is
+read under that checkpoint's names and layout (formats/gguf/names.py); a tensor the mapping
+cannot place is a mismatch row saying why. A is the reference: SQNR is A's energy over the
+energy of A - B. Streams tensor by tensor.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
-from qtool.formats.registry import open_reader
+from qtool.formats.detect import Detected, detect
+from qtool.formats.registry import entry, matched, open_reader
 from qtool.numerics.metrics import count_nonfinite, error_stats
 from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
 
@@ -25,18 +29,14 @@ from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
 def compare_files(a: Path, b: Path, pool: str = POOL_QUANTIZED) -> CompareSummary:
     """One row per tensor name of A, then those only in B; `pool`: what the overall figures
     pool (results.CompareSummary.pooled_over). InputError when no tensor of the two could be
-    compared (unrelated files)."""
+    compared (unrelated files). A side whose format names tensors its own way (GGUF) against
+    one that does not is read under the other's names (registry.matched)."""
     if pool not in (POOL_QUANTIZED, POOL_ALL):
         raise ValueError(f"pool must be {POOL_QUANTIZED!r} or {POOL_ALL!r}, not {pool!r}")
-    left = open_reader(a)
-    try:
-        right = open_reader(b)
-    except BaseException:
-        left.close()
-        raise
+    left, right, unplaced = open_pair(a, b)
     try:
         inputs = [str(left.path), str(right.path)]
-        rows = _compare_readers(left, right)
+        rows = _compare_readers(left, right, unplaced)
         summary = CompareSummary(inputs=inputs, rows=rows, pool=pool)
     finally:
         left.close()
@@ -58,25 +58,67 @@ def _why_none(summary: CompareSummary) -> str:
     )
 
 
-def _compare_readers(left: FloatReader, right: FloatReader) -> list[CompareRow]:
-    """Rows for every tensor of the two, in A's order, then those only in B."""
+def open_pair(a: Path, b: Path) -> tuple[FloatReader, FloatReader, dict[str, str]]:
+    """A and B as float tensors under one naming (see _matching), and why each name without
+    a counterpart has none; the caller closes both."""
+    found_a, found_b = detect(a), detect(b)
+    left = open_reader(found_a)
+    try:
+        right = open_reader(found_b)
+    except BaseException:
+        left.close()
+        raise
+    try:
+        return _matching(left, found_a, right, found_b)
+    except BaseException:
+        left.close()
+        right.close()
+        raise
+
+
+def _matching(
+    left: FloatReader, found_a: Detected, right: FloatReader, found_b: Detected
+) -> tuple[FloatReader, FloatReader, dict[str, str]]:
+    """The two readers under one naming, and why each name without a counterpart has none:
+    when they share no tensor name and one side's format names tensors its own way (a GGUF
+    file against the Hugging Face checkpoint it was converted from), that side is read under
+    the other's names."""
+    if set(left.names) & set(right.names):
+        return left, right, {}
+    own_a, own_b = (entry(f.format).matcher is not None for f in (found_a, found_b))
+    if own_b and not own_a:
+        found = matched(right, found_b, left.names)
+        return left, found.reader, found.unplaced
+    if own_a and not own_b:
+        found = matched(left, found_a, right.names)
+        return found.reader, right, found.unplaced
+    return left, right, {}
+
+
+def _compare_readers(
+    left: FloatReader, right: FloatReader, unplaced: dict[str, str] | None = None
+) -> list[CompareRow]:
+    """Rows for every tensor of the two, in A's order, then those only in B; `unplaced` says
+    why a name has no counterpart (a name mapping could not place it)."""
     in_left, in_right = set(left.names), set(right.names)
     order = left.names + [n for n in right.names if n not in in_left]
-    return [_compare_one(left, right, n, in_left, in_right) for n in order]
-
-
-def open_tensor_source(path: Path, name: str) -> FloatReader:
-    """The checkpoint at `path` (a file or a directory, read whole) as float values."""
-    return open_reader(path)
+    why = unplaced or {}
+    return [_compare_one(left, right, n, in_left, in_right, why.get(n)) for n in order]
 
 
 def _compare_one(
-    left: FloatReader, right: FloatReader, name: str, in_left: set[str], in_right: set[str]
+    left: FloatReader,
+    right: FloatReader,
+    name: str,
+    in_left: set[str],
+    in_right: set[str],
+    unplaced: str | None = None,
 ) -> CompareRow:
     sides = _Sides(left, right, name, name in in_left, name in in_right)
     if not (sides.in_a and sides.in_b):
         missing = "B" if sides.in_a else "A"
-        return replace(sides.row(f"missing in {missing}", mismatch=True), missing_in=missing)
+        detail = f"missing in {missing}" + (f": {unplaced}" if unplaced else "")
+        return replace(sides.row(detail, mismatch=True), missing_in=missing)
     if left.shape(name) != right.shape(name):
         detail = f"shape mismatch: {list(left.shape(name))} vs {list(right.shape(name))}"
         return sides.row(detail, mismatch=True)

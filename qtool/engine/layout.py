@@ -13,27 +13,24 @@ of the input directory, and a rewritten index (last) when the input had one.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qtool.engine.source import Source, companions, companions_nbytes, protected_paths
-from qtool.errors import InputError, OutputError, UsageError
+from qtool.engine.companions import Companions, companions, copy_companions
+from qtool.engine.source import Source, protected_paths
+from qtool.errors import OutputError, UsageError
 from qtool.io.atomic import (
     OutputSet,
-    describe_os_error,
     file_id,
     preflight,
     remove_stale_temps,
 )
 from qtool.io.index import ShardedInput
 from qtool.io.outdir import DirTransaction, check_out_dir, refuse_nesting
-from qtool.io.safeopen import InputDir
 
 SINGLE_SHARD_NAME = "model.safetensors"
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".gguf")
@@ -89,13 +86,15 @@ def refuse_file_name(out: Path | None, what: str) -> None:
 @dataclass(frozen=True)
 class Placement:
     """A prepared output: `target` is where the run writes now (for a directory, inside its
-    temporary directory), `scratch` where temporary files may go; notes about companions not
-    copied; the stale temporary files of killed runs removed."""
+    temporary directory), `scratch` where temporary files may go; for a directory, the
+    companions to copy along (companions.py) and notes about those not copied; the stale
+    temporary files of killed runs removed."""
 
     target: Target
     scratch: Path
     notes: list[str] = field(default_factory=list)
     stale: int = 0
+    companions: Companions = Companions()
 
 
 @contextmanager
@@ -126,18 +125,18 @@ def prepared(
     directory = target.directory
     if source.directory is None:  # a lone file's directory is its model's, spelled otherwise
         protected.append(source.path.parent)
-    copied, notes = companions(source)
-    index = [source.index.index] if source.index is not None else []
-    finals = [*files, *(directory / p.name for p in [*copied, *index])]
+    found = companions(source)
+    index = [source.index.index.name] if source.index is not None else []
+    finals = [*files, *(directory / rel for rel in [*found.names, *index])]
     check_out_dir(directory, protected, force)
     _refuse_clashes(also, finals)
     preflight(also, protected, force=force)
     with DirTransaction(directory, force=force, protected=protected) as temp:
         inside = [temp / f.name for f in files]
-        needed = needed_bytes + companions_nbytes(source, copied)
+        needed = needed_bytes + found.nbytes
         preflight(inside, [], force=False, needed_bytes=needed)
         placed = Target(tuple(temp / p.name for p in target.shard_outputs), temp)
-        yield Placement(placed, directory.parent, notes)
+        yield Placement(placed, directory.parent, list(found.notes), companions=found)
 
 
 def _refuse_clashes(also: Sequence[Path], finals: Sequence[Path]) -> None:
@@ -159,43 +158,25 @@ def _refuse_clashes(also: Sequence[Path], finals: Sequence[Path]) -> None:
 def finish_directory(
     outputs: OutputSet,
     source: Source,
-    target: Target,
+    place: Placement,
     files: dict[str, bytes],
     weight_map: dict[str, str],
     total: int,
     section: dict[str, object] | None = None,
 ) -> None:
     """A directory output's last files: the format's own `files` (config.json), the companions
-    they do not replace, and for an input with an index, the index (last) with the file each
-    tensor is stored in and the format's `section` under the `qtool` key."""
-    directory = target.directory
+    they do not replace (with their subdirectories), and for an input with an index, the index
+    (last) with the file each tensor is stored in and the format's `section` under the `qtool`
+    key."""
+    directory = place.target.directory
     if directory is None:
         return
+    copy_companions(outputs, source, place.companions, directory, skip=files)
     for name, data in files.items():
         outputs.create(directory / name).write(data)
-    for companion in companions(source)[0]:
-        if companion.name not in files:
-            copy_into(outputs, companion, directory / companion.name, source.within)
     if source.index is not None:
         dest = directory / source.index.index.name
         write_index(outputs, source.index, dest, weight_map, total, section)
-
-
-def copy_into(outputs: OutputSet, src: Path, dest: Path, within: InputDir | None = None) -> None:
-    """Copy a companion through the one descriptor its directory (`within`, held open) gives:
-    a regular file inside it, never a link leading out (see safeopen.InputDir)."""
-    within = within or InputDir(src.parent)
-    with within.open(src.name) as fin:
-        fout = outputs.create(dest)
-        try:
-            shutil.copyfileobj(fin, fout, 1 << 20)
-        except OSError as err:
-            if err.errno in _WRITE_ERRORS:  # the disk filled up while copying
-                raise OutputError(dest, f"cannot write: {describe_os_error(err)}") from err
-            raise InputError(src, f"cannot read: {err.strerror or err}") from err
-
-
-_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 def write_index(

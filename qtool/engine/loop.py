@@ -26,6 +26,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
+from qtool.numerics.quantize import quantize_tensor
 from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeRow
@@ -57,7 +58,7 @@ class Kernels:
         work = [
             select.Work(p.entry.shape, p.entry.dtype in ("BF16", "F16"), p.spec)
             for p in plans
-            if p.spec is not None and batch.layout(p) is None
+            if p.spec is not None and p.spec.gguf is None and batch.layout(p) is None
         ]
         select.expect_work(self.device, work)
 
@@ -210,4 +211,4 @@ def _quantize_whole(
     x = ckpt.tensor(plan.entry, reader.buffer if reader is not None else None)
     x = x.to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
-    return select.quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+    return quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)

@@ -38,8 +38,9 @@ from qtool.engine.decision import (
     TensorPlan,
 )
 from qtool.engine.sizes import Stored
-from qtool.errors import InputError
+from qtool.errors import InputError, RecipeError
 from qtool.formats.base import Choice, OutputFormat
+from qtool.formats.registry import refuses
 from qtool.io.atomic import resolve_output
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Recipe, Rule, RuleKind, resolve, rules_from_cli
@@ -132,7 +133,24 @@ def plan_headers(
             shards.append(shard)
             counts.append(len(entries))
             plans += plan_tensors(shard, entries, options)  # passes 1 and 2
+    _refuse_block_types(plans, fmt)
     return ModelPlan(tuple(shards), tuple(by_format(plans, fmt)), tuple(counts))  # pass 3
+
+
+def _refuse_block_types(plans: list[TensorPlan], fmt: OutputFormat) -> None:
+    """A recipe rule naming a GGUF type ("Q6_K") is an error unless the format stores them."""
+    for p in plans:
+        spec = p.spec
+        if spec is None or spec.gguf is None:
+            continue
+        why = refuses(fmt.name, spec)
+        if why is not None:
+            where = (
+                f"{p.decision.rule_origin}{p.decision.rule_label}: "
+                if p.decision.rule_origin
+                else ""
+            )
+            raise RecipeError(None, where + why, p.entry.name)
 
 
 def plan_data(
@@ -277,11 +295,14 @@ def output_tag(options: QuantizeOptions) -> str:
     return options.spec.dtype.value if len(dtypes) == 1 else MIXED_TAG
 
 
-def default_quantized_path(src: Path, dtype: str) -> Path:
-    """`model.safetensors` -> `model.int8.safetensors` beside it."""
-    return src.with_name(f"{src.stem}.{dtype}.safetensors")
+def default_quantized_path(src: Path, dtype: str, suffix: str = ".safetensors") -> Path:
+    """`model.safetensors` -> `model.int8.safetensors` beside it (`model-F16.gguf` ->
+    `model-F16.Q4_K.gguf` with suffix .gguf)."""
+    return src.with_name(f"{src.stem}.{dtype}{suffix}")
 
 
-def quantized_output(src: Path, out: Path | None, dtype: str) -> Path:
-    """The quantized file `-o` names: a .safetensors file, or the default name in a directory."""
-    return resolve_output(out, default_quantized_path(src, dtype), (".safetensors",), "quantize")
+def quantized_output(src: Path, out: Path | None, dtype: str, suffix: str = ".safetensors") -> Path:
+    """The quantized file `-o` names: a file of the format's suffix, or the default name in a
+    directory."""
+    default = default_quantized_path(src, dtype, suffix)
+    return resolve_output(out, default, (suffix,), "quantize")

@@ -204,7 +204,7 @@ def plot_compare(
     summary: CompareSummary, path: Path, min_sqnr: float | None = None, *, force: bool = False
 ) -> None:
     plt = _pyplot()
-    pairs = {r.name: _compared_values(summary, r.name) for r in _worst(summary.rows)}
+    pairs = _compared_values(summary, [r.name for r in _worst(summary.rows)])
     fig, axes = _figure(plt, 2, WORST)
     grid = axes[0, 0].get_gridspec()
     for ax in axes[0]:
@@ -216,18 +216,19 @@ def plot_compare(
     plt.close(fig)
 
 
-def _compared_values(summary: CompareSummary, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) of one compared tensor as float32, from the files (or shards) that hold it."""
-    from qtool.engine.compare import open_tensor_source
+def _compared_values(
+    summary: CompareSummary, names: list[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(A, B) of some compared tensors as float32, read as the comparison read them (a GGUF
+    file against a Hugging Face checkpoint: under the latter's names)."""
+    from qtool.engine.compare import open_pair
 
-    values = []
-    for path in summary.inputs:
-        source = open_tensor_source(Path(path), name)
-        try:
-            values.append(source.values(name).float().clone())
-        finally:
-            source.close()
-    return values[0], values[1]
+    left, right, _ = open_pair(Path(summary.inputs[0]), Path(summary.inputs[1]))
+    try:
+        return {n: (left.values(n).float().clone(), right.values(n).float().clone()) for n in names}
+    finally:
+        left.close()
+        right.close()
 
 
 def _requantize(
@@ -252,7 +253,13 @@ def _requantize(
 
 
 def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
-    """x_hat as restored (x's own dtype), as float32."""
+    """x_hat as restored (x's own dtype; a GGUF type as ggml dequantizes it), as float32."""
+    if spec.gguf is not None:  # a GGUF type: its blocks, dequantized as ggml does
+        from qtool.numerics import gguf
+        from qtool.numerics.quantize import quantize_tensor
+
+        blocks = quantize_tensor(x, spec, with_errors=False).q
+        return gguf.dequantize(blocks, spec.gguf).view(x.shape)
     result = kernels.quantize_tensor(x, spec, with_errors=False)
     q, scale, zp = result.q, result.scale, result.zero_point
     return kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from qtool.engine.layout import (
+    Placement,
     Target,
     default_directory,
     directory_target,
@@ -27,7 +28,7 @@ from qtool.engine.source import Source
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import detect
-from qtool.formats.registry import open_reader, write_float
+from qtool.formats.registry import entry, open_reader, write_float
 from qtool.io.atomic import OutputSet, resolve_output
 from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
@@ -59,7 +60,7 @@ def dequantize(
             else "a compressed-tensors model keeps its scales inside"
         )
         raise UsageError(qparams, f"{inside}; give no sidecar")
-    if not found.quantized and qparams is None:
+    if not found.quantized and qparams is None and not entry(found.format).dequantize_float:
         raise InputError(
             src,
             f"not a quantized file: a float checkpoint ({found.description}), so there is "
@@ -72,7 +73,7 @@ def dequantize(
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
         with prepared(source, target, lambda o: [o], force, protect=reader.sidecars) as place:
-            rows = _write(reader, source, place.target, dtype)
+            rows = _write(reader, source, place, dtype)
     finally:
         reader.close()
     return DequantizeSummary(
@@ -95,9 +96,12 @@ def _target(source: Source, src: Path, out: Path | None) -> Target:
     return directory_target(source, out or default_directory(source, "dequantized"))
 
 
-def _write(reader: FloatReader, source: Source, target: Target, dtype: str) -> list[DequantizedRow]:
+def _write(
+    reader: FloatReader, source: Source, place: Placement, dtype: str
+) -> list[DequantizedRow]:
     """Every tensor into its output (a directory: the file mirroring the one that held it),
     then a directory's own files; committed only when all is written."""
+    target = place.target
     rows: list[DequantizedRow] = []
     weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
@@ -106,7 +110,7 @@ def _write(reader: FloatReader, source: Source, target: Target, dtype: str) -> l
             weight_map |= dict.fromkeys(names, out.name)
         total = sum(r.bytes_out for r in rows)
         files = reader.restored_files()
-        finish_directory(outputs, source, target, files, weight_map, total)
+        finish_directory(outputs, source, place, files, weight_map, total)
         outputs.commit()
     by_name = {r.name: r for r in rows}
     return [by_name[n] for n in reader.names]

@@ -39,7 +39,7 @@ from qtool.engine.shards import Shards
 from qtool.engine.source import Source, open_source
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
-from qtool.formats.registry import output_format
+from qtool.formats.registry import entry, input_refusal, output_format
 from qtool.io.atomic import preflight
 from qtool.results import QuantizeRow, QuantizeSummary
 
@@ -81,8 +81,19 @@ def quantize(
 
 
 def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
-    """The output format, set up with the model's config.json (read through the directory)."""
-    context = FormatContext(source.config, options.group_fallback, source.config_dir)
+    """The output format, set up with the model's config.json (read through the directory)
+    and the files it reads; UsageError for an input the format does not quantize (GGUF in,
+    GGUF out)."""
+    refused = input_refusal(options.format.value, source.found)
+    if refused is not None:
+        raise UsageError(source.path, refused, hint="format")
+    context = FormatContext(
+        source.config,
+        options.group_fallback,
+        source.config_dir,
+        source.within,
+        tuple(source.shards),
+    )
     fmt = output_format(options.format, context)
     if fmt.model_directory and not all(s.name.endswith(".safetensors") for s in source.shards):
         raise InputError(source.path, f"a {fmt.name} export reads .safetensors checkpoints only")
@@ -98,11 +109,22 @@ def _target(
         if out is None:
             raise UsageError(None, f"--format {fmt.name} writes a model directory: name it with -o")
         return directory_target(source, out)
-    dtype = output_tag(options)
+    label = _label(options)
     if source.directory is None:
-        return file_target(quantized_output(src, out, dtype))
+        return file_target(quantized_output(src, out, label, entry(fmt.name).suffix))
     refuse_file_name(out, "quantize")
-    return directory_target(source, out or default_directory(source, dtype))
+    return directory_target(source, out or default_directory(source, label))
+
+
+def _label(options: QuantizeOptions) -> str:
+    """What a default output name says of the run: the dtype ('int8'), a GGUF type ('Q4_K'),
+    or 'mixed' for a GGUF run whose error budget chooses the types."""
+    spec = options.spec
+    if spec.gguf is not None:
+        return spec.gguf.name
+    if entry(options.format.value).stores_gguf:
+        return "mixed"
+    return output_tag(options)
 
 
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:

@@ -47,9 +47,16 @@ class Reader:
 
 def slab_rows(plan: TensorPlan, device: torch.device) -> int | None:
     """Rows per slab when the tensor is read and quantized a slab at a time (a CPU run, rows
-    quantized on their own, over SLAB_BYTES, at least two slabs); None: read it whole."""
+    quantized on their own, over SLAB_BYTES, at least two slabs); None: read it whole (a GGUF
+    block type: numerics/gguf quantizes whole tensors)."""
     spec, entry = plan.spec, plan.entry
-    if spec is None or device.type != "cpu" or len(entry.shape) < 2 or entry.numel == 0:
+    if (
+        spec is None
+        or spec.gguf is not None
+        or device.type != "cpu"
+        or len(entry.shape) < 2
+        or entry.numel == 0
+    ):
         return None
     g = spec.granularity
     if not (isinstance(g, PerGroup) or g == PerChannel(0)) or entry.nbytes <= SLAB_BYTES:

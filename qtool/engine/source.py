@@ -3,19 +3,20 @@
 A lone file is a one-shard source; a sharded checkpoint is its index and shards; a model
 directory is its one weight file. A directory is opened once and every file in it (index,
 shards, companions) is read through that descriptor (safeopen.InputDir). Its other files
-(config, tokenizer) are the companions a directory output carries along.
+(config, tokenizer, module subdirectories) are the companions a directory output carries
+along (engine/companions.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.formats.detect import Detected, already_quantized, detect
 from qtool.formats.registry import belongings
-from qtool.io.index import INDEX_SUFFIX, ShardedInput
+from qtool.io.index import ShardedInput
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import Header, read_header, read_header_file
 
@@ -112,37 +113,3 @@ def open_source(path: Path, config: Path | None = None) -> Source:
     if found.quantized:
         raise already_quantized(path, found.description)
     return Source(found, config or found.config_path, config is not None)
-
-
-def companions(source: Source) -> tuple[list[Path], list[str]]:
-    """Files of the checkpoint directory to copy along (config, tokenizer, ...): not weights,
-    not an index, not hidden; only regular files inside the directory (listed and checked
-    through its descriptor). Returns them and a note per file skipped."""
-    within = source.within
-    if source.directory is None or within is None:
-        return [], []
-    files, notes = [], []
-    for name in within.names():
-        p = within.file(name)
-        if (
-            name.startswith(".")
-            or name.endswith(WEIGHT_SUFFIXES)
-            or name.endswith(INDEX_SUFFIX)
-            or within.is_dir(name)
-        ):
-            continue
-        why = within.problem(name)
-        if why is None:
-            files.append(p)
-        else:
-            notes.append(f"{p}: not copied: {why}")
-    return files, notes
-
-
-def companions_nbytes(source: Source, files: Sequence[Path]) -> int:
-    """Bytes the companions take (for the free-space check)."""
-    total = 0
-    for p in files:
-        st = source.within.lstat(p.name) if source.within is not None else None
-        total += st.st_size if st is not None else 0
-    return total

@@ -35,7 +35,7 @@ def write(job: Job, plan: ModelPlan) -> Done:
                     return
                 files = fmt.directory_files(final.plans)
                 section = fmt.index_section(placed.shard_outputs)
-                finish_directory(outputs, source, placed, files, weight_map, total, section)
+                finish_directory(outputs, source, place, files, weight_map, total, section)
 
             rows = _write_shards(job, final, placed, spill, finish)
     return Done(final, rows, place.notes, place.stale)

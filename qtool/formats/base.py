@@ -67,6 +67,10 @@ class Ruling(Protocol):
     def rule_origin(self) -> str:
         """Where that rule is written ("llm.toml: line 12: "; "" for a command-line rule)."""
 
+    @property
+    def budget(self) -> bool:
+        """The error budget decides the tensor (it holds int8 per channel until it has)."""
+
 
 class Ruled(Planned, Protocol):
     """A tensor's plan as the rules (--exclude, a recipe, --include) left it."""
@@ -121,12 +125,15 @@ class Choice(Protocol):
 @dataclass(frozen=True)
 class FormatContext:
     """What a run knows that a format may need: the model's config.json (None: there is none;
-    read through `config_dir`, the model directory held open, when it lies there) and what to do
-    with tensors whose row length the group size does not divide."""
+    read through `config_dir`, the model directory held open, when it lies there), what to do
+    with tensors whose row length the group size does not divide, and the input's directory
+    held open (None: a lone file), whose other files (modules.json) a format may look at."""
 
     config: Path | None = None
     group_fallback: GroupFallback = GroupFallback.ERROR
     config_dir: InputDir | None = None
+    directory: InputDir | None = None
+    inputs: tuple[Path, ...] = ()  # the checkpoint files the run reads (GGUF: its header)
 
 
 class OutputFormat(Protocol):

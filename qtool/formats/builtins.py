@@ -9,7 +9,7 @@ BUILTIN = (
     "qtool.formats.dense",
     "qtool.formats.qtool",
     "qtool.formats.compressed_tensors",
-    # "qtool.formats.gguf": llama.cpp's format registers itself here once it is wired in
+    "qtool.formats.gguf",
 )
 
 

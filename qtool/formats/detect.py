@@ -5,6 +5,7 @@ Each format registers its detectors with a priority (formats/registry.py loads t
 
   10 qtool sidecar            a safetensors file whose metadata holds a qparams manifest
   20 qtool-quantized file     a safetensors file whose metadata binds it to a sidecar
+  25 GGUF file                a lone file starting with llama.cpp's GGUF magic, or named *.gguf
   30 compressed-tensors       a model directory (or its index or config.json) whose config.json
                               has a compressed-tensors quantization_config
   35 compressed-tensors file  a lone safetensors file holding *.weight_packed / *.weight_scale
@@ -18,7 +19,7 @@ Each format registers its detectors with a priority (formats/registry.py loads t
 
 A directory's config.json is read once, by the one bounded, regular-file-only reader: a FIFO,
 `/dev/zero`, a file nested too deep or too big there is an error naming config.json, never "no
-checkpoint here". A new format (GGUF: a `.gguf` file, say at 25) registers one more detector.
+checkpoint here". A new format registers one more detector.
 
 Header detectors are the per-file check the quantize loop runs on each shard: a checkpoint
 that is already quantized is never quantized again (codes of codes).
@@ -127,7 +128,9 @@ class Probe:
         directory holds several."""
         if not self.is_dir:
             return self.path.name if self.path.name.endswith(INDEX_SUFFIX) else None
-        found = [n for n in self.names if n.endswith(INDEX_SUFFIX)]
+        within = self.within
+        assert within is not None
+        found = [n for n in self.names if n.endswith(INDEX_SUFFIX) and not within.is_dir(n)]
         if len(found) > 1:
             raise InputError(
                 self.path,
@@ -146,8 +149,12 @@ class Probe:
         return load_index(self.directory / self.index_name, self.within)
 
     def safetensors_files(self) -> list[str]:
-        """The directory's *.safetensors entries (sorted)."""
-        return [n for n in self.names if n.endswith(SAFETENSORS)] if self.is_dir else []
+        """The directory's *.safetensors entries (sorted), but not directories so named (an
+        `extra.safetensors/` beside the model is no second checkpoint file)."""
+        within = self.within
+        if not self.is_dir or within is None:
+            return []
+        return [n for n in self.names if n.endswith(SAFETENSORS) and not within.is_dir(n)]
 
     @cached_property
     def header(self) -> Header | None:

@@ -1,6 +1,8 @@
 """Formats by name: each format package registers itself on import (as compressed-tensors'
 compressors and gguf-py's quant types do), and the engine reaches every format through here:
-`output_format` for `--format NAME`, `open_reader` and `inspect` for whatever `detect` found.
+`output_format` for `--format NAME`, `open_reader` and `inspect` for whatever `detect` found,
+`open_matching` for a checkpoint read under another one's tensor names (GGUF against the
+Hugging Face checkpoint it was converted from).
 
 A format is a FormatEntry: its name (spec.FormatName for the formats `--format` writes) and
 what it can do, each imported only when used, so that `inspect` and dry runs stay torch-free.
@@ -9,7 +11,7 @@ what it can do, each imported only when used, so that `inspect` and dry runs sta
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,12 +26,35 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Matched:
+    """A checkpoint's tensors under the names of another checkpoint of the same model (GGUF's
+    `blk.0.attn_q.weight` as `model.layers.0.self_attn.q_proj.weight`, in that layout), and
+    every name of either side that has no counterpart, with why (never silently dropped)."""
+
+    reader: FloatReader
+    unplaced: dict[str, str] = field(default_factory=dict)
+    placed: dict[str, str] = field(default_factory=dict)  # the other's name -> its own
+
+
+Matcher = Callable[[FloatReader, Sequence[str]], Matched]
+"""Given an open reader of the format and the other checkpoint's names, the reader as Matched."""
+
+
+@dataclass(frozen=True)
 class FormatEntry:
     """One registered format. `output`: the writer `--format NAME` selects (None: read only);
     `reader`: what `detect` found, as float tensors (`qparams`: a sidecar named by hand);
     `inspect`: what `qtool inspect` shows of it; `belongings`: files beside an input file that
     belong to it (its sidecar), which no output may replace; `refuses`: why the output can
-    store no tensor at all with a spec (None: it can), checked before any file is read."""
+    store no tensor at all with a spec (None: it can), checked before any file is read.
+
+    `suffix`: what a file of its output is named with; `own_input`: its output quantizes only
+    checkpoints of its own format, and those only it does (GGUF in, GGUF out); `ladder`: the
+    error budget's default ladder for its output (None: qtool's); `matcher`: its tensors under
+    another checkpoint's names (None: it names tensors as that checkpoint does);
+    `dequantize_float`: dequantize converts its files even when no tensor is quantized;
+    `stores_gguf`: its output stores llama.cpp's block types (a spec naming one, "Q4_K", is
+    refused by every other output)."""
 
     name: str
     reader: Callable[[Detected, Path | None], FloatReader]
@@ -37,6 +62,13 @@ class FormatEntry:
     output: Callable[[FormatContext], OutputFormat] | None = None
     belongings: Callable[[Path], list[Path]] | None = None
     refuses: Callable[[QSpec], str | None] | None = None
+    suffix: str = ".safetensors"
+    own_input: bool = False
+    ladder: tuple[QSpec, ...] | None = None
+    matcher: Matcher | None = None
+    dequantize_float: bool = False
+    stores_gguf: bool = False
+    input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
 
 
 FloatWriter = Callable[
@@ -89,6 +121,12 @@ def output_format(name: str, context: FormatContext | None = None) -> OutputForm
 def refuses(name: str, spec: QSpec) -> str | None:
     """Why the output format `name` can store no tensor at all with `spec`, or None."""
     found = entry(name)
+    if spec.gguf is not None and not found.stores_gguf:
+        where = " or ".join(f"--format {e.name}" for e in _FORMATS.values() if e.stores_gguf)
+        return (
+            f"{spec.gguf.name} is a GGUF block type, which --format {found.name} does not "
+            f"store; use {where}"
+        )
     return None if found.refuses is None else found.refuses(spec)
 
 
@@ -98,6 +136,40 @@ def open_reader(path: Path | Detected, qparams: Path | None = None) -> FloatRead
     found = path if isinstance(path, Detected) else detect(path)
     owner = found.format if qparams is None else FormatName.QTOOL.value  # whose sidecars
     return entry(owner).reader(found, qparams)
+
+
+def input_refusal(output: str, found: Detected) -> str | None:
+    """Why `--format output` cannot quantize what `detect` found (None: it can)."""
+    out, src = entry(output), entry(found.format)
+    if out.own_input and src.name != out.name:
+        what = f"a float {out.name.upper()} file, not {found.description}"
+        return f"--format {out.name} quantizes {what}{out.input_hint}"
+    if src.own_input and out.name != src.name:
+        return f"{found.description} is quantized with --format {src.name}"
+    return None
+
+
+def matched(reader: FloatReader, found: Detected, names: Sequence[str]) -> Matched:
+    """`reader` (what `detect` found, opened) under the names `names` of another checkpoint of
+    the same model, when its format names tensors its own way (GGUF); else as it is."""
+    matcher = entry(found.format).matcher
+    if matcher is None:
+        return Matched(reader)
+    return matcher(reader, names)
+
+
+def open_matching(path: Path | Detected, names: Sequence[str]) -> Matched:
+    """The checkpoint at `path` as float tensors under the names `names` of another checkpoint
+    of the same model (a Hugging Face float model's state dict names): a GGUF file's tensors
+    come renamed and in that layout, with what could not be placed listed; any other format
+    as it is. What an evaluation of a quantized file against its float model reads."""
+    found = path if isinstance(path, Detected) else detect(path)
+    reader = open_reader(found)
+    try:
+        return matched(reader, found, names)
+    except BaseException:
+        reader.close()
+        raise
 
 
 def inspect(found: Detected) -> InspectSummary:

@@ -216,6 +216,13 @@ def open_checkpoint(path: Path, within: InputDir | None = None) -> Checkpoint:
         return _open_within(path, within)
     _check_regular_file(path)
     kind, header = sniff(path)
+    if kind == "gguf":  # llama.cpp's format: its float tensors read like any checkpoint's
+        from qtool.io.gguf_checkpoint import open_gguf_data
+
+        gguf, fd, stat = open_gguf_data(path)
+        ckpt = Checkpoint(path, gguf.tensors, None, _data_start=gguf.data_start, _stat=stat)
+        ckpt.adopt(fd)
+        return ckpt
     if kind == "zip":
         _refuse_foreign_zip(path)
     if kind == "safetensors":
@@ -230,8 +237,8 @@ def open_checkpoint(path: Path, within: InputDir | None = None) -> Checkpoint:
 
 
 def sniff(path: Path) -> tuple[str, Header | None]:
-    """'safetensors' (with its header), 'zip' (modern torch.save) or 'pickle' (legacy), from the
-    content.
+    """'safetensors' (with its header), 'zip' (modern torch.save), 'pickle' (legacy) or 'gguf'
+    (llama.cpp), from the content.
 
     A file that passes the strict safetensors validation is safetensors, whatever its name or
     first byte (a header length of 0x80 mod 256 starts like a pickle's PROTO opcode); the
@@ -241,6 +248,8 @@ def sniff(path: Path) -> tuple[str, Header | None]:
         head = f.read(8)
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return "zip", None
+    if head.startswith(b"GGUF"):  # its u64 would be a header length over safetensors' cap
+        return "gguf", None
     try:
         return "safetensors", read_header(path)
     except HeaderError:

@@ -106,6 +106,15 @@ class GGUFFile:
             return raw.view("<u2").reshape(info.torch_shape)
         return raw.reshape(*rows, info.type.row_bytes(info.shape[0] if info.shape else 1))
 
+    def fileno(self) -> int:
+        """The open file's descriptor (valid until close)."""
+        return self._file.fileno()
+
+    @property
+    def opened_stat(self) -> tuple[int, int]:
+        """(size, mtime_ns) of the file when it was opened, what check_unchanged compares."""
+        return self._stat
+
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn): the
         descriptor read from is checked, not whatever the path names now."""

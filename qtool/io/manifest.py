@@ -1,8 +1,9 @@
 """The manifest of an export (`.qtool-export.json`): what qtool wrote into an output directory,
 so that `--force` replaces a directory only when it holds nothing else, unchanged.
 
-Each regular file is recorded by its size and a fingerprint another writer cannot match by
-accident:
+Each regular file is recorded by its path inside the export (`1_Pooling/config.json`; the
+subdirectories qtool made are listed under `directories`), its size and a fingerprint another
+writer cannot match by accident:
 
 - files up to HASHED_MAX_BYTES (configs, tokenizers, small shards): the SHA-256 of the content;
 - larger files (weights): inode, mtime_ns, and the SHA-256 of sampled blocks (the first and
@@ -24,10 +25,13 @@ import json
 import os
 import stat
 
+from qtool.io.tempdirs import open_dir_at
+
 MANIFEST = ".qtool-export.json"
 MANIFEST_FORMAT = "qtool-export"
 MANIFEST_VERSION = 2  # 1 recorded large files by size only: no longer trusted
 HASHED_MAX_BYTES = 16 << 20  # files this small are hashed whole
+MAX_DEPTH = 8  # subdirectory levels recorded (a copied subdirectory has at most 4)
 EDGE_BYTES = 1 << 20  # the first and last MiB of a large file
 SAMPLED_BLOCKS = 32
 BLOCK_BYTES = 64 << 10
@@ -36,15 +40,16 @@ Record = dict[str, object]
 
 
 def write_manifest(fd: int) -> None:
-    """Record every regular file of the directory `fd` (see the module docstring)."""
+    """Record every regular file of the directory `fd` by its relative path
+    (`1_Pooling/config.json`; see the module docstring), and its subdirectories (at most
+    MAX_DEPTH levels, never through a link) under `directories`."""
     files: dict[str, Record] = {}
-    for name in sorted(os.listdir(fd)):
-        if name == MANIFEST:
-            continue
-        record = _record(fd, name)
-        if record is not None:
-            files[name] = record
-    doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "files": files}
+    directories: list[str] = []
+    _record_tree(fd, "", files, directories)
+    doc: dict[str, object] = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION}
+    doc["files"] = files
+    if directories:
+        doc["directories"] = directories
     data = json.dumps(doc, indent=1).encode() + b"\n"  # ASCII: names not UTF-8 as \udcXX
     out = os.open(MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=fd)
     with os.fdopen(out, "wb") as f:
@@ -53,8 +58,44 @@ def write_manifest(fd: int) -> None:
         os.fsync(f.fileno())
 
 
+def _record_tree(fd: int, prefix: str, files: dict[str, Record], directories: list[str]) -> None:
+    for name in sorted(os.listdir(fd)):
+        rel = prefix + name
+        if rel == MANIFEST:
+            continue
+        sub = open_dir_at(fd, name) if prefix.count("/") < MAX_DEPTH else -1
+        if sub >= 0:
+            directories.append(rel)
+            try:
+                _record_tree(sub, rel + "/", files, directories)
+            finally:
+                os.close(sub)
+        elif (record := _record(fd, name)) is not None:
+            files[rel] = record
+
+
 def read_manifest(fd: int) -> dict[str, Record] | None:
-    """The files the manifest of the directory `fd` lists, or None when it has no valid one."""
+    """The files the manifest of the directory `fd` lists (by relative path), or None when it
+    has no valid one."""
+    doc = _manifest_doc(fd)
+    files = doc.get("files") if doc is not None else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        return None
+    return files
+
+
+def read_directories(fd: int) -> frozenset[str]:
+    """The subdirectories the manifest of the directory `fd` lists (none: an older manifest,
+    whose subdirectories are then not qtool's)."""
+    doc = _manifest_doc(fd)
+    dirs = doc.get("directories") if doc is not None else None
+    if not isinstance(dirs, list):
+        return frozenset()
+    return frozenset(d for d in dirs if isinstance(d, str))
+
+
+def _manifest_doc(fd: int) -> dict[str, object] | None:
+    """The manifest of the directory `fd` as read, None when there is no valid one."""
     try:
         mfd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
     except OSError:
@@ -69,10 +110,7 @@ def read_manifest(fd: int) -> dict[str, Record] | None:
         return None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         return None
-    files = doc.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        return None
-    return files
+    return doc
 
 
 def unchanged(fd: int, name: str, record: Record) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from qtool.errors import OutputError, UsageError
 from qtool.io import tempdirs as td
 from qtool.io.atomic import describe_os_error, file_id
-from qtool.io.manifest import MANIFEST, read_manifest, unchanged
+from qtool.io.manifest import MANIFEST, Record, read_directories, read_manifest, unchanged
 from qtool.io.mounts import is_mount_point, mount_points
 from qtool.io.safeopen import file_kind
 
@@ -124,15 +124,11 @@ def _chain(path: Path) -> set[tuple[int, int]]:
 
 def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
     """OutputError naming up to three entries of the directory `fd` that are not files of a
-    previous qtool export, unchanged since (or that are a protected file)."""
+    previous qtool export, unchanged since (or that are a protected file); a subdirectory the
+    manifest lists (`1_Pooling/`) is checked entry by entry, never through a link or a mount."""
     recorded = read_manifest(fd)
     guarded = {i for p in protected if (i := file_id(p)) is not None}
-    guarded |= _mounted_in(fd)  # a file mounted over a listed one is never ours to delete
-    unknown = [
-        name + ("/" if td.is_dir_at(fd, name) else "")
-        for name in sorted(os.listdir(fd))
-        if name != MANIFEST and not _is_recorded(fd, name, recorded, guarded)
-    ]
+    unknown = _unknown_entries(fd, "", recorded, read_directories(fd), guarded)
     if not unknown:
         return
     shown = ", ".join(unknown[:LISTED]) + (
@@ -144,6 +140,36 @@ def refuse_unknown_files(out: Path, fd: int, protected: Sequence[Path]) -> None:
         f"{what} ({shown} would be lost); --force replaces only a previous qtool export "
         "left as qtool wrote it: move those files or choose another output directory",
     )
+
+
+def _unknown_entries(
+    fd: int,
+    prefix: str,
+    recorded: dict[str, Record] | None,
+    directories: frozenset[str],
+    guarded: set[tuple[int, int]],
+) -> list[str]:
+    """The entries of the directory `fd` (named `prefix` + name) that are not recorded and
+    unchanged, the listed subdirectories' included."""
+    mounted = _mounted_in(fd)  # a file mounted over a listed one is never ours to delete
+    unknown = []
+    for name in sorted(os.listdir(fd)):
+        rel = prefix + name
+        if rel == MANIFEST:
+            continue
+        st = td.lstat_at(fd, name)
+        if rel in directories and st is not None and (st.st_dev, st.st_ino) not in mounted:
+            sub = td.open_dir_at(fd, name)
+            if sub >= 0:
+                try:
+                    if td.same_at(sub, fd, name):
+                        unknown += _unknown_entries(sub, rel + "/", recorded, directories, guarded)
+                        continue
+                finally:
+                    os.close(sub)
+        if not _is_recorded(fd, name, rel, recorded, guarded | mounted):
+            unknown.append(rel + ("/" if td.is_dir_at(fd, name) else ""))
+    return unknown
 
 
 def _mounted_in(fd: int) -> set[tuple[int, int]]:
@@ -165,14 +191,18 @@ def _mounted_in(fd: int) -> set[tuple[int, int]]:
 
 
 def _is_recorded(
-    fd: int, name: str, recorded: dict[str, dict[str, object]] | None, guarded: set[tuple[int, int]]
+    fd: int,
+    name: str,
+    rel: str,
+    recorded: dict[str, Record] | None,
+    guarded: set[tuple[int, int]],
 ) -> bool:
-    if recorded is None or name not in recorded:
+    if recorded is None or rel not in recorded:
         return False
     st = td.lstat_at(fd, name)
     if st is None or not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) in guarded:
         return False
-    return unchanged(fd, name, recorded[name])
+    return unchanged(fd, name, recorded[rel])
 
 
 def _link_target(path: Path) -> str:

@@ -89,9 +89,31 @@ class InputDir:
             raise InputError(path, "not a directory") from None
         except OSError as err:
             raise InputError(path, f"cannot read: {err.strerror or err}") from None
+        self._adopt(fd)
+
+    def _adopt(self, fd: int) -> None:
         self.fd = fd
         self.device = os.fstat(fd).st_dev
         self._closer = weakref.finalize(self, os.close, fd)
+
+    def subdir(self, name: str) -> InputDir:
+        """The directory `name` inside this one, opened through this descriptor: never through a
+        symlink (O_NOFOLLOW), and on the same device; Refused otherwise."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(_plain_name(name), flags, dir_fd=self.fd)
+        except OSError as err:
+            st = self.lstat(name)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                raise Refused(f"not a directory ({_kind(st.st_mode)})") from None
+            raise Refused(f"cannot open the directory: {err.strerror or err}") from None
+        sub = InputDir.__new__(InputDir)
+        sub.path = self.path / name
+        sub._adopt(fd)
+        if sub.device != self.device:
+            sub.close()
+            raise Refused("on another filesystem (a mount inside the checkpoint directory)")
+        return sub
 
     def close(self) -> None:
         self._closer()
@@ -198,6 +220,12 @@ class InputDir:
         """The whole file `name`, refused once more than `limit` bytes were read."""
         with self.open(name) as f:
             return read_limited(f, limit, what, self.file(name))
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "a file" if stat.S_ISREG(mode) else file_kind(mode)
 
 
 def _plain_name(name: str) -> str:

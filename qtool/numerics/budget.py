@@ -17,9 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.select import quantize_tensor
+from qtool.numerics.quantize import quantize_tensor
 from qtool.results import Trial
-from qtool.spec import QSpec, fit_spec, packed_shape, parse_spec_label, qparam_shape, spec_label
+from qtool.spec import (
+    QSpec,
+    fit_spec,
+    gguf_nbytes,
+    packed_shape,
+    parse_spec_label,
+    qparam_shape,
+    spec_label,
+)
 
 DEFAULT_LADDER: tuple[QSpec, ...] = tuple(
     parse_spec_label(label) for label in ("int4 g128 mse", "int4 g32 mse", "int8", "int8 g128")
@@ -33,8 +41,11 @@ QPARAM_BYTES = 5  # a float32 scale and a 1-byte zero point per group
 
 def bytes_per_tensor(spec: QSpec, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of `shape` writes with `spec` (fitted to it): its codes (4-bit: packed two
-    per byte along the last dimension) and QPARAM_BYTES per group."""
+    per byte along the last dimension) and QPARAM_BYTES per group; a GGUF type, its blocks
+    (of the fallback type where its own do not fit the rows, as the GGUF format stores it)."""
     fitted, _ = fit_spec(spec, shape)
+    if fitted.gguf is not None:
+        return gguf_nbytes(fitted, shape)
     codes = math.prod(packed_shape(shape) if fitted.dtype.packed else shape)
     return codes + QPARAM_BYTES * math.prod(qparam_shape(fitted.granularity, shape))
 

@@ -216,10 +216,16 @@ def _raw_scale(
     lo, hi = lo.float(), hi.float()
     if symmetric:
         span = torch.maximum(hi, lo.neg()).clamp_(min=0.0)  # amax over a range holding 0
-        return span / ((qmax - qmin) / 2), span, lo
+        return _divide(span, (qmax - qmin) / 2), span, lo
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     span = hi - lo
-    return span / (qmax - qmin), span, lo
+    return _divide(span, qmax - qmin), span, lo
+
+
+def _divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device: CUDA turns a division by a Python number
+    into a multiplication by its reciprocal (1 ulp off for some x); by a tensor it divides."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
 
 
 def _finish(

@@ -12,10 +12,15 @@
     group_size = 128                   # axis, group_size, range (see recipe/rules.py)
     range = "mse"
 
+    [[rule]]
+    match = "blk.*.ffn_down.weight"
+    dtype = "Q6_K"                     # a GGUF block type (--format gguf), alone
+
 Rules may also be written as `rule = [{ match = ..., ... }, ...]`. A ladder entry is a label
 ("int4 g32 mse", see spec.parse_spec_label) or a table of scheme, dtype, granularity,
 group_size and range; its unnamed fields are QSpec's defaults (sym, int8, per channel on axis
-0, minmax), not the command line's.
+0, minmax), not the command line's. A GGUF block type ("Q4_K", for --format gguf) is a label
+or a dtype of its own: it takes no other key.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from qtool.spec import (
     Scheme,
     SpecPatch,
     StorageDtype,
+    gguf_quantize_spec,
+    is_gguf_name,
     parse_spec_label,
 )
 
@@ -126,6 +133,8 @@ class _Checker:
         if isinstance(item, str):
             try:
                 spec = parse_spec_label(item)
+                if spec.gguf is not None:
+                    spec = gguf_quantize_spec(item.strip())
             except ValueError as err:
                 self.fail(at, str(err))
         else:
@@ -163,12 +172,27 @@ class _Checker:
         return keep
 
     def _patch(self, at: TomlPath, table: Mapping[str, object]) -> SpecPatch:
+        dtype = table.get("dtype")
+        if isinstance(dtype, str) and is_gguf_name(dtype):
+            return self._gguf(at, table, dtype)
         return SpecPatch(
             self._choice(at, table, "scheme", Scheme),
             self._choice(at, table, "dtype", StorageDtype),
             self._granularity(at, table),
             self._choice(at, table, "range", RangeMethod),
         )
+
+    def _gguf(self, at: TomlPath, table: Mapping[str, object], dtype: str) -> SpecPatch:
+        """dtype = "Q6_K": a GGUF block type, which fixes every other field."""
+        others = [k for k in SPEC_KEYS if k in table and k != "dtype"]
+        if others:
+            self.fail((*at, others[0]), f"{dtype} is a GGUF block type, which fixes its own "
+                      "layout; drop this key")  # fmt: skip
+        try:
+            spec = gguf_quantize_spec(dtype)
+        except ValueError as err:
+            self.fail((*at, "dtype"), str(err))
+        return SpecPatch(gguf=spec.gguf)
 
     def _choice(
         self, at: TomlPath, table: Mapping[str, object], key: str, enum_type: type[_E]

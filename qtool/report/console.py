@@ -47,6 +47,7 @@ from qtool.results import (
     Row,
     natural_key,
 )
+from qtool.spec import FormatName
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -373,8 +374,9 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     if summary.budget_sizes is not None:
         int8, flt = summary.budget_sizes
+        eight = "all-Q8_0" if summary.format == FormatName.GGUF.value else "all-int8"
         parts.append(
-            f"budget: {_fmt_bytes(summary.bytes_out)} vs all-int8 {_fmt_bytes(int8)}, "
+            f"budget: {_fmt_bytes(summary.bytes_out)} vs {eight} {_fmt_bytes(int8)}, "
             f"all-float {_fmt_bytes(flt)}"
         )
     return parts
@@ -427,6 +429,10 @@ def print_dequantize(summary: DequantizeSummary) -> None:
 # ---- plot --------------------------------------------------------------------------------------
 
 
+def _bits(nbytes: int, numel: int) -> str:
+    return f"{8 * nbytes / numel:.2f}" if numel else "-"
+
+
 def print_inspect(summary: InspectSummary) -> None:
     quantized = any(r.qinfo for r in summary.rows)
     shards = f"{summary.shards} shard{'s' if summary.shards != 1 else ''}"
@@ -443,10 +449,16 @@ def print_inspect(summary: InspectSummary) -> None:
     if quantized:
         columns.append(Column("quantization", [(_qinfo_text(r.qinfo), "") for r in rows],
                               fold=16))  # fmt: skip
+    if summary.type_totals is not None:  # GGUF: bits per weight of each tensor and each type
+        columns.append(Column("bits/w", [(_bits(r.nbytes, r.numel), "") for r in rows], right=True))
     totals = [
         f"{len(rows)} tensors, {summary.total_numel:,} elements, {_fmt_bytes(summary.total_bytes)}"
     ]
     lines, width, hidden = _report(title, columns, totals, sys.stdout)
+    for t in summary.type_totals or []:
+        text = (f"  {t.dtype}: {t.tensors} tensors, {t.numel:,} elements, "
+                f"{_fmt_bytes(t.nbytes)}, {t.bits_per_weight:.2f} bits/w")  # fmt: skip
+        lines += _plain(layout.phrases([text], width))
     _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None)
     if summary.metadata:
         text = "metadata: " + safe(json.dumps(summary.metadata, ensure_ascii=False))

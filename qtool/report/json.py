@@ -297,6 +297,11 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
                 "numel": r.numel,
                 "bytes": r.nbytes,
                 **({"quantization": r.qinfo} if r.qinfo else {}),
+                **(
+                    {"bits_per_weight": 8 * r.nbytes / r.numel if r.numel else 0.0}
+                    if summary.type_totals is not None
+                    else {}
+                ),  # fmt: skip
             }
             for r in summary.rows
         ],
@@ -312,6 +317,22 @@ def inspect_json(summary: InspectSummary) -> dict[str, Any]:
             if summary.quantized_modules is not None
             else {}
         ),
+        **(
+            {
+                "totals_by_type": [
+                    {
+                        "dtype": t.dtype,
+                        "tensors": t.tensors,
+                        "numel": t.numel,
+                        "bytes": t.nbytes,
+                        "bits_per_weight": t.bits_per_weight,
+                    }
+                    for t in summary.type_totals
+                ]
+            }
+            if summary.type_totals is not None
+            else {}
+        ),  # fmt: skip
         "notes": summary.notes,
     }
 

@@ -3,7 +3,10 @@
   coerce.py     a quantization_config read exactly as compressed-tensors' pydantic models do
   config.py     the quantization_config: parsed when read, built for an export
   schemes.py    which config group applies to each quantized module (scheme resolution)
-  selection.py  which tensors an export quantizes (Linear weights), groups, fused sets
+  modules.py    which nn.Linear modules the model has (transformers on the meta device, or rules)
+  selection.py  which tensors an export quantizes (Linear weights), fused sets
+  groups.py     group sizes that must divide K, and the group fallback
+  loaders.py    what transformers and vLLM will do with it: warnings, load-time dequantization
   codec.py      one Linear weight encoded as packed codes and scales, and decoded back
   reader.py     a model directory as float tensors;  writer.py  the export
   inspect.py    what `qtool inspect` shows

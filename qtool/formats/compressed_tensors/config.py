@@ -25,7 +25,6 @@ from qtool.formats.compressed_tensors import coerce
 from qtool.formats.compressed_tensors.selection import (
     FORMAT,
     PACK_QUANTIZED,
-    VLLM_GROUP_SIZES,
     Selection,
     check_spec,
     ignore_list,
@@ -38,7 +37,6 @@ from qtool.spec import (
     QSpec,
     RangeMethod,
     Scheme,
-    StorageDtype,
 )
 
 NAIVE_FORMATS = ("naive-quantized", "int-quantized")
@@ -239,9 +237,15 @@ def quantization_config(
     selections: Sequence[Selection],
     version: str,
     candidates: Mapping[str, Sequence[float]] | None = None,
+    *,
+    absent: Sequence[str] = (),
+    dequantize: bool = False,
 ) -> dict[str, object]:
     """The `quantization_config` of config.json; `candidates` (name -> multipliers) records
-    the mse search's candidate lists under the `qtool` key, which loaders ignore."""
+    the mse search's candidate lists under the `qtool` key, which loaders ignore; `absent`: the
+    Linears the checkpoint holds no weight for (ignored too); `dequantize` writes
+    `"dequantize": true`, which makes transformers dequantize at load time
+    (loaders.dequantize_at_load says when)."""
     specs = [s.spec for s in selections if s.spec is not None]
     methods = sorted({s.range_method.value for s in specs})
     record: dict[str, object] = {
@@ -252,16 +256,19 @@ def quantization_config(
     if RangeMethod.MSE.value in methods:
         record["mse_algorithm"] = MSE_ALGORITHM
         record["mse_candidates"] = {k: list(v) for k, v in (candidates or {}).items()}
-    return {
+    q: dict[str, object] = {
         "quant_method": FORMAT,
         "format": PACK_QUANTIZED,
         "quantization_status": "compressed",
         "config_groups": config_groups(selections),
-        "ignore": ignore_list(selections),
+        "ignore": ignore_list(selections, absent),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
         "qtool": record,
     }
+    if dequantize:
+        q["dequantize"] = True
+    return q
 
 
 def with_quantization_config(
@@ -270,36 +277,3 @@ def with_quantization_config(
     """config.json's content with `quantization_config` added (InputError if it had one)."""
     check_not_quantized(config, path)
     return {**config, "quantization_config": dict(qconfig)}
-
-
-def export_warnings(selections: Sequence[Selection]) -> list[str]:
-    """One line per choice that will not run everywhere (vLLM kernels, transformers paths)."""
-    specs = {s.spec for s in selections if s.spec is not None}
-    warnings = []
-    if any(s.scheme is Scheme.ASYM and s.dtype is StorageDtype.INT8 for s in specs):
-        warnings.append(
-            "asymmetric int8 runs on few vLLM kernels (Hopper/Machete, or Conch); "
-            "symmetric int8 runs on Marlin and Machete"
-        )
-    odd = sorted(
-        {
-            s.granularity.size
-            for s in specs
-            if isinstance(s.granularity, PerGroup) and s.granularity.size not in VLLM_GROUP_SIZES
-        }
-    )
-    if odd:
-        sizes = ", ".join(map(str, odd))
-        warnings.append(f"group size {sizes}: vLLM has kernels for groups of 32, 64 and 128 only")
-    asym = any(s.scheme is Scheme.ASYM for s in specs)
-    if asym and len(config_groups(selections)) > 1:
-        warnings.append(
-            "asymmetric with several schemes (e.g. a group fallback): transformers 5.23 with "
-            "compressed-tensors 0.20 has no path that loads it correctly; vLLM and qtool read it"
-        )
-    if asym:
-        warnings.append(
-            "asymmetric: transformers loads it only with "
-            "CompressedTensorsConfig(dequantize=True) (compressed-tensors 0.20 zero-point bug)"
-        )
-    return warnings

@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
-from qtool.errors import InputError
 from qtool.formats.base import Ruled
+from qtool.formats.compressed_tensors.modules import OUTPUT_HEADS, TIED_HEADS, Linears
 from qtool.io.stformat import TensorEntry
 from qtool.spec import (
     FormatName,
-    GroupFallback,
     PerChannel,
     PerGroup,
     QSpec,
     Scheme,
     StorageDtype,
-    matrix_shape,
 )
 
 FORMAT = FormatName.COMPRESSED_TENSORS.value
@@ -48,8 +46,6 @@ CONV1D_MODEL_TYPES = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
 _EMBEDDING = re.compile(r"^(wte|wpe|shared)$|embed(dings?|_tokens|_positions)?$")
 _NORM = re.compile(r"norm", re.IGNORECASE)
 _ROUTER_PARTS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_network"})
-_OUTPUT_HEADS = frozenset({"lm_head", "embed_out"})
-_TIED_HEADS = frozenset({"lm_head", "embed_out", "decoder", "output"})
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,27 @@ class Kind:
     fixed: bool = False
 
 
-def classify(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
-    """Whether `entry` is the weight of a Linear layer, and whether it is quantized by default."""
+def classify(
+    entry: TensorEntry, config: Mapping[str, object], linears: Linears | None = None
+) -> Kind:
+    """Whether `entry` is the weight of a Linear layer, and whether it is quantized by default:
+    by its name, shape and config.json, corrected by the model's module list when it is known
+    (modules.py: a weight of no nn.Linear is never quantized; an nn.Linear the rules take for
+    something else stays float and goes into `ignore`)."""
+    kind = _by_name(entry, config)
+    if linears is None or len(entry.shape) != 2 or not entry.name.endswith(".weight"):
+        return kind
+    module = entry.name[: -len(".weight")]
+    linear = linears.is_linear(module)
+    if linear is False and kind.module is not None:
+        what = linears.class_of(module)
+        return Kind(None, f"not an nn.Linear in {linears.how} ({what})", True)
+    if linear and kind.module is None:
+        return Kind(module, kind.reason, kind.fixed)
+    return kind
+
+
+def _by_name(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
     name, ndim = entry.name, len(entry.shape)
     if entry.dtype not in FLOAT_DTYPES:
         return Kind(None, f"not a float tensor ({entry.dtype})", True)
@@ -126,10 +141,10 @@ def classify(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
 
 
 def _is_output_head(parts: list[str], shape: tuple[int, ...], config: Mapping[str, object]) -> bool:
-    if parts[-1] in _OUTPUT_HEADS:
+    if parts[-1] in OUTPUT_HEADS:
         return True
     vocab = config.get("vocab_size")
-    return parts[-1] in _TIED_HEADS and isinstance(vocab, int) and shape[0] == vocab
+    return parts[-1] in TIED_HEADS and isinstance(vocab, int) and shape[0] == vocab
 
 
 def _tied(config: Mapping[str, object]) -> bool:
@@ -137,22 +152,24 @@ def _tied(config: Mapping[str, object]) -> bool:
     return config.get("tie_word_embeddings", True) is not False
 
 
-def select_planned(planned: Iterable[Ruled], config: Mapping[str, object]) -> list[Selection]:
+def select_planned(
+    planned: Iterable[Ruled], config: Mapping[str, object], linears: Linears | None = None
+) -> list[Selection]:
     """The fate of every tensor, in order, given the rules' plan (--exclude, a recipe,
     --include): compressed-tensors quantizes Linear weights only, so every other tensor stays
     float whatever rule named it, and a Linear kept by default (lm_head, a router, never a
     tied head) is quantized only when a rule names it. ValueError for a spec it cannot store."""
-    return [_select_one(p, config) for p in planned]
+    return [_select_one(p, config, linears) for p in planned]
 
 
-def _select_one(planned: Ruled, config: Mapping[str, object]) -> Selection:
+def _select_one(planned: Ruled, config: Mapping[str, object], linears: Linears | None) -> Selection:
     """The export takes the spec as asked: a group longer than a row breaks K like any other
     group that does not divide it (see GroupFallback)."""
     entry, spec, ruling = planned.entry, planned.spec, planned.decision
     note = ruling.note
     if spec is not None and ruling.asked is not None and ruling.asked != spec:
         spec, note = ruling.asked, ""  # qtool's fitting note no longer applies
-    kind = classify(entry, config)
+    kind = classify(entry, config, linears)
     if spec is None:
         reason = ruling.reason if ruling.by_name else kind.reason or ruling.reason
         return Selection(entry, kind.module, None, reason)
@@ -190,10 +207,11 @@ def check_spec(spec: QSpec) -> None:
         raise ValueError("compressed-tensors scales run along output channels (axis 0) only")
 
 
-def ignore_list(selections: Iterable[Selection]) -> list[str]:
-    """Every Linear kept in float, by exact module name (literal_target), sorted."""
+def ignore_list(selections: Iterable[Selection], absent: Iterable[str] = ()) -> list[str]:
+    """Every Linear kept in float, by exact module name (literal_target), sorted; `absent`: the
+    Linears the checkpoint holds no weight for (a tied output head), kept float too."""
     kept = {s.module for s in selections if s.module is not None and s.spec is None}
-    return sorted(literal_target(m) for m in kept)
+    return sorted(literal_target(m) for m in kept | set(absent))
 
 
 def literal_target(module: str) -> str:
@@ -226,73 +244,6 @@ def fused_inconsistencies(selections: Iterable[Selection]) -> list[str]:
 
 def _label(spec: QSpec | None) -> str:
     return spec.describe() if spec is not None else "float"
-
-
-# ---------------------------------------------------------------- groups
-
-
-@dataclass(frozen=True)
-class GroupViolation:
-    """A tensor whose row length K is not a multiple of its group size G."""
-
-    name: str
-    k: int
-    group_size: int
-
-    def describe(self) -> str:
-        return f"{self.name} (K={self.k}, G={self.group_size})"
-
-
-def group_violations(selections: Iterable[Selection]) -> list[GroupViolation]:
-    """Every quantized tensor whose K is not a multiple of its group size (compressed-tensors
-    and vLLM need whole groups)."""
-    found = []
-    for s in selections:
-        if s.spec is not None and isinstance(s.spec.granularity, PerGroup):
-            k, g = matrix_shape(s.entry.shape)[1], s.spec.granularity.size
-            if k % g:
-                found.append(GroupViolation(s.entry.name, k, g))
-    return found
-
-
-def apply_group_fallback(selection: Selection, fallback: GroupFallback) -> Selection:
-    """The selection with the fallback applied when its K is not a multiple of G; InputError
-    (hint "group-fallback") under `error`."""
-    violations = group_violations([selection])
-    if not violations:
-        return selection
-    v = violations[0]
-    if fallback is GroupFallback.CHANNEL:
-        assert selection.spec is not None
-        spec = replace(selection.spec, granularity=PerChannel(0))
-        return replace(selection, spec=spec, note=f"K={v.k} not a multiple of {v.group_size}")
-    if fallback is GroupFallback.KEEP:
-        return replace(selection, spec=None, reason=f"K={v.k} not a multiple of {v.group_size}")
-    raise InputError(
-        None,
-        f"group size {v.group_size} does not divide the row length of {v.describe()}",
-        v.name,
-        hint="group-fallback",
-    )
-
-
-LISTED_VIOLATIONS = 3  # a model's every layer breaks alike: name a few, count the rest
-
-
-def resolve_groups(selections: Sequence[Selection], fallback: GroupFallback) -> list[Selection]:
-    """Every selection with the fallback applied; under `error`, one InputError naming every
-    tensor whose K is not a multiple of G (hint "group-fallback")."""
-    violations = group_violations(selections)
-    if violations and fallback is GroupFallback.ERROR:
-        listed = ", ".join(v.describe() for v in violations[:LISTED_VIOLATIONS])
-        if len(violations) > LISTED_VIOLATIONS:
-            listed += f" and {len(violations) - LISTED_VIOLATIONS} more"
-        raise InputError(
-            None,
-            f"the group size must divide the row length K of every quantized tensor: {listed}",
-            hint="group-fallback",
-        )
-    return [apply_group_fallback(s, fallback) for s in selections]
 
 
 # ---------------------------------------------------------------- output tensors

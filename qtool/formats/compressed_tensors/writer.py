@@ -18,8 +18,10 @@ from qtool import __version__
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, FormatContext, Planned, Ruled
 from qtool.formats.compressed_tensors import config as ct_config
+from qtool.formats.compressed_tensors import groups, loaders
 from qtool.formats.compressed_tensors import selection as ct
 from qtool.formats.compressed_tensors.codec import encode_result, fp16_underflow_warning
+from qtool.formats.compressed_tensors.modules import Linears, model_linears
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, tensor_bytes
 from qtool.io.jsonfile import read_json_object
@@ -44,14 +46,6 @@ def read_model_config(path: Path | None, within: InputDir | None = None) -> dict
     doc = read_json_object(path, within=within, what="model config")
     ct_config.check_not_quantized(doc, path)
     return doc
-
-
-def _selection(planned: Planned, config: dict[str, object]) -> ct.Selection:
-    """The export's view of one planned tensor: its Linear module (None: not a Linear)."""
-    entry = planned.entry
-    if planned.spec is not None:
-        return ct.Selection(entry, entry.name[: -len(".weight")], planned.spec)
-    return ct.Selection(entry, ct.classify(entry, config).module, None)
 
 
 def _check_fused(selections: Sequence[ct.Selection]) -> None:
@@ -80,6 +74,19 @@ def _refuse_nothing_quantized(selections: Sequence[ct.Selection]) -> None:
         )
 
 
+def _has_modules_json(context: FormatContext) -> bool:
+    """A sentence-transformers model directory: its modules.json is a file qtool can read."""
+    within = context.directory
+    return within is not None and within.problem("modules.json") is None
+
+
+def _module_notes(linears: Linears, config: Path | None) -> list[str]:
+    """Why qtool's rules decided the module list although transformers is installed."""
+    if not linears.note:
+        return []
+    return [f"{config}: the Linear layers were decided by qtool's rules: {linears.note}"]
+
+
 class CompressedTensorsFormat:
     """compressed-tensors `pack-quantized`: a model directory transformers and vLLM load."""
 
@@ -93,6 +100,26 @@ class CompressedTensorsFormat:
         self.config = read_model_config(context.config, context.config_dir)
         self.fallback = context.group_fallback
         self.data_warnings: list[str] = []
+        self.sentence_transformers = _has_modules_json(context)
+        self._linears: Linears | None = None
+
+    def linears(self, planned: Sequence[Planned]) -> Linears:
+        """The model's Linear modules (modules.py), found once from the whole model's tensors."""
+        if self._linears is None:
+            entries = [p.entry for p in planned]
+            self._linears = model_linears(self.config, self.config_path, entries)
+        return self._linears
+
+    def _selection(self, planned: Planned) -> ct.Selection:
+        """The export's view of one planned tensor: its Linear module (None: not a Linear)."""
+        entry = planned.entry
+        if planned.spec is not None:
+            return ct.Selection(entry, entry.name[: -len(".weight")], planned.spec)
+        return ct.Selection(entry, ct.classify(entry, self.config, self._linears).module, None)
+
+    def _selections(self, planned: Sequence[Planned]) -> list[ct.Selection]:
+        self.linears(planned)
+        return [self._selection(p) for p in planned]
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         """Why `entry` cannot be stored with `spec` (unsigned codes, another axis, groups that
@@ -109,13 +136,14 @@ class CompressedTensorsFormat:
     def select(self, planned: Sequence[Ruled]) -> list[Choice]:
         """Linear weights by name, shape and config.json; the group fallback; InputError for a
         spec it cannot store or a plan vLLM would refuse (fused siblings treated differently)."""
+        linears = self.linears(planned)
         try:
-            chosen = ct.select_planned(planned, self.config)
+            chosen = ct.select_planned(planned, self.config, linears)
         except ct.RuleUnstorable as err:
             raise RecipeError(None, str(err)) from None
         except ValueError as err:
             raise InputError(None, str(err), hint="dtype") from None
-        chosen = ct.resolve_groups(chosen, self.fallback)
+        chosen = groups.resolve_groups(chosen, self.fallback)
         _check_fused(chosen)
         return list(chosen)
 
@@ -126,8 +154,8 @@ class CompressedTensorsFormat:
         return ct.output_nbytes(ct.Selection(entry, entry.name.removesuffix(".weight"), spec))
 
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
-        """Every Linear kept in float, by exact module name."""
-        return ct.ignore_list([_selection(p, self.config) for p in planned])
+        """Every Linear kept in float, by exact module name (those with no weight included)."""
+        return ct.ignore_list(self._selections(planned), self.linears(planned).absent)
 
     def layout(self, out: Path) -> list[Path]:
         return [out]
@@ -136,12 +164,12 @@ class CompressedTensorsFormat:
         return None
 
     def tensor_names(self, planned: Planned) -> list[str]:
-        return list(ct.output_tensors(_selection(planned, self.config)))
+        return list(ct.output_tensors(self._selection(planned)))
 
     def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
         """config.json with the quantization_config of what was written; InputError when a
         tensor kept after planning (--keep-nonfinite) split a fused set."""
-        selections = [_selection(p, self.config) for p in planned]
+        selections = self._selections(planned)
         _check_fused(selections)
         _refuse_nothing_quantized(selections)
         candidates = {
@@ -149,16 +177,33 @@ class CompressedTensorsFormat:
             for p in planned
             if p.spec is not None and (c := search_candidates(p.spec, p.entry.shape)) is not None
         }
-        qconfig = ct_config.quantization_config(selections, __version__, candidates)
+        qconfig = ct_config.quantization_config(
+            selections,
+            __version__,
+            candidates,
+            absent=self.linears(planned).absent,
+            dequantize=self._dequantize_at_load(selections),
+        )
         assert self.config_path is not None
         doc = ct_config.with_quantization_config(self.config, qconfig, self.config_path)
         text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         return {"config.json": text.encode()}
 
+    def _dequantize_at_load(self, selections: Sequence[ct.Selection]) -> bool:
+        return loaders.dequantize_at_load(selections, self.sentence_transformers)[0]
+
     def warnings(self, planned: Sequence[Planned]) -> list[str]:
-        """The scheme's warnings, then those found in the data written so far (fp16 scales)."""
-        selections = [_selection(p, self.config) for p in planned]
-        return ct_config.export_warnings(selections) + self.data_warnings
+        """What the model's module list says, the scheme's warnings, then those found in the
+        data written so far (fp16 scales)."""
+        selections = self._selections(planned)
+        linears = self.linears(planned)
+        dense, st_warning = loaders.dequantize_at_load(selections, self.sentence_transformers)
+        return [
+            *_module_notes(linears, self.config_path),
+            *loaders.export_warnings(selections, dequantize=dense),
+            *([st_warning] if st_warning else []),
+            *self.data_warnings,
+        ]
 
     def writer(
         self,
@@ -167,7 +212,7 @@ class CompressedTensorsFormat:
         out: Path,
         outputs: OutputSet,
     ) -> CtShardWriter:
-        return CtShardWriter([_selection(p, self.config) for p in planned], out, outputs, self)
+        return CtShardWriter(self._selections(planned), out, outputs, self)
 
 
 class CtShardWriter:

@@ -1,13 +1,126 @@
-"""llama.cpp's GGUF as a qtool format (not registered yet: the format registry wires it in).
+"""llama.cpp's GGUF as a qtool format, registered as FormatName.GGUF with one detector
+(formats/detect.py has the order: 25, a lone file starting with the GGUF magic or named
+*.gguf). Torch-free at import.
 
 - reader.GGUFFloatReader: any GGUF file as float tensors (the FloatReader protocol), under GGUF
-  names, in torch order, quantized types dequantized as ggml does.
-- summary.summarize: what `inspect` shows (architecture, key metadata, tensors, totals by type).
+  names, in torch order, quantized types dequantized as ggml does (compare, dequantize).
+- inspect / summary.summarize: what `inspect` shows (architecture, key metadata, every tensor
+  with its type and bits per weight, totals by type).
 - names.pair_names / HFView: the GGUF's tensors under the names and in the layout of the
   Hugging Face checkpoint it was converted from (rotary permutation undone); what cannot be
-  placed is listed.
-- plan.choose and writer.write_quantized: a float GGUF (F32/F16/BF16) quantized tensor by
-  tensor to GGUF types as llama-quantize writes them (its float-kept tensors, fallbacks, order,
-  metadata and file type).
+  placed is listed. `hf_state_dict` and registry.open_matching give them.
+- output.GGUFFormat and shard.GGUFShardWriter: `quantize --format gguf`, a float GGUF
+  (F32/F16/BF16) quantized through the quantize loop as llama-quantize writes it (plan.py: its
+  float-kept tensors, fallbacks, order and file type).
+- writer.write_quantized: the same at the library level, without the loop.
 - ftype: llama.cpp's file types.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qtool.errors import InputError, UsageError
+from qtool.formats import detect, registry
+from qtool.formats.base import FloatReader, FormatContext, OutputFormat
+from qtool.formats.detect import Detected, Probe
+from qtool.io.safeopen import open_regular
+from qtool.results import InspectSummary
+from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, gguf_spec
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = FormatName.GGUF.value
+MAGIC = b"GGUF"
+PLAIN_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+LADDER: tuple[QSpec, ...] = tuple(gguf_spec(t) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"))
+"""The error budget's default ladder for --format gguf: llama.cpp's K-types, then Q8_0."""
+
+
+def _gguf(probe: Probe) -> Detected | None:
+    """A lone file with the GGUF magic, or named *.gguf (its reader says what is wrong)."""
+    if probe.is_dir or probe.directory is not None:
+        return None
+    if probe.path.suffix.lower() != ".gguf" and not _has_magic(probe.path):
+        return None
+    from qtool.io.gguf_checkpoint import as_header
+    from qtool.io.gguf_file import GGUFFile
+
+    with GGUFFile(probe.path) as f:
+        header = f.header
+    types = {t.type.name for t in header.tensors} - set(PLAIN_TYPES)
+    what = f"a GGUF file of {', '.join(sorted(types))} tensors" if types else "a float GGUF file"
+    return Detected(
+        probe.path, "gguf", NAME, what, bool(types), (probe.path,), header=as_header(header)
+    )
+
+
+def _has_magic(path: Path) -> bool:
+    try:
+        with open_regular(path) as f:
+            return f.read(4) == MAGIC
+    except InputError:
+        return False  # not a regular file: the readers after this one say so
+
+
+def _reader(found: Detected, qparams: Path | None) -> FloatReader:
+    if qparams is not None:
+        raise UsageError(qparams, "a GGUF file keeps its scales in its blocks; give no sidecar")
+    from qtool.formats.gguf.reader import open_gguf
+
+    return open_gguf(found.path)
+
+
+def _inspect(found: Detected) -> InspectSummary:
+    from qtool.formats.gguf.inspect import inspect
+
+    return inspect(found.path)
+
+
+def _output(context: FormatContext) -> OutputFormat:
+    from qtool.formats.gguf.output import output_format
+
+    return output_format(context.inputs)
+
+
+def _refuses(spec: QSpec) -> str | None:
+    if spec.gguf is None:
+        return (f"--format gguf stores llama.cpp's block types, not {spec.describe()}: give one "
+                f"of {', '.join(GGUF_QUANTIZE_TYPES)}")  # fmt: skip
+    if spec.gguf.name not in GGUF_QUANTIZE_TYPES:
+        types = ", ".join(GGUF_QUANTIZE_TYPES)
+        return f"qtool cannot quantize to {spec.gguf.name}; use one of {types}"
+    return None
+
+
+def _matcher(reader: FloatReader, names: Sequence[str]) -> registry.Matched:
+    from qtool.formats.gguf.names import matched
+
+    return matched(reader, names)
+
+
+def hf_state_dict(
+    path: Path, hf_names: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], registry.Matched]:
+    """Every tensor of the GGUF file `path` that maps onto the Hugging Face names `hf_names`,
+    as float32 in the Hugging Face layout (rotary permutation undone), and the matching with
+    what could not be placed (registry.open_matching reads them one at a time instead)."""
+    found = registry.open_matching(Path(path), hf_names)
+    try:
+        state = {name: found.reader.values(name) for name in found.placed}
+    finally:
+        found.reader.close()
+    return state, found
+
+
+detect.register(25, _gguf)
+registry.register(
+    registry.FormatEntry(
+        NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
+        ladder=LADDER, matcher=_matcher, dequantize_float=True, stores_gguf=True,
+        input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
+    )
+)  # fmt: skip

@@ -25,6 +25,7 @@ from qtool.errors import InputError, UsageError
 from qtool.formats.base import FloatReader
 from qtool.formats.gguf.reader import INSTALL_GGUF, GGUFFloatReader
 from qtool.formats.gguf.summary import ARCH_KEY
+from qtool.formats.registry import Matched
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.spec import QSpec
 
@@ -166,11 +167,15 @@ class _Names:
 
 class HFView:
     """The placed GGUF tensors as a FloatReader under their Hugging Face names, in the Hugging
-    Face layout (the pairing's unplaced tensors are the caller's to report)."""
+    Face layout; with `unplaced`, also the GGUF tensors no Hugging Face name maps to, under
+    their GGUF names and in GGUF's torch order (for a comparison to list; else they are the
+    caller's to report)."""
 
-    def __init__(self, reader: GGUFFloatReader, pairing: Pairing) -> None:
+    def __init__(self, reader: GGUFFloatReader, pairing: Pairing, unplaced: bool = False) -> None:
         self.reader, self.pairing, self.path = reader, pairing, reader.path
         self._gguf = {p.hf: p.gguf for p in pairing.placed}
+        if unplaced:
+            self._gguf |= {name: name for name, _ in pairing.gguf_unplaced}
 
     @property
     def names(self) -> list[str]:
@@ -194,7 +199,8 @@ class HFView:
 
     def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         gguf_name = self._gguf[name]
-        return to_hf(gguf_name, self.reader.values(gguf_name, dtype), self.pairing.heads)
+        heads = self.pairing.heads if gguf_name != name else None  # an unplaced one: as it is
+        return to_hf(gguf_name, self.reader.values(gguf_name, dtype), heads)
 
     def raw(self, name: str) -> memoryview:
         gguf_name = self._gguf[name]
@@ -226,6 +232,18 @@ class HFView:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def matched(reader: FloatReader, hf_names: Sequence[str]) -> Matched:
+    """A GGUF reader (registry.open_reader's) under the Hugging Face names `hf_names`: the
+    placed tensors renamed and un-permuted, the GGUF tensors nothing maps to under their own
+    names, and every name of either side without a counterpart with why."""
+    if not isinstance(reader, GGUFFloatReader):
+        raise TypeError(f"a GGUF reader is needed, not {type(reader).__name__}")
+    pairing = pair_names(reader.header, hf_names, reader.path)
+    unplaced = dict(pairing.hf_unplaced) | dict(pairing.gguf_unplaced)
+    placed = {p.hf: p.gguf for p in pairing.placed}
+    return Matched(HFView(reader, pairing, unplaced=True), unplaced, placed)
 
 
 def hf_view(reader: GGUFFloatReader, hf_names: Sequence[str]) -> tuple[FloatReader, Pairing]:

@@ -129,8 +129,7 @@ def _choice(info: GGUFTensorInfo, spec: QSpec | None, arch: str) -> TensorChoice
     stored = gguf_stored_type(spec, info.torch_shape)
     note = ""
     if stored != spec.gguf:
-        note = (f"rows of {info.shape[0]} are not whole {spec.gguf.name} blocks of "
-                f"{spec.gguf.block_size}: {stored.name}, as llama-quantize falls back")  # fmt: skip
+        note = f"fallback: rows of {info.shape[0]} are not whole {spec.gguf.name} blocks"
     return TensorChoice(info, stored, spec, "", note)
 
 

@@ -1,0 +1,50 @@
+"""FLOAT as `detect` finds it (torch-free): a model directory with its config.json (read once,
+through the directory's descriptor, like every config), not an already quantized one, and which
+kind of model it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qtool.errors import InputError
+from qtool.eval_results import CAUSAL_LM, ENCODER
+from qtool.formats.detect import CONFIG, Detected, detect
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+FLOAT_WANTED = (
+    "FLOAT must be a Hugging Face model directory (config.json beside safetensors weights)"
+)
+
+
+def float_source(path: Path) -> tuple[Detected, dict[str, object]]:
+    """FLOAT detected, and its config.json (InputError when `path` is not a float model
+    directory: a file, a directory without config.json, or a quantized model)."""
+    if not path.exists():
+        raise InputError(path, "no such file or directory; check the path")
+    if not path.is_dir():
+        raise InputError(path, f"{FLOAT_WANTED}; this is a file")
+    found = detect(path)
+    config = found.config
+    if config is None:
+        raise InputError(path, f"{FLOAT_WANTED}; it has no {CONFIG}")
+    if not isinstance(config, dict):
+        raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
+    if "quantization_config" in config or found.quantized:
+        what = found.description if found.quantized else "its config.json has a quantization_config"
+        raise InputError(
+            path, f"FLOAT is already quantized ({what}); give the float model as FLOAT and the "
+            "quantized one as QUANT",
+        )  # fmt: skip
+    return found, config
+
+
+def kind_of(config: dict[str, object]) -> tuple[str, str]:
+    """(kind, architecture): a causal LM when an architecture's name ends in ForCausalLM or
+    LMHeadModel (LlamaForCausalLM, GPT2LMHeadModel), an encoder otherwise (BertModel)."""
+    names = config.get("architectures")
+    archs = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+    causal = [a for a in archs if a.endswith(CAUSAL_SUFFIXES)]
+    if causal:
+        return CAUSAL_LM, causal[0]
+    model_type = config.get("model_type")
+    return ENCODER, archs[0] if archs else str(model_type or "unknown")

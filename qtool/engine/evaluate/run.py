@@ -1,0 +1,116 @@
+"""One evaluation: read the text, load FLOAT then QUANT (once each), tokenize, run the passes,
+summarise. Loading and evaluation are timed apart (loading dominates small runs)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from qtool.engine.evaluate.layers import LayerProbe, changed_parameters
+from qtool.engine.evaluate.models import FloatModel, load_float
+from qtool.engine.evaluate.passes import causal_pass, encoder_pass
+from qtool.engine.evaluate.quant import QuantModel, load_quant
+from qtool.engine.evaluate.text import Text, default_text, read_text, windows
+from qtool.engine.evaluate.tokens import causal_tokens, encoder_pieces
+from qtool.engine.loop import resolve_device
+from qtool.errors import UsageError
+from qtool.eval_results import CAUSAL_LM, EvalSummary
+from qtool.results import Progress
+
+DEFAULT_CTX = 512
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    text: Path | None = None  # None: default_text()
+    tokens: int = 4096
+    ctx: int | None = None  # None: DEFAULT_CTX, or FLOAT's max_position_embeddings if shorter
+    dtype: str = "float32"
+    device: str = "auto"
+    per_layer: bool = False
+    threads: int | None = None  # CPU threads for torch; None: torch's default
+
+
+def evaluate(
+    float_dir: Path, quant: Path, options: EvalOptions, progress: Progress | None = None
+) -> EvalSummary:
+    text = read_text(options.text) if options.text is not None else default_text()
+    device = resolve_device(options.device)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    started = perf_counter()
+    reference = load_float(float_dir, DTYPES[options.dtype])
+    ctx = window_length(options.ctx, reference)
+    candidate = load_quant(quant, reference, DTYPES[options.dtype])
+    pieces = _pieces(reference, candidate, text, options.tokens, ctx, quant)
+    models = (reference.model.to(device), candidate.model.to(device))
+    changed, parameters = changed_parameters(*models)
+    ready = perf_counter()
+    probe = LayerProbe(*models) if options.per_layer else None
+    if progress is not None:
+        progress.start(sum(map(len, pieces)))
+    with probe if probe is not None else nullcontext():
+        if reference.kind == CAUSAL_LM:
+            causal, encoder = causal_pass(models, pieces, device, progress), None
+        else:
+            causal, encoder = None, encoder_pass(models, pieces, device, progress)
+    done = perf_counter()
+    return EvalSummary(
+        inputs=(str(float_dir), str(quant)),
+        loaded_as=candidate.loaded_as,
+        architecture=reference.architecture,
+        kind=reference.kind,
+        text=text.info,
+        tokenizer="FLOAT's" if candidate.tokenizer is None else "FLOAT's = QUANT's",
+        tokens=sum(map(len, pieces)),
+        ctx=ctx,
+        windows=len(pieces),
+        dtype=options.dtype,
+        device=str(device),
+        changed=changed,
+        parameters=parameters,
+        causal=causal,
+        encoder=encoder,
+        layers=probe.rows() if probe is not None else None,
+        load_seconds=ready - started,
+        eval_seconds=done - ready,
+        notes=_notes(changed),
+    )
+
+
+def _pieces(
+    reference: FloatModel, candidate: QuantModel, text: Text, limit: int, ctx: int, quant: Path
+) -> list[list[int]]:
+    """The windows of the tokens (causal LM) or the sentences (encoder) both models run on."""
+    tokenizers = (reference.tokenizer, candidate.tokenizer)
+    if reference.kind == CAUSAL_LM:
+        ids = causal_tokens(*tokenizers, text, limit, quant)
+        return [ids[s:e] for s, e in windows(len(ids), ctx)]
+    return encoder_pieces(*tokenizers, text, limit, ctx, quant)
+
+
+def window_length(asked: int | None, reference: FloatModel) -> int:
+    """The window (causal) or sentence cut-off (encoder): `asked`, else DEFAULT_CTX, never more
+    than FLOAT's max_position_embeddings (UsageError when `asked` is)."""
+    limit: Any = getattr(reference.model.config, "max_position_embeddings", None)
+    longest = limit if isinstance(limit, int) and limit >= 2 else None
+    if asked is None:
+        return min(DEFAULT_CTX, longest) if longest else DEFAULT_CTX
+    if longest is not None and asked > longest:
+        raise UsageError(
+            reference.path, f"a window of {asked} tokens is longer than FLOAT's "
+            f"max_position_embeddings ({longest}); choose at most {longest}",
+        )  # fmt: skip
+    return asked
+
+
+def _notes(changed: int) -> tuple[str, ...]:
+    if changed:
+        return ()
+    return ("QUANT's weights equal FLOAT's: it is not quantized (or it is FLOAT itself)",)

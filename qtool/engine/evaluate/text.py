@@ -1,0 +1,78 @@
+"""The evaluation text and how it is cut (torch-free): the default text every CPython has
+(pydoc_data), a --text file read like every other input, windows of tokens for causal LMs and
+sentences for encoders."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from qtool.errors import InputError
+from qtool.eval_results import TextInfo
+from qtool.io.safeopen import read_bounded
+
+MAX_TEXT_BYTES = 64_000_000
+
+
+@dataclass(frozen=True)
+class Text:
+    content: str
+    source: str
+
+    @property
+    def info(self) -> TextInfo:
+        digest = hashlib.sha256(self.content.encode("utf-8")).hexdigest()
+        return TextInfo(self.source, len(self.content), digest)
+
+
+def default_text() -> Text:
+    """CPython's own documentation topics (pydoc_data.topics, shipped with every CPython): the
+    topics in sorted key order, joined by blank lines. It changes with the Python version,
+    which the source names (the SHA-256 in the report pins the exact text)."""
+    from pydoc_data.topics import topics
+
+    content = "\n\n".join(topics[key] for key in sorted(topics))
+    version = ".".join(str(v) for v in sys.version_info[:3])
+    return Text(content, f"pydoc_data topics (CPython {version})")
+
+
+def read_text(path: Path) -> Text:
+    """A UTF-8 text file (a regular file, at most MAX_TEXT_BYTES; a BOM is dropped)."""
+    data = read_bounded(path, MAX_TEXT_BYTES, "the text file")
+    try:
+        content = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            path, f"not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); "
+            "give a UTF-8 text file",
+        ) from None  # fmt: skip
+    if not content.strip():
+        raise InputError(path, "the text file is empty; give some text to evaluate on")
+    return Text(content, str(path))
+
+
+def windows(count: int, ctx: int) -> list[tuple[int, int]]:
+    """[start, end) of the non-overlapping windows of `ctx` tokens that cover `count` tokens;
+    the last, shorter one is kept when it has 2 or more tokens (one prediction)."""
+    if ctx < 2:
+        raise ValueError(f"a window needs at least 2 tokens, got {ctx}")
+    spans = [(s, min(s + ctx, count)) for s in range(0, count, ctx)]
+    return [(s, e) for s, e in spans if e - s >= 2]
+
+
+_PARAGRAPH = re.compile(r"\n[ \t]*\n")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def sentences(text: str) -> list[str]:
+    """The text's paragraphs (cut at blank lines, each one's white space collapsed to single
+    spaces) cut after . ! ? followed by white space; pieces without a letter or digit (rules,
+    lone punctuation) are dropped."""
+    out = []
+    for paragraph in _PARAGRAPH.split(text):
+        flat = " ".join(paragraph.split())
+        out += [s for s in _SENTENCE_END.split(flat) if any(c.isalnum() for c in s)]
+    return out

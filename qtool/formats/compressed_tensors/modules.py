@@ -1,0 +1,268 @@
+"""Which nn.Linear modules the model has: what a consumer builds from config.json, so that an
+export quantizes or names in `ignore` every one, including those the checkpoint holds no weight
+for (an output head tied to the input embeddings: `lm_head` of SmolLM2, Llama 3.2, Qwen2.5).
+
+With transformers installed, the class config.json's `architectures` names is built on the meta
+device (no memory, no weights, no code from the model directory) as `from_pretrained` builds it,
+and its nn.Linear modules are listed. Without transformers, or when it cannot build that class,
+rules decide (`by_rules`): an output head with no weight in the checkpoint is the only Linear a
+checkpoint can lack. When neither can decide, InputError naming config.json and what is unknown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qtool.errors import InputError
+from qtool.io.stformat import TensorEntry
+
+OUTPUT_HEADS = frozenset({"lm_head", "embed_out"})
+"""Output heads by name alone."""
+TIED_HEADS = frozenset({"lm_head", "embed_out", "decoder", "output", "proj_out", "vocab_projector"})
+"""Output heads when their rows are the vocabulary (`cls.predictions.decoder`, ...)."""
+
+NO_HEAD_SUFFIXES = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForQuestionAnswering",
+    "ForMultipleChoice",
+    "ForImageClassification",
+    "ForAudioClassification",
+    "ForAudioFrameClassification",
+    "ForXVector",
+    "ForCTC",
+    "ForNextSentencePrediction",
+    "ForDepthEstimation",
+    "Model",
+    "Encoder",
+)
+"""Classes without output embeddings: nothing can be tied, every Linear has its own weight."""
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+"""Classes whose output head is `lm_head` unless HEADS says otherwise."""
+HEAD_SUFFIXES = (*CAUSAL_SUFFIXES, "ForMaskedLM", "ForPreTraining", "WithLMHeadModel")
+HEADS = {
+    "gpt_neox": "embed_out",
+    "whisper": "proj_out",
+    "bert": "cls.predictions.decoder",
+    "roberta": "lm_head.decoder",
+    "xlm-roberta": "lm_head.decoder",
+    "camembert": "lm_head.decoder",
+    "distilbert": "vocab_projector",
+}
+"""Output heads that are not `lm_head`, by model_type."""
+
+_COUNTS = re.compile(r"(^|_)(layers?|experts)$|^n_layer$")
+MIN_MODULE_BOUND = 4096
+
+
+@dataclass(frozen=True)
+class Linears:
+    """The model's nn.Linear modules: `names` all of them (None: not known, the rules decided
+    from the checkpoint's tensor names), `absent` those the checkpoint holds no weight for,
+    `classes` the class of every other module that owns a weight (for messages), `how` who
+    decided ("transformers LlamaForCausalLM", "rules"), `note` why the rules did."""
+
+    names: frozenset[str] | None
+    absent: tuple[str, ...] = ()
+    classes: Mapping[str, str] | None = None
+    how: str = "rules"
+    note: str = ""
+
+    def is_linear(self, module: str) -> bool | None:
+        """Whether the built model has `module` as an nn.Linear (None: not known)."""
+        return None if self.names is None else module in self.names
+
+    def class_of(self, module: str) -> str:
+        return (self.classes or {}).get(module, "no module of this name")
+
+
+class Undecided(Exception):
+    """Why transformers did not list the model's Linear modules (the rules decide then)."""
+
+
+def model_linears(
+    config: Mapping[str, object], path: Path | None, entries: Sequence[TensorEntry]
+) -> Linears:
+    """The Linear modules of the model config.json describes (`path` names it in messages),
+    given the checkpoint's tensors; InputError when neither transformers nor the rules decide."""
+    weights = matrix_modules(entries)
+    try:
+        return built_linears(config, weights, len(entries))
+    except Undecided as why:
+        return by_rules(config, path, weights, str(why))
+
+
+def matrix_modules(entries: Sequence[TensorEntry]) -> frozenset[str]:
+    """Modules whose `.weight` is a 2-D tensor of the checkpoint."""
+    return frozenset(
+        e.name[: -len(".weight")]
+        for e in entries
+        if e.name.endswith(".weight") and len(e.shape) == 2
+    )
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def built_linears(config: Mapping[str, object], weights: frozenset[str], count: int) -> Linears:
+    """The Linears of the class config.json names, built on the meta device; Undecided when
+    transformers is missing or cannot build it, or its names do not match the checkpoint's."""
+    arch, model_type = _architecture(config)
+    _check_counts(config, count)
+    try:
+        transformers = importlib.import_module("transformers")
+        torch = importlib.import_module("torch")
+    except ImportError:
+        raise Undecided("transformers is not installed") from None
+    cls = _model_class(transformers, arch)
+    with _quiet(transformers):
+        try:
+            dropped = ("quantization_config", "model_type")
+            fields = {k: v for k, v in config.items() if k not in dropped}
+            built = transformers.AutoConfig.for_model(model_type, **fields)
+            with torch.device("meta"):
+                model = cls(built)
+        except Exception as err:  # any failure of a third-party build: the rules decide
+            raise Undecided(f"transformers could not build {arch}: {_first_line(err)}") from None
+    return _listed(model, torch.nn.Linear, arch, weights)
+
+
+def _model_class(transformers: Any, arch: str) -> Any:
+    """transformers' model class named `arch` (only a PreTrainedModel; no remote code)."""
+    cls = getattr(transformers, arch, None)
+    base = getattr(transformers, "PreTrainedModel", None)
+    if not (isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base)):
+        version = getattr(transformers, "__version__", "?")
+        raise Undecided(f"transformers {version} has no model class {arch}")
+    return cls
+
+
+def _architecture(config: Mapping[str, object]) -> tuple[str, str]:
+    archs, model_type = config.get("architectures"), config.get("model_type")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise Undecided("config.json names no architectures")
+    if not isinstance(model_type, str):
+        raise Undecided("config.json has no model_type")
+    return archs[0], model_type
+
+
+def _check_counts(config: Mapping[str, object], count: int) -> None:
+    """Undecided when config.json's layer and expert counts multiply into more modules than a
+    checkpoint of `count` tensors can hold (a hostile or broken config must not make qtool
+    build millions of modules)."""
+    product = 1
+    for key, value in _ints(config):
+        if _COUNTS.search(key) and value > 0:
+            product *= value
+    if product > max(MIN_MODULE_BOUND, 8 * count):
+        raise Undecided(
+            f"its layer and expert counts ({product:,} modules) do not fit a checkpoint of "
+            f"{count:,} tensors"
+        )
+
+
+def _ints(doc: Mapping[str, object], depth: int = 0) -> Iterator[tuple[str, int]]:
+    for key, value in doc.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            yield key, value
+        elif isinstance(value, dict) and depth < 4:
+            yield from _ints(value, depth + 1)
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' logging and Python warnings silenced while it builds the model."""
+    logging = transformers.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _listed(model: Any, linear: type, arch: str, weights: frozenset[str]) -> Linears:
+    names, classes = set(), {}
+    for name, module in model.named_modules():
+        if isinstance(module, linear):
+            names.add(name)
+        elif "weight" in getattr(module, "_parameters", {}):
+            classes[name] = type(module).__name__
+    if weights and not weights & names:
+        raise Undecided(f"the module names of {arch} do not match the checkpoint's tensor names")
+    absent = tuple(sorted(names - weights))
+    return Linears(frozenset(names), absent, classes, f"transformers {arch}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+# ---------------------------------------------------------------- rules
+
+
+def by_rules(
+    config: Mapping[str, object], path: Path | None, weights: frozenset[str], why: str
+) -> Linears:
+    """Without transformers: the checkpoint's Linears are those its tensor names show; the only
+    one it can lack is an output head tied to the input embeddings. None is missing when
+    config.json unties the embeddings, when the checkpoint holds the head, or when the class has
+    no output head; otherwise the head is named by the class and model_type (HEADS), and
+    InputError when they do not say."""
+    note = "" if why == "transformers is not installed" else why
+    if _untied(config) or any(_is_head(m) for m in weights):
+        return Linears(None, note=note)
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
+        raise _undecidable(path, "config.json names no architectures", why)
+    arch, model_type = archs[0], config.get("model_type")
+    head = _head_of(arch, model_type if isinstance(model_type, str) else None)
+    if head is None:
+        return Linears(None, note=note)
+    if head == "":
+        raise _undecidable(path, f"qtool's rules do not know the output head of {arch}", why)
+    return Linears(None, (head,), note=note)
+
+
+def _untied(config: Mapping[str, object]) -> bool:
+    text = config.get("text_config")
+    tied = config.get("tie_word_embeddings")
+    if tied is None and isinstance(text, dict):
+        tied = text.get("tie_word_embeddings")
+    return tied is False
+
+
+def _is_head(module: str) -> bool:
+    leaf = module.rpartition(".")[2]
+    return leaf in OUTPUT_HEADS or module in HEADS.values()
+
+
+def _head_of(arch: str, model_type: str | None) -> str | None:
+    """The output head of `arch` (None: it has none; "": not known)."""
+    if arch.endswith(HEAD_SUFFIXES):
+        if model_type in HEADS:
+            return HEADS[model_type]
+        return "lm_head" if arch.endswith(CAUSAL_SUFFIXES) else ""
+    return None if arch.endswith(NO_HEAD_SUFFIXES) else ""
+
+
+def _undecidable(path: Path | None, what: str, why: str) -> InputError:
+    reasons = what if why == what else f"{what}; {why}"
+    return InputError(
+        path,
+        f"cannot tell which Linear layers the model has ({reasons}), and a "
+        "compressed-tensors export must quantize or ignore every one, an output head tied to "
+        "the input embeddings included; install transformers (the interop extra) so qtool "
+        'builds the model from config.json, or set "tie_word_embeddings": false there if '
+        "the model ties no weights",
+    )

@@ -1,0 +1,162 @@
+"""`qtool quantize model-F16.gguf --format gguf --dtype Q4_K`: a float GGUF quantized tensor by
+tensor into a GGUF llama.cpp loads, through the quantize loop like every output format
+(formats/base.py's OutputFormat), so rules, recipes, the error budget, the table, the JSON and
+the gates work as for the others.
+
+What llama-quantize decides, this format decides (plan.py has it from llama-quant.cpp):
+  - the tensors it keeps as they are, whatever was asked (1-D, norms, expert gates, ...);
+  - rows that are not whole blocks: spec.fit_spec gives llama-quantize's fallback type (the
+    note says so); where none fits (llama-quantize writes F16) the tensor is kept as it is;
+  - the order of the tensors, the metadata (quantization version and file type set, split keys
+    dropped) and the alignment (shard.py writes them).
+A spec that is not a GGUF type is refused (a recipe rule's names the rule); a tensor the error
+budget holds until it has chosen passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qtool.errors import InputError, OutputError, RecipeError, UsageError
+from qtool.formats.base import Choice, Planned, Ruled, ShardWriter
+from qtool.formats.gguf.plan import kept_by_llama
+from qtool.formats.gguf.summary import ARCH_KEY
+from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.stformat import TensorEntry
+from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, fit_spec, gguf_nbytes
+
+if TYPE_CHECKING:
+    from qtool.io.atomic import OutputSet
+
+NAME = FormatName.GGUF.value
+SUFFIX = ".gguf"
+_Q8_0 = QSpec(gguf=GGML_TYPES["Q8_0"])
+
+
+@dataclass(frozen=True)
+class GGUFChoice:
+    """The format's decision for one tensor (formats.base.Choice)."""
+
+    entry: TensorEntry
+    spec: QSpec | None
+    reason: str = ""
+    note: str = ""
+    nbytes: int = 0
+    stored_dtype: str = ""
+
+
+class GGUFFormat:
+    """The GGUF output of one run, reading the float GGUF `source` (its header: the metadata,
+    alignment and types the output carries over)."""
+
+    name = NAME
+    model_directory = False
+    scales_in_weight_dtype = False
+
+    def __init__(self, source: Path) -> None:
+        with GGUFFile(source) as f:
+            self.header = f.header
+        self.source = source
+        arch = self.header.metadata.get(ARCH_KEY)
+        self.arch = arch.value if arch is not None and isinstance(arch.value, str) else ""
+
+    def select(self, planned: Sequence[Ruled]) -> list[Choice]:
+        return [self._choice(p) for p in planned]
+
+    def _choice(self, planned: Ruled) -> GGUFChoice:
+        entry, spec = planned.entry, planned.spec
+        if spec is None:
+            return GGUFChoice(entry, None, planned.decision.reason, "", entry.nbytes, entry.dtype)
+        if spec.gguf is None:
+            decision = planned.decision
+            if decision.budget:  # the budget holds it (int8 per channel) until it has chosen
+                nbytes = self.stored_nbytes(entry, spec)
+                return GGUFChoice(entry, spec, "", decision.note, nbytes, "Q8_0")
+            if decision.rule_origin:
+                where = f"{decision.rule_origin}{decision.rule_label}: "
+                raise RecipeError(None, where + _not_gguf(spec), entry.name)
+            raise UsageError(None, _not_gguf(spec), entry.name, hint="dtype")
+        why = self.supports(entry, spec)
+        if why is not None:
+            return GGUFChoice(entry, None, why, "", entry.nbytes, entry.dtype)
+        nbytes = gguf_nbytes(spec, entry.shape)
+        return GGUFChoice(entry, spec, "", planned.decision.note, nbytes, spec.gguf.name)
+
+    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+        """None when llama.cpp takes `entry` quantized with `spec` (fitted: its fallback type
+        already), else why it is kept as it is."""
+        if spec.gguf is None:
+            return _not_gguf(spec)
+        why = kept_by_llama(entry.name, tuple(reversed(entry.shape)), self.arch)
+        if why is not None:
+            return why
+        if entry.dtype not in FLOAT_TYPES:
+            return f"already {entry.dtype}: qtool quantizes F32, F16 and BF16 tensors"
+        if spec.gguf.name not in GGUF_QUANTIZE_TYPES:
+            return f"qtool cannot quantize to {spec.gguf.name}"
+        row = entry.shape[-1]
+        if row % spec.gguf.block_size:
+            return (f"rows of {row} are not whole {spec.gguf.name} blocks nor its fallback's: "
+                    "kept as it is (llama-quantize writes F16)")  # fmt: skip
+        return None
+
+    def fused_key(self, name: str) -> str | None:
+        return None  # llama.cpp takes q, k and v of different types
+
+    def tensor_names(self, planned: Planned) -> list[str]:
+        return [planned.entry.name]
+
+    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
+        return {}
+
+    def warnings(self, planned: Sequence[Planned]) -> list[str]:
+        return []
+
+    def ignore(self, planned: Sequence[Planned]) -> list[str] | None:
+        return None
+
+    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
+        """Bytes in the output; an integer spec (the budget's all-int8 reference) counts as
+        Q8_0, GGUF's 8-bit type."""
+        if spec is None:
+            return entry.nbytes
+        gguf = spec if spec.gguf is not None else _Q8_0
+        fitted, _ = fit_spec(gguf, entry.shape)
+        if self.supports(entry, fitted) is not None:
+            return entry.nbytes
+        return gguf_nbytes(fitted, entry.shape)
+
+    def layout(self, out: Path) -> list[Path]:
+        if out.suffix.lower() != SUFFIX:
+            raise OutputError(out, f"a GGUF output is a {SUFFIX} file; name it so")
+        return [out]
+
+    def index_section(self, outputs: Sequence[Path]) -> dict[str, object] | None:
+        return None
+
+    def writer(
+        self,
+        planned: Sequence[Planned],
+        metadata: dict[str, str] | None,
+        out: Path,
+        outputs: OutputSet,
+    ) -> ShardWriter:
+        from qtool.formats.gguf.shard import GGUFShardWriter
+
+        return GGUFShardWriter(self.header, planned, out, outputs)
+
+
+def _not_gguf(spec: QSpec) -> str:
+    return (f"{spec.describe()} is not a GGUF type; --format gguf stores llama.cpp's block "
+            f"types ({', '.join(GGUF_QUANTIZE_TYPES)})")  # fmt: skip
+
+
+def output_format(inputs: Sequence[Path]) -> GGUFFormat:
+    """The GGUF output of a run reading `inputs` (one float GGUF file)."""
+    if len(inputs) != 1:
+        raise InputError(None, "--format gguf quantizes one float GGUF file")
+    return GGUFFormat(inputs[0])

@@ -1,0 +1,175 @@
+"""`qtool eval` for people: the figures of both models, the per-layer table, the gate line,
+and a progress bar (tokens, tokens/s) on stderr in a terminal. Laid out as plain lines within
+the output's width (report/layout.py) and printed through report/console.py (styles on a
+terminal only, control characters escaped); Rich draws the progress bar alone."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.progress import Task as RichTask
+from rich.text import Text
+
+from qtool.eval_results import EvalSummary, EvalViolation, LayerRow
+from qtool.report import layout
+from qtool.report.console import console, emit, safe, width_of
+from qtool.report.layout import Column, Line
+
+
+def print_eval(
+    summary: EvalSummary,
+    layers: list[LayerRow] | None,
+    violations: list[EvalViolation] | None,
+    order: str,
+) -> None:
+    """The report on stdout; `violations` None: no bound was given."""
+    width = width_of(sys.stdout)
+    lines = _plain([piece for line in _header(summary) for piece in layout.phrases([line], width)])
+    lines += layout.table(_figures(summary), width).lines
+    if layers is not None:
+        lines += _layer_lines(summary, layers, order, width)
+    lines += _plain(layout.phrases([_speed(summary)], width))
+    if violations is not None:
+        lines += _gate_lines(violations, width)
+    emit(sys.stdout, lines)
+
+
+def _plain(texts: list[str], style: str = "") -> list[Line]:
+    return [[(t, style)] for t in texts]
+
+
+def _header(s: EvalSummary) -> list[str]:
+    pieces = "window" if s.causal is not None else "sentence"
+    pieces += "" if s.windows == 1 else "s"
+    scored = f", {s.causal.predicted:,} positions scored" if s.causal is not None else ""
+    cut = f"of {s.ctx}" if s.causal is not None else f"cut at {s.ctx}"
+    return [
+        f"FLOAT {safe(s.inputs[0])} ({safe(s.architecture)})",
+        f"QUANT {safe(s.inputs[1])} ({safe(s.loaded_as)})",
+        f"{s.tokens:,} tokens of {safe(s.text.source)} in {s.windows:,} {pieces} {cut}{scored}; "
+        f"{s.dtype} on {s.device}",
+    ]
+
+
+def _figures(s: EvalSummary) -> list[Column]:
+    rows: list[tuple[str, str]] = []
+    c, e = s.causal, s.encoder
+    if c is not None:
+        kl = c.kl
+        rows += [
+            ("perplexity FLOAT", f"{c.ppl_float:,.2f}"),
+            ("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})"),
+            ("KL(FLOAT ‖ QUANT) mean", f"{_num(kl.mean)} nats per token"),
+            ("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.max)))),
+            ("top-1 agreement", f"{c.top1 * 100:.1f} % ({c.agree:,} of {c.predicted:,})"),
+        ]
+    if e is not None:
+        rows += [
+            ("cosine mean", f"{e.cosine_mean:.6f} ({e.sentences:,} sentences)"),
+            ("cosine min", f"{e.cosine_min:.6f}"),
+            ("last hidden state rel. error", _num(e.hidden_rel_error)),
+        ]
+    rows.append(("weights that differ", f"{s.changed:,} of {s.parameters:,} tensors"))
+    return [
+        Column("figure", [(name, "") for name, _ in rows], fold=12),
+        Column("value", [(value, "") for _, value in rows], fold=16),
+    ]
+
+
+def _num(value: float) -> str:
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def _layer_lines(s: EvalSummary, layers: list[LayerRow], order: str, width: int) -> list[Line]:
+    if not layers:
+        return _plain(["no Linear's weight differs between FLOAT and QUANT"])
+    total = len(s.layers or ())
+    first = {"output": "worst output SQNR first", "weight": "worst weight SQNR first"}
+    title = f"Per quantized Linear ({first.get(order, 'model order')}; output on FLOAT's inputs)"
+    columns = [
+        Column(
+            "layer", [(safe(r.name), "") for r in layers], fold=12 if sys.stdout.isatty() else 0
+        ),
+        Column("shape", [("[" + ", ".join(map(str, r.shape)) + "]", "") for r in layers], hide=1),
+        Column("weight SQNR dB", [(_db(r.weight_sqnr_db), "") for r in layers], right=True),
+        Column("output SQNR dB", [(_db(r.output_sqnr_db), "") for r in layers], right=True),
+        Column(
+            "output - weight",
+            [(_db(r.output_sqnr_db - r.weight_sqnr_db, signed=True), "") for r in layers],
+            right=True,
+            hide=2,
+        ),
+    ]
+    table = layout.table(columns, width)
+    out = _plain(layout.phrases([title], width)) + table.lines
+    if table.hidden:
+        how = "widen the terminal" if sys.stdout.isatty() else "set COLUMNS wider"
+        out += _plain(layout.phrases(
+            [f"({', '.join(table.hidden)} hidden to fit {width} columns; {how}, or use --json)"],
+            width,
+        ), "dim")  # fmt: skip
+    if len(layers) < total:
+        out += _plain([f"(showing {len(layers)} of {total} layers)"], "dim")
+    return out
+
+
+def _db(value: float, signed: bool = False) -> str:
+    if value == math.inf:
+        return "exact"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:+.1f}" if signed else f"{value:.1f}"
+
+
+def _speed(s: EvalSummary) -> str:
+    return (
+        f"2 models x {s.tokens:,} tokens in {s.eval_seconds:.2f} s "
+        f"({s.tokens_per_second:,.0f} tokens/s); loading took {s.load_seconds:.1f} s"
+    )
+
+
+def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
+    if not violations:
+        return _plain(["gate: passed"], "green")
+    broken = "; ".join(safe(v.detail) for v in violations)
+    return _plain(layout.phrases([f"gate: FAILED ({broken})"], width), "bold red")
+
+
+# ---- progress ------------------------------------------------------------------------------
+
+
+class _TokensPerSecond(ProgressColumn):
+    def render(self, task: RichTask) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tokens/s" if speed else "", style="dim")
+
+
+class _EvalProgress:
+    """Loading (no total yet), then tokens through both models and the rate."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task = progress.add_task("loading FLOAT and QUANT", total=None)
+
+    def start(self, total_bytes: int) -> None:
+        self._progress.update(self._task, total=total_bytes, description="tokens")
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self._progress.update(self._task, advance=nbytes)
+
+
+@contextmanager
+def eval_progress() -> Iterator[_EvalProgress | None]:
+    """A transient bar while stderr is an interactive terminal; None (nothing) otherwise."""
+    err = console(sys.stderr)
+    if not err.is_interactive:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               _TokensPerSecond())  # fmt: skip
+    with Progress(*columns, console=err, transient=True) as progress:
+        yield _EvalProgress(progress)

@@ -1,0 +1,115 @@
+"""The `qtool eval --json` document (no rich here; schema in docs/json.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qtool.eval_results import (
+    CausalFigures,
+    EncoderFigures,
+    EvalBounds,
+    EvalSummary,
+    EvalViolation,
+    LayerRow,
+)
+from qtool.report.json import SCHEMA_VERSION, json_number
+
+
+def eval_json(
+    summary: EvalSummary,
+    layers: list[LayerRow] | None,
+    bounds: EvalBounds,
+    violations: list[EvalViolation],
+) -> dict[str, Any]:
+    """The figures of both models on the same tokens; `layers` as the table shows them."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ok": True,
+        "command": "eval",
+        "inputs": list(summary.inputs),
+        "loaded_as": summary.loaded_as,
+        "architecture": summary.architecture,
+        "kind": summary.kind,
+        "text": {
+            "source": summary.text.source,
+            "chars": summary.text.chars,
+            "sha256": summary.text.sha256,
+        },
+        "tokenizer": summary.tokenizer,
+        "tokens": summary.tokens,
+        "ctx": summary.ctx,
+        "windows": summary.windows,
+        "dtype": summary.dtype,
+        "device": summary.device,
+        "changed_tensors": summary.changed,
+        "parameter_tensors": summary.parameters,
+        "causal": _causal(summary.causal),
+        "encoder": _encoder(summary.encoder),
+        "layers": None if layers is None else [_layer(r) for r in layers],
+        "seconds": {
+            "load": json_number(summary.load_seconds),
+            "eval": json_number(summary.eval_seconds),
+        },
+        "tokens_per_second": json_number(summary.tokens_per_second),
+        "notes": list(summary.notes),
+        "gate": _gate(bounds, violations),
+    }
+
+
+def _causal(c: CausalFigures | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {
+        "perplexity_float": json_number(c.ppl_float),
+        "perplexity_quant": json_number(c.ppl_quant),
+        "perplexity_ratio": json_number(c.ppl_ratio),
+        "kl": {
+            "mean": json_number(c.kl.mean),
+            "median": json_number(c.kl.median),
+            "p90": json_number(c.kl.p90),
+            "p99": json_number(c.kl.p99),
+            "max": json_number(c.kl.max),
+        },
+        "top1_agreement": json_number(c.top1),
+        "top1_agreeing": c.agree,
+        "positions_scored": c.predicted,
+    }
+
+
+def _encoder(e: EncoderFigures | None) -> dict[str, Any] | None:
+    if e is None:
+        return None
+    return {
+        "sentences": e.sentences,
+        "cosine_mean": json_number(e.cosine_mean),
+        "cosine_min": json_number(e.cosine_min),
+        "hidden_rel_error": json_number(e.hidden_rel_error),
+    }
+
+
+def _layer(r: LayerRow) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "shape": list(r.shape),
+        "weight_sqnr_db": json_number(r.weight_sqnr_db),
+        "output_sqnr_db": json_number(r.output_sqnr_db),
+        "tokens": r.tokens,
+    }
+
+
+def _gate(bounds: EvalBounds, violations: list[EvalViolation]) -> dict[str, Any] | None:
+    if not bounds.active:
+        return None
+    return {
+        "passed": not violations,
+        "bounds": bounds.as_dict(),
+        "violations": [
+            {
+                "bound": v.bound,
+                "value": None if v.value is None else json_number(v.value),
+                "limit": v.limit,
+                "detail": v.detail,
+            }
+            for v in violations
+        ],
+    }

@@ -1,0 +1,215 @@
+"""The model-level figures of `qtool eval` (numerics/logits.py), the text cuts and the gates,
+against straightforward references: plain Python loops in float64 over small vocabularies.
+Each test names the bug it catches (a KL in the wrong direction, scoring the position that
+predicts past the window, a window dropped or overlapping at a boundary)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from qtool.engine.evaluate.text import sentences, windows
+from qtool.eval_results import (
+    CAUSAL_LM,
+    ENCODER,
+    CausalFigures,
+    Distribution,
+    EncoderFigures,
+    EvalBounds,
+    EvalSummary,
+    LayerRow,
+    TextInfo,
+    arrange_layers,
+    check,
+)
+from qtool.numerics.logits import (
+    ROWS_PER_CHUNK,
+    cosine,
+    distribution,
+    kl_divergence,
+    perplexity,
+    score_window,
+)
+
+
+def ref_log_softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    total = math.log(sum(math.exp(v - top) for v in row)) + top
+    return [v - total for v in row]
+
+
+def ref_window(lf: torch.Tensor, lq: torch.Tensor, ids: list[int]) -> dict[str, list[float]]:
+    """Position i (0 <= i < L-1) predicts ids[i + 1]: the textbook next-token loss."""
+    out: dict[str, list[float]] = {"nll_f": [], "nll_q": [], "kl": [], "agree": []}
+    for i in range(len(ids) - 1):
+        pf = ref_log_softmax(lf[i].double().tolist())
+        pq = ref_log_softmax(lq[i].double().tolist())
+        out["nll_f"].append(-pf[ids[i + 1]])
+        out["nll_q"].append(-pq[ids[i + 1]])
+        out["kl"].append(sum(math.exp(a) * (a - b) for a, b in zip(pf, pq, strict=True)))
+        out["agree"].append(float(np.argmax(pf) == np.argmax(pq)))
+    return out
+
+
+@pytest.mark.parametrize("length", [2, 7, ROWS_PER_CHUNK + 1, 2 * ROWS_PER_CHUNK + 5])
+def test_score_window_matches_a_float64_loop(length: int) -> None:
+    gen = torch.Generator().manual_seed(length)
+    vocab = 11
+    lf = torch.randn(length, vocab, generator=gen) * 3
+    lq = lf + 0.5 * torch.randn(length, vocab, generator=gen)
+    ids = torch.randint(0, vocab, (length,), generator=gen)
+    got = score_window(lf, lq, ids)
+    ref = ref_window(lf, lq, ids.tolist())
+    assert got.kl.shape == (length - 1,)  # the last position predicts past the window
+    np.testing.assert_allclose(got.nll_float, ref["nll_f"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.nll_quant, ref["nll_q"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.kl, ref["kl"], rtol=1e-4, atol=1e-6)
+    assert got.agree.tolist() == [bool(a) for a in ref["agree"]]
+
+
+def test_kl_is_float_relative_to_quant_not_the_reverse() -> None:
+    """p = (0.9, 0.1), q = (0.5, 0.5): KL(p||q) = 0.368, KL(q||p) = 0.511 nats."""
+    p, q = torch.tensor([[0.9, 0.1]]).log(), torch.tensor([[0.5, 0.5]]).log()
+    forward = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    assert kl_divergence(p, q).item() == pytest.approx(forward, rel=1e-6)
+    logits_f = torch.cat([p, p])  # a window of 2 tokens: position 0 scored
+    logits_q = torch.cat([q, q])
+    got = score_window(logits_f, logits_q, torch.tensor([0, 1]))
+    assert got.kl.item() == pytest.approx(forward, rel=1e-6)
+    assert got.kl.item() != pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1))
+
+
+def test_targets_are_the_next_tokens() -> None:
+    """A model certain of the next token has NLL 0 only if position i is scored on ids[i+1]."""
+    ids = torch.tensor([3, 1, 4, 1, 5, 2])
+    logits = torch.full((6, 8), -30.0)
+    logits[torch.arange(5), ids[1:]] = 30.0  # position i puts all mass on ids[i + 1]
+    got = score_window(logits, logits, ids)
+    assert got.nll_float.max().item() < 1e-6
+    assert perplexity(got.nll_float) == pytest.approx(1.0)
+    shifted = torch.roll(logits, 1, dims=0)  # the off-by-one model: position i -> ids[i]
+    assert perplexity(score_window(shifted, shifted, ids).nll_float) > 1e10
+
+
+def test_identical_logits_give_exactly_zero_kl_and_full_agreement() -> None:
+    logits = torch.randn(9, 5, generator=torch.Generator().manual_seed(3))
+    got = score_window(logits, logits.clone(), torch.arange(9) % 5)
+    assert torch.equal(got.kl, torch.zeros(8)) and bool(got.agree.all())
+
+
+def test_a_token_only_the_quant_model_rules_out_gives_infinite_kl() -> None:
+    lf = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    lq = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])
+    assert score_window(lf, lq, torch.tensor([0, 0])).kl.item() == math.inf
+    assert score_window(lq, lf, torch.tensor([0, 0])).kl.item() == pytest.approx(math.log(2))
+
+
+def test_score_window_refuses_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        score_window(torch.zeros(3, 4), torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="expected logits"):
+        score_window(torch.zeros(3, 4), torch.zeros(3, 4), torch.zeros(4, dtype=torch.long))
+
+
+def test_distribution_matches_numpy() -> None:
+    values = torch.rand(1001, generator=torch.Generator().manual_seed(5))
+    d = distribution(values)
+    v = values.double().numpy()
+    assert d.mean == pytest.approx(v.mean())
+    assert d.median == pytest.approx(np.percentile(v, 50))
+    assert d.p90 == pytest.approx(np.percentile(v, 90))
+    assert d.p99 == pytest.approx(np.percentile(v, 99))
+    assert d.max == v.max()
+
+
+def test_cosine() -> None:
+    a = torch.tensor([1.0, 2.0, 3.0])
+    assert cosine(a, 2 * a) == pytest.approx(1.0)
+    assert cosine(a, -a) == pytest.approx(-1.0)
+    assert cosine(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == pytest.approx(0.0)
+
+
+# ---- windows and sentences ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "ctx", "expected"),
+    [
+        (10, 4, [(0, 4), (4, 8), (8, 10)]),  # the last, shorter window kept (2 tokens)
+        (9, 4, [(0, 4), (4, 8)]),  # a last window of 1 token predicts nothing: dropped
+        (8, 4, [(0, 4), (4, 8)]),
+        (3, 512, [(0, 3)]),
+        (1, 4, []),
+    ],
+    ids=["short-tail", "one-token-tail", "exact", "one-window", "too-short"],
+)
+def test_windows_cover_the_tokens_without_overlap(
+    count: int, ctx: int, expected: list[tuple[int, int]]
+) -> None:
+    assert windows(count, ctx) == expected
+
+
+def test_windows_score_every_token_but_each_windows_first() -> None:
+    spans = windows(1001, 37)  # 27 windows of 37 and one of 2
+    assert spans[0][0] == 0 and spans[-1] == (999, 1001) and len(spans) == 28
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert sum(e - s - 1 for s, e in spans) == 1001 - 28
+
+
+def test_sentences_join_wrapped_lines_and_cut_after_stops() -> None:
+    text = "The first one\nwraps here. Second!  Third?\n\n----\n\nA new paragraph"
+    assert sentences(text) == ["The first one wraps here.", "Second!", "Third?", "A new paragraph"]
+
+
+# ---- gates ----------------------------------------------------------------------------------
+
+
+def summary(
+    causal: CausalFigures | None = None, encoder: EncoderFigures | None = None
+) -> EvalSummary:
+    kind = CAUSAL_LM if causal is not None else ENCODER
+    return EvalSummary(
+        ("f", "q"), "test", "X", kind, TextInfo("t", 1, ""), "FLOAT's", 10, 4, 3, "float32",
+        "cpu", 1, 2, causal, encoder, None, 1.0, 1.0,
+    )  # fmt: skip
+
+
+CAUSAL = CausalFigures(10.0, 11.0, Distribution(0.02, 0.01, 0.05, 0.1, 0.3), 95, 100)
+
+
+def test_gates_name_the_broken_bound() -> None:
+    s = summary(CAUSAL)
+    assert check(EvalBounds(max_kl=0.02, max_ppl_ratio=1.1, min_top1=0.95), s) == []
+    broken = check(EvalBounds(max_kl=0.01, max_ppl_ratio=1.05, min_top1=0.96), s)
+    assert [v.bound for v in broken] == ["max_kl", "max_ppl_ratio", "min_top1"]
+    assert "mean KL 0.02 is above 0.01" in broken[0].detail
+
+
+def test_nan_figures_and_missing_figures_fail_their_bound() -> None:
+    nan = CausalFigures(10.0, math.nan, Distribution(math.nan, 0, 0, 0, 0), 0, 100)
+    assert len(check(EvalBounds(max_kl=1.0, max_ppl_ratio=2.0), summary(nan))) == 2
+    broken = check(EvalBounds(min_cosine=0.9), summary(CAUSAL))
+    assert broken[0].value is None and "no such figure" in broken[0].detail
+
+
+def test_bounds_are_checked_and_placed() -> None:
+    with pytest.raises(ValueError, match="min_top1"):
+        EvalBounds(min_top1=1.5)
+    with pytest.raises(ValueError, match="max_kl"):
+        EvalBounds(max_kl=math.nan)
+    assert EvalBounds(max_kl=1, min_cosine=0.9).misplaced(ENCODER) == ["max_kl"]
+    assert EvalBounds(max_kl=1, min_cosine=0.9).misplaced(CAUSAL_LM) == ["min_cosine"]
+
+
+def test_layers_sort_worst_first_with_unreached_layers_last() -> None:
+    rows = (
+        LayerRow("a", (2, 2), 30.0, 25.0, 4),
+        LayerRow("b", (2, 2), 20.0, 28.0, 4),
+        LayerRow("c", (2, 2), 10.0, math.nan, 0),
+    )
+    assert [r.name for r in arrange_layers(rows, "output", None)] == ["a", "b", "c"]
+    assert [r.name for r in arrange_layers(rows, "weight", 2)] == ["c", "b"]
+    assert [r.name for r in arrange_layers(rows, "model", None)] == ["a", "b", "c"]

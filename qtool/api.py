@@ -104,11 +104,12 @@ def dequantize(
     return restore.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
 
 
-def compare(a: Path, b: Path) -> CompareSummary:
-    """Per-tensor error of B against the reference A (quantized sides dequantized on the fly)."""
+def compare(a: Path, b: Path, pool: str = "quantized") -> CompareSummary:
+    """Per-tensor error of B against the reference A (quantized sides dequantized on the fly);
+    `pool`: what the overall figures pool, "quantized" (as quantize does) or "all"."""
     from qtool.engine.compare import compare_files
 
-    return compare_files(a, b)
+    return compare_files(a, b, pool)
 
 
 def evaluate(

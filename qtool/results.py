@@ -71,11 +71,12 @@ def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def combine(stats: list[ErrorStats]) -> ErrorStats:
-    """The figures of several tensors taken together (a checkpoint's overall SQNR)."""
+    """The figures of several tensors taken together (a checkpoint's overall SQNR): sums added
+    exactly (math.fsum), so the order of the tensors (a sharded set's) changes no digit."""
     return ErrorStats(
         numel=sum(s.numel for s in stats),
-        sq_error=sum(s.sq_error for s in stats),
-        sq_signal=sum(s.sq_signal for s in stats),
+        sq_error=math.fsum(s.sq_error for s in stats),
+        sq_signal=math.fsum(s.sq_signal for s in stats),
         max_abs=max((s.max_abs for s in stats), default=0.0),
         sq_error_minmax=_minmax_total(stats),
     )
@@ -86,7 +87,27 @@ def _minmax_total(stats: list[ErrorStats]) -> float | None:
     error (a recipe or a budget mixes range methods); None when none searched."""
     if all(s.sq_error_minmax is None for s in stats):
         return None
-    return sum(s.sq_error if s.sq_error_minmax is None else s.sq_error_minmax for s in stats)
+    return math.fsum(s.sq_error if s.sq_error_minmax is None else s.sq_error_minmax for s in stats)
+
+
+POOL_QUANTIZED = "quantized"  # the overall figures pool the tensors restored from codes
+POOL_ALL = "all"  # ... every tensor compared with figures (kept ones count at zero error)
+
+
+def measured_as(dtypes: list[str]) -> str:
+    """What the figures measure, for a header: 'as restored to BF16' (numerics/metrics.py)."""
+    kinds = sorted(set(dtypes))
+    if not kinds:
+        return "as stored"
+    if len(kinds) == 1:
+        return f"as restored to {kinds[0]}"
+    return f"as restored to each tensor's dtype ({', '.join(kinds)})"
+
+
+def _restored_dtype(row: QuantizeRow) -> str:
+    """The dtype a consumer restores a quantized tensor to: its own, or F32 for a GGUF type
+    (ggml dequantizes to float32)."""
+    return "F32" if row.spec is not None and row.spec.gguf is not None else row.dtype
 
 
 @dataclass(frozen=True)
@@ -204,6 +225,7 @@ class CompareRow:
     compared: bool = False  # both sides' values were examined (figures or equality)
     mismatch: bool = False  # missing on one side, or shapes/dtype kinds/values that differ
     missing_in: str | None = None  # "A" or "B": the side that lacks the tensor
+    restored: str | None = None  # the dtype a side quantized was restored to (None: neither)
 
     @property
     def dtypes(self) -> tuple[str, str]:
@@ -255,14 +277,26 @@ class QuantizeSummary:
 
     @property
     def overall(self) -> ErrorStats | None:
+        """The quantized tensors pooled (`pooled_over`)."""
         stats = [r.errors for r in self.rows if r.errors is not None]
         return combine(stats) if stats else None
+
+    @property
+    def pooled_over(self) -> str:
+        return POOL_QUANTIZED
+
+    @property
+    def measured(self) -> str | None:
+        """What the figures measure ('as restored to BF16'); None when nothing was measured."""
+        dtypes = [_restored_dtype(r) for r in self.rows if r.errors is not None]
+        return measured_as(dtypes) if dtypes else None
 
 
 @dataclass(frozen=True)
 class CompareSummary:
     inputs: list[str]  # [A, B]; A is the reference
     rows: list[CompareRow]
+    pool: str = POOL_QUANTIZED  # what `overall` pools (see pooled_over)
 
     @property
     def compared(self) -> list[CompareRow]:
@@ -273,9 +307,31 @@ class CompareSummary:
         return [r for r in self.rows if r.mismatch]
 
     @property
+    def pooled_over(self) -> str:
+        """POOL_QUANTIZED: the tensors a side restored from codes (what quantize pools), the
+        default; POOL_ALL: every tensor with figures, asked for, or when neither side holds a
+        quantized tensor."""
+        if self.pool == POOL_QUANTIZED and any(r.restored for r in self._measured):
+            return POOL_QUANTIZED
+        return POOL_ALL
+
+    @property
     def overall(self) -> ErrorStats | None:
-        stats = [r.errors for r in self.rows if r.errors is not None]
-        return combine(stats) if stats else None
+        quantized_only = self.pooled_over == POOL_QUANTIZED
+        stats = [r.errors for r in self._measured if r.restored or not quantized_only]
+        return combine([s for s in stats if s is not None]) if stats else None
+
+    @property
+    def measured(self) -> str | None:
+        """What the figures measure ('as restored to BF16', 'as stored' when neither side
+        is quantized); None when no tensor has figures."""
+        if not self._measured:
+            return None
+        return measured_as([r.restored for r in self._measured if r.restored])
+
+    @property
+    def _measured(self) -> list[CompareRow]:
+        return [r for r in self.rows if r.errors is not None]
 
 
 @dataclass(frozen=True)

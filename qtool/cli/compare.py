@@ -19,6 +19,8 @@ from qtool.cli.options import (
     MinOverallOpt,
     MinSqnrOpt,
     PlotOpt,
+    Pool,
+    PoolOpt,
     SortOpt,
     TopOpt,
 )
@@ -47,6 +49,7 @@ def compare(
     max_mse: MaxMseOpt = None,
     min_sqnr: MinSqnrOpt = None,
     min_overall_sqnr: MinOverallOpt = None,
+    pool: PoolOpt = Pool.QUANTIZED,
     sort: SortOpt = None,
     top: TopOpt = None,
     show_all: AllOpt = False,
@@ -62,7 +65,7 @@ def compare(
         plot = plot_target(plot, a, "compare")
         if plot is not None:
             api.check_outputs([plot], [a, b], force)
-        summary = api.compare(a, b)
+        summary = api.compare(a, b, pool.value)
         if plot is not None:
             api.plot_compare(summary, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")

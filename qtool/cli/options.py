@@ -38,6 +38,13 @@ class SortKey(str, Enum):
     SIZE = "size"
 
 
+class Pool(str, Enum):
+    """What compare's overall figures pool (results.CompareSummary.pooled_over)."""
+
+    QUANTIZED = "quantized"
+    ALL = "all"
+
+
 def _at_least_one(value: int | None) -> int | None:
     """Typer's own `min=1` would print `[x>=1]` in the help; the check is the same."""
     if value is not None and value < 1:
@@ -145,10 +152,21 @@ MinSqnrOpt = Annotated[
 MinOverallOpt = Annotated[
     float | None,
     typer.Option(
-        help="Fail if the pooled SQNR of all measured tensors is below DB decibels.",
+        help="Fail if the overall SQNR (by default pooled over the quantized tensors) is "
+        "below DB decibels.",
         metavar="DB",
         show_default=False,
         callback=_finite_bound,
+        rich_help_panel=GATES,
+    ),
+]
+PoolOpt = Annotated[
+    Pool,
+    typer.Option(
+        "--pool",
+        help="What the overall SQNR pools: the tensors restored from codes (as quantize "
+        "pools them), or all compared tensors (kept ones count at zero error).",
+        metavar=choices(Pool),
         rich_help_panel=GATES,
     ),
 ]

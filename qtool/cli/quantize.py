@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import typer
+
 from qtool.cli.app import app
 from qtool.cli.errors import user_errors
 from qtool.cli.help import DEBUG_ENV, KERNEL_ENV, Command, epilog
@@ -47,6 +49,7 @@ from qtool.cli.quantize_options import (
     check_format_spec,
     gguf_cli_spec,
     quantize_mode,
+    warn_budget_overrides,
 )
 from qtool.cli.render import Shown, plot_target, print_notes, show_and_gate
 from qtool.spec import (
@@ -75,6 +78,7 @@ if TYPE_CHECKING:
     ),
 )
 def quantize(
+    ctx: typer.Context,
     src: InputArg,
     out: QuantizeOutOpt = None,
     scheme: SchemeOpt = Scheme.SYM,
@@ -122,6 +126,8 @@ def quantize(
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr)  # fmt: skip
+        if target_sqnr is not None:
+            warn_budget_overrides(ctx, options)
         plot = plot_target(plot, src, "quantize")
         summary = _run(src, out, options, api.Mode(mode), device, threads, force, plot)
         run.written = [] if summary.dry_run else list(summary.outputs)

@@ -11,7 +11,7 @@ import typer
 
 from qtool.cli.help import HOW, OUTPUT, RUN, SELECT, choices
 from qtool.cli.inputs import QUANTIZE_INPUT
-from qtool.cli.lazy import api
+from qtool.cli.lazy import api, report
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
     Device,
@@ -21,6 +21,7 @@ from qtool.spec import (
     QSpec,
     RangeMethod,
     Scheme,
+    SpecPatch,
     StorageDtype,
     gguf_quantize_spec,
     is_gguf_name,
@@ -104,7 +105,8 @@ QuantizeOutOpt = Annotated[
         "-o",
         help="Output .safetensors file, or an existing directory to put the default name in "
         "(for sharded input, and for --format compressed-tensors: the output directory) "
-        "[default: INPUT-STEM.DTYPE.safetensors beside the input].",
+        "[default: INPUT-STEM.DTYPE.safetensors beside the input; DTYPE reads `quantized` "
+        "when the tensors' dtypes may differ].",
         metavar="PATH",
         show_default=False,
         rich_help_panel=OUTPUT,
@@ -279,3 +281,33 @@ def check_format_spec(fmt: FormatName, spec: QSpec, budget: bool) -> None:
     if refused is not None:
         hint = "--dtype" if block_type or not spec.dtype.signed else "--axis"
         raise typer.BadParameter(refused, param_hint=hint)
+
+
+_SPEC_FLAGS = {
+    "scheme": "--scheme",
+    "dtype": "--dtype",
+    "per_channel": "--per-channel/--per-tensor",
+    "axis": "--axis",
+    "group_size": "--group-size",
+    "range_method": "--range",
+}
+_PATCH_FIELD = {"scheme": "scheme", "dtype": "dtype", "range_method": "range_method"}
+
+
+def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions) -> None:
+    """One stderr line naming the spec options given with --target-sqnr, which the budget's
+    ladder overrides (an option still applies where a recipe rule leaves its field open)."""
+    sources = {p: ctx.get_parameter_source(p) for p in _SPEC_FLAGS}
+    given = [p for p, source in sources.items() if source and source.name == "COMMANDLINE"]
+    recipe = options.recipe.rules if options.recipe is not None else ()
+    patches = [r.action for r in recipe if isinstance(r.action, SpecPatch)]
+    ignored = [
+        _SPEC_FLAGS[p]
+        for p in given
+        if not any(getattr(patch, _PATCH_FIELD.get(p, "granularity")) is None for patch in patches)
+    ]
+    if ignored:
+        report.print_warning(
+            f"{', '.join(ignored)} ignored: --target-sqnr picks each tensor's spec from its "
+            "ladder (docs/recipes.md)"
+        )

@@ -7,8 +7,9 @@ supported granularity quantizes rows independently (per channel on axis 0 and pe
 rows of each tensor's [C, K] view; per tensor: the whole tensor as one row), and each row's
 range, qparams and codes come from elementwise float32 operations and exact min/max reductions,
 which do not depend on the rows beside it. 4-bit codes join only where packing along the
-stacked rows is packing along the tensor's own last dimension. The error figures are reduced
-per tensor (float64 sums, so they agree with the one-tensor path to ~1e-15 relative).
+stacked rows is packing along the tensor's own last dimension. The error figures are each
+tensor's own, by numerics/metrics.py's definition (x_hat rounded to the tensor's dtype, the
+tensor's canonical chunks), so they equal the one-tensor path's to the last bit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from qtool.engine.decision import TensorPlan
 from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
-from qtool.numerics import kernels
+from qtool.numerics import kernels, metrics
 from qtool.numerics.packing import unpack_nibbles
 from qtool.numerics.views import row_group_length
 from qtool.results import ErrorStats
@@ -186,7 +187,8 @@ def quantize_batch(
     x = torch.cat([t.reshape(r, k) for t, r in zip(xs, rows, strict=True)]).to(device)
     result = kernels.quantize_tensor(x, spec, with_errors=False, scale_dtype=scale_dtype(x.dtype))
     segments = _Segments(rows)
-    errors = _errors(x, result, spec, segments, k)
+    shapes = [plan.entry.shape for plan in plans]
+    errors = _errors(x, result, spec, segments, shapes)
     lows, highs = segments.extremes(result.scale.reshape(len(x), -1))
     parts = zip(
         plans,
@@ -237,21 +239,25 @@ def _errors(
     result: kernels.QuantizedTensor,
     spec: QSpec,
     segments: _Segments,
-    k: int,
+    shapes: Sequence[tuple[int, ...]],
 ) -> list[ErrorStats]:
-    """Per tensor error figures of a batch, computed as the kernel's ErrorAccumulator does:
-    the float32 error by the same operation (addcmul: x - (q - zp) * scale, fused the same way),
-    squares and sums in float64, the largest |error|."""
+    """Per tensor error figures of a batch, as the one-tensor path gives them (metrics.py):
+    x_hat = (q - zp) * scale in float32 rounded to x's dtype, e = x - x_hat in float32, each
+    tensor's squares summed by its own chunks, its largest |e|."""
     xf = x.float()
+    rows, k = x.shape
     codes = result.q
     if spec.dtype.packed:
         codes = unpack_nibbles(codes, k, spec.dtype.signed)
     length = row_group_length(spec, tuple(x.shape))
     assert length is not None
     scale, zero_point = (_per_element(t, length, k) for t in (result.scale, result.zero_point))
-    error = torch.addcmul(xf, codes.float().sub_(zero_point), scale, value=-1.0)
-    sq_error = segments.reduce(error.double().square_().sum(1), np.add)
-    sq_signal = segments.reduce(xf.double().square_().sum(1), np.add)
+    error = codes.float().sub_(zero_point).mul_(scale)  # x_hat in float32
+    metrics.restore_(error, x.dtype)
+    torch.sub(xf, error, out=error)
+    tensors = [(start * k, shape) for start, shape in zip(segments.starts, shapes, strict=True)]
+    sq_error = metrics.tensor_sums(error, tensors)
+    sq_signal = metrics.tensor_sums(xf, tensors)
     max_abs = segments.reduce(error.abs_().amax(1), np.maximum)
     numel = [(end - start) * k for start, end in zip(segments.starts, segments.ends, strict=True)]
     figures = zip(numel, sq_error, sq_signal, max_abs, strict=True)

@@ -23,18 +23,21 @@ from qtool.formats.base import FloatReader
 from qtool.formats.detect import Detected, detect
 from qtool.formats.registry import entry, matched, open_reader
 from qtool.numerics.metrics import count_nonfinite, error_stats
-from qtool.results import CompareRow, CompareSummary
+from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
 
 
-def compare_files(a: Path, b: Path) -> CompareSummary:
-    """One row per tensor name of A, then those only in B; InputError when no tensor of the two
-    could be compared (unrelated files). A side whose format names tensors its own way (GGUF)
-    against one that does not is read under the other's names (registry.matched)."""
+def compare_files(a: Path, b: Path, pool: str = POOL_QUANTIZED) -> CompareSummary:
+    """One row per tensor name of A, then those only in B; `pool`: what the overall figures
+    pool (results.CompareSummary.pooled_over). InputError when no tensor of the two could be
+    compared (unrelated files). A side whose format names tensors its own way (GGUF) against
+    one that does not is read under the other's names (registry.matched)."""
+    if pool not in (POOL_QUANTIZED, POOL_ALL):
+        raise ValueError(f"pool must be {POOL_QUANTIZED!r} or {POOL_ALL!r}, not {pool!r}")
     left, right, unplaced = open_pair(a, b)
     try:
         inputs = [str(left.path), str(right.path)]
         rows = _compare_readers(left, right, unplaced)
-        summary = CompareSummary(inputs=inputs, rows=rows)
+        summary = CompareSummary(inputs=inputs, rows=rows, pool=pool)
     finally:
         left.close()
         right.close()
@@ -135,7 +138,15 @@ def _compare_one(
     left.release(name)
     right.release(name)
     row = sides.row(_label(left, right, name), mismatch=False, compared=True)
-    return replace(row, errors=stats)
+    return replace(row, errors=stats, restored=_restored(left, right, name))
+
+
+def _restored(left: FloatReader, right: FloatReader, name: str) -> str | None:
+    """The dtype a quantized side was restored to (B's when both are); None for float/float."""
+    for side in (right, left):
+        if side.quantization(name) is not None:
+            return side.dtype(name)
+    return None
 
 
 def _label(left: FloatReader, right: FloatReader, name: str) -> str:

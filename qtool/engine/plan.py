@@ -51,6 +51,7 @@ from qtool.spec import (
     GroupFallback,
     PerGroup,
     QSpec,
+    SpecPatch,
     fit_spec,
     qparam_shape,
 )
@@ -276,6 +277,22 @@ def fitted_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
 def unmatched_globs(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """The patterns that match none of `names` (a typo, or a glob for another model)."""
     return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
+
+MIXED_TAG = "quantized"  # the default output name's tag when tensors may differ in dtype
+
+
+def output_tag(options: QuantizeOptions) -> str:
+    """What the default output name says (`model.int8.safetensors`): the storage dtype of every
+    tensor the run quantizes, or MIXED_TAG when they may differ (the error budget picks per
+    tensor; a recipe rule sets another dtype)."""
+    if options.target_sqnr is not None:
+        return MIXED_TAG
+    dtypes = {options.spec.dtype}
+    for rule in options.rules:
+        if isinstance(rule.action, SpecPatch) and rule.action.dtype is not None:
+            dtypes.add(rule.action.dtype)
+    return options.spec.dtype.value if len(dtypes) == 1 else MIXED_TAG
 
 
 def default_quantized_path(src: Path, dtype: str, suffix: str = ".safetensors") -> Path:

@@ -245,14 +245,15 @@ def _requantize(
             entry = ckpt.by_name()[name]
             spec = plan_tensors(path, (entry,), options)[0].spec
             if spec is not None:
-                x = ckpt.tensor(entry).float()
-                out[name] = (x, _roundtrip(x, spec))
+                x = ckpt.tensor(entry).clone()
+                out[name] = (x.float(), _roundtrip(x, spec))
         finally:
             ckpt.close()
     return out
 
 
 def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
+    """x_hat as restored (x's own dtype; a GGUF type as ggml dequantizes it), as float32."""
     if spec.gguf is not None:  # a GGUF type: its blocks, dequantized as ggml does
         from qtool.numerics import gguf
         from qtool.numerics.quantize import quantize_tensor
@@ -260,7 +261,8 @@ def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
         blocks = quantize_tensor(x, spec, with_errors=False).q
         return gguf.dequantize(blocks, spec.gguf).view(x.shape)
     result = kernels.quantize_tensor(x, spec, with_errors=False)
-    return kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
+    q, scale, zp = result.q, result.scale, result.zero_point
+    return kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()
 
 
 def _refuse_quantized(path: Path) -> None:
@@ -310,7 +312,7 @@ def plot_tensor(
         x = ckpt.tensor(entry)
         if not x.is_floating_point() or x.ndim == 0 or x.numel() == 0:
             raise QtoolError(checkpoint, "only non-empty float tensors can be plotted", tensor)
-        x = x.float().clone()
+        x = x.clone()  # its own dtype: the figures measure x_hat as restored to it
     finally:
         ckpt.close()
     spec = fitted_spec(checkpoint, entry, spec)
@@ -318,7 +320,9 @@ def plot_tensor(
         result = kernels.quantize_tensor(x, spec)
     except ValueError as err:  # NaN/Inf, or a range beyond float32
         raise QtoolError(checkpoint, f"cannot be quantized: {err}", tensor) from None
-    x_hat = kernels.dequantize(result.q, result.scale, result.zero_point, spec, shape=x.shape)
+    q, scale, zp = result.q, result.scale, result.zero_point
+    x_hat = kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()
+    x = x.float()
     codes = (
         unpack_nibbles(result.q, x.shape[-1], spec.dtype.signed) if spec.dtype.packed else result.q
     )

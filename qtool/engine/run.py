@@ -30,6 +30,7 @@ from qtool.engine.layout import (
 from qtool.engine.plan import (
     ModelPlan,
     QuantizeOptions,
+    output_tag,
     plan_headers,
     planned_row,
     quantized_output,
@@ -123,7 +124,7 @@ def _label(options: QuantizeOptions) -> str:
         return spec.gguf.name
     if entry(options.format.value).stores_gguf:
         return "mixed"
-    return spec.dtype.value
+    return output_tag(options)
 
 
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:

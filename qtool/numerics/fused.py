@@ -3,12 +3,13 @@
 The contract: bit-exact with the torch kernels (numerics/kernels.py, DESIGN.md 3 and 3.1).
 Statistics and qparams in float32, lo = min(min(x), 0), hi = max(max(x), 0),
 q = clamp(rint(x / scale) + zp, qmin, qmax) with a float32 DIVISION and round-half-to-even;
-x_hat = (q - zp) * scale in float32; error sums in float64 (they agree with the torch path to
-1e-6 relative: torch forms x - (q - zp) * scale with a fused multiply-add). Inputs are read in
-their own dtype (bf16 and fp16 as raw 16-bit words, decoded in the loop): no full-size float32
-copy exists. `--range mse` is fused for rows and groups (per channel on axis 0, per group);
-its choice equals the torch path's except where two candidates' float64 error sums agree to
-their rounding, where summation order decides (as it does between torch on CPU and CUDA).
+x_hat = (q - zp) * scale in float32. Error figures are numerics/metrics.py's, to the last bit:
+x_hat rounded to the input's dtype, the canonical chunk sums (fused_sums.py) added exactly.
+Inputs are read in their own dtype (bf16 and fp16 as raw 16-bit words, decoded in the loop): no
+full-size float32 copy exists. `--range mse` is fused for rows and groups (per channel on axis
+0, per group); its choice equals the torch path's except where two candidates' float64 error
+sums agree to their rounding, where summation order decides (as it does between torch on CPU
+and CUDA).
 
 Importing this module imports numba; numerics/select.py decides whether that happens.
 """
@@ -23,12 +24,22 @@ import numpy as np
 import torch
 
 from qtool.numerics import fused_jit as jit
+from qtool.numerics.fused_sums import key_value
 from qtool.numerics.kernels import QuantizedTensor
+from qtool.numerics.metrics import CHUNK, chunk_count, exact_sum, unit_elems
 from qtool.numerics.range_methods import check_grid_finite, search_candidates
 from qtool.numerics.ranges import IntRange, NonFiniteInput
 from qtool.numerics.views import normalize_spec
 from qtool.results import ErrorStats
-from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, qparam_shape
+from qtool.spec import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    QSpec,
+    RangeMethod,
+    matrix_shape,
+    qparam_shape,
+)
 
 SEG_BLOCK = 1 << 12  # per-tensor segment: 16 KiB of float32 (and its errors) stay in L1
 MIN_SEG = 256  # shorter runs per channel go through the column kernels
@@ -195,9 +206,9 @@ def _by_rows(
         np.empty((rows, ng), np.float32),
         np.empty((rows, ng), np.float32),
         np.zeros((rows, ng), np.uint8),
-        np.zeros(rows),
     )
-    stats = np.zeros((rows, 3))
+    lay = layout(words.shape)
+    sums = _sums(lay, lay[3] // lay[1], with_errors, 3)  # threads own units of rows
     status = np.zeros(rows, np.int64)
     width = words.shape[-1] if spec.dtype.packed and words.ndim >= 2 else 0
     if width:
@@ -207,15 +218,15 @@ def _by_rows(
         codes = np.empty(words.shape, _storage(spec))
         template, packed = codes.reshape(rows, k), np.empty((1, 1), np.uint8)
     pack = (width, _offset(spec), packed)
-    jit.rows_kernel(x2, gsize, grid, cands, template, out, stats, status, with_errors, pack)
+    jit.rows_kernel(x2, gsize, grid, cands, template, out, status, with_errors, pack, *sums)
     _raise_for(int(status.max(initial=0)), words)
     shape = qparam_shape(gran, words.shape)
     scale, zp = out[0].reshape(shape), out[1].reshape(shape)
-    errors = _errors(stats, words.size, with_errors)
+    errors = _errors(sums, words.size, with_errors)
     if not cands.size:
         return Fused(codes, scale, zp, errors)
     if errors is not None:
-        errors = replace(errors, sq_error_minmax=float(out[3].sum()))
+        errors = replace(errors, sq_error_minmax=exact_sum(sums[0][2].tolist()))
     return Fused(codes, scale, zp, errors, out[2].reshape(shape))
 
 
@@ -234,10 +245,12 @@ def _by_columns(words: np.ndarray, spec: QSpec, grid: Grid, axis: int, with_erro
     scale, zp = np.empty(channels, np.float32), np.empty(channels, np.float32)
     _raise_for(int(jit.qparams_many(klo, khi, grid, scale, zp)), words)
     codes = np.empty(words.shape, _storage(spec))
-    stats = np.zeros((min(256, x2.shape[0]), 3))
+    lay = layout(words.shape)
+    sums = _sums(lay, lay[3], with_errors, 2)
     scale_w, zp_w = np.repeat(scale, post), np.repeat(zp, post)
-    jit.cols_codes(x2, scale_w, zp_w, grid, codes.reshape(x2.shape), stats, with_errors)
-    return Fused(codes, scale, zp, _errors(stats, words.size, with_errors))
+    flat = words.reshape(-1)
+    jit.cols_codes(flat, scale_w, zp_w, grid, codes.reshape(-1), with_errors, lay, *sums)
+    return Fused(codes, scale, zp, _errors(sums, words.size, with_errors))
 
 
 def _segment(shape: tuple[int, ...], spec: QSpec) -> int:
@@ -261,11 +274,12 @@ def _by_segments(words: np.ndarray, spec: QSpec, grid: Grid, with_errors: bool) 
     zp = np.empty(nq, np.float32)
     _raise_for(int(jit.qparams_many(klo, khi, grid, scale, zp)), words)
     codes = np.empty(words.shape, _storage(spec))
-    stats = np.zeros((min(256, nseg), 3))
-    jit.segs_codes(x1, seg, grid, scale, zp, codes.reshape(-1), stats, with_errors)
+    lay = layout(words.shape)
+    sums = _sums(lay, lay[3], with_errors, 2)
+    jit.segs_codes(x1, seg, grid, scale, zp, codes.reshape(-1), with_errors, lay, *sums)
     shape = qparam_shape(gran, words.shape)
     return Fused(
-        codes, scale.reshape(shape), zp.reshape(shape), _errors(stats, x1.size, with_errors)
+        codes, scale.reshape(shape), zp.reshape(shape), _errors(sums, x1.size, with_errors)
     )
 
 
@@ -291,14 +305,33 @@ def _unpack(packed: np.ndarray, spec: QSpec, shape: tuple[int, ...]) -> np.ndarr
     return codes
 
 
-def _errors(stats: np.ndarray, numel: int, with_errors: bool) -> ErrorStats | None:
+Layout = tuple[int, int, int, int]
+Sums = tuple[tuple[np.ndarray, ...], np.ndarray]
+
+
+def layout(shape: tuple[int, ...]) -> Layout:
+    """(K, chunks per unit, elements per unit, chunks) of metrics.py's chunks of a tensor."""
+    _, k = matrix_shape(shape)
+    return (k, 1 if k <= CHUNK else -(-k // CHUNK), unit_elems(shape), chunk_count(shape))
+
+
+def _sums(lay: Layout, units: int, with_errors: bool, kinds: int) -> Sums:
+    """Slots for the chunk sums (x^2, e^2 and, for the row kernel, min-max's e^2) and the
+    per-thread largest |e| of a kernel over `units` work units (at most 256 threads)."""
+    n = lay[3] if with_errors else 0
+    parts = tuple(np.zeros(n) for _ in range(kinds))
+    return parts, np.zeros(max(1, min(units, 256)), np.int32)
+
+
+def _errors(sums: Sums, numel: int, with_errors: bool) -> ErrorStats | None:
     if not with_errors:
         return None
+    parts, kmax = sums
     return ErrorStats(
         numel=numel,
-        sq_error=float(stats[:, 1].sum()),
-        sq_signal=float(stats[:, 0].sum()),
-        max_abs=float(stats[:, 2].max(initial=0.0)),
+        sq_error=exact_sum(parts[1].tolist()),
+        sq_signal=exact_sum(parts[0].tolist()),
+        max_abs=key_value(kmax),
     )
 
 

@@ -2,9 +2,12 @@
 
 Every function that computes a range, a qparam or a code is compiled with fastmath off (no
 reciprocal, no contraction, no reassociation), so it gives the torch kernels' bits whatever the
-CPU; only the error sums (`_seg_sums`, `_seg_sse`) allow reassociation, which changes nothing
-but the order of float64 adds. Min/max run on integer keys that order like the floats, because
-float min/max reductions do not vectorise without fast-math.
+CPU; only the mse search's candidate sums (`_seg_sse`) allow reassociation, which changes nothing
+but the order of float64 adds. The error figures are the canonical chunk sums of
+numerics/fused_sums.py (metrics.py's definition): errors are measured on x_hat rounded to the
+input's dtype, and each chunk is summed by one thread in a fixed order. Min/max run on integer
+keys that order like the floats, because float min/max reductions do not vectorise without
+fast-math.
 
 Layouts: a tensor is either [C, K] rows cut into groups of G (per channel on axis 0 is G = K),
 or a flat run of segments of L elements whose qparams index cycles through C (per channel on
@@ -22,58 +25,22 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
+from qtool.numerics.fused_sums import CHUNK, chunk_span, chunk_sums, fold_squares
+from qtool.numerics.fused_words import (
+    f32_to_bf16,
+    f32_to_half,
+    half_to_f32,
+    key,
+    restore,
+    to_f32,
+    unkey,
+)
+
 _TINY = np.float32(np.finfo(np.float32).tiny)
 OK, NONFINITE, OVERFLOW = 0, 1, 2
 SCALE_F32, SCALE_BF16, SCALE_F16 = 0, 1, 2
 
 # ---------------------------------------------------------------- scalar helpers
-
-
-def _to_f32(v):
-    """The float32 value of one input element (specialised on its numba type)."""
-    raise NotImplementedError  # only called from jitted code
-
-
-@overload(_to_f32, jit_options={"fastmath": False})
-def _to_f32_impl(v):
-    if v == types.float32:
-        return lambda v: v
-    if v == types.float64:
-        return lambda v: np.float32(v)  # round to nearest even, as torch's .float()
-    if v == types.uint16:  # bf16: the top half of a float32
-        return lambda v: np.uint32(np.uint32(v) << 16).view(np.float32)
-    if v == types.int16:  # fp16 words
-        return lambda v: _half_to_f32(v)
-    return None
-
-
-@numba.njit(inline="always", cache=True, fastmath=False)
-def _half_to_f32(v):
-    """Exact fp16 -> fp32 from the 16-bit word (numba has no float16 on CPU)."""
-    h = np.int64(v) & 0xFFFF
-    o = (h & 0x7FFF) << 13
-    exp = o & 0x0F800000
-    o += 0x38000000  # rebias 15 -> 127
-    if exp == 0x0F800000:
-        o += 0x38000000  # Inf/NaN keep an all-ones exponent
-    elif exp == 0:  # subnormal: let the FPU normalise it (exact)
-        o += 0x00800000
-        f = np.float32(np.uint32(o).view(np.float32) - np.float32(6.103515625e-05))
-        o = np.int64(f.view(np.uint32))
-    o |= (h & 0x8000) << 16
-    return np.uint32(o).view(np.float32)
-
-
-@numba.njit(inline="always", cache=True, fastmath=False)
-def _key(f):
-    """int32 that orders like the float32 f (-0.0 just below +0.0)."""
-    b = np.float32(f).view(np.int32)
-    return np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
-
-
-@numba.njit(inline="always", cache=True, fastmath=False)
-def _unkey(k):
-    return np.int32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))).view(np.float32)
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -82,35 +49,10 @@ def _seg_keys(xs):
     klo = np.int32(0)
     khi = np.int32(0)
     for i in range(xs.size):
-        k = _key(_to_f32(xs[i]))
+        k = key(to_f32(xs[i]))
         klo = min(klo, k)
         khi = max(khi, k)
     return klo, khi
-
-
-@numba.njit(inline="always", cache=True, fastmath=False)
-def _f32_to_half(f):
-    """fp32 -> fp16 word, round to nearest even, overflow to Inf (F. Giesen's rtne method)."""
-    u = np.int64(np.float32(f).view(np.uint32))
-    sign = u & 0x80000000
-    u ^= sign
-    if u >= 0x47800000:  # >= 65536 before rounding: Inf (or NaN)
-        o = np.int64(0x7E00 if u > 0x7F800000 else 0x7C00)
-    elif u < 0x38800000:  # result is subnormal or zero: the FPU rounds it when adding 0.5
-        f = np.float32(np.uint32(u).view(np.float32) + np.float32(0.5))
-        o = np.int64(f.view(np.uint32))
-        o -= 0x3F000000
-    else:
-        u += -0x38000000 + 0xFFF + ((u >> 13) & 1)
-        o = u >> 13
-    return o | (sign >> 16)
-
-
-@numba.njit(inline="always", cache=True, fastmath=False)
-def _f32_to_bf16(f):
-    """fp32 -> bf16 word, round to nearest even (finite inputs)."""
-    b = np.int64(np.float32(f).view(np.uint32))
-    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -118,10 +60,10 @@ def _round_scale(scale, kind):
     """ranges.round_scale: clamp into the dtype's [smallest subnormal, max], round, widen."""
     if kind == SCALE_BF16:
         s = min(max(scale, np.float32(2.0**-133)), np.float32(3.3895313892515355e38))
-        return np.uint32(np.uint32(_f32_to_bf16(s)) << 16).view(np.float32)
+        return np.uint32(np.uint32(f32_to_bf16(s)) << 16).view(np.float32)
     if kind == SCALE_F16:
         s = min(max(scale, np.float32(2.0**-24)), np.float32(65504.0))
-        return _half_to_f32(np.int16(np.uint16(_f32_to_half(s))))
+        return half_to_f32(np.int16(np.uint16(f32_to_half(s))))
     return scale
 
 
@@ -163,28 +105,23 @@ def qparams(lo, hi, grid):
 
 @numba.njit(cache=True, fastmath=False)
 def _seg_codes(xs, scale, zp, qmin, qmax, cs, es, with_err):
-    """cs = clamp(rint(x / scale) + zp, qmin, qmax); es = x - (q - zp) * scale if with_err."""
+    """cs = clamp(rint(x / scale) + zp, qmin, qmax); with_err, es = x - x_hat as restored
+    (x_hat = (q - zp) * scale in float32, rounded to the input's dtype)."""
     for i in range(xs.size):
-        v = _to_f32(xs[i])
+        v = to_f32(xs[i])
         t = min(max(np.float32(np.rint(np.float32(v / scale)) + zp), qmin), qmax)
         cs[i] = t
         if with_err:
-            es[i] = v - np.float32(np.float32(t - zp) * scale)
+            es[i] = v - restore(np.float32(np.float32(t - zp) * scale), xs[i])
 
 
-@numba.njit(cache=True, fastmath={"reassoc"})
-def _seg_sums(xs, es):
-    """(sum x^2, sum e^2, max |e|) in float64; reassociation only reorders the adds."""
-    sx = 0.0
-    se = 0.0
-    kmax = np.int32(0)
+@numba.njit(cache=True, fastmath=False)
+def _restored_errs(xs, scale, zp, qmin, qmax, es):
+    """es = x - x_hat as restored for the codes (scale, zp) give (not stored)."""
     for i in range(xs.size):
-        v = np.float64(_to_f32(xs[i]))
-        e = es[i]
-        sx += v * v
-        se += np.float64(e) * np.float64(e)
-        kmax = max(kmax, np.int32(np.float32(e).view(np.int32) & np.int32(0x7FFFFFFF)))
-    return sx, se, np.float64(np.int32(kmax).view(np.float32))
+        v = to_f32(xs[i])
+        t = min(max(np.float32(np.rint(np.float32(v / scale)) + zp), qmin), qmax)
+        es[i] = v - restore(np.float32(np.float32(t - zp) * scale), xs[i])
 
 
 @numba.njit(cache=True, fastmath={"reassoc"})
@@ -200,7 +137,7 @@ def _seg_sse(es, n):
 def _seg_decode(xs, xf):
     """xf[:n] = the float32 values of the run xs (decoded once for all candidates)."""
     for i in range(xs.size):
-        xf[i] = _to_f32(xs[i])
+        xf[i] = to_f32(xs[i])
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -214,18 +151,18 @@ def _cand_errs(xf, n, scale, zp, qmin, qmax, es):
 
 @numba.njit(cache=True, fastmath=False)
 def _seg_search(xs, lo, hi, grid, cands, xf, es):
-    """--range mse for one group: (scale, zp, choice, sse of min-max, status); candidate 0 is
-    min-max, a candidate wins only with a strictly smaller float64 sum of squared errors, and a
-    candidate whose widened range overflows is skipped (ranges._candidate_qparams: NaN)."""
+    """--range mse for one group: (scale, zp, choice, min-max's scale and zp, status); candidate
+    0 is min-max, a candidate wins only with a strictly smaller float64 sum of squared errors,
+    and a candidate whose widened range overflows is skipped (ranges._candidate_qparams: NaN)."""
     s0, z0, st = qparams(lo, hi, grid)
     if st != OK:
-        return s0, z0, 0, 0.0, st
+        return s0, z0, 0, s0, z0, st
     qmin, qmax = grid[2], grid[3]
     n = xs.size
     _seg_decode(xs, xf)
     _cand_errs(xf, n, s0, z0, qmin, qmax, es)
     best = _seg_sse(es, n)
-    sse0, bs, bz, bk = best, s0, z0, 0
+    bs, bz, bk = s0, z0, 0
     for k in range(1, cands.size):
         p = cands[k]
         raw, span, lo_c = _raw(np.float32(lo * p), np.float32(hi * p), grid)
@@ -236,7 +173,7 @@ def _seg_search(xs, lo, hi, grid, cands, xf, es):
         sse = _seg_sse(es, n)
         if sse < best:
             best, bs, bz, bk = sse, s, z, k
-    return bs, bz, bk, sse0, OK
+    return bs, bz, bk, s0, z0, OK
 
 
 @numba.njit(cache=True, fastmath=False)
@@ -265,47 +202,96 @@ def _pack_rows(cs, out, width, offset, zrow, gsize):
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def rows_kernel(x2, gsize, grid, cands, codes2, out, stats, status, with_err, pack):
-    """Groups of gsize along each row of x2 [C, K]: qparams, codes, error sums per row.
+def rows_kernel(x2, gsize, grid, cands, codes2, out, status, with_err, pack, parts, kmax):
+    """Groups of gsize along each row of x2 [C, K]: qparams, codes, error sums.
 
-    out = (scale2, zp2 [C, n_groups] float32, choice2 uint8, sse0 float64 [C]); cands: the mse
-    multipliers (size 0: min-max). pack = (width, offset, packed [C, K / width * wp]) with
-    width 0 for unpacked codes into codes2 [C, K] (else codes2 is a [1, K] template).
+    out = (scale2, zp2 [C, n_groups] float32, choice2 uint8); cands: the mse multipliers (size
+    0: min-max). pack = (width, offset, packed [C, K / width * wp]) with width 0 for unpacked
+    codes into codes2 [C, K] (else codes2 is a [1, K] template). parts: the chunk sums of x^2,
+    e^2 and (mse) min-max's e^2; kmax: the largest |e| key per thread (an argument of its own:
+    numba 0.6x loses writes to an array unpacked from a tuple inside a prange). A thread owns
+    whole units of rows (fused_sums.py), so chunks never cross threads; a chunk's errors wait
+    in a window until it is complete (a group longer than a chunk is coded piece by piece).
     """
-    scale2, zp2, choice2, sse0 = out
+    scale2, zp2, choice2 = out
     qmin, qmax = grid[2], grid[3]
     width, offset, packed = pack
     rows, k = x2.shape
-    nch = min(rows, 256)
+    x1 = x2.reshape(-1)
+    per_unit = max(1, CHUNK // k) if k <= CHUNK else 1
+    nck = 1 if k <= CHUNK else (k + CHUNK - 1) // CHUNK
+    units = (rows + per_unit - 1) // per_unit
+    nch = kmax.size
+    search = cands.size > 0
     for ch in prange(nch):
-        es = np.empty(min(gsize, k), np.float32)
-        xf = np.empty(min(gsize, k) if cands.size else 0, np.float32)
+        n = min(gsize, k)
+        es = np.empty(n if search else 0, np.float32)  # the search's candidate errors
+        xf = np.empty(n if search else 0, np.float32)
+        win = np.empty(CHUNK, np.float32)  # the errors of the chunk being filled
+        winm = np.empty(CHUNK if search and with_err else 0, np.float32)  # min-max's
+        buf = np.empty(CHUNK // 2, np.float64)
         tmp = codes2[0].copy()
-        for r in range(ch * rows // nch, (ch + 1) * rows // nch):
-            cr = tmp if width else codes2[r]
-            sx, se, em, s0 = 0.0, 0.0, 0.0, 0.0
-            for g in range(scale2.shape[1]):
-                a, b = g * gsize, min(g * gsize + gsize, k)
-                xs = x2[r, a:b]
-                klo, khi = _seg_keys(xs)
-                if cands.size:
-                    s, z, c, e0, st = _seg_search(xs, _unkey(klo), _unkey(khi), grid, cands, xf, es)
-                    choice2[r, g] = c
-                    s0 += e0
-                else:
-                    s, z, st = qparams(_unkey(klo), _unkey(khi), grid)
-                status[r] = max(status[r], st)
-                scale2[r, g], zp2[r, g] = s, z
-                if st != OK:
-                    continue
-                _seg_codes(xs, s, z, qmin, qmax, cr[a:b], es, with_err)
-                if with_err:
-                    s1, s2, s3 = _seg_sums(xs, es[: b - a])
-                    sx, se, em = sx + s1, se + s2, max(em, s3)
-            stats[r, 0], stats[r, 1], stats[r, 2] = sx, se, em
-            sse0[r] = s0
-            if width:
-                _pack_rows(cr, packed[r], width, offset, zp2[r], gsize)
+        km = np.int32(0)
+        for u in range(ch * units // nch, (ch + 1) * units // nch):
+            c = u * nck  # the unit's first chunk
+            r0 = u * per_unit
+            r1 = min(r0 + per_unit, rows)
+            for r in range(r0, r1):
+                cr = tmp if width else codes2[r]
+                # where row r's errors go in the window: after the unit's earlier rows, or
+                # (rows longer than a chunk) from the start of the chunk being filled
+                base = (r - r0) * k if nck == 1 else 0
+                start = 0  # the chunk being filled starts at this column (nck > 1)
+                for g in range(scale2.shape[1]):
+                    a, b = g * gsize, min(g * gsize + gsize, k)
+                    xs = x2[r, a:b]
+                    klo, khi = _seg_keys(xs)
+                    s0, z0 = np.float32(0.0), np.float32(0.0)
+                    if search:
+                        s, z, ci, s0, z0, st = _seg_search(
+                            xs, unkey(klo), unkey(khi), grid, cands, xf, es
+                        )
+                        choice2[r, g] = ci
+                    else:
+                        s, z, st = qparams(unkey(klo), unkey(khi), grid)
+                    status[r] = max(status[r], st)
+                    scale2[r, g], zp2[r, g] = s, z
+                    if st != OK:  # no codes (the call raises): the walk of the chunks goes on
+                        while nck > 1 and start < k and min(k, start + CHUNK) <= b:
+                            start = min(k, start + CHUNK)
+                            c += 1
+                        continue
+                    p = a
+                    while p < b:
+                        end = min(k, start + CHUNK) if nck > 1 else k
+                        q = min(b, end)
+                        w0, w1 = base + p - start, base + q - start
+                        _seg_codes(x2[r, p:q], s, z, qmin, qmax, cr[p:q], win[w0:w1], with_err)
+                        if search and with_err:
+                            _restored_errs(x2[r, p:q], s0, z0, qmin, qmax, winm[w0:w1])
+                        if q == end and nck > 1:  # a chunk of a long row is done
+                            if with_err:
+                                done = x1[r * k + start : r * k + end]
+                                km = max(km, _sums_of(done, win, winm, end - start, buf, c, parts,
+                                                      search))  # fmt: skip
+                            c += 1
+                            start = end
+                        p = q
+                if width:
+                    _pack_rows(cr, packed[r], width, offset, zp2[r], gsize)
+            if nck == 1 and with_err:  # the unit is one chunk
+                n_unit = (r1 - r0) * k
+                km = max(km, _sums_of(x1[r0 * k : r1 * k], win, winm, n_unit, buf, c, parts,
+                                      search))  # fmt: skip
+        kmax[ch] = km
+
+
+@numba.njit(cache=True, fastmath=False)
+def _sums_of(xs, win, winm, n, buf, c, parts, search):
+    """A complete chunk's sums into its slots (and min-max's with the search); max |e| key."""
+    if search:
+        parts[2][c] = fold_squares(winm, n, buf)
+    return chunk_sums(xs, win, n, buf, c, parts)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
@@ -330,30 +316,37 @@ def qparams_many(klo, khi, grid, scale, zp):
     """qparams of every index from its (nch, nq) key partials; returns the worst status."""
     worst = 0
     for c in range(scale.size):
-        lo, hi = _unkey(klo[:, c].min()), _unkey(khi[:, c].max())
+        lo, hi = unkey(klo[:, c].min()), unkey(khi[:, c].max())
         scale[c], zp[c], st = qparams(lo, hi, grid)
         worst = max(worst, st)
     return worst
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def segs_codes(x1, seg, grid, scale, zp, codes1, stats, with_err):
-    """Codes and error sums of runs of `seg` elements, qparams index = run number mod nq."""
+def segs_codes(x1, seg, grid, scale, zp, codes1, with_err, lay, parts, kmax):
+    """Codes and error sums of runs of `seg` elements, qparams index = run number mod nq,
+    walked chunk by chunk (lay: the tensor's chunks; parts, kmax: as rows_kernel)."""
     qmin, qmax = grid[2], grid[3]
     nq = scale.size
-    nseg = (x1.size + seg - 1) // seg
-    nch = stats.shape[0]
+    nchunks = lay[3]
+    nch = kmax.size
     for ch in prange(nch):
-        es = np.empty(min(seg, x1.size), np.float32)
-        sx, se, em = 0.0, 0.0, 0.0
-        for s in range(ch * nseg // nch, (ch + 1) * nseg // nch):
-            a, b = s * seg, min(s * seg + seg, x1.size)
-            c = s % nq
-            _seg_codes(x1[a:b], scale[c], zp[c], qmin, qmax, codes1[a:b], es, with_err)
+        es = np.empty(CHUNK, np.float32)
+        buf = np.empty(CHUNK // 2, np.float64)
+        km = np.int32(0)
+        for c in range(ch * nchunks // nch, (ch + 1) * nchunks // nch):
+            a, b = chunk_span(c, lay, x1.size)
+            p = a
+            while p < b:
+                s = p // seg
+                q = min(b, s * seg + seg)
+                i = s % nq
+                _seg_codes(x1[p:q], scale[i], zp[i], qmin, qmax, codes1[p:q], es[p - a : q - a],
+                           with_err)  # fmt: skip
+                p = q
             if with_err:
-                s1, s2, s3 = _seg_sums(x1[a:b], es[: b - a])
-                sx, se, em = sx + s1, se + s2, max(em, s3)
-        stats[ch, 0], stats[ch, 1], stats[ch, 2] = sx, se, em
+                km = max(km, chunk_sums(x1[a:b], es, b - a, buf, c, parts))
+        kmax[ch] = km
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
@@ -367,14 +360,18 @@ def pack_flat(codes1, width, offset, seg, zp, packed):
 
 
 @numba.njit(cache=True, fastmath=False)
-def _row_codes(xs, scale, zp, qmin, qmax, cs, es, with_err):
-    """_seg_codes with one (scale, zp) per element (per channel on a late axis)."""
+def _col_codes(xs, col, scale, zp, qmin, qmax, cs, es, with_err):
+    """_seg_codes with per-column qparams: element i is column (col + i) mod scale.size."""
+    width = scale.size
     for i in range(xs.size):
-        v = _to_f32(xs[i])
-        t = min(max(np.float32(np.rint(np.float32(v / scale[i])) + zp[i]), qmin), qmax)
+        v = to_f32(xs[i])
+        t = min(max(np.float32(np.rint(np.float32(v / scale[col])) + zp[col]), qmin), qmax)
         cs[i] = t
         if with_err:
-            es[i] = v - np.float32(np.float32(t - zp[i]) * scale[i])
+            es[i] = v - restore(np.float32(np.float32(t - zp[col]) * scale[col]), xs[i])
+        col += 1
+        if col == width:
+            col = 0
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
@@ -386,27 +383,29 @@ def cols_keys(x2, nch):
     for ch in prange(nch):
         for i in range(ch * rows // nch, (ch + 1) * rows // nch):
             for j in range(width):
-                k = _key(_to_f32(x2[i, j]))
+                k = key(to_f32(x2[i, j]))
                 klo[ch, j] = min(klo[ch, j], k)
                 khi[ch, j] = max(khi[ch, j], k)
     return klo, khi
 
 
 @numba.njit(parallel=True, cache=True, fastmath=False)
-def cols_codes(x2, scale, zp, grid, codes2, stats, with_err):
-    """Codes and error sums of x2 [pre, W] with per-column qparams scale/zp [W]."""
+def cols_codes(x1, scale, zp, grid, codes1, with_err, lay, parts, kmax):
+    """Codes and error sums of x1 (flat rows of W elements) with per-column qparams scale/zp
+    [W], walked chunk by chunk (lay: the tensor's chunks; parts, kmax: as rows_kernel)."""
     qmin, qmax = grid[2], grid[3]
-    rows, width = x2.shape
-    nch = stats.shape[0]
+    nchunks = lay[3]
+    nch = kmax.size
     for ch in prange(nch):
-        es = np.empty(width, np.float32)
-        sx, se, em = 0.0, 0.0, 0.0
-        for i in range(ch * rows // nch, (ch + 1) * rows // nch):
-            _row_codes(x2[i], scale, zp, qmin, qmax, codes2[i], es, with_err)
+        es = np.empty(CHUNK, np.float32)
+        buf = np.empty(CHUNK // 2, np.float64)
+        km = np.int32(0)
+        for c in range(ch * nchunks // nch, (ch + 1) * nchunks // nch):
+            a, b = chunk_span(c, lay, x1.size)
+            _col_codes(x1[a:b], a % scale.size, scale, zp, qmin, qmax, codes1[a:b], es, with_err)
             if with_err:
-                s1, s2, s3 = _seg_sums(x2[i], es)
-                sx, se, em = sx + s1, se + s2, max(em, s3)
-        stats[ch, 0], stats[ch, 1], stats[ch, 2] = sx, se, em
+                km = max(km, chunk_sums(x1[a:b], es, b - a, buf, c, parts))
+        kmax[ch] = km
 
 
 # ---------------------------------------------------------------- dequantize
@@ -435,13 +434,13 @@ def _store_impl(out, i, f):
     if dtype == types.uint16:
 
         def store_bf16(out, i, f):
-            out[i] = np.uint16(_f32_to_bf16(f))  # (q - zp) * scale is never NaN
+            out[i] = np.uint16(f32_to_bf16(f))  # (q - zp) * scale is never NaN
 
         return store_bf16
     if dtype == types.int16:
 
         def store_f16(out, i, f):
-            out[i] = np.int16(np.uint16(_f32_to_half(f)))
+            out[i] = np.int16(np.uint16(f32_to_half(f)))
 
         return store_f16
     return None

@@ -12,6 +12,8 @@ turns each slab's values into its qparams. Per tensor, and per channel on anothe
 viewed as (pre, C, post) with C the quantization axis (C = 1 per tensor): one pass for the
 range, one for the codes. Every elementwise step runs in place on a reused float32 buffer; no
 full-size float temporary exists. 4-bit codes are computed unpacked, then packed two per byte.
+Error figures (numerics/metrics.py) measure x_hat rounded to x's own dtype, fed to the measure in
+the tensor's flat order.
 """
 
 from __future__ import annotations
@@ -19,19 +21,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from qtool.numerics.metrics import ErrorAccumulator
+from qtool.numerics.metrics import Measure
 from qtool.numerics.packing import pack_nibbles, unpack_nibbles
 from qtool.numerics.range_methods import (
+    MseSearch,
     Qparams,
     RangeMethodImpl,
     qparams_from_range,
     range_method,
 )
 from qtool.numerics.ranges import NonFiniteInput
+from qtool.numerics.slab_errors import Sink, error_of, feed, restored_error
 from qtool.numerics.views import (
     channel_range,
     group_parts,
@@ -40,6 +44,7 @@ from qtool.numerics.views import (
     part_view,
     row_group_length,
 )
+from qtool.numerics.workspace import Workspace as Workspace
 from qtool.results import ErrorStats
 from qtool.spec import (
     PerChannel,
@@ -97,7 +102,8 @@ def quantize(
         qparams = (scale.float(), zp)
         _quantize_rows(x, length, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, qparams=qparams)
     else:
-        _quantize_slabs(x, scale.float(), zp, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, False)
+        qp = (scale.float(), zp)
+        _quantize_slabs(x, qp, spec, codes, None, DEFAULT_BLOCK_ELEMS, ws, own_qparams=False)
     return _stored(codes, zp, spec, ws=None)
 
 
@@ -124,22 +130,23 @@ def quantize_tensor(
     spec = normalize_spec(spec, x.ndim)
     ws = workspace or Workspace(x.device)
     codes = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
-    acc = ErrorAccumulator() if with_errors else None
     ranger = range_method(spec, tuple(x.shape), scale_dtype, block_elems)
+    meas = Measure(tuple(x.shape), x.device, minmax=ranger.searching) if with_errors else None
     length = row_group_length(spec, tuple(x.shape))
     with _counting_nonfinite(x):
         # A row longer than a slab is walked in two passes (range, then codes) per channel;
         # a group is always one pass, however long (slabs then hold one group each).
         if length is not None and (isinstance(spec.granularity, PerGroup) or length <= block_elems):
             scale, zero_point, choice = _quantize_rows(
-                x, length, spec, codes, acc, block_elems, ws, ranger
+                x, length, spec, codes, meas, block_elems, ws, ranger
             )
         else:
             scale, zero_point, choice = ranger.whole(x)
-            _quantize_slabs(x, scale, zero_point, spec, codes, acc, block_elems, ws, ranger.exact)
-    errors = acc.result() if acc is not None else None
-    if errors is not None and ranger.sse_minmax is not None:
-        errors = replace(errors, sq_error_minmax=ranger.sse_minmax)
+            minmax = ranger.minmax if isinstance(ranger, MseSearch) and meas else None
+            _quantize_slabs(
+                x, (scale, zero_point), spec, codes, meas, block_elems, ws, ranger.exact, minmax
+            )
+    errors = meas.result() if meas is not None else None
     return QuantizedTensor(
         q=_stored(codes, zero_point, spec, ws),
         scale=scale,
@@ -246,7 +253,7 @@ def _quantize_rows(
     length: int,
     spec: QSpec,
     codes: torch.Tensor,
-    acc: ErrorAccumulator | None,
+    meas: Measure | None,
     block_elems: int,
     ws: Workspace,
     ranger: RangeMethodImpl | None = None,
@@ -254,7 +261,9 @@ def _quantize_rows(
 ) -> Qparams:
     """Groups of `length` consecutive elements of the (C, K) rows: each slab's range and codes
     come from the same cache-resident data, so the tensor crosses memory once. Returns scale,
-    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only."""
+    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only.
+    The errors reach `meas` in flat order: a slab of whole rows whose last group is shorter is
+    measured once both of its parts are done."""
     c, k = matrix_shape(tuple(x.shape))
     x2, q2 = x.view(c, k), codes.view(c, k)
     n = math.ceil(k / length)
@@ -265,9 +274,12 @@ def _quantize_rows(
     if qparams is not None:
         scale.copy_(qparams[0].reshape(c, n))
         zero_point.copy_(qparams[1].reshape(c, n))
-    for part, cols in group_parts(k, length):
-        x3, q3 = part_view(x2, part, length), part_view(q2, part, length)
-        for r0, r1, g0, g1 in _row_slabs(x3.shape, block_elems):
+    # min-max with float32 scales: no value is clipped
+    own = ranger is not None and ranger.exact
+    for r0, r1, pieces in _row_walk(c, k, length, block_elems):
+        sink = Sink(meas, x2[r0:r1], ws) if len(pieces) > 1 else None
+        for part, cols, g0, g1 in pieces:
+            x3, q3 = part_view(x2, part, length), part_view(q2, part, length)
             xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
             s, z = scale[r0:r1, cols][:, g0:g1], zero_point[r0:r1, cols][:, g0:g1]
             if ranger is not None:
@@ -276,10 +288,17 @@ def _quantize_rows(
                 z.copy_(z_new)
                 if choice is not None and k_new is not None:
                     choice[r0:r1, cols][:, g0:g1].copy_(k_new)
-            # min-max with float32 scales: no value is clipped
-            own = ranger is not None and ranger.exact
+            where = (part[0], part[1] * part[2])  # the part's columns in the rows
+            if meas is not None and isinstance(ranger, MseSearch):
+                mm_s, mm_z = ranger.minmax
+                error_of(xf, work, mm_s[..., None], mm_z[..., None], spec, ws)
+                feed(meas, sink, xf, work, where, minmax=True)
             q_slab = q3[r0:r1, g0:g1]
-            _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, acc, own)
+            _quantize_block(xf, work, s[..., None], z[..., None], spec, q_slab, meas, own, ws)
+            if meas is not None:
+                feed(meas, sink, xf, work, where, minmax=False)
+        if sink is not None:
+            sink.flush()
     shape = (c,) if isinstance(spec.granularity, PerChannel) else (c, n)
     reshaped = choice.reshape(shape) if choice is not None else None
     return scale.reshape(shape), zero_point.reshape(shape), reshaped
@@ -300,58 +319,56 @@ def _row_slabs(shape: torch.Size, block_elems: int) -> Iterator[tuple[int, int, 
             yield (r, r + 1, g, min(g + step, groups))
 
 
+Piece = tuple[tuple[int, int, int], slice, int, int]  # (part, its group columns, g0, g1)
+
+
+def _row_walk(
+    c: int, k: int, length: int, block_elems: int
+) -> Iterator[tuple[int, int, list[Piece]]]:
+    """(r0, r1, pieces) in flat order: whole rows of about block_elems elements with every part
+    of them (the full groups, then the shorter last group), or, for rows longer than that, runs
+    of groups of one row (a group is never split)."""
+    parts = group_parts(k, length)
+    if k <= block_elems:
+        step = max(1, block_elems // k)
+        for r0 in range(0, c, step):
+            yield r0, min(r0 + step, c), [(part, cols, 0, part[1]) for part, cols in parts]
+        return
+    for r in range(c):
+        for part, cols in parts:
+            gstep = max(1, block_elems // part[2])
+            for g0 in range(0, part[1], gstep):
+                yield r, r + 1, [(part, cols, g0, min(g0 + gstep, part[1]))]
+
+
 def _quantize_slabs(
     x: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
+    qparams: tuple[torch.Tensor, torch.Tensor],
     spec: QSpec,
     q: torch.Tensor,
-    acc: ErrorAccumulator | None,
+    meas: Measure | None,
     block_elems: int,
     ws: Workspace,
     own_qparams: bool = True,
+    minmax: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Quantize x slab by slab with qparams already known for every group (`own_qparams`:
-    they were derived from x itself, so every value lies inside the range)."""
+    they were derived from x itself, so every value lies inside the range); `minmax`: the
+    min-max qparams the mse search started from, whose error the report compares with."""
     shape = group_shape(tuple(x.shape), spec.axis)
     x3, q3 = x.view(shape), q.view(shape)
-    scale3, zp3 = scale.reshape(1, -1, 1), zero_point.reshape(1, -1, 1)
+    scale3, zp3 = (t.reshape(1, -1, 1) for t in qparams)
+    mm3 = tuple(t.reshape(1, -1, 1) for t in minmax) if minmax is not None else None
     for i0, i1, c0, c1, p0, p1 in _slabs(shape, block_elems):
-        xf, work = ws.take(x3[i0:i1, c0:c1, p0:p1])
+        xf, work = ws.take(x3[i0:i1, c0:c1, p0:p1])  # a contiguous run, in flat order
+        if meas is not None and mm3 is not None:
+            error_of(xf, work, mm3[0][:, c0:c1], mm3[1][:, c0:c1], spec, ws)
+            meas.add_minmax(work)
         q_slab = q3[i0:i1, c0:c1, p0:p1]
-        _quantize_block(xf, work, scale3[:, c0:c1], zp3[:, c0:c1], spec, q_slab, acc, own_qparams)
-
-
-class Workspace:
-    """Memory reused across slabs and tensors: a fresh allocation costs page faults on first
-    touch, which for a cache-sized slab cost as much as the arithmetic itself."""
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self._codes = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._floats = torch.empty(0, dtype=torch.float32, device=self.device)
-
-    def codes(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised 1-byte tensor of `shape`, valid until the next call."""
-        self._codes = _at_least(self._codes, math.prod(shape))
-        return self._codes[: math.prod(shape)].view(dtype).view(shape)
-
-    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(xf, work): the slab `like` as float32 (itself when it already is; else upcast once
-        into reused memory, exact for f16/bf16) and a float32 scratch of its shape."""
-        n = like.numel()
-        upcast = like.dtype != torch.float32
-        self._floats = _at_least(self._floats, n * (2 if upcast else 1))
-        work = self._floats[:n].view(like.shape)
-        if not upcast:
-            return like, work
-        xf = self._floats[n : 2 * n].view(like.shape)
-        xf.copy_(like)
-        return xf, work
-
-
-def _at_least(buf: torch.Tensor, numel: int) -> torch.Tensor:
-    return buf if buf.numel() >= numel else torch.empty(numel, dtype=buf.dtype, device=buf.device)
+        s, z = scale3[:, c0:c1], zp3[:, c0:c1]
+        _quantize_block(xf, work, s, z, spec, q_slab, meas, own_qparams, ws)
+        if meas is not None:
+            meas.add(xf, work)
 
 
 def _quantize_block(
@@ -361,11 +378,12 @@ def _quantize_block(
     zero_point: torch.Tensor,
     spec: QSpec,
     q_out: torch.Tensor,
-    acc: ErrorAccumulator | None,
-    own_qparams: bool = True,
+    meas: Measure | None,
+    own_qparams: bool,
+    ws: Workspace,
 ) -> None:
     """One cache-resident slab (xf: float32 values, work: scratch of its shape): codes into
-    q_out, error sums into acc. Every step runs in place."""
+    q_out and, when measured, the error x - x_hat as restored into work. Every step in place."""
     # uint8 codes are built as int8 values q - 128 whose top bit is then flipped (q - 128 + 256
     # mod 256 = q): torch's float->uint8 cast runs ~3x slower than float->int8 on CPU.
     shift = 128 if spec.dtype is StorageDtype.UINT8 else 0
@@ -380,12 +398,11 @@ def _quantize_block(
     q_out.view(torch.int8).copy_(work)
     if shift:
         q_out.view(torch.uint8).bitwise_xor_(0x80)
-    if acc is None:
+    if meas is None:
         return
     if general:
         work.sub_(zero_point - shift)  # q - zero_point, exact in float32
-    torch.addcmul(xf, work, scale, value=-1.0, out=work)  # error = x - (q - zp) * scale
-    acc.add(xf, work)
+    restored_error(xf, work, scale, ws)
 
 
 def _slabs(shape: tuple[int, int, int], block_elems: int) -> Iterator[Box]:

@@ -4,7 +4,8 @@ qparams. The kernels (numerics/kernels.py) walk the tensor and ask the method fo
 
   MinMax     [min(x, 0), max(x, 0)] as it is (DESIGN.md 3).
   MseSearch  the candidate range with the least squared error (numerics/ranges.mse_search);
-             it also keeps, for the report, the squared error min-max would have had.
+             it also keeps, for the report, the min-max qparams of the groups it last searched
+             (the kernels measure the error min-max would have had).
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class MinMax:
     (subnormal scales keep few bits; 65504 caps it), so |x / scale| may pass qmax."""
 
     searching = False
-    sse_minmax: float | None = None
 
     def __init__(self, spec: QSpec, scale_dtype: torch.dtype) -> None:
         self.spec, self.scale_dtype = spec, scale_dtype
@@ -85,8 +85,9 @@ class MinMax:
 
 class MseSearch:
     """The candidate range per group with the least squared error (ties keep min-max), with
-    the index of the candidate each group kept; `sse_minmax` sums min-max's squared error over
-    every group searched so far. A clipped range clips values: codes are always clamped."""
+    the index of the candidate each group kept; `minmax` holds the min-max qparams of the groups
+    searched last (as `groups` or `whole` returns them). A clipped range clips values: codes are
+    always clamped."""
 
     searching = True
     exact = False
@@ -97,7 +98,7 @@ class MseSearch:
         self.spec, self.candidates = spec, candidates
         self.scale_dtype, self.block_elems = scale_dtype, block_elems
         self.int_range = IntRange.of(spec)
-        self.sse_minmax: float | None = 0.0
+        self.minmax: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def groups(self, xf: torch.Tensor) -> Qparams:
         """As MinMax.groups, searched."""
@@ -108,15 +109,15 @@ class MseSearch:
         shape = qparam_shape(self.spec.granularity, tuple(x.shape))
         scale, zero_point, choice = self._search(search_view(x, self.spec))
         assert choice is not None
+        self.minmax = (self.minmax[0].reshape(shape), self.minmax[1].reshape(shape))
         return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
 
     def _search(self, values: torch.Tensor) -> Qparams:
         found = ranges.mse_search(
             values, self.int_range, self.candidates, self.scale_dtype, self.block_elems
         )
-        assert self.sse_minmax is not None
-        self.sse_minmax += float(found.sse_minmax.sum())
         check_grid_finite(found.scale, found.zero_point, self.spec)
+        self.minmax = found.minmax
         return found.scale, found.zero_point, found.choice
 
 

@@ -129,6 +129,7 @@ class SearchResult:
     choice: torch.Tensor  # uint8 [R, S]: index into the candidate list
     sse: torch.Tensor  # float64 [R, S]: squared error of the chosen candidate
     sse_minmax: torch.Tensor  # float64 [R, S]: squared error of min-max (candidate 0)
+    minmax: tuple[torch.Tensor, torch.Tensor]  # min-max's scale and zero point (candidate 0)
 
 
 def mse_search(
@@ -276,4 +277,4 @@ def _pick(qp: list[tuple[torch.Tensor, torch.Tensor]], sse: torch.Tensor) -> Sea
         best = torch.where(better, sse[k], best)
         choice.masked_fill_(better, k)
         scale, zp = torch.where(better, qp[k][0], scale), torch.where(better, qp[k][1], zp)
-    return SearchResult(scale, zp, choice, best, sse[0])
+    return SearchResult(scale, zp, choice, best, sse[0], qp[0])

@@ -320,13 +320,14 @@ def _gate_cell(r: Row, failed: set[str]) -> tuple[str, str]:
 
 
 def _report(
-    title: str, columns: list[Column], summary: list[str], stream: IO[str]
+    title: str | list[str], columns: list[Column], summary: list[str], stream: IO[str]
 ) -> tuple[list[Line], int, list[str]]:
-    """The title, the table and the summary phrases laid out for `stream`, with the width
-    and the hidden columns (for the note)."""
+    """The title (its parts joined by "; "), the table and the summary phrases laid out for
+    `stream`, with the width and the hidden columns (for the note)."""
     width = width_of(stream)
     table = layout.table(columns, width)
-    lines = _plain(layout.phrases([title], width)) + table.lines
+    titles = [title] if isinstance(title, str) else title
+    lines = _plain(layout.phrases(titles, width, "; ")) + table.lines
     lines += _plain(layout.phrases(summary, width))
     return lines, width, table.hidden
 
@@ -334,7 +335,9 @@ def _report(
 def print_quantize(
     summary: QuantizeSummary, rows: list[QuantizeRow] | None = None, gate: GateResult | None = None
 ) -> None:
-    title = "Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"
+    title = ["Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"]
+    if summary.overall is not None:
+        title.append(f"errors {summary.measured}")
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
     shown = summary.rows if rows is None else rows
     columns = quantize_columns(shown, failed, fold_names=sys.stdout.isatty())
@@ -366,7 +369,7 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
     ]
     overall = summary.overall
     if overall is not None:
-        parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
+        parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     if summary.budget_sizes is not None:
@@ -379,12 +382,19 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
     return parts
 
 
+def _pooled(pooled_over: str) -> str:
+    """What an overall SQNR pools, for the summary line."""
+    return "quantized tensors" if pooled_over == "quantized" else "all compared tensors"
+
+
 # ---- compare -----------------------------------------------------------------------------------
 
 
 def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateResult | None) -> None:
     failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
-    title = f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"
+    title = [f"{safe(summary.inputs[0])} (A) vs {safe(summary.inputs[1])} (B)"]
+    if summary.overall is not None:
+        title.append(f"errors {summary.measured}")
     columns = quantize_columns(rows, failed, ("dtype A→B", "compared"), sys.stdout.isatty())
     overall = summary.overall
     totals = [
@@ -392,7 +402,7 @@ def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateRes
         f"{len(summary.mismatches)} mismatched"
     ]
     if overall is not None:
-        totals.append(f"overall SQNR {_fmt_db(overall.sqnr_db)}")
+        totals.append(f"overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})")
     lines, width, hidden = _report(title, columns, totals, sys.stdout)
     more = len(rows) < len(summary.rows)
     _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None,

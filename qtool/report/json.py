@@ -188,8 +188,10 @@ def quantize_json(
             "bytes_out": summary.bytes_out,
             "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,
             **error_json(summary.overall),
+            "pooled_over": summary.pooled_over,
             **_budget_json(summary),
         },
+        "measured": summary.measured,
         "skipped_non_tensors": summary.skipped,
         "gate": gate_json(gate),
         "format": summary.format,
@@ -216,6 +218,7 @@ def compare_json(
                 "mismatch": r.mismatch,
                 "detail": r.detail,
                 **error_json(r.errors),
+                "restored": r.restored,
             }
             for r in rows
         ],
@@ -224,7 +227,9 @@ def compare_json(
             "compared": len(summary.compared),
             "mismatches": len(summary.mismatches),
             **error_json(summary.overall),
+            "pooled_over": summary.pooled_over,
         },
+        "measured": summary.measured,
         "gate": gate_json(gate),
     }
 

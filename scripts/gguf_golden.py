@@ -1,4 +1,4 @@
-"""Golden outputs of ggml's reference K-quantizers, for tests/test_numerics_gguf.py.
+"""Golden outputs of ggml's reference K-quantizers, for tests/numerics/test_gguf.py.
 
 Run by hand (not in CI): it compiles ggml-quants.c from a llama.cpp source tree you give it,
 as llama.cpp's x86-64 release build compiles it (the ggml-base library: -O3 -DNDEBUG, no

@@ -4,7 +4,7 @@
 // scripts/gguf_smollm2.py scores with transformers): perplexity from llama.cpp's own next-token
 // probabilities. Prints one JSON line per file, then a Markdown table; exits 1 if a file did not
 // load or run, or llama.cpp logged an error for it. Needs npm; not run in CI (a test,
-// tests/test_gguf_llamacpp.py, runs it where node-llama-cpp resolves).
+// tests/interop/test_gguf_llamacpp.py, runs it where node-llama-cpp resolves).
 //
 //   mkdir -p /tmp/nlc && cd /tmp/nlc && npm init -y && npm i -E node-llama-cpp@3.21.1
 //   NODE_PATH=/tmp/nlc/node_modules node scripts/llamacpp_check.mjs [--threads 1]

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     one line on stderr, never a traceback.
 
     The cyclic garbage collector is paused while the command runs: qtool's work per tensor
-    creates no reference cycles (refcounting frees it; tests/test_cli.py checks it; imports and
+    creates no reference cycles (refcounting frees it; tests/cli/test_cli.py checks it; imports and
     a --plot figure leave some, once), so the collector would only walk the ever larger heap of
     headers, plans and rows again and again: ~40 % of quantizing 50,000 tiny tensors."""
     collecting = gc.isenabled()

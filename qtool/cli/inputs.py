@@ -1,5 +1,5 @@
 """What each command accepts as input, in one place: the help of its arguments says it, and
-tests/test_cli_help.py runs each command on each kind named here."""
+tests/cli/test_help.py runs each command on each kind named here."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ compressed-tensors (0.20) validates `quantization_config` with pydantic models i
 QuantizationConfig (unknown keys ignored), QuantizationScheme and QuantizationArgs (unknown
 keys refused), plus their validators. qtool must read a config exactly as they do: a
 `"symmetric": "false"` IS asymmetric there, `"num_bits": "4"` IS 4, and what they refuse is
-refused. This module is that reading, field by field; tests/test_ct_coerce.py compares it with
-the real pydantic models over a grid of values (CI installs the interop extra, so they run).
+refused. This module is that reading, field by field; tests/formats/test_ct_coerce.py compares
+it with the real pydantic models over a grid of values (CI installs the interop extra, so they
+run).
 
 Each function returns the coerced value or raises ValueError saying what compressed-tensors
 would not accept.

@@ -4,7 +4,7 @@ QTOOL_KERNEL chooses as it does for the integer kernels (numerics/select.py): `t
 the torch kernels; `fused` these for every CPU tensor (a usage error naming the extra to
 install when numba cannot be loaded); `auto` (default) these for CPU tensors when numba is
 installed and the work would take the torch kernels longer than loading numba does (about a
-second), or numba is loaded already. Both give the same bytes (tests/test_numerics_gguf_fast.py),
+second), or numba is loaded already. Both give the same bytes (tests/numerics/test_gguf_fast.py),
 so the choice shows only in the time. CUDA tensors always run the torch kernels.
 """
 

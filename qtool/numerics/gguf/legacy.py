@@ -3,7 +3,7 @@
 Quantize gives the bytes of ggml's quantize_row_*_ref (built without FMA contraction), which
 are gguf-py's `gguf.quants` bytes except for the sign of a zero scale or minimum: C keeps the
 first of +0.0/-0.0 it meets and starts Q4_0/Q5_0's signed maximum at +0.0, numpy's reductions
-do not (same floats when dequantized; tests/test_numerics_gguf.py shows both). Dequantize gives
+do not (same floats when dequantized; tests/numerics/test_gguf.py shows both). Dequantize gives
 gguf.quants' floats. Each function maps (n_blocks, 32)
 float32 to (n_blocks, type_size) uint8 or back.
 """

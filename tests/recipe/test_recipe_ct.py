@@ -1,7 +1,7 @@
 """Recipes and the error budget with `--format compressed-tensors`: one config group per spec
 chosen, the export's own rules (Linear weights only, signed codes, whole groups, fused
 siblings alike) over the recipe's, and the budget's candidates fitted to the format.
-tests/test_interop.py loads such exports with transformers and compressed-tensors."""
+tests/interop/test_interop.py loads such exports with transformers and compressed-tensors."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, StorageDtype
 from tests.conftest import Invoke
 
 CT = ("--format", "compressed-tensors")
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 INT8 = QSpec(granularity=PerChannel(0))
 INT4_MSE = QSpec(dtype=StorageDtype.INT4, granularity=PerChannel(0), range_method=RangeMethod.MSE)
 

@@ -1,5 +1,5 @@
 """`qtool quantize --format compressed-tensors` end to end through the CLI and the one quantize
-loop (no transformers needed: tests/test_interop.py loads the exports), and reading the
+loop (no transformers needed: tests/interop/test_interop.py loads the exports), and reading the
 exports back with inspect, dequantize and compare."""
 
 from __future__ import annotations

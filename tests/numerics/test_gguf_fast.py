@@ -23,7 +23,7 @@ pytest.importorskip("numba")
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
-GOLDEN = np.load(Path(__file__).parent / "data" / "gguf_golden.npz")
+GOLDEN = np.load(Path(__file__).parents[1] / "data" / "gguf_golden.npz")
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 FUSED, TORCH = Kernel.FUSED, Kernel.TORCH
@@ -163,7 +163,7 @@ def test_fused_without_numba_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -
     assert G.quantize(torch.zeros(1, 256), "Q4_K").shape == (1, 144)
 
 
-NONFINITE = np.load(Path(__file__).parent / "data" / "gguf_golden_nonfinite.npz")
+NONFINITE = np.load(Path(__file__).parents[1] / "data" / "gguf_golden_nonfinite.npz")
 
 
 @pytest.mark.parametrize("qtype", [*LEGACY, *K_TYPES])

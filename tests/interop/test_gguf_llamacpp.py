@@ -16,7 +16,7 @@ import pytest
 from tests import gguf_models as M
 from tests.conftest import Invoke
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "llamacpp_check.mjs"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "llamacpp_check.mjs"
 
 
 def _node() -> str:

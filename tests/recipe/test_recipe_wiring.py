@@ -18,7 +18,7 @@ from qtool.recipe.file import parse_recipe
 from qtool.spec import QSpec, parse_spec_label
 from tests.conftest import Invoke
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MLP_RECIPE = REPO / "examples" / "mlp.toml"
 
 

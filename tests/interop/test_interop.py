@@ -379,7 +379,7 @@ def test_readme_loads_the_sample_export_in_three_lines(
     """The transformers snippet of docs/formats.md runs on its export of the sample model."""
     import re
 
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     doc = (root / "docs" / "formats.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     snippet = next(b for b in blocks if "build/tiny-llama-w4a16" in b)
@@ -405,7 +405,7 @@ def test_transformers_loads_mixed_spec_exports(
     transformers loads them (default path) to exactly qtool's values, and compressed-tensors
     decompresses each module as qtool reads it."""
     model, out = models["llama"], tmp_path / how
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     if how == "llm-recipe":
         recipe = api.load_recipe(root / "examples" / "llm.toml")
         options = QuantizeOptions(QSpec(), format="compressed-tensors", recipe=recipe)

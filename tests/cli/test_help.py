@@ -14,7 +14,7 @@ import typer
 from qtool.cli import app
 from tests.conftest import Invoke
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 
 

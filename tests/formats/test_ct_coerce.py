@@ -20,7 +20,7 @@ from qtool.cli import app
 from qtool.formats.compressed_tensors import coerce as ct_coerce
 from qtool.formats.compressed_tensors.selection import literal_target
 
-SAMPLES = Path(__file__).parent.parent / "sample_weights"
+SAMPLES = Path(__file__).parents[2] / "sample_weights"
 CT = ("--format", "compressed-tensors")
 
 VALUES: dict[str, list[object]] = {

@@ -25,7 +25,7 @@ from qtool.io import atomic, manifest, outcheck, outdir, renames
 from qtool.io.mounts import mount_points
 
 CT = ("--format", "compressed-tensors")
-SAMPLES = Path(__file__).parent.parent / "sample_weights"
+SAMPLES = Path(__file__).parents[2] / "sample_weights"
 
 
 def invoke(*args: str) -> tuple[int, str, str]:

@@ -31,7 +31,7 @@ from qtool.spec import (
 )
 from tests import reference
 
-FORMATS_DOC = Path(__file__).parent.parent / "docs" / "formats.md"
+FORMATS_DOC = Path(__file__).parents[2] / "docs" / "formats.md"
 SPECS = [
     QSpec(Scheme.SYM, StorageDtype.INT8, PerGroup(32)),
     QSpec(Scheme.ASYM, StorageDtype.UINT8, PerGroup(48)),  # 48 does not divide 64 or 128

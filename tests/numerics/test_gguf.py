@@ -21,7 +21,7 @@ from tests.reference_gguf import REFERENCE
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
 
-GOLDEN = np.load(Path(__file__).parent / "data" / "gguf_golden.npz")
+GOLDEN = np.load(Path(__file__).parents[1] / "data" / "gguf_golden.npz")
 X = GOLDEN["x"]  # (207, 256) float32, hostile rows first
 K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 LEGACY = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16", "F32"]

@@ -23,7 +23,7 @@ from qtool.io import atomic, outdir
 from qtool.io.manifest import MANIFEST
 
 CT = ("--format", "compressed-tensors")
-SAMPLES = Path(__file__).parent.parent / "sample_weights"
+SAMPLES = Path(__file__).parents[2] / "sample_weights"
 EXHAUSTIVE = os.environ.get("QTOOL_EXHAUSTIVE") == "1"
 
 # A child qtool that SIGKILLs itself at one point of the export (argv[1]), then runs argv[2:].

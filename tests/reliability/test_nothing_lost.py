@@ -23,7 +23,7 @@ from qtool.cli import app
 from qtool.io import outdir, renames
 
 CT = ("--format", "compressed-tensors")
-SAMPLES = Path(__file__).parent.parent / "sample_weights"
+SAMPLES = Path(__file__).parents[2] / "sample_weights"
 
 
 def invoke(*args: str) -> tuple[int, str, str]:

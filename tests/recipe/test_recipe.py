@@ -35,7 +35,7 @@ from qtool.spec import (
     spec_label,
 )
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SAMPLES = ROOT / "sample_weights"
 INT4_G32 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32))
 

@@ -4,7 +4,7 @@ FIFO, a device, a directory, symlinks (to a FIFO, to the input as -o) and termin
 names. Each is refused by inspect, dequantize, compare and quantize alike with one line naming
 the file and what is wrong (exit 1), nothing written and the file left as it was; the library
 level (every rule of the header, bounded allocation, truncation while open) is
-tests/test_gguf_io.py and tests/test_gguf_read.py."""
+tests/io/test_gguf_io.py and tests/io/test_gguf_read.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.corpus_gguf import CASES, DATA, STRING, W, gguf, kv, s, ti
 
 pytest.importorskip("gguf")
 
-SAMPLE = Path(__file__).parent.parent / "sample_weights" / "tiny-llama.gguf"
+SAMPLE = Path(__file__).parents[2] / "sample_weights" / "tiny-llama.gguf"
 
 COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "inspect": lambda p, out: ["inspect", str(p)],

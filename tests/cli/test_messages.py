@@ -127,7 +127,7 @@ def test_plot_suggests_the_tensor_meant(invoke: Invoke, samples: Path) -> None:
 def test_inspect_names_what_a_non_checkpoint_is(
     invoke: Invoke, tmp_path: Path, content: bytes | None, what: str
 ) -> None:
-    path = Path(__file__).parent.parent / "README.md"
+    path = Path(__file__).parents[2] / "README.md"
     if content is not None:
         path = tmp_path / "model.safetensors"
         path.write_bytes(content)

@@ -17,7 +17,7 @@ from qtool.cli import main
 from tests.conftest import Invoke
 
 MLP = "mlp.safetensors"
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 JSON_DOC = README.parent / "docs" / "json.md"
 
 

@@ -1,7 +1,7 @@
 """Issue 18 item 1: every Linear the model will have is quantized or in `ignore`, including those
 the checkpoint holds no weight for (a tied output head). qtool's rules (no transformers) and the
 module list transformers builds on the meta device, checked against each other; refusals name
-config.json. tests/test_interop_archs.py loads such exports with transformers."""
+config.json. tests/interop/test_interop_archs.py loads such exports with transformers."""
 
 from __future__ import annotations
 

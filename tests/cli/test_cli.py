@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from qtool import __version__
 from tests.conftest import Invoke
 
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parents[2] / "README.md"
 COMMANDS = ["quantize", "dequantize", "inspect"]
 ERROR_LINE = re.compile(r"^qtool: error: .+\n$")
 

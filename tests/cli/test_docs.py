@@ -2,7 +2,7 @@
 docs show (the convention is in tests/docs_examples.py and docs/development.md).
 
 After a change of what qtool prints, `QTOOL_DOCS_UPDATE=1 .venv/bin/python -m pytest
-tests/test_docs.py` rewrites the shown outputs (keeping the elided `...` parts elided where it
+tests/cli/test_docs.py` rewrites the shown outputs (keeping the elided `...` parts elided where it
 can); review the result with `git diff` before committing it.
 """
 

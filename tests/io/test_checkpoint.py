@@ -188,7 +188,7 @@ def test_every_torch_load_passes_weights_only_true_literally() -> None:
     """A static guard: no code path may ever load a pickle without weights_only=True."""
     import ast
 
-    package = Path(__file__).parent.parent / "qtool"
+    package = Path(__file__).parents[2] / "qtool"
     calls = 0
     for source in package.rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):

@@ -53,7 +53,7 @@ def test_no_sigbus_in_a_child_process_either(tmp_path: Path) -> None:
         "    [f.tensor_bytes(t).sum() for t in f.header.tensors]\nexcept InputError as e:\n"
         "    print(e); sys.exit(1)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, env=env)
     assert run.returncode == 1, run.stderr
     assert b"changed while reading" in run.stdout

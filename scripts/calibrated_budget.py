@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_smollm2 import CT, figures, patch_ignore, run  # noqa: E402
+from eval_smollm2 import CT, figures, run  # noqa: E402
 
 from qtool.engine.evaluate.text import default_text, windows  # noqa: E402
 from qtool.numerics.kernels import dequantize, quantize_tensor  # noqa: E402
@@ -179,7 +179,7 @@ def fused(per_linear: dict[str, list[Option]]) -> dict[str, list[Option]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("/work/real/smollm2"))
+    parser.add_argument("--model", type=Path, required=True, help="SmolLM2's HF directory")
     parser.add_argument("--workdir", type=Path, default=Path("build/smollm2"))
     parser.add_argument("--weight-targets", nargs="+", default=["20", "20.5"])
     parser.add_argument("--calib-tokens", type=int, default=2048)
@@ -208,7 +208,6 @@ def main() -> None:
         if not out.exists():
             rec = str(args.workdir / f"{out.name}.toml")
             run(["qtool", "quantize", str(args.model), *CT, "--recipe", rec, "-o", str(out)])
-            patch_ignore(out)
         counts: dict[str, int] = {}
         for key, o in choice.items():
             counts[o.label] = counts.get(o.label, 0) + len(key.split("|")[1].split(","))

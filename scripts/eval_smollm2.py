@@ -8,9 +8,7 @@ the comparison, llm-compressor in its own environment):
         [--llmc-python /tmp/eval/llmc/bin/python] [--tokens 4096] [--ctx 512] [--threads 1]
 
 Every step is a qtool command (printed before it runs); results are cached in the workdir as
-JSON, so an interrupted run resumes. Until issue 18 lands, qtool's exports of a tied-embedding
-model lack "lm_head" in quantization_config.ignore and transformers cannot load them: this
-script adds it (and says so) before evaluating.
+JSON, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -73,20 +71,8 @@ def export_qtool(model: Path, workdir: Path) -> dict[str, Path]:
         target_dir = workdir / name.replace(" ", "_").replace("--", "")
         if not target_dir.exists():
             run(["qtool", "quantize", str(model), *CT, *flags, "-o", str(target_dir)])
-            patch_ignore(target_dir)
         out[name] = target_dir
     return out
-
-
-def patch_ignore(directory: Path) -> None:
-    """Issue 18: a tied head must be in `ignore` for transformers to load the export."""
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    ignore = config["quantization_config"]["ignore"]
-    if config.get("tie_word_embeddings") and "lm_head" not in ignore:
-        config["quantization_config"]["ignore"] = [*ignore, "lm_head"]
-        path.write_text(json.dumps(config, indent=2) + "\n")
-        print(f'patched {path}: added "lm_head" to ignore (issue 18)', file=sys.stderr)
 
 
 def export_llmc(model: Path, workdir: Path, python: str | None) -> dict[str, Path]:
@@ -147,7 +133,7 @@ def table(model: Path, results: dict[str, dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("/work/real/smollm2"))
+    parser.add_argument("--model", type=Path, required=True, help="SmolLM2's HF directory")
     parser.add_argument("--workdir", type=Path, default=Path("build/smollm2"))
     parser.add_argument("--llmc-python", default=None)
     parser.add_argument("--tokens", type=int, default=4096)

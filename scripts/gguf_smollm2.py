@@ -15,7 +15,7 @@ text with the float Hugging Face model's (float32): SQNR of the logits, largest 
 top-1 agreement, and the perplexity of the text. The float GGUF is the first row, so the
 loader's own difference shows. Needs torch, transformers, accelerate and gguf.
 
-    python scripts/gguf_smollm2.py build/smol/smol-bf16.gguf [--hf /work/real/smollm2]
+    python scripts/gguf_smollm2.py build/smol/smol-bf16.gguf --hf /work/real/smollm2
         [--types Q8_0 Q6_K Q4_K Q4_0] [--target-sqnr 24 30] [--workdir build/smol]
 """
 
@@ -89,7 +89,7 @@ def versus(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("float_gguf", type=Path)
-    parser.add_argument("--hf", type=Path, default=Path("/work/real/smollm2"))
+    parser.add_argument("--hf", type=Path, required=True, help="SmolLM2's HF directory")
     parser.add_argument("--types", nargs="*", default=["Q8_0", "Q6_K", "Q4_K", "Q4_0"])
     parser.add_argument("--target-sqnr", type=float, nargs="*", default=[24.0, 30.0])
     parser.add_argument("--workdir", type=Path, default=Path("build/smol"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (CI has none; the suite skips CUDA there).
 #   bash scripts/gpu_check.sh [OUTDIR]
-# 1. every test parametrized over devices, on cuda;
+# 1. the tests whose id names cuda (every test taking the `device` fixture, on cuda);
 # 2. `qtool quantize --device cuda` writes the same bytes as `--device cpu` (codes, qparams,
 #    sidecar) for per-channel, asymmetric, 4-bit group and mse-searched specs;
 # 3. and so the float model dequantize gives back from each is the same.

@@ -30,7 +30,7 @@ import torch
 from qtool.results import ErrorStats
 from qtool.spec import matrix_shape
 
-CHUNK = 1024  # elements per chunk (the fused kernels' fused_jit.CHUNK is the same)
+CHUNK = 1024  # elements per chunk (fused_sums.CHUNK is the same; a test holds them equal)
 CAP = 1 << 18  # values of each quantity folded at a time (2 MiB of float64, reused)
 RESTORE_ROUNDED = (torch.bfloat16, torch.float16)  # dtypes x_hat is rounded to before measuring
 

@@ -16,8 +16,8 @@ from qtool.numerics.budget import (
     choose,
 )
 from qtool.numerics.kernels import Workspace, dequantize
+from qtool.numerics.quantize import quantize_tensor  # what the budget runs (QTOOL_KERNEL)
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.numerics.select import quantize_tensor  # the kernels the budget runs (QTOOL_KERNEL)
 from qtool.results import Trial
 from qtool.spec import QSpec, parse_spec_label, spec_label
 

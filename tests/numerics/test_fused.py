@@ -396,3 +396,9 @@ def test_packed_codes_of_the_wrong_shape_are_refused() -> None:
     q = torch.zeros(4, 3, dtype=torch.uint8)
     with pytest.raises(ValueError, match="neither"):
         fused.dequantize_tensor(q, torch.ones(4), torch.zeros(4), spec, torch.float32, (4, 9))
+
+
+def test_fused_and_torch_figures_sum_the_same_chunks() -> None:
+    from qtool.numerics import fused_sums, metrics
+
+    assert fused_sums.CHUNK == metrics.CHUNK

@@ -1,5 +1,5 @@
 """One tensor quantized to a GGUF block type as the quantize loop and the error budget take it
-(numerics.select.quantize_tensor hands a spec naming a GGUF type here):
+(numerics.quantize.quantize_tensor hands a spec naming a GGUF type here):
 
     quantize_tensor(x, gguf_spec("Q4_K"))  QuantizedTensor: q the raw ggml blocks of x's rows
                                            (uint8 (rows, row_bytes)), scale each block's scale

@@ -39,13 +39,14 @@ Invoke = Callable[..., tuple[int, str, str]]
 """invoke("quantize", SRC, "-o", OUT, env={...}) -> (exit code, stdout, stderr)."""
 
 
-@pytest.fixture
-def invoke() -> Invoke:
+def run_qtool(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """`qtool ARGS` run in-process through Typer's CliRunner (stdout and stderr apart);
     `env`: environment variables for the run."""
+    result = CliRunner().invoke(app, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr
 
-    def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-        result = CliRunner().invoke(app, list(args), env=env)
-        return result.exit_code, result.stdout, result.stderr
 
-    return run
+@pytest.fixture
+def invoke() -> Invoke:
+    """run_qtool, for tests that take it as a fixture."""
+    return run_qtool

@@ -17,18 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
-from qtool.cli import app
 from qtool.io import outdir, renames
+from tests.conftest import SAMPLES
+from tests.conftest import run_qtool as invoke
 
 CT = ("--format", "compressed-tensors")
-SAMPLES = Path(__file__).parents[2] / "sample_weights"
-
-
-def invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.stdout, result.stderr
 
 
 @pytest.fixture

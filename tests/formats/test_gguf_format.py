@@ -111,7 +111,7 @@ def test_the_summary_shows_architecture_metadata_tensors_and_totals(tiny: Path) 
     row = next(r for r in s.rows if r.name == "blk.0.ffn_up.weight")
     assert (row.gguf_type, row.shape, row.numel) == ("Q6_K", (M.FF, M.HIDDEN), M.FF * M.HIDDEN)
     assert row.bits_per_weight == 6.5625
-    totals = {t.gguf_type: t for t in s.totals}
+    totals = {t.dtype: t for t in s.totals}
     assert set(totals) == {"Q6_K", "F32"}
     assert totals["F32"].tensors == 2 * M.LAYERS + 1  # the norms
     assert sum(t.nbytes for t in s.totals) == s.total_bytes == sum(r.nbytes for r in s.rows)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qtool.formats.gguf.summary import GGUFSummary, summarize
 from qtool.io.gguf_file import GGUFFile
-from qtool.results import InspectRow, InspectSummary, TypeTotal
+from qtool.results import InspectRow, InspectSummary
 
 KIND = "gguf"
 
@@ -18,8 +18,7 @@ def inspect(path: Path) -> InspectSummary:
     with GGUFFile(path) as f:
         summary = summarize(str(path), f.header)
     rows = [InspectRow(r.name, r.gguf_type, r.shape, r.numel, r.nbytes) for r in summary.rows]
-    totals = [TypeTotal(t.gguf_type, t.tensors, t.numel, t.nbytes) for t in summary.totals]
-    return InspectSummary(str(path), KIND, rows, key_metadata(summary), type_totals=totals)
+    return InspectSummary(str(path), KIND, rows, key_metadata(summary), type_totals=summary.totals)
 
 
 def key_metadata(summary: GGUFSummary) -> dict[str, str]:

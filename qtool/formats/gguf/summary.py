@@ -4,7 +4,7 @@ its GGUF type, shape, bytes and bits per weight, and totals by type. From the he
 
     summary = summarize(path, header)
     summary.rows[0]       TensorRow('token_embd.weight', 'Q6_K', (49152, 576), ...)
-    summary.totals        [TypeTotal(gguf_type='Q4_K', tensors=..., numel=..., nbytes=...), ...]
+    summary.totals        [TypeTotal(dtype='Q4_K', tensors=..., numel=..., nbytes=...), ...]
     summary.to_json()     the same as a JSON-able dict
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from qtool.formats.gguf.ftype import FILE_TYPE_KEY, ftype_name
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
+from qtool.results import TypeTotal
 
 ARCH_KEY = "general.architecture"
 SHOWN_KEYS = ("general.name", "general.basename", "general.size_label", "general.quantized_by")
@@ -27,18 +28,6 @@ class TensorRow:
     name: str
     gguf_type: str
     shape: tuple[int, ...]
-    numel: int
-    nbytes: int
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8 * self.nbytes / self.numel if self.numel else 0.0
-
-
-@dataclass(frozen=True)
-class TypeTotal:
-    gguf_type: str
-    tensors: int
     numel: int
     nbytes: int
 
@@ -101,7 +90,7 @@ class GGUFSummary:
                 for r in self.rows
             ],
             "totals": [
-                {"gguf_type": t.gguf_type, "tensors": t.tensors, "numel": t.numel,
+                {"gguf_type": t.dtype, "tensors": t.tensors, "numel": t.numel,
                  "nbytes": t.nbytes, "bits_per_weight": t.bits_per_weight}
                 for t in self.totals
             ],

@@ -13,6 +13,7 @@ import torch
 from qtool.errors import InputError, NumericError
 from qtool.formats.gguf import plan
 from qtool.formats.gguf.ftype import FILE_TYPE_KEY, ftype_name, guess_ftype
+from qtool.formats.gguf.inspect import inspect as gguf_inspect
 from qtool.formats.gguf.reader import GGUFFloatReader
 from qtool.formats.gguf.summary import summarize
 from qtool.formats.gguf.writer import write_quantized
@@ -22,6 +23,7 @@ from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFTensorInfo, GGUFValue
 from qtool.io.gguf_write import write_gguf
 from qtool.numerics import gguf as G
+from qtool.report.json import inspect_json
 from qtool.spec import gguf_spec
 from tests import gguf_models as M
 
@@ -115,8 +117,8 @@ def test_the_summary_shows_architecture_metadata_tensors_and_totals(tiny: Path) 
     assert set(totals) == {"Q6_K", "F32"}
     assert totals["F32"].tensors == 2 * M.LAYERS + 1  # the norms
     assert sum(t.nbytes for t in s.totals) == s.total_bytes == sum(r.nbytes for r in s.rows)
-    doc = s.to_json()
-    assert doc["file_type_name"] == "Q6_K" and doc["totals"][0]["gguf_type"] == "Q6_K"
+    doc = inspect_json(gguf_inspect(out))  # what `qtool inspect --json` prints
+    assert doc["metadata"]["file_type"] == "Q6_K" and doc["totals_by_type"][0]["dtype"] == "Q6_K"
 
 
 def test_file_type_names_and_guesses_are_llama_cpps() -> None:

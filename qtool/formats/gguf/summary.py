@@ -5,7 +5,6 @@ its GGUF type, shape, bytes and bits per weight, and totals by type. From the he
     summary = summarize(path, header)
     summary.rows[0]       TensorRow('token_embd.weight', 'Q6_K', (49152, 576), ...)
     summary.totals        [TypeTotal(dtype='Q4_K', tensors=..., numel=..., nbytes=...), ...]
-    summary.to_json()     the same as a JSON-able dict
 """
 
 from __future__ import annotations
@@ -75,27 +74,6 @@ class GGUFSummary:
     @property
     def total_numel(self) -> int:
         return sum(r.numel for r in self.rows)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "path": self.path, "format": "gguf", "version": self.version,
-            "architecture": self.architecture, "name": self.name,
-            "block_count": self.block_count, "context_length": self.context_length,
-            "vocab_size": self.vocab_size, "file_type": self.file_type,
-            "file_type_name": self.file_type_name, "metadata": self.metadata,
-            "n_metadata": self.n_metadata,
-            "tensors": [
-                {"name": r.name, "gguf_type": r.gguf_type, "shape": list(r.shape),
-                 "numel": r.numel, "nbytes": r.nbytes, "bits_per_weight": r.bits_per_weight}
-                for r in self.rows
-            ],
-            "totals": [
-                {"gguf_type": t.dtype, "tensors": t.tensors, "numel": t.numel,
-                 "nbytes": t.nbytes, "bits_per_weight": t.bits_per_weight}
-                for t in self.totals
-            ],
-            "total_bytes": self.total_bytes, "total_numel": self.total_numel,
-        }  # fmt: skip
 
 
 def summarize(path: str, header: GGUFHeader) -> GGUFSummary:

@@ -119,6 +119,7 @@ class SquareSums:
         self.fill = 0  # values waiting in `carry` for the rest of their chunk
         self.carry = torch.empty(count, CHUNK, dtype=torch.float64, device=self.device)
         self.buf = torch.empty(0, dtype=torch.float64, device=self.device)
+        self.tail = torch.empty(0, dtype=torch.float64, device=self.device)
         self.sums = torch.empty(count, chunk_count(shape), dtype=torch.float64, device=self.device)
         self.done = 0  # chunks summed so far
 
@@ -165,17 +166,34 @@ class SquareSums:
         """Sum chunks [..., L] (L <= CHUNK values each) of every quantity into the next slots."""
         *shape, length = chunks[0].shape
         lead, p = math.prod(shape), next_pow2(length)
-        need = self.count * lead * p
-        if self.buf.numel() < need:
-            self.buf = torch.empty(need, dtype=torch.float64, device=self.device)
-        dst = self.buf[:need].view(self.count, *shape, p)
-        for k, v in enumerate(chunks):
-            dst[k, ..., :length].copy_(v)
-        if length < p:
-            dst[..., length:].zero_()
-        sums = fold(dst).reshape(self.count, lead)
-        self.sums[:, self.done : self.done + lead].copy_(sums)
+        width = p if length == p else p // 2
+        self.buf = _at_least(self.buf, self.count * lead * width)
+        dst = self.buf[: self.count * lead * width].view(self.count, *shape, width)
+        if length == p:
+            for k, v in enumerate(chunks):
+                dst[k].copy_(v)
+            sums = fold(dst)
+        else:
+            sums = self._fold_padded(dst, chunks, p // 2)
+        self.sums[:, self.done : self.done + lead].copy_(sums.reshape(self.count, lead))
         self.done += lead
+
+    def _fold_padded(
+        self, dst: torch.Tensor, chunks: list[torch.Tensor], half: int
+    ) -> torch.Tensor:
+        """fold() of chunks zero-padded to 2 * half, without writing the zeros: the first level
+        is v[i]^2 + v[i + half]^2 where i + half < L, else v[i]^2 (adding 0^2 is exact)."""
+        *shape, length = chunks[0].shape
+        tail = length - half
+        self.tail = _at_least(self.tail, math.prod(shape) * tail)
+        hi = self.tail[: math.prod(shape) * tail].view(*shape, tail)
+        for k, v in enumerate(chunks):
+            lo = dst[k]
+            lo.copy_(v[..., :half])
+            lo.mul_(lo)
+            hi.copy_(v[..., half:])
+            lo[..., :tail].addcmul_(hi, hi)
+        return fold_sums(dst)
 
     def _to_carry(self, values: list[torch.Tensor]) -> None:
         end = self.fill + values[0].numel()
@@ -284,6 +302,11 @@ def tensor_sums(v: torch.Tensor, tensors: Sequence[tuple[int, tuple[int, ...]]])
 @functools.lru_cache(maxsize=1024)
 def _spans(shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return chunk_spans(shape)
+
+
+def _at_least(buf: torch.Tensor, n: int) -> torch.Tensor:
+    """`buf`, or a larger buffer like it when it holds fewer than n values."""
+    return buf if buf.numel() >= n else torch.empty(n, dtype=buf.dtype, device=buf.device)
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -21,6 +21,17 @@ settings.load_profile("exhaustive" if os.environ.get("QTOOL_EXHAUSTIVE") == "1" 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.fixture(autouse=True)
+def private_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Each test starts with an empty user cache of its own (io/usercache.py): no test sees
+    what another cached, and none writes to the home directory."""
+    directory = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("QTOOL_CACHE_DIR", str(directory))
+    return directory
+
+
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     """Every available device: CPU always, CUDA when there is one."""

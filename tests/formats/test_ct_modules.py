@@ -5,6 +5,7 @@ config.json. tests/interop/test_interop_archs.py loads such exports with transfo
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ TINY_LLAMA = {
     "num_key_value_heads": 4,
 }
 TIED = {**TINY_LLAMA, "tie_word_embeddings": True}
+BODY_MODULES = [e.name.removesuffix(".weight") for e in LLAMA_BODY if len(e.shape) == 2]
 
 
 def rules(config: dict[str, object], names: list[str]) -> Linears:
@@ -211,3 +213,111 @@ def test_without_transformers_the_rules_decide_silently(monkeypatch: pytest.Monk
 
 def test_undecided_is_what_the_rules_hear() -> None:
     assert issubclass(Undecided, Exception) and not issubclass(Undecided, InputError)
+
+
+# ---------------------------------------------------------------- the answer kept in the user cache
+
+
+def _no_build(*_: object) -> Linears:
+    raise AssertionError("built again: the cached answer was not used")
+
+
+@pytest.mark.usefixtures("transformers")
+def test_the_second_export_of_a_model_takes_the_cached_answer(
+    monkeypatch: pytest.MonkeyPatch, private_cache: Path
+) -> None:
+    first = model_linears(TIED, CONFIG, LLAMA_BODY)
+    assert len(list(private_cache.glob("linears-*.json"))) == 1
+    monkeypatch.setattr(modules, "built_linears", _no_build)
+    assert model_linears(TIED, CONFIG, LLAMA_BODY) == first
+
+
+@pytest.mark.usefixtures("transformers")
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c, e: ({**c, "num_hidden_layers": 3}, e),
+        lambda c, e: (c, e[:-2]),
+        lambda c, e: (c, [*e, entry("model.extra_proj.weight")]),
+    ],
+    ids=["config", "fewer-weights", "more-weights"],
+)
+def test_another_config_or_checkpoint_is_never_answered_from_the_cache(
+    monkeypatch: pytest.MonkeyPatch, change: object
+) -> None:
+    model_linears(TIED, CONFIG, LLAMA_BODY)
+    config, entries = change(TIED, LLAMA_BODY)  # type: ignore[operator]
+    built: list[object] = []
+    real = modules.built_linears
+    monkeypatch.setattr(modules, "built_linears", lambda *a: built.append(a) or real(*a))
+    model_linears(config, CONFIG, entries)
+    assert len(built) == 1
+
+
+@pytest.mark.usefixtures("transformers")
+def test_what_transformers_could_not_build_is_never_cached(private_cache: Path) -> None:
+    """Why it could not build (a missing dependency of the model's code) may be mended."""
+    config = {**TIED, "architectures": ["NoSuchModelForCausalLM"]}
+    assert "no model class" in model_linears(config, CONFIG, LLAMA_BODY).note
+    assert not list(private_cache.iterdir())
+
+
+@pytest.mark.usefixtures("transformers")
+def test_a_transformers_edited_in_place_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Same version, same place, other code (a git checkout): the modeling file's stamp."""
+    model_linears(TIED, CONFIG, LLAMA_BODY)
+    stamps = iter([[1, 2], [3, 4]])
+    monkeypatch.setattr(
+        modules, "_stamp", lambda path: next(stamps) if "modeling" in str(path) else []
+    )
+    built: list[object] = []
+    real = modules.built_linears
+    monkeypatch.setattr(modules, "built_linears", lambda *a: built.append(a) or real(*a))
+    model_linears(TIED, CONFIG, LLAMA_BODY)
+    model_linears(TIED, CONFIG, LLAMA_BODY)
+    assert len(built) == 2
+
+
+def test_a_missing_transformers_is_never_cached(
+    monkeypatch: pytest.MonkeyPatch, private_cache: Path
+) -> None:
+    monkeypatch.setattr(modules, "_transformers_identity", lambda config: None)
+    assert model_linears(TIED, CONFIG, LLAMA_BODY) == Linears(None, ("lm_head",), note="")
+    assert not list(private_cache.iterdir())
+
+
+@pytest.mark.usefixtures("transformers")
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"names": ["lm_head"], "absent": [], "classes": {}, "how": 1},
+        {"names": "lm_head", "absent": [], "classes": {}, "how": "t"},
+        {"names": [], "absent": [], "classes": {"a": 1}, "how": "t"},
+        {"undecided": "planted"},
+        # shaped right, but not what transformers answers for these weights
+        {"names": ["x"], "absent": ["x"], "classes": {}, "how": "t"},
+        {"names": [*BODY_MODULES, "lm_head"], "absent": [], "classes": {}, "how": "t"},
+        {"names": [*BODY_MODULES[1:], "lm_head"], "absent": ["lm_head"], "classes": {},
+         "how": "t"},
+    ],
+    ids=["how", "names", "classes", "undecided", "foreign-names", "absent-dropped",
+         "weight-dropped"],
+)  # fmt: skip
+def test_a_cache_entry_of_any_other_shape_is_a_miss(private_cache: Path, value: object) -> None:
+    truth = model_linears(TIED, CONFIG, LLAMA_BODY)
+    (entry_file,) = private_cache.glob("linears-*.json")
+    entry_file.write_text(json.dumps({"key": entry_file.stem, "value": value}))
+    assert model_linears(TIED, CONFIG, LLAMA_BODY) == truth
+
+
+@pytest.mark.usefixtures("transformers")
+@pytest.mark.parametrize("doc", ["[" * 100_000, "not json", '{"value": {}, "key": "KEY"}'])
+def test_a_document_that_does_not_begin_with_its_key_is_not_parsed(
+    private_cache: Path, doc: str
+) -> None:
+    truth = model_linears(TIED, CONFIG, LLAMA_BODY)
+    (entry_file,) = private_cache.glob("linears-*.json")
+    entry_file.write_text(doc.replace("KEY", entry_file.stem))
+    assert model_linears(TIED, CONFIG, LLAMA_BODY) == truth

@@ -4,11 +4,13 @@ cache directory, each named by a hash of everything the fact depends on.
 
 Where: $QTOOL_CACHE_DIR (an absolute path; `off` turns the cache off), else
 $XDG_CACHE_HOME/qtool, else ~/.cache/qtool, the latter two only when that home belongs to the
-user running qtool (root under sudo with another user's HOME keeps no cache there). A document
-is read only from a directory the user owns and no one else can write, through O_NOFOLLOW, as a
-regular file of the user's of bounded size that names the key it was asked for; anything else
-is a miss, never an error: the caller computes the fact again. Writes are atomic (temp file,
-rename) and their failures are ignored (a read-only home, a full disk). Torch-free.
+user running qtool and no one else can write it (root under sudo with another user's HOME keeps
+no cache there), walked down from it without following links, each level private to the user
+(missing levels are made 0700). A document is read only from such a directory, through
+O_NOFOLLOW, as a regular file of the user's of bounded size that names the key it was asked
+for; anything else is a miss, never an error: the caller computes the fact again. Writes are
+atomic (temp file, rename) and their failures are ignored (a read-only home, a full disk).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -31,22 +33,35 @@ TEMP_MAX_AGE_S = 24 * 3600  # a temp file this old was left by a killed run
 
 def cache_dir() -> Path | None:
     """The cache directory (not created here); None when QTOOL_CACHE_DIR is `off` or not an
-    absolute path, or when the home it would lie in is not the user's."""
+    absolute path, or when the home it would lie in is not the user's alone."""
+    found = _location()
+    return None if found is None else found[0].joinpath(*found[1])
+
+
+def _location() -> tuple[Path, tuple[str, ...]] | None:
+    """(a base directory, the names below it): QTOOL_CACHE_DIR as given, or a home of the
+    user's that no one else can write with the cache's names below it, walked without
+    following links."""
     chosen = os.environ.get(ENV)
     if chosen is not None and chosen != "":
-        return Path(chosen) if chosen.lower() != OFF and os.path.isabs(chosen) else None
+        return (Path(chosen), ()) if chosen.lower() != OFF and os.path.isabs(chosen) else None
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):
-        return Path(xdg) / "qtool" if _owned(xdg) else None
+        return (Path(xdg), ("qtool",)) if _private(xdg) else None
     home = os.environ.get("HOME", "")
-    return Path(home) / ".cache" / "qtool" if os.path.isabs(home) and _owned(home) else None
+    return (Path(home), (".cache", "qtool")) if os.path.isabs(home) and _private(home) else None
 
 
-def _owned(path: str) -> bool:
+def _private(path: str) -> bool:
     try:
-        return os.stat(path).st_uid == os.geteuid()
+        return _is_private(os.stat(path))
     except OSError:
         return False
+
+
+def _is_private(st: os.stat_result) -> bool:
+    """Owned by this user, and neither its group nor others may write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def key_of(kind: str, *parts: object) -> str:
@@ -57,11 +72,8 @@ def key_of(kind: str, *parts: object) -> str:
 
 def load(key: str) -> dict[str, object] | None:
     """The document stored under `key`, or None (a miss) for anything but a sound entry."""
-    directory = cache_dir()
-    if directory is None:
-        return None
     try:
-        dfd = _open_private_dir(directory)
+        dfd = _open_cache(create=False)
     except OSError:
         return None
     try:
@@ -84,12 +96,8 @@ def load(key: str) -> dict[str, object] | None:
 
 def store(key: str, value: dict[str, object]) -> None:
     """Keep `value` under `key`; silently nothing when the cache cannot be written."""
-    directory = cache_dir()
-    if directory is None:
-        return
     with contextlib.suppress(OSError, ValueError):
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        dfd = _open_private_dir(directory)
+        dfd = _open_cache(create=True)
         try:
             doc = json.dumps({"key": key, "value": value}, separators=(",", ":"))
             _write_entry(dfd, f"{key}.json", doc.encode())
@@ -103,14 +111,50 @@ def _prefix(key: str) -> bytes:
     return json.dumps({"key": key}, separators=(",", ":"))[:-1].encode()
 
 
-def _open_private_dir(directory: Path) -> int:
-    """A descriptor of `directory` when it is a real directory of the user's that no one
-    else can write; OSError otherwise."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+def _open_cache(*, create: bool) -> int:
+    """A descriptor of the cache directory, private to this user (created so, with its missing
+    parents under a home, when `create`); OSError when there is none or it is not private."""
+    found = _location()
+    if found is None:
+        raise FileNotFoundError("no cache directory")
+    base, names = found
+    made = False
+    if create and not names:  # QTOOL_CACHE_DIR: its parents as they come, itself 0700
+        base.parent.mkdir(parents=True, exist_ok=True)
+        made = _made(base, None)
+    fd = _open_private(os.fspath(base), None, follow=bool(names), made=made)
+    for name in names:
+        made = create and _made(name, fd)
+        try:
+            child = _open_private(name, fd, made=made)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
+
+
+def _made(name: str | Path, dir_fd: int | None) -> bool:
+    """Create directory `name` (0700); False when it exists already."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _open_private(
+    name: str, dir_fd: int | None, *, follow: bool = False, made: bool = False
+) -> int:
+    """Open directory `name` (relative to dir_fd; no link followed unless `follow`): a
+    descriptor when it is private to this user, else OSError. `made`: just created by this
+    process, so its mode is set to 0700 whatever the umask."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    if made:
+        os.fchmod(fd, 0o700)
+    if not _is_private(os.fstat(fd)):
         os.close(fd)
-        raise PermissionError(f"{directory} is not private to this user")
+        raise PermissionError(f"{name} is not private to this user")
     return fd
 
 

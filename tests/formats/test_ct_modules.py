@@ -263,27 +263,29 @@ def test_what_transformers_could_not_build_is_never_cached(private_cache: Path) 
 
 
 @pytest.mark.usefixtures("transformers")
+@pytest.mark.parametrize("edited", ["modeling_llama.py", "modeling_utils.py", "__init__.py"])
 def test_a_transformers_edited_in_place_is_asked_again(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, edited: str
 ) -> None:
-    """Same version, same place, other code (a git checkout): the modeling file's stamp."""
+    """Same version, same place, other code (a git checkout, an editable install): any source
+    file the build imported, not only the model's own."""
     model_linears(TIED, CONFIG, LLAMA_BODY)
-    stamps = iter([[1, 2], [3, 4]])
+    real_stamp = modules._stamp
     monkeypatch.setattr(
-        modules, "_stamp", lambda path: next(stamps) if "modeling" in str(path) else []
+        modules, "_stamp", lambda path: [0, 0] if path.name == edited else real_stamp(path)
     )
     built: list[object] = []
     real = modules.built_linears
     monkeypatch.setattr(modules, "built_linears", lambda *a: built.append(a) or real(*a))
     model_linears(TIED, CONFIG, LLAMA_BODY)
     model_linears(TIED, CONFIG, LLAMA_BODY)
-    assert len(built) == 2
+    assert len(built) == 1  # asked again once, then cached with the new stamps
 
 
 def test_a_missing_transformers_is_never_cached(
     monkeypatch: pytest.MonkeyPatch, private_cache: Path
 ) -> None:
-    monkeypatch.setattr(modules, "_transformers_identity", lambda config: None)
+    monkeypatch.setattr(modules, "_transformers_identity", lambda: None)
     assert model_linears(TIED, CONFIG, LLAMA_BODY) == Linears(None, ("lm_head",), note="")
     assert not list(private_cache.iterdir())
 

@@ -122,3 +122,39 @@ def test_temp_files_of_killed_runs_are_swept_after_a_day(private_cache: Path) ->
     os.utime(old, (day_ago, day_ago))
     usercache.store(KEY, {"x": 1})
     assert not old.exists() and new.exists()
+
+
+def test_a_home_others_can_write_keeps_no_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """root with HOME=/tmp: whoever can write there could point .cache anywhere."""
+    monkeypatch.delenv(usercache.ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o777)
+    home.chmod(0o1777)
+    monkeypatch.setenv("HOME", str(home))
+    assert usercache.cache_dir() is None
+
+
+def test_below_a_home_no_link_is_followed_and_new_levels_are_private(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(usercache.ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    home, target = tmp_path / "home", tmp_path / "target"
+    home.mkdir(mode=0o700)
+    target.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    (home / ".cache").symlink_to(target)
+    usercache.store(KEY, {"x": 1})
+    assert not list(target.iterdir()) and usercache.load(KEY) is None
+    (home / ".cache").unlink()
+    old = os.umask(0o000)
+    try:
+        usercache.store(KEY, {"x": 1})
+    finally:
+        os.umask(old)
+    for level in (home / ".cache", home / ".cache" / "qtool"):
+        assert level.stat().st_mode & 0o777 == 0o700
+    assert usercache.load(KEY) == {"x": 1}

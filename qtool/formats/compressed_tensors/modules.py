@@ -9,9 +9,9 @@ rules decide (`by_rules`): an output head with no weight in the checkpoint is th
 checkpoint can lack. When neither can decide, InputError naming config.json and what is unknown.
 
 Building the class costs seconds (importing transformers' modeling code: 4.6 s of a 7 s export
-of SmolLM2 on a quiet machine), and its answer depends only on transformers' version, the config
-and the checkpoint's weight names: it is kept in the user's cache (io/usercache.py) under a key
-of those, so only the first export of a model pays it.
+of SmolLM2 on a quiet machine), and its answer depends only on transformers' code, the config
+and the checkpoint's weight names: it is kept in the user's cache (io/usercache.py), so only the
+first export of a model pays it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,24 +124,26 @@ def matrix_modules(entries: Sequence[TensorEntry]) -> frozenset[str]:
 
 def cached_linears(config: Mapping[str, object], weights: frozenset[str], count: int) -> Linears:
     """built_linears, through the user's cache (only what transformers built is kept: why it
-    could not build may be mended by an install)."""
-    identity = _transformers_identity(config)
+    could not build may be mended by an install). An entry holds the stamp of every
+    transformers source file the build imported, and is used only while they are unchanged (a
+    git checkout or editable install changes code under the same version)."""
+    identity = _transformers_identity()
     if identity is None:
         raise Undecided("transformers is not installed")
     key = usercache.key_of("linears", __version__, identity, dict(config), sorted(weights), count)
-    cached = _from_doc(usercache.load(key), weights)
+    doc = usercache.load(key)
+    cached = _from_doc(doc, weights) if doc is not None and _unchanged(doc.get("files")) else None
     if cached is not None:
         return cached
     found = built_linears(config, weights, count)
-    usercache.store(key, _to_doc(found))
+    usercache.store(key, {**_to_doc(found), "files": _transformers_files()})
     return found
 
 
-def _transformers_identity(config: Mapping[str, object]) -> list[object] | None:
-    """What tells one transformers install from another without importing it: its version,
-    where it lies, the hash of its file list (pip's RECORD holds every file's hash) and the
-    stamps of its __init__.py and the model type's modeling file (edited in place); None when
-    it is not installed."""
+def _transformers_identity() -> list[str] | None:
+    """Which transformers install this is, found without importing it: its version, where it
+    lies and the hash of its file list (pip's RECORD holds every file's hash); None when it is
+    not installed."""
     try:
         spec = importlib.util.find_spec("transformers")
         dist = importlib.metadata.distribution("transformers")
@@ -149,11 +152,24 @@ def _transformers_identity(config: Mapping[str, object]) -> list[object] | None:
         return None
     if spec is None or spec.origin is None:
         return None
-    package = Path(spec.origin).parent
-    model_type = str(config.get("model_type", "")).replace("-", "_")
-    modeling = package / "models" / model_type / f"modeling_{model_type}.py"
-    digest = hashlib.sha256(record.encode()).hexdigest()
-    return [dist.version, spec.origin, digest, _stamp(Path(spec.origin)), _stamp(modeling)]
+    return [dist.version, spec.origin, hashlib.sha256(record.encode()).hexdigest()]
+
+
+def _transformers_files() -> dict[str, list[int]]:
+    """The stamp (size, mtime) of every transformers source file this process imported."""
+    files = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "transformers" or name.startswith("transformers.")) and isinstance(path, str):
+            files[path] = _stamp(Path(path))
+    return files
+
+
+def _unchanged(files: object) -> bool:
+    """Whether every file of an entry's stamps is still as it was."""
+    if not (isinstance(files, dict) and files):
+        return False
+    return all(isinstance(p, str) and _stamp(Path(p)) == stamp for p, stamp in files.items())
 
 
 def _stamp(path: Path) -> list[int]:
@@ -175,7 +191,9 @@ def _to_doc(found: Linears) -> dict[str, object]:
 
 def _from_doc(doc: Mapping[str, object] | None, weights: frozenset[str]) -> Linears | None:
     """A cached answer, or None when the document is missing, not of the shape _to_doc writes,
-    or not what _listed would answer for these weights (a corrupt entry)."""
+    or at odds with these weights (a corrupt entry): none of them a Linear, `absent` not the
+    Linears without one, a weight's module neither a Linear nor another class. (A checkpoint
+    with weights the model lacks is therefore asked of transformers every time.)"""
     if doc is None:
         return None
     names, absent, classes, how = (doc.get(k) for k in ("names", "absent", "classes", "how"))

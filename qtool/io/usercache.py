@@ -31,17 +31,11 @@ TEMP_PREFIX = ".tmp-"
 TEMP_MAX_AGE_S = 24 * 3600  # a temp file this old was left by a killed run
 
 
-def cache_dir() -> Path | None:
-    """The cache directory (not created here); None when QTOOL_CACHE_DIR is `off` or not an
-    absolute path, or when the home it would lie in is not the user's alone."""
-    found = _location()
-    return None if found is None else found[0].joinpath(*found[1])
-
-
-def _location() -> tuple[Path, tuple[str, ...]] | None:
-    """(a base directory, the names below it): QTOOL_CACHE_DIR as given, or a home of the
-    user's that no one else can write with the cache's names below it, walked without
-    following links."""
+def location() -> tuple[Path, tuple[str, ...]] | None:
+    """Where the cache lies: (a base directory, the names below it), QTOOL_CACHE_DIR as given
+    or a home of the user's that no one else can write with the cache's names below it (walked
+    without following links); None when QTOOL_CACHE_DIR is `off` or not an absolute path, or
+    there is no such home. Nothing is created here."""
     chosen = os.environ.get(ENV)
     if chosen is not None and chosen != "":
         return (Path(chosen), ()) if chosen.lower() != OFF and os.path.isabs(chosen) else None
@@ -114,7 +108,7 @@ def _prefix(key: str) -> bytes:
 def _open_cache(*, create: bool) -> int:
     """A descriptor of the cache directory, private to this user (created so, with its missing
     parents under a home, when `create`); OSError when there is none or it is not private."""
-    found = _location()
+    found = location()
     if found is None:
         raise FileNotFoundError("no cache directory")
     base, names = found
@@ -122,7 +116,7 @@ def _open_cache(*, create: bool) -> int:
     if create and not names:  # QTOOL_CACHE_DIR: its parents as they come, itself 0700
         base.parent.mkdir(parents=True, exist_ok=True)
         made = _made(base, None)
-    fd = _open_private(os.fspath(base), None, follow=bool(names), made=made)
+    fd = _open_private(os.fspath(base), None, follow=True, made=made)
     for name in names:
         made = create and _made(name, fd)
         try:
@@ -145,7 +139,8 @@ def _made(name: str | Path, dir_fd: int | None) -> bool:
 def _open_private(
     name: str, dir_fd: int | None, *, follow: bool = False, made: bool = False
 ) -> int:
-    """Open directory `name` (relative to dir_fd; no link followed unless `follow`): a
+    """Open directory `name` (relative to dir_fd; a link followed only when `follow`, for the
+    directory the user named: QTOOL_CACHE_DIR or the home): a
     descriptor when it is private to this user, else OSError. `made`: just created by this
     process, so its mode is set to 0700 whatever the umask."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)

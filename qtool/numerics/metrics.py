@@ -119,7 +119,6 @@ class SquareSums:
         self.fill = 0  # values waiting in `carry` for the rest of their chunk
         self.carry = torch.empty(count, CHUNK, dtype=torch.float64, device=self.device)
         self.buf = torch.empty(0, dtype=torch.float64, device=self.device)
-        self.tail = torch.empty(0, dtype=torch.float64, device=self.device)
         self.sums = torch.empty(count, chunk_count(shape), dtype=torch.float64, device=self.device)
         self.done = 0  # chunks summed so far
 
@@ -182,17 +181,15 @@ class SquareSums:
         self, dst: torch.Tensor, chunks: list[torch.Tensor], half: int
     ) -> torch.Tensor:
         """fold() of chunks zero-padded to 2 * half, without writing the zeros: the first level
-        is v[i]^2 + v[i + half]^2 where i + half < L, else v[i]^2 (adding 0^2 is exact)."""
-        *shape, length = chunks[0].shape
-        tail = length - half
-        self.tail = _at_least(self.tail, math.prod(shape) * tail)
-        hi = self.tail[: math.prod(shape) * tail].view(*shape, tail)
+        is v[i]^2 + v[i + half]^2 where i + half < L, else v[i]^2 (adding 0^2 is exact). The
+        upper values are squared in float64 (addcmul computes in the output's dtype)."""
+        upper = chunks[0].shape[-1] - half
         for k, v in enumerate(chunks):
             lo = dst[k]
             lo.copy_(v[..., :half])
             lo.mul_(lo)
-            hi.copy_(v[..., half:])
-            lo[..., :tail].addcmul_(hi, hi)
+            hi = v[..., half:]
+            lo[..., :upper].addcmul_(hi, hi)
         return fold_sums(dst)
 
     def _to_carry(self, values: list[torch.Tensor]) -> None:

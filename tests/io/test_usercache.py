@@ -45,13 +45,13 @@ def test_the_default_place_follows_xdg_then_home_when_they_are_the_users(
     (tmp_path / "xdg").mkdir()
     (tmp_path / "home").mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert usercache.cache_dir() == tmp_path / "xdg" / "qtool"
+    assert usercache.location() == (tmp_path / "xdg", ("qtool",))
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/is/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert usercache.cache_dir() == tmp_path / "home" / ".cache" / "qtool"
+    assert usercache.location() == (tmp_path / "home", (".cache", "qtool"))
     for home in ("", "relative", str(tmp_path / "missing")):
         monkeypatch.setenv("HOME", home)
-        assert usercache.cache_dir() is None
+        assert usercache.location() is None
 
 
 def test_no_cache_in_a_home_of_another_user(
@@ -62,7 +62,7 @@ def test_no_cache_in_a_home_of_another_user(
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(usercache.os, "geteuid", lambda: os.stat(tmp_path).st_uid + 1)
-    assert usercache.cache_dir() is None
+    assert usercache.location() is None
 
 
 def test_a_directory_others_can_write_is_not_read(private_cache: Path) -> None:
@@ -73,21 +73,30 @@ def test_a_directory_others_can_write_is_not_read(private_cache: Path) -> None:
     assert usercache.load(KEY) == {"x": 1}
 
 
-def test_a_linked_directory_or_entry_is_not_followed(
+def test_a_linked_entry_is_not_followed_but_a_named_directory_is(
     monkeypatch: pytest.MonkeyPatch, private_cache: Path, tmp_path: Path
 ) -> None:
     usercache.store(KEY, {"x": 1})
     link = tmp_path / "link"
     link.symlink_to(private_cache)
-    monkeypatch.setenv(usercache.ENV, str(link))
-    assert usercache.load(KEY) is None
-    usercache.store(KEY, {"x": 2})  # nor written through
-    monkeypatch.setenv(usercache.ENV, str(private_cache))
+    monkeypatch.setenv(usercache.ENV, str(link))  # the user named it: its target is the cache
     assert usercache.load(KEY) == {"x": 1}
+    monkeypatch.setenv(usercache.ENV, str(private_cache))
     elsewhere = tmp_path / "elsewhere.json"
     (private_cache / f"{KEY}.json").rename(elsewhere)
     (private_cache / f"{KEY}.json").symlink_to(elsewhere)
     assert usercache.load(KEY) is None
+
+
+def test_a_document_that_does_not_begin_with_its_key_is_never_parsed(
+    monkeypatch: pytest.MonkeyPatch, private_cache: Path
+) -> None:
+    parsed: list[object] = []
+    monkeypatch.setattr(usercache.json, "loads", lambda raw: parsed.append(raw))
+    for doc in ("[" * 100_000, json.dumps({"value": {}, "key": KEY}), "not json"):
+        (private_cache / f"{KEY}.json").write_text(doc)
+        assert usercache.load(KEY) is None
+    assert parsed == []
 
 
 def test_a_fifo_or_huge_entry_is_a_miss_that_never_blocks(
@@ -134,7 +143,7 @@ def test_a_home_others_can_write_keeps_no_cache(
     home.mkdir(mode=0o777)
     home.chmod(0o1777)
     monkeypatch.setenv("HOME", str(home))
-    assert usercache.cache_dir() is None
+    assert usercache.location() is None
 
 
 def test_below_a_home_no_link_is_followed_and_new_levels_are_private(

@@ -8,10 +8,10 @@ and its nn.Linear modules are listed. Without transformers, or when it cannot bu
 rules decide (`by_rules`): an output head with no weight in the checkpoint is the only Linear a
 checkpoint can lack. When neither can decide, InputError naming config.json and what is unknown.
 
-Building the class costs seconds (importing transformers' modeling code: 4.6 s of a 7 s export
-of SmolLM2 on a quiet machine), and its answer depends only on transformers' code, the config
-and the checkpoint's weight names: it is kept in the user's cache (io/usercache.py), so only the
-first export of a model pays it.
+Building the class costs seconds (importing transformers' modeling code: 4.6 s on a quiet
+machine, half of a first SmolLM2 export), and its answer depends only on transformers' code,
+the config and the checkpoint's weight names: it is kept in the user's cache
+(io/usercache.py), so only the first export of a model pays it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from qtool import __version__
 from qtool.errors import InputError
 from qtool.io import usercache
 from qtool.io.stformat import TensorEntry
@@ -127,10 +126,13 @@ def cached_linears(config: Mapping[str, object], weights: frozenset[str], count:
     could not build may be mended by an install). An entry holds the stamp of every
     transformers source file the build imported, and is used only while they are unchanged (a
     git checkout or editable install changes code under the same version)."""
-    identity = _transformers_identity()
-    if identity is None:
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.origin is None:
         raise Undecided("transformers is not installed")
-    key = usercache.key_of("linears", __version__, identity, dict(config), sorted(weights), count)
+    identity = _install_identity(spec.origin)
+    if identity is None:  # transformers without package metadata: asked every time
+        return built_linears(config, weights, count)
+    key = usercache.key_of("linears", identity, dict(config), sorted(weights), count)
     doc = usercache.load(key)
     cached = _from_doc(doc, weights) if doc is not None and _unchanged(doc.get("files")) else None
     if cached is not None:
@@ -140,19 +142,25 @@ def cached_linears(config: Mapping[str, object], weights: frozenset[str], count:
     return found
 
 
-def _transformers_identity() -> list[str] | None:
-    """Which transformers install this is, found without importing it: its version, where it
-    lies and the hash of its file list (pip's RECORD holds every file's hash); None when it is
-    not installed."""
+def _install_identity(origin: str) -> list[str] | None:
+    """What the answer depends on besides the model, found without importing transformers
+    (`origin`: its __init__.py): the version, place and file list hash of the transformers
+    install (pip's RECORD holds every file's hash), torch's version, and this module's own
+    source (its rules and the shape of an entry); None when transformers has no metadata."""
     try:
-        spec = importlib.util.find_spec("transformers")
         dist = importlib.metadata.distribution("transformers")
         record = dist.read_text("RECORD") or ""
-    except (ImportError, ValueError, OSError, importlib.metadata.PackageNotFoundError):
+        torch_version = importlib.metadata.version("torch")
+        source = Path(__file__).read_bytes()
+    except (ValueError, OSError, importlib.metadata.PackageNotFoundError):
         return None
-    if spec is None or spec.origin is None:
-        return None
-    return [dist.version, spec.origin, hashlib.sha256(record.encode()).hexdigest()]
+    return [
+        dist.version,
+        origin,
+        hashlib.sha256(record.encode()).hexdigest(),
+        torch_version,
+        hashlib.sha256(source).hexdigest(),
+    ]
 
 
 def _transformers_files() -> dict[str, list[int]]:
@@ -189,13 +197,10 @@ def _to_doc(found: Linears) -> dict[str, object]:
     }
 
 
-def _from_doc(doc: Mapping[str, object] | None, weights: frozenset[str]) -> Linears | None:
-    """A cached answer, or None when the document is missing, not of the shape _to_doc writes,
-    or at odds with these weights (a corrupt entry): none of them a Linear, `absent` not the
-    Linears without one, a weight's module neither a Linear nor another class. (A checkpoint
-    with weights the model lacks is therefore asked of transformers every time.)"""
-    if doc is None:
-        return None
+def _from_doc(doc: Mapping[str, object], weights: frozenset[str]) -> Linears | None:
+    """A cached answer, or None when the document is not of the shape _to_doc writes or is at
+    odds with these weights (a corrupt entry): none of them a Linear, or `absent` not the
+    Linears without one."""
     names, absent, classes, how = (doc.get(k) for k in ("names", "absent", "classes", "how"))
     if not (_strings(names) and _strings(absent) and isinstance(how, str)):
         return None
@@ -203,8 +208,6 @@ def _from_doc(doc: Mapping[str, object] | None, weights: frozenset[str]) -> Line
         return None
     listed = frozenset(names)
     if (weights and not weights & listed) or absent != sorted(listed - weights):
-        return None
-    if not weights <= listed | classes.keys():
         return None
     return Linears(listed, tuple(absent), classes, how)
 

@@ -118,7 +118,7 @@ def matrix_modules(entries: Sequence[TensorEntry]) -> frozenset[str]:
     )
 
 
-# ---------------------------------------------------------------- transformers
+# ---------------------------------------------------------------- transformers' answer, kept
 
 
 def cached_linears(config: Mapping[str, object], weights: frozenset[str], count: int) -> Linears:
@@ -214,6 +214,9 @@ def _from_doc(doc: Mapping[str, object], weights: frozenset[str]) -> Linears | N
 
 def _strings(value: object) -> TypeGuard[list[str]]:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+# ---------------------------------------------------------------- transformers
 
 
 def built_linears(config: Mapping[str, object], weights: frozenset[str], count: int) -> Linears:

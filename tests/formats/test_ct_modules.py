@@ -218,6 +218,15 @@ def test_undecided_is_what_the_rules_hear() -> None:
 # ---------------------------------------------------------------- the answer kept in the user cache
 
 
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The arguments of every call of built_linears from here on (it still builds)."""
+    calls: list[object] = []
+    real = modules.built_linears
+    monkeypatch.setattr(modules, "built_linears", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
 def _no_build(*_: object) -> Linears:
     raise AssertionError("built again: the cached answer was not used")
 
@@ -243,15 +252,13 @@ def test_the_second_export_of_a_model_takes_the_cached_answer(
     ids=["config", "fewer-weights", "more-weights"],
 )
 def test_another_config_or_checkpoint_is_never_answered_from_the_cache(
-    monkeypatch: pytest.MonkeyPatch, change: object
+    builds: list[object], change: object
 ) -> None:
     model_linears(TIED, CONFIG, LLAMA_BODY)
+    builds.clear()
     config, entries = change(TIED, LLAMA_BODY)  # type: ignore[operator]
-    built: list[object] = []
-    real = modules.built_linears
-    monkeypatch.setattr(modules, "built_linears", lambda *a: built.append(a) or real(*a))
     model_linears(config, CONFIG, entries)
-    assert len(built) == 1
+    assert len(builds) == 1
 
 
 @pytest.mark.usefixtures("transformers")
@@ -265,21 +272,19 @@ def test_what_transformers_could_not_build_is_never_cached(private_cache: Path) 
 @pytest.mark.usefixtures("transformers")
 @pytest.mark.parametrize("edited", ["modeling_llama.py", "modeling_utils.py", "__init__.py"])
 def test_a_transformers_edited_in_place_is_asked_again(
-    monkeypatch: pytest.MonkeyPatch, edited: str
+    monkeypatch: pytest.MonkeyPatch, builds: list[object], edited: str
 ) -> None:
     """Same version, same place, other code (a git checkout, an editable install): any source
     file the build imported, not only the model's own."""
     model_linears(TIED, CONFIG, LLAMA_BODY)
+    builds.clear()
     real_stamp = modules._stamp
     monkeypatch.setattr(
         modules, "_stamp", lambda path: [0, 0] if path.name == edited else real_stamp(path)
     )
-    built: list[object] = []
-    real = modules.built_linears
-    monkeypatch.setattr(modules, "built_linears", lambda *a: built.append(a) or real(*a))
     model_linears(TIED, CONFIG, LLAMA_BODY)
     model_linears(TIED, CONFIG, LLAMA_BODY)
-    assert len(built) == 1  # asked again once, then cached with the new stamps
+    assert len(builds) == 1  # asked again once, then cached with the new stamps
 
 
 def test_a_missing_transformers_is_never_cached(

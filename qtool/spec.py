@@ -61,7 +61,7 @@ class StorageDtype(str, enum.Enum):
 
 
 # 8-bit symmetric ranges are mirrored around zero_point, so -x is exactly as representable as
-# x; 4-bit symmetric ranges use all sixteen levels (DESIGN.md 3.1 says why).
+# x; 4-bit symmetric ranges use all sixteen levels (docs/numerics.md, "4-bit codes", says why).
 _QRANGE: dict[tuple[Scheme, StorageDtype], tuple[int, int]] = {
     (Scheme.SYM, StorageDtype.INT8): (-127, 127),
     (Scheme.SYM, StorageDtype.UINT8): (1, 255),

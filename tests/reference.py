@@ -71,7 +71,7 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, axis: int | Non
     return (q.astype(np.float32) - z) * s
 
 
-# ---- DESIGN.md 3.1: 4-bit ranges, groups, scale storage dtypes, the mse candidate search ----
+# ---- docs/numerics.md: 4-bit ranges, groups, scale storage dtypes, the mse candidate search ----
 
 QRANGE_V2 = {
     **QRANGE,
@@ -100,7 +100,7 @@ def to_scale_dtype(scale: np.float32, scale_dtype: str) -> np.float32:
 def qparams_v2(
     group: np.ndarray, scheme: str, dtype: str, p: float = 1.0, scale_dtype: str = "float32"
 ) -> tuple[np.float32, int]:
-    """scale and zero point of one group for the range (lo * p, hi * p), DESIGN.md 3 / 3.1."""
+    """scale and zero point of one group for the range (lo * p, hi * p): docs/numerics.md."""
     qmin, qmax = QRANGE_V2[scheme, dtype]
     lo = np.float32(min(np.float32(group.min()), np.float32(0)) * np.float32(p))
     hi = np.float32(max(np.float32(group.max()), np.float32(0)) * np.float32(p))

@@ -1,6 +1,6 @@
 """Fused CPU kernels (numba): range, codes and error sums in one pass over each row or group.
 
-The contract: bit-exact with the torch kernels (numerics/kernels.py, DESIGN.md 3 and 3.1).
+The contract: bit-exact with the torch kernels (numerics/kernels.py; semantics: docs/numerics.md).
 Statistics and qparams in float32, lo = min(min(x), 0), hi = max(max(x), 0),
 q = clamp(rint(x / scale) + zp, qmin, qmax) with a float32 DIVISION and round-half-to-even;
 x_hat = (q - zp) * scale in float32. Error figures are numerics/metrics.py's, to the last bit:

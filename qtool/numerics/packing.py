@@ -1,8 +1,9 @@
 """Bit packing of integer codes: 4-bit nibbles (qtool format) and int32 words (compressed-tensors).
 
-Nibbles (DESIGN.md 3.1): two codes per byte along the last dimension, element 2i in the low
-nibble and 2i+1 in the high one, as unsigned codes (int4 stored as q + 8, uint4 as is); an odd
-last dimension is padded with a given code (the zero point's, so the pad dequantizes to 0.0).
+Nibbles (docs/numerics.md, "4-bit codes"): two codes per byte along the last dimension,
+element 2i in the low nibble and 2i+1 in the high one, as unsigned codes (int4 stored as q + 8,
+uint4 as is); an odd last dimension is padded with a given code (the zero point's, so the pad
+dequantizes to 0.0).
   int4 [-8, 7, 1] padded with 0: unsigned [0, 15, 9, 8] -> bytes [0xF0, 0x89]
 
 int32 words (compressed-tensors pack_to_int32): signed codes of `bits` bits are offset by

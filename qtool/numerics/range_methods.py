@@ -2,7 +2,7 @@
 method (as optimum-quanto's optimizers): each turns the float32 values of groups into their
 qparams. The kernels (numerics/kernels.py) walk the tensor and ask the method for each slab.
 
-  MinMax     [min(x, 0), max(x, 0)] as it is (DESIGN.md 3).
+  MinMax     [min(x, 0), max(x, 0)] as it is (docs/numerics.md, "Scales, zero points and codes").
   MseSearch  the candidate range with the least squared error (numerics/ranges.mse_search);
              it also keeps, for the report, the min-max qparams of the groups it last searched
              (the kernels measure the error min-max would have had).

@@ -1,6 +1,6 @@
 """Integer ranges, qparams from a float range, and the range methods (minmax, mse search).
 
-qparams follow DESIGN.md 3 / 3.1 for every storage dtype:
+qparams follow docs/numerics.md ("Scales, zero points and codes") for every storage dtype:
   sym:  scale = amax / ((qmax - qmin) / 2)   (int8 [-127, 127]: / 127; int4 [-8, 7]: / 7.5)
   asym: scale = (hi - lo) / (qmax - qmin),  zero_point = clamp(qmin - round(lo / scale), qmin, qmax)
 with lo = min(min(x), 0), hi = max(max(x), 0); an all-zero group gets scale 1.0 and no scale
@@ -212,7 +212,7 @@ def slabs(shape: tuple[int, ...], block_elems: int) -> list[Slab]:
 def _raw_scale(
     lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scale before guards, span, lo clamped to <= 0), float32, the formulas of DESIGN.md 3."""
+    """(scale before guards, span, lo clamped to <= 0), float32, per docs/numerics.md."""
     lo, hi = lo.float(), hi.float()
     if symmetric:
         span = torch.maximum(hi, lo.neg()).clamp_(min=0.0)  # amax over a range holding 0

@@ -49,7 +49,7 @@ def test_golden_symmetric_int8_by_hand() -> None:
     xs = [_f32(-1.0), _f32(0.3), _f32(2.0)]
     scale = _f32(Fraction(2, 127))
     expected = [_rne(_f32(x / scale)) for x in xs]
-    assert expected == [-64, 19, 127]  # the figures DESIGN.md gives
+    assert expected == [-64, 19, 127]  # the golden vector docs/numerics.md gives
     result = kernels.quantize_tensor(torch.tensor([[-1.0, 0.3, 2.0]]), qspec(axis=None))
     assert result.q.tolist() == [expected]
     assert Fraction(float(result.scale)) == scale

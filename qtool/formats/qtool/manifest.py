@@ -113,7 +113,7 @@ def choice_name(tensor: str) -> str:
 
 
 def format_version(manifest: Manifest) -> int:
-    """1 when every record is readable by a version-1 reader, else 2 (DESIGN.md section 5)."""
+    """1 when every record is readable by a version-1 reader, else 2 (docs/formats.md)."""
     return 1 if all(r.fits_v1 for r in manifest.tensors.values()) else 2
 
 

@@ -393,13 +393,3 @@ def resolve_output(
         f"{what} writes {' or '.join(accepted)} files but this name {has}; "
         f"use e.g. {flag} {out.with_name(stem + accepted[0])} (or an existing directory)",
     )
-
-
-def refuse_file_name_for_directory(out: Path | None, what: str) -> None:
-    """A sharded output is a directory: a weight-file name for it is a mistake, not a wish."""
-    if out is not None and out.suffix.lower() in _KNOWN_EXTENSIONS and not out.is_dir():
-        raise UsageError(
-            out,
-            f"{what} of a sharded checkpoint writes a directory of shards; "
-            f"give -o a directory name (e.g. {out.with_name(out.stem)})",
-        )

@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 from qtool.dtypes import DTYPE_BITS
 from qtool.io.safeopen import open_regular
+from qtool.io.shapes import shape_overflow
 
 MAX_HEADER_BYTES = 100_000_000  # the reference's cap (decimal MB)
 
@@ -288,6 +289,9 @@ def _parse_entry(name: str, info: object) -> TensorEntry:
         raise HeaderError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not _is_int_list(shape):
         raise HeaderError(f"tensor {name!r}: shape must be a list of non-negative integers")
+    overflow = shape_overflow(shape)  # type: ignore[arg-type]
+    if overflow is not None:
+        raise HeaderError(f"tensor {name!r}: {overflow}")
     if not _is_int_list(offsets) or len(offsets) != 2:  # type: ignore[arg-type]
         raise HeaderError(f"tensor {name!r}: data_offsets must be two non-negative integers")
     begin, end = offsets  # type: ignore[misc]

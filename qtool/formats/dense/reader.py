@@ -74,10 +74,17 @@ class DenseReader:
 
 class ShardedReader:
     """A directory's weight files, each opened by `open_one` (all of them checked before any
-    is read), as one FloatReader; a name is read from the file that holds it."""
+    is read), as one FloatReader; a name is read from the file that holds it. `restored`: the
+    directory's files a float directory gets rewritten (config.json), by name."""
 
-    def __init__(self, found: Detected, open_one: Callable[[Path], FloatReader]) -> None:
+    def __init__(
+        self,
+        found: Detected,
+        open_one: Callable[[Path], FloatReader],
+        restored: dict[str, bytes] | None = None,
+    ) -> None:
         self.path = found.named
+        self._restored = restored or {}
         self.parts: list[FloatReader] = []
         try:
             for weights in found.weights:
@@ -124,7 +131,7 @@ class ShardedReader:
         return [s for part in self.parts for s in part.sidecars]
 
     def restored_files(self) -> dict[str, bytes]:
-        return {}
+        return dict(self._restored)
 
     def release(self, name: str) -> None:
         self._by_name[name].release(name)

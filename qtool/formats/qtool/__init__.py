@@ -8,13 +8,16 @@ section, or one quantized weight file beside its sidecar). Torch-free at import.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from qtool.errors import UsageError
 from qtool.formats import detect, registry
 from qtool.formats.base import FloatReader, FormatContext, OutputFormat
 from qtool.formats.detect import Detected, HeaderView, Probe
+from qtool.formats.qtool import config as model_config
 from qtool.formats.qtool.manifest import MANIFEST_KEY, is_quantized, sidecar_path
+from qtool.io.jsonfile import read_json
 from qtool.results import InspectSummary
 from qtool.spec import FormatName
 
@@ -47,12 +50,18 @@ def _directory(probe: Probe) -> Detected | None:
     if sharded is not None:
         first = sharded.shards[0]
         if INDEX_SECTION in sharded.raw or _quantized(probe, first):
-            return probe.as_directory("qtool-sharded", NAME, what, quantized=True)
+            return _unmarked(probe.as_directory("qtool-sharded", NAME, what, quantized=True))
         return None
     weights = [n for n in probe.safetensors_files() if not n.endswith(SIDECAR_SUFFIX)]
     if len(weights) != 1 or not _quantized(probe, weights[0]):
         return None
-    return probe.as_directory("qtool-directory", NAME, what, quantized=True, weights=weights)
+    found = probe.as_directory("qtool-directory", NAME, what, quantized=True, weights=weights)
+    return _unmarked(found)
+
+
+def _unmarked(found: Detected) -> Detected:
+    """The directory with the model's own config.json (what its marked one records)."""
+    return dataclasses.replace(found, config=model_config.unmarked(found.config))
 
 
 def _quantized(probe: Probe, name: str) -> bool:
@@ -69,7 +78,7 @@ def _header(view: HeaderView) -> str | None:
 def _output(context: FormatContext) -> OutputFormat:
     from qtool.formats.qtool.writer import QtoolFormat
 
-    return QtoolFormat()
+    return QtoolFormat(context)
 
 
 def _reader(found: Detected, qparams: Path | None) -> FloatReader:
@@ -85,7 +94,14 @@ def _reader(found: Detected, qparams: Path | None) -> FloatReader:
             "sidecar",
             hint="qparams",
         )
-    return ShardedReader(found, lambda w: QtoolReader(w, None, found.within))
+    restored = {}
+    if found.config_path is not None and found.within is not None:
+        on_disk = found.within.exists(found.config_path.name) and read_json(
+            found.config_path, within=found.within, what="config.json"
+        )
+        if model_config.is_marked(on_disk):  # the model's own config, unmarked (config.py)
+            restored["config.json"] = model_config.config_bytes(found.config)
+    return ShardedReader(found, lambda w: QtoolReader(w, None, found.within), restored)
 
 
 def _inspect(found: Detected) -> InspectSummary:

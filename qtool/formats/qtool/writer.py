@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.errors import OutputError
-from qtool.formats.base import Planned, Ruled, carried_metadata
+from qtool.formats.base import FormatContext, Planned, Ruled, carried_metadata
+from qtool.formats.qtool import config as model_config
 from qtool.formats.qtool.manifest import (
     BINDING_KEY,
     DIGEST_KEY,
@@ -28,6 +29,7 @@ from qtool.formats.qtool.manifest import (
     zero_point_name,
 )
 from qtool.io.atomic import OutputSet
+from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.io.writer import StreamingWriter
 from qtool.spec import FormatName, QSpec, packed_shape
@@ -67,6 +69,9 @@ class QtoolFormat:
     model_directory = False
     scales_in_weight_dtype = False
 
+    def __init__(self, context: FormatContext | None = None) -> None:
+        self._context = context or FormatContext()
+
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         return None  # every granularity, storage dtype and range method
 
@@ -83,7 +88,13 @@ class QtoolFormat:
         return [planned.entry.name]
 
     def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
-        return {}
+        """The model's config.json marked as qtool codes (formats/qtool/config.py), so that no
+        float loader takes the directory for a float model; nothing when there is none."""
+        path, within = self._context.config, self._context.config_dir
+        if path is None or (within is not None and not within.exists(path.name)):
+            return {}
+        doc = read_json_object(path, within=within, what="model config")
+        return {"config.json": model_config.config_bytes(model_config.marked(doc))}
 
     def warnings(self, planned: Sequence[Planned]) -> list[str]:
         return []

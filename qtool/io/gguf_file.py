@@ -10,7 +10,8 @@ A file that is not a valid GGUF is refused with an InputError naming it and sayi
 wrong (the parse is gguf_header's). Nothing is memory-mapped: a mapped file truncated while
 open kills the process with SIGBUS, which Python cannot catch, so the header and each tensor
 are read into buffers of their own and a short read is an error ("changed while reading").
-The header is read in growing prefixes (1 MiB, then doubling), at most MAX_HEADER_BYTES.
+The header is read in growing prefixes (1 MiB, then doubling), at most MAX_HEADER_BYTES, and
+parsed once (the parse reads on where the prefix ends; the last file's header is remembered).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from types import TracebackType
 import numpy as np
 
 from qtool.errors import InputError
-from qtool.io.gguf_header import GGUFHeaderError, NeedMore, parse_header
+from qtool.io.gguf_header import GGUFHeaderError, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
 
 MAX_HEADER_BYTES = 256 << 20  # a 256k-token vocabulary with its merges takes ~20 MiB
 FIRST_READ = 1 << 20
+
+# detect, inspect and the readers each open the same file: the last header parsed is kept,
+# keyed by the file's device, inode, size, mtime and ctime (any write changes the ctime)
+_REMEMBERED: dict[tuple[int, int, int, int, int], GGUFHeader] = {}
 
 # ggml types whose elements are plain little-endian numbers
 _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4",
@@ -51,20 +56,32 @@ class GGUFFile:
             raise
 
     def _parse(self, size: int) -> GGUFHeader:
+        st = os.fstat(self._file.fileno())
+        key = (st.st_dev, st.st_ino, size, st.st_mtime_ns, st.st_ctime_ns)
+        if _REMEMBERED.get(key) is not None:
+            return _REMEMBERED[key]
         want = min(size, FIRST_READ)
-        while True:
-            prefix = self._pread(0, want, "the header")
-            try:
-                return parse_header(prefix.data, size)
-            except GGUFHeaderError as err:
-                raise InputError(self.path, f"not a valid GGUF file: {err}") from None
-            except NeedMore as more:
-                if more.needed > MAX_HEADER_BYTES:
-                    raise InputError(
-                        self.path, f"its GGUF header is over qtool's limit of "
-                        f"{MAX_HEADER_BYTES >> 20} MiB; is it a GGUF file?",
-                    ) from None  # fmt: skip
-                want = min(size, max(more.needed, 2 * want), MAX_HEADER_BYTES)
+        prefix = self._pread(0, want, "the header")
+
+        def fetch(needed: int) -> memoryview:
+            nonlocal want, prefix
+            if needed > MAX_HEADER_BYTES:
+                raise InputError(
+                    self.path, f"its GGUF header is over qtool's limit of "
+                    f"{MAX_HEADER_BYTES >> 20} MiB; is it a GGUF file?",
+                )  # fmt: skip
+            want = min(size, max(needed, 2 * want), MAX_HEADER_BYTES)
+            prefix = np.concatenate([prefix, self._pread(len(prefix), want - len(prefix),
+                                                         "the header")])  # fmt: skip
+            return prefix.data
+
+        try:
+            header = parse_header(prefix.data, size, fetch)
+        except GGUFHeaderError as err:
+            raise InputError(self.path, f"not a valid GGUF file: {err}") from None
+        _REMEMBERED.clear()
+        _REMEMBERED[key] = header
+        return header
 
     def _pread(self, start: int, n: int, what: str, out: np.ndarray | None = None) -> np.ndarray:
         """n bytes at `start` into `out` (a fresh uint8 array by default); a short read is an

@@ -8,15 +8,21 @@ tensor at the aligned end of the one before. A string is a u64 length and UTF-8 
 The checks are ggml's own (gguf.cpp gguf_init_from_reader and llama.cpp's loader: versions 2
 and 3, unique non-empty keys, unique names under 64 bytes, at most 4 dims, known types, rows
 whole blocks, offsets exactly where ggml expects them, data inside the file) plus bounds that
-keep memory proportional to the file: every count and length is checked against the bytes left
-before anything is allocated, strings must be UTF-8, arrays of arrays are refused (ggml refuses
-them too), and string arrays are capped in total. Torch-free; numeric arrays are numpy.
+keep work and memory proportional to the file and small (docs/reliability.md, "GGUF"): every
+count and length is checked against the bytes left before anything is allocated, tensors and
+keys are at most MAX_TENSORS and MAX_KEYS, names are not empty, the non-zero dimensions of a
+shape multiply to at most INT64_MAX in any order, the alignment is at most MAX_ALIGNMENT,
+strings must be UTF-8, arrays of arrays are refused (ggml refuses them too), and string arrays
+are capped in total. Each entry is parsed once, its messages built only on failure (a header
+that runs past the prefix read so far asks for more and goes on). Torch-free; numeric arrays
+are numpy.
 """
 
 from __future__ import annotations
 
 import codecs
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,8 +47,16 @@ MAX_DIMS = 4
 MAX_STRING_BYTES = 1 << 30  # GGUF_MAX_STRING_LENGTH
 MAX_ARRAY_ITEMS = 1 << 30  # GGUF_MAX_ARRAY_ELEMENTS
 MAX_STRINGS = 1 << 22  # strings in all arrays together (a vocabulary and its merges: < 1M)
-MAX_COUNT = 1 << 24  # tensors, and key/value pairs
+MAX_TENSORS = 1 << 16  # the largest published GGUFs hold a few thousand (DeepSeek-V3: ~1,100)
+MAX_KEYS = 1 << 16  # key/value pairs: real files hold 20-60 (a vocabulary is one array)
+MAX_ALIGNMENT = 1 << 16  # llama.cpp writes 32; a page is 4-64 KiB
 INT64_MAX = (1 << 63) - 1
+MIN_INFO_BYTES = 8 + 1 + 4 + 4 + 8  # name length, a 1-byte name, n_dims, type, offset
+MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a 1-byte key, value type, a 1-byte value
+
+Fetch = Callable[[int], memoryview]
+"""Given n, the first n bytes (at least) of the file: how a parse reads on past its prefix."""
+What = str | Callable[[], str]
 
 
 class GGUFHeaderError(ValueError):
@@ -59,44 +73,61 @@ class NeedMore(Exception):
 
 class _Cursor:
     """Reads little-endian fields from `buf`, the first bytes of a `size`-byte file, refusing
-    any that runs past the file's end (NeedMore for one past the prefix only)."""
+    any that runs past the file's end; past the prefix it asks `fetch` for more (NeedMore
+    without one). `what` names the field for messages; a callable is only called on failure,
+    so a well-formed entry costs no formatting."""
 
-    def __init__(self, buf: memoryview, size: int) -> None:
+    def __init__(self, buf: memoryview, size: int, fetch: Fetch | None = None) -> None:
         self.buf, self.size, self.pos, self.n_strings = buf, size, 0, 0
+        self._fetch = fetch
 
     def left(self) -> int:
         """Bytes of the file left (what declared counts and lengths are bounded by)."""
         return self.size - self.pos
 
-    def take(self, n: int, what: str) -> memoryview:
+    def _more(self, needed: int) -> None:
+        if self._fetch is None:
+            raise NeedMore(needed)
+        buf = self._fetch(needed)
+        if len(buf) < needed:
+            raise NeedMore(needed)
+        self.buf = buf
+
+    def take(self, n: int, what: What) -> memoryview:
         if n > self.left():
             raise GGUFHeaderError(
-                f"truncated: {what} at byte {self.pos} needs {n} bytes, {self.left()} are left"
+                f"truncated: {_text(what)} at byte {self.pos} needs {n} bytes, "
+                f"{self.left()} are left"
             )
         if self.pos + n > len(self.buf):
-            raise NeedMore(self.pos + n)
+            self._more(self.pos + n)
         self.pos += n
         return self.buf[self.pos - n : self.pos]
 
-    def scalar(self, fmt: str, what: str) -> int | float | bool:
-        value: int | float | bool = struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
-        return value
+    def unpack(self, st: struct.Struct, what: What) -> tuple[int | float | bool, ...]:
+        if self.pos + st.size <= len(self.buf) and st.size <= self.left():
+            self.pos += st.size
+            return st.unpack_from(self.buf, self.pos - st.size)
+        return st.unpack(self.take(st.size, what))
 
-    def u32(self, what: str) -> int:
-        return int(self.scalar("<I", what))
+    def scalar(self, fmt: str, what: What) -> int | float | bool:
+        return self.unpack(_struct(fmt), what)[0]
 
-    def u64(self, what: str) -> int:
-        return int(self.scalar("<Q", what))
+    def u32(self, what: What) -> int:
+        return int(self.unpack(_U32, what)[0])
 
-    def string(self, what: str, limit: int = MAX_STRING_BYTES) -> str:
-        n = self.u64(f"the length of {what}")
+    def u64(self, what: What) -> int:
+        return int(self.unpack(_U64, what)[0])
+
+    def string(self, what: What, limit: int = MAX_STRING_BYTES) -> str:
+        n = self.u64(lambda: f"the length of {_text(what)}")
         if n > limit:
-            raise GGUFHeaderError(f"{what} is {n} bytes long, over the {limit}-byte limit")
+            raise GGUFHeaderError(f"{_text(what)} is {n} bytes long, over the {limit}-byte limit")
         raw = self.take(n, what)
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError as err:
-            raise GGUFHeaderError(f"{what} is not UTF-8 (byte {err.start})") from None
+            raise GGUFHeaderError(f"{_text(what)} is not UTF-8 (byte {err.start})") from None
 
     def strings(self, n: int, key: str) -> tuple[str, ...]:
         """n strings in a row (a vocabulary: the loop of `string`, without its per-item cost)."""
@@ -109,7 +140,9 @@ class _Cursor:
             stop = start + length
             if length < 0 or length > MAX_STRING_BYTES or stop > end:
                 self.pos = pos
-                self.string(f"item {j} of {key!r}")  # raises, saying what is truncated
+                append(self.string(f"item {j} of {key!r}"))  # reads on, or says what is wrong
+                buf, pos, end = self.buf, self.pos, len(self.buf)
+                continue
             try:
                 append(decode(buf[start:stop], "strict", True)[0])
             except UnicodeDecodeError as err:
@@ -121,22 +154,40 @@ class _Cursor:
         return tuple(out)
 
 
+def _text(what: What) -> str:
+    return what if isinstance(what, str) else what()
+
+
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_STRUCTS: dict[str, struct.Struct] = {}
+
+
+def _struct(fmt: str) -> struct.Struct:
+    found = _STRUCTS.get(fmt)
+    if found is None:
+        found = _STRUCTS[fmt] = struct.Struct(fmt)
+    return found
+
+
 _LENGTH = struct.Struct("<Q").unpack_from
 
 
-def parse_header(buf: memoryview, file_size: int | None = None) -> GGUFHeader:
+def parse_header(
+    buf: memoryview, file_size: int | None = None, fetch: Fetch | None = None
+) -> GGUFHeader:
     """Validate the GGUF file of `file_size` bytes (default: all of `buf`) whose first bytes
-    are `buf`: GGUFHeaderError if it is bad, NeedMore if its header runs past `buf`."""
+    are `buf`: GGUFHeaderError if it is bad; if its header runs past `buf`, the parse goes on
+    in the longer prefix `fetch` gives, or raises NeedMore without one."""
     size = len(buf) if file_size is None else file_size
-    cur = _Cursor(buf, size)
+    cur = _Cursor(buf, size, fetch)
     if len(buf) < min(4, size):
         raise NeedMore(min(4, size))
     if bytes(buf[:4]) != GGUF_MAGIC:
         raise GGUFHeaderError(f"not a GGUF file: it starts with {bytes(buf[:4])!r}, not b'GGUF'")
     cur.take(4, "the magic")
     version = _version(cur.u32("the version"))
-    n_tensors = _count(cur.u64("the tensor count"), "tensors", cur, 8 + 4 + 4 + 8)
-    n_kv = _count(cur.u64("the key/value count"), "key/value pairs", cur, 8 + 1 + 4 + 1)
+    n_tensors = _count(cur.u64("the tensor count"), "tensors", cur, MIN_INFO_BYTES, MAX_TENSORS)
+    n_kv = _count(cur.u64("the key/value count"), "key/value pairs", cur, MIN_KV_BYTES, MAX_KEYS)
     metadata = _metadata(cur, n_kv)
     alignment = _alignment(metadata)
     infos = [_tensor_info(cur, i) for i in range(n_tensors)]
@@ -158,20 +209,20 @@ def _version(version: int) -> int:
     return version
 
 
-def _count(n: int, what: str, cur: _Cursor, min_bytes: int) -> int:
-    """A declared count, refused when over MAX_COUNT or when even the smallest entries could
+def _count(n: int, what: str, cur: _Cursor, min_bytes: int, limit: int) -> int:
+    """A declared count, refused when over `limit` or when even the smallest entries could
     not fit in the bytes left."""
     if n * min_bytes > cur.left():
         raise GGUFHeaderError(f"declares {n} {what}, more than the {cur.size}-byte file holds")
-    if n > MAX_COUNT:
-        raise GGUFHeaderError(f"declares {n} {what}, over qtool's limit of {MAX_COUNT}")
+    if n > limit:
+        raise GGUFHeaderError(f"declares {n:,} {what}, over qtool's limit of {limit:,}")
     return n
 
 
 def _metadata(cur: _Cursor, n_kv: int) -> dict[str, GGUFValue]:
     metadata: dict[str, GGUFValue] = {}
     for i in range(n_kv):
-        key = cur.string(f"key {i}")
+        key = cur.string(lambda: f"key {i}")  # noqa: B023 (called at once or never)
         if not key:
             raise GGUFHeaderError(f"key {i} is empty")
         if key in metadata:
@@ -188,13 +239,13 @@ def _value_type(raw: int, key: str) -> ValueType:
 
 
 def _value(cur: _Cursor, key: str) -> GGUFValue:
-    vtype = _value_type(cur.u32(f"the type of {key!r}"), key)
+    vtype = _value_type(cur.u32(lambda: f"the type of {key!r}"), key)
     if vtype is ValueType.STRING:
-        return GGUFValue(vtype, cur.string(f"the value of {key!r}"))
+        return GGUFValue(vtype, cur.string(lambda: f"the value of {key!r}"))
     if vtype is not ValueType.ARRAY:
-        return GGUFValue(vtype, cur.scalar(vtype.struct_format, f"the value of {key!r}"))
-    item = _value_type(cur.u32(f"the item type of {key!r}"), key)
-    n = cur.u64(f"the length of {key!r}")
+        return GGUFValue(vtype, cur.scalar(vtype.struct_format, lambda: f"the value of {key!r}"))
+    item = _value_type(cur.u32(lambda: f"the item type of {key!r}"), key)
+    n = cur.u64(lambda: f"the length of {key!r}")
     if item is ValueType.ARRAY:
         raise GGUFHeaderError(f"key {key!r} is an array of arrays, which llama.cpp cannot read")
     size = 8 if item is ValueType.STRING else struct.calcsize(item.struct_format)
@@ -205,7 +256,7 @@ def _value(cur: _Cursor, key: str) -> GGUFValue:
         if cur.n_strings > MAX_STRINGS:
             raise GGUFHeaderError(f"more than {MAX_STRINGS} strings in arrays (at key {key!r})")
         return GGUFValue(vtype, cur.strings(n, key), item)
-    raw = cur.take(n * size, f"the items of {key!r}")
+    raw = cur.take(n * size, lambda: f"the items of {key!r}")
     array = np.frombuffer(raw, dtype=item.struct_format.replace("?", "b")).copy()
     array = array.astype(bool) if item is ValueType.BOOL else array
     array.flags.writeable = False
@@ -221,6 +272,11 @@ def _alignment(metadata: dict[str, GGUFValue]) -> int:
     alignment = int(found.value)  # type: ignore[arg-type]
     if alignment <= 0 or alignment & (alignment - 1):
         raise GGUFHeaderError(f"{ALIGNMENT_KEY} {alignment} is not a power of 2")
+    if alignment > MAX_ALIGNMENT:
+        raise GGUFHeaderError(
+            f"{ALIGNMENT_KEY} {alignment} is over qtool's limit of {MAX_ALIGNMENT} (llama.cpp "
+            "writes 32): every tensor would be padded to it"
+        )
     return alignment
 
 
@@ -228,19 +284,17 @@ _Info = tuple[str, GGMLType, tuple[int, ...], int]
 
 
 def _tensor_info(cur: _Cursor, i: int) -> _Info:
-    name = cur.string(f"the name of tensor {i}", limit=1 << 16)
+    name = cur.string(lambda: f"the name of tensor {i}", limit=1 << 16)
+    if not name:
+        raise GGUFHeaderError(f"tensor {i} has an empty name")
     if len(name.encode()) > MAX_NAME_BYTES:
         raise GGUFHeaderError(f"tensor {name!r}: name longer than ggml's {MAX_NAME_BYTES} bytes")
-    n_dims = cur.u32(f"the dimension count of {name!r}")
+    n_dims = cur.u32(lambda: f"the dimension count of {name!r}")
     if n_dims > MAX_DIMS:
         raise GGUFHeaderError(f"tensor {name!r}: {n_dims} dimensions, ggml allows {MAX_DIMS}")
-    shape = tuple(int(cur.scalar("<q", f"a dimension of {name!r}")) for _ in range(n_dims))
-    numel = 1
-    for d in shape:
-        if d < 0 or (d and numel > INT64_MAX // d):
-            raise GGUFHeaderError(f"tensor {name!r}: shape {list(shape)} is negative or too big")
-        numel *= d
-    type_id = cur.u32(f"the type of {name!r}")
+    shape = tuple(int(d) for d in cur.unpack(_DIMS[n_dims], lambda: f"a dimension of {name!r}"))
+    _check_shape(name, shape)
+    type_id = cur.u32(lambda: f"the type of {name!r}")
     if type_id not in GGML_TYPES_BY_ID:
         raise GGUFHeaderError(f"tensor {name!r}: unknown ggml type {type_id}")
     ggml = GGML_TYPES_BY_ID[type_id]
@@ -249,7 +303,24 @@ def _tensor_info(cur: _Cursor, i: int) -> _Info:
             f"tensor {name!r}: rows of {shape[0]} are not whole {ggml.name} blocks "
             f"of {ggml.block_size}"
         )
-    return name, ggml, shape, cur.u64(f"the offset of {name!r}")
+    return name, ggml, shape, cur.u64(lambda: f"the offset of {name!r}")
+
+
+_DIMS = [struct.Struct(f"<{n}q") for n in range(MAX_DIMS + 1)]
+
+
+def _check_shape(name: str, shape: tuple[int, ...]) -> None:
+    """No negative dimension, and the non-zero ones multiply to at most INT64_MAX: whatever the
+    order and the zeros, no running product of the shape (GGUF's order or torch's, as a
+    safetensors or torch reader computes it) overflows int64."""
+    numel = 1
+    for d in shape:
+        if d < 0 or (d and numel > INT64_MAX // d):
+            raise GGUFHeaderError(
+                f"tensor {name!r}: shape {list(shape)} is negative or too big (its non-zero "
+                "dimensions multiply to more than 2^63 - 1)"
+            )
+        numel *= d or 1
 
 
 def _unique(names: list[str], what: str) -> None:

@@ -33,7 +33,7 @@ from qtool.gguf_types import (
     ggml_type,
 )
 from qtool.io.atomic import OutputSet
-from qtool.io.gguf_header import MAX_DIMS, MAX_NAME_BYTES
+from qtool.io.gguf_header import MAX_ALIGNMENT, MAX_DIMS, MAX_NAME_BYTES
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo, GGUFValue, align, tensor_nbytes
 
 TensorSpec = tuple[str, str | GGMLType, Sequence[int]]  # name, ggml type, shape (GGUF order)
@@ -72,6 +72,8 @@ def _alignment(metadata: Mapping[str, GGUFValue]) -> int:
     n = value.value
     if value.type is not ValueType.UINT32 or not isinstance(n, int) or n <= 0 or n & (n - 1):
         raise ValueError(f"{ALIGNMENT_KEY} must be a UINT32 power of 2, not {n!r}")
+    if n > MAX_ALIGNMENT:
+        raise ValueError(f"{ALIGNMENT_KEY} {n} is over the reader's limit of {MAX_ALIGNMENT}")
     return n
 
 

@@ -14,7 +14,9 @@ never dropped; so is a Hugging Face tensor the GGUF lacks.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,8 @@ from qtool.spec import QSpec
 # LlamaModel.permute (conversion/llama.py and its subclasses, deepseek.py, llada.py)
 PERMUTED_ARCHS = ("llama", "arcee", "smollm3", "llama-embed", "deepseek", "llada")
 SUFFIXES = (".weight", ".bias")
+MAX_BLOCKS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it loads no model of more blocks
+_BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ def pair_names(header: GGUFHeader, hf_names: Sequence[str], path: Path | None = 
     """Match the GGUF's tensors (the file `path`, for messages) with the Hugging Face names
     `hf_names`."""
     arch = _arch(header, path)
-    tmap = _name_map(arch, _block_count(header, arch))
+    tmap = _name_map(arch, _block_count(header, arch, path), path)
     present = {t.name for t in header.tensors}
     heads = _heads(header, arch, path) if arch in PERMUTED_ARCHS else None
     placed: list[Placement] = []
@@ -86,6 +90,14 @@ def pair_names(header: GGUFHeader, hf_names: Sequence[str], path: Path | None = 
         if t.name not in taken
     ]
     return Pairing(arch, placed, gguf_unplaced, hf_unplaced, heads)
+
+
+def gguf_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, str]:
+    """The GGUF name gguf-py's name map gives each Hugging Face name it places, for a model of
+    architecture `arch` with `n_blocks` blocks (names a file need not hold, unlike pair_names)."""
+    tmap = _name_map(arch, n_blocks)
+    found = {hf: tmap.get_name(hf, try_suffixes=SUFFIXES) for hf in hf_names}
+    return {hf: name for hf, name in found.items() if name is not None}
 
 
 TIED = "tied: the GGUF stores token_embd.weight once for both"
@@ -127,21 +139,53 @@ def _uint(value: GGUFValue | None) -> int | None:
     return int(value.value) if not hasattr(value.value, "shape") else None
 
 
-def _block_count(header: GGUFHeader, arch: str) -> int:
-    n = _uint(header.metadata.get(f"{arch}.block_count"))
-    return n if n is not None else 0
+def _block_count(header: GGUFHeader, arch: str, path: Path | None) -> int:
+    """The blocks the tensors name (the highest blk.N + 1): what the name map is built for,
+    whatever `{arch}.block_count` says. A file declaring more blocks than its tensors name, or
+    naming more than llama.cpp loads, is refused (its name map would cost work and memory in
+    proportion to a number, not to the file)."""
+    key = f"{arch}.block_count"
+    blocks, last = 0, ""
+    for t in header.tensors:
+        found = _BLOCK.search(t.name)
+        if found is not None and int(found[1]) >= blocks:
+            blocks, last = int(found[1]) + 1, t.name
+    if blocks > MAX_BLOCKS:
+        raise InputError(path, f"tensor {last} is in block {blocks - 1}, over llama.cpp's limit "
+                         f"of {MAX_BLOCKS} blocks; is the file intact?", last)  # fmt: skip
+    declared = _uint(header.metadata.get(key))
+    if declared is not None and declared > blocks:
+        named = f"blocks 0 to {blocks - 1}" if blocks else "no block (no blk.N tensor)"
+        raise InputError(path, f"{key} is {declared}, but its tensors name {named}; the "
+                         "header does not match its tensors (is the file intact?)")  # fmt: skip
+    return blocks
 
 
 def _heads(header: GGUFHeader, arch: str, path: Path | None) -> tuple[int, int]:
-    q = _uint(header.metadata.get(f"{arch}.attention.head_count"))
-    kv = _uint(header.metadata.get(f"{arch}.attention.head_count_kv"))
+    """(q heads, kv heads) for undoing the converter's rotary permutation, refused with the key
+    named unless every attn_q/attn_k tensor's rows are whole heads of pairs."""
+    q_key, kv_key = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
+    q = _uint(header.metadata.get(q_key))
+    kv = _uint(header.metadata.get(kv_key))
     if q is None or q <= 0:
-        raise InputError(path, f"no single {arch}.attention.head_count: cannot undo the "
-                         "converter's rotary permutation of attn_q/attn_k")  # fmt: skip
-    return q, kv if kv else q
+        raise InputError(path, f"no single positive {q_key}: cannot undo the converter's rotary "
+                         "permutation of attn_q/attn_k")  # fmt: skip
+    if kv is not None and kv < 0:
+        raise InputError(path, f"{kv_key} is {kv}: a head count cannot be negative")
+    heads = (q, kv if kv else q)
+    for t in header.tensors:
+        if not _permuted(t.name):
+            continue
+        n, key = (heads[0], q_key) if ".attn_q." in t.name else (heads[1], kv_key)
+        rows = t.torch_shape[0] if t.shape else 1
+        if rows % (2 * n):
+            raise InputError(path, f"{key} is {n}, but {t.name} has {rows} rows, not {n} heads "
+                             "of pairs: cannot undo the converter's rotary permutation",
+                             t.name)  # fmt: skip
+    return heads
 
 
-def _name_map(arch: str, n_blocks: int) -> _Names:
+def _name_map(arch: str, n_blocks: int, path: Path | None = None) -> _Names:
     if importlib.util.find_spec("gguf") is None:
         raise UsageError(None, "matching GGUF tensors with Hugging Face names needs the gguf "
                          f"package; install it with {INSTALL_GGUF}")  # fmt: skip
@@ -149,9 +193,18 @@ def _name_map(arch: str, n_blocks: int) -> _Names:
 
     archs = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     if arch not in archs:
-        raise UsageError(None, f"the installed gguf package does not know architecture "
-                         f"{arch!r}; upgrade it (pip install -U gguf)")  # fmt: skip
+        raise InputError(path, f"{ARCH_KEY} is {arch!r}, which the installed gguf package "
+                         f"({_gguf_version()}) does not know: if llama.cpp reads it, upgrade "
+                         "gguf (pip install -U gguf); else the file is not a model qtool can "
+                         "match")  # fmt: skip
     return _Names(gguf.TensorNameMap(archs[arch], n_blocks))
+
+
+def _gguf_version() -> str:
+    try:
+        return f"version {importlib.metadata.version('gguf')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "version unknown"
 
 
 class _Names:

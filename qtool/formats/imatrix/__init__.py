@@ -1,0 +1,52 @@
+"""llama.cpp's importance-matrix files (llama-imatrix's output), both ways.
+
+    imatrix = read_imatrix(path)            # GGUF or legacy .dat, told apart by content
+    write_imatrix(path, imatrix)            # GGUF, byte for byte as llama-imatrix writes it
+    hf = imatrix.renamed(hf_names_of(imatrix, "llama", 30, checkpoint_names))
+
+The statistics are numerics.imatrix values (merge there). Names are llama.cpp's
+(`blk.0.attn_q.weight`); hf_names_of maps them to a Hugging Face checkpoint's with the name
+map `compare` uses (formats/gguf/names.py). An imatrix is per input column, so the rotary
+row permutation llama.cpp's converter applies to attn_q/attn_k does not touch it. Not a
+checkpoint format: nothing registers it, commands name it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from qtool.errors import InputError
+from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
+from qtool.formats.imatrix.ggufimatrix import read_gguf, write_gguf_imatrix
+from qtool.io.safeopen import open_regular
+from qtool.numerics.imatrix import ImportanceMatrix
+
+__all__ = ["DAT_CHUNK_SIZE", "hf_names_of", "read_imatrix", "write_imatrix"]
+
+
+def read_imatrix(path: Path, dat_chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
+    """The statistics in `path`: a GGUF imatrix if it starts with b'GGUF', else a legacy .dat
+    (whose chunk size the file does not hold: `dat_chunk_size`, llama-imatrix's default)."""
+    with open_regular(path) as f:
+        magic = f.read(4)
+    if not magic:
+        raise InputError(path, "is empty; give an importance matrix written by llama-imatrix")
+    return read_gguf(path) if magic == b"GGUF" else read_dat(path, dat_chunk_size)
+
+
+def write_imatrix(path: Path, imatrix: ImportanceMatrix) -> None:
+    """`imatrix` as a GGUF imatrix file at `path`, written atomically."""
+    write_gguf_imatrix(path, imatrix)
+
+
+def hf_names_of(
+    imatrix: ImportanceMatrix, arch: str, n_blocks: int, hf_names: Sequence[str]
+) -> dict[str, str]:
+    """For each entry of `imatrix` some name of `hf_names` maps to (gguf-py's name map for
+    architecture `arch` with `n_blocks` blocks, as compare pairs a GGUF with its checkpoint),
+    llama.cpp's name -> the Hugging Face name. Entries nothing maps to are left out."""
+    from qtool.formats.gguf.names import gguf_names
+
+    found = {g: hf for hf, g in gguf_names(arch, n_blocks, hf_names).items()}
+    return {name: found[name] for name in imatrix.entries if name in found}

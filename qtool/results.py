@@ -339,8 +339,9 @@ class DequantizedRow:
     name: str
     shape: tuple[int, ...]
     dtype: str  # as written
-    restored: bool  # True: dequantized from codes; False: copied byte for byte
+    restored: bool  # True: dequantized from codes; False: copied byte for byte, or cast
     bytes_out: int
+    cast: bool = False  # not quantized, converted to the float dtype --to asked for
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ weight file, the config without its quantization_config, the companions, the ind
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,11 +110,36 @@ def _write(
             rows += write_float(reader, out, outputs, dtype, names)
             weight_map |= dict.fromkeys(names, out.name)
         total = sum(r.bytes_out for r in rows)
-        files = reader.restored_files()
+        files = _with_dtype(reader.restored_files(), source.found.config, dtype)
         finish_directory(outputs, source, place, files, weight_map, total)
         outputs.commit()
     by_name = {r.name: r for r in rows}
     return [by_name[n] for n in reader.names]
+
+
+def _with_dtype(files: dict[str, bytes], config: object, dtype: str) -> dict[str, bytes]:
+    """The float directory's config.json saying the dtype every float tensor was written in
+    (`--to`), so that transformers does not cast them back: its `dtype`/`torch_dtype` (the
+    ones it has, else `dtype`), also in a `text_config`. `config`: the input's, parsed."""
+    if dtype == "original":
+        return files
+    doc = json.loads(files["config.json"]) if "config.json" in files else config
+    if not isinstance(doc, dict):
+        return files
+    doc = _set_dtype(doc, dtype)
+    text = doc.get("text_config")
+    if isinstance(text, dict) and (_DTYPE_KEYS & text.keys()):
+        doc["text_config"] = _set_dtype(text, dtype)
+    data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()
+    return files | {"config.json": data}
+
+
+_DTYPE_KEYS = {"dtype", "torch_dtype"}
+
+
+def _set_dtype(doc: dict[str, object], dtype: str) -> dict[str, object]:
+    keys = _DTYPE_KEYS & doc.keys() or {"dtype"}
+    return doc | dict.fromkeys(sorted(keys), dtype)
 
 
 def _per_output(

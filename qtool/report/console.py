@@ -414,12 +414,20 @@ def print_compare(summary: CompareSummary, rows: list[CompareRow], gate: GateRes
 # ---- dequantize --------------------------------------------------------------------------------
 
 
+def _dtype_word(st_dtype: str) -> str:
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(st_dtype, st_dtype)
+
+
 def print_dequantize(summary: DequantizeSummary) -> None:
     restored = sum(r.restored for r in summary.rows)
+    cast = [r for r in summary.rows if r.cast]
     total = sum(r.bytes_out for r in summary.rows)
+    copied = len(summary.rows) - restored - len(cast)
+    others = [f"{len(cast)} cast to {_dtype_word(cast[0].dtype)}"] if cast else []
+    others += [f"{copied} copied byte for byte"] if copied or not cast else []
     done = (
-        f"dequantized {restored} of {len(summary.rows)} tensors "
-        f"({len(summary.rows) - restored} copied byte for byte), {_fmt_bytes(total)};"
+        f"dequantized {restored} of {len(summary.rows)} tensors ({', '.join(others)}), "
+        f"{_fmt_bytes(total)};"
     )
     paths = [safe(p) for p in summary.outputs]
     parts = [f"{done} wrote {paths[0]}" if paths else done, *paths[1:]]

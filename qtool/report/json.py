@@ -249,6 +249,7 @@ def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
                 "shape": list(r.shape),
                 "dtype": r.dtype,
                 "restored": r.restored,
+                "cast": r.cast,
                 "bytes": r.bytes_out,
             }
             for r in summary.rows
@@ -256,7 +257,8 @@ def dequantize_json(summary: DequantizeSummary) -> dict[str, Any]:
         "totals": {
             "tensors": len(summary.rows),
             "restored": restored,
-            "copied": len(summary.rows) - restored,
+            "cast": sum(r.cast for r in summary.rows),
+            "copied": len(summary.rows) - restored - sum(r.cast for r in summary.rows),
             "bytes": sum(r.bytes_out for r in summary.rows),
         },
     }

@@ -127,7 +127,11 @@ def test_quantize_a_model_directory_writes_a_directory_that_mirrors_it(
     assert summary.outputs == [str(out)] and summary.inputs == [str(model)]
     assert _files(out) == [".qtool-export.json", "config.json", "generation_config.json",
                            "model.qparams.safetensors", "model.safetensors"]  # fmt: skip
-    assert (out / "config.json").read_bytes() == (model / "config.json").read_bytes()
+    written = json.loads((out / "config.json").read_text())  # marked: not a float model
+    assert (
+        written["qtool"]["model_type"]
+        == json.loads((model / "config.json").read_text())["model_type"]
+    )
     with pytest.raises(UsageError, match="writes a directory"):
         api.quantize(model, tmp_path / "x.safetensors", QuantizeOptions(), device="cpu")
     # again: refused without --force, replaced with it (a qtool export it recorded)
@@ -244,3 +248,21 @@ def test_transformers_loads_the_dequantized_directory(
             assert torch.equal(state[name].float(), reader.values(name).float()), name
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
+@pytest.mark.parametrize("to", ["float16", "float32"])
+def test_dequantize_to_a_dtype_gives_every_float_tensor_and_the_config_that_dtype(
+    model: Path, tmp_path: Path, fmt: str, to: str
+) -> None:
+    """--to converts the tensors that were never quantized (norms) too, and config.json says
+    the dtype written, so transformers does not cast the model back to the original dtype."""
+    api.quantize(model, tmp_path / "q", QuantizeOptions(format=FormatName(fmt)), device="cpu")
+    summary = api.dequantize(tmp_path / "q", tmp_path / "f", dtype=to)
+    want = {"float16": torch.float16, "float32": torch.float32}[to]
+    restored = load_file(tmp_path / "f" / "model.safetensors")
+    assert {t.dtype for t in restored.values() if t.is_floating_point()} == {want}
+    norms = [r for r in summary.rows if r.name.endswith("norm.weight")]
+    assert norms and all(r.cast and not r.restored for r in norms)
+    config = json.loads((tmp_path / "f" / "config.json").read_text())
+    assert config["dtype"] == to and "torch_dtype" not in config

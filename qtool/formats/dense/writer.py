@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qtool.dtypes import RESTORE_DTYPES
+from qtool.dtypes import FLOAT_DTYPES, RESTORE_DTYPES
 from qtool.errors import OutputError
 from qtool.formats.base import FloatReader, carried_metadata
 from qtool.io.atomic import OutputSet, describe_os_error
@@ -20,11 +20,18 @@ from qtool.results import DequantizedRow
 
 
 def restored_dtype(reader: FloatReader, name: str, dtype: str) -> str:
-    """The dtype a tensor is written in: dequantized ones as asked ('original': as they were),
-    the others as stored."""
-    if reader.quantization(name) is None or dtype == "original":
+    """The dtype a tensor is written in: every float tensor, dequantized or not, as asked
+    ('original': as it was), so that the model has one float dtype; the others as stored."""
+    if dtype == "original":
+        return reader.dtype(name)
+    if reader.quantization(name) is None and reader.dtype(name) not in FLOAT_DTYPES:
         return reader.dtype(name)
     return RESTORE_DTYPES[dtype]
+
+
+def _converted(reader: FloatReader, name: str, written: str) -> bool:
+    """Written from values (dequantized, or cast to another float dtype), not byte for byte."""
+    return reader.quantization(name) is not None or reader.dtype(name) != written
 
 
 def write_dense(
@@ -46,14 +53,15 @@ def write_dense(
     rows: dict[str, DequantizedRow] = {}
     for entry in header.tensors:
         restored = reader.quantization(entry.name) is not None
-        if restored:
+        if _converted(reader, entry.name, entry.dtype):
             data = tensor_bytes(reader.values(entry.name, ST_TO_TORCH[entry.dtype]))
         else:
             data = reader.raw(entry.name)
         writer.write(entry.name, data)
         reader.release(entry.name)
+        cast = not restored and _converted(reader, entry.name, entry.dtype)
         rows[entry.name] = DequantizedRow(
-            entry.name, entry.shape, entry.dtype, restored, entry.nbytes
+            entry.name, entry.shape, entry.dtype, restored, entry.nbytes, cast
         )
     writer.finish()
     reader.check_unchanged()
@@ -68,9 +76,13 @@ def _write_pickle(
     rows = []
     for name in names:
         restored = reader.quantization(name) is not None
-        t = reader.values(name, ST_TO_TORCH[restored_dtype(reader, name, dtype)])
+        written = restored_dtype(reader, name, dtype)
+        t = reader.values(name, ST_TO_TORCH[written])
         state[name] = t if restored else t.clone()
-        rows.append(DequantizedRow(name, tuple(t.shape), TORCH_TO_ST[t.dtype], restored, t.nbytes))
+        cast = not restored and _converted(reader, name, written)
+        rows.append(
+            DequantizedRow(name, tuple(t.shape), TORCH_TO_ST[t.dtype], restored, t.nbytes, cast)
+        )
     reader.check_unchanged()
     try:
         torch.save(state, outputs.create(out))

@@ -9,7 +9,7 @@ import typer
 
 from qtool.cli.app import app
 from qtool.cli.errors import user_errors
-from qtool.cli.help import DEBUG_ENV, INPUT, KERNEL_ENV, OUTPUT, Command, choices, epilog
+from qtool.cli.help import DEBUG_ENV, INPUT, KERNEL_ENV, OUTPUT, Command, epilog
 from qtool.cli.inputs import DEQUANTIZE_INPUT
 from qtool.cli.lazy import api, documents, report
 from qtool.cli.options import ForceOpt, JsonOpt, OutDtype
@@ -45,8 +45,8 @@ ToOpt = Annotated[
     OutDtype | None,
     typer.Option(
         "--to",
-        help="Float type of the dequantized tensors [default: original].",
-        metavar=choices(OutDtype),
+        help="Float type of every float tensor written (also f32, f16, bf16) [default: original].",
+        metavar="original|float32|float16|bfloat16",
         show_default=False,
         rich_help_panel=OUTPUT,
     ),
@@ -86,10 +86,10 @@ def dequantize(
 
 
 def _restore_dtype(to: OutDtype | None, old_dtype: OutDtype | None) -> str:
-    if to is not None and old_dtype is not None and to != old_dtype:
+    if to is not None and old_dtype is not None and to.canonical != old_dtype.canonical:
         raise typer.BadParameter(
             f"{to.value} disagrees with --dtype {old_dtype.value} (the old name of --to); "
             "give one of them",
             param_hint="--to",
         )
-    return (to or old_dtype or OutDtype.ORIGINAL).value
+    return (to or old_dtype or OutDtype.ORIGINAL).canonical

@@ -34,8 +34,8 @@ PANELS = (INPUT, SELECT, HOW, OUTPUT, GATES, REPORT, RUN, OTHER)
 
 KERNEL_ENV = (
     "QTOOL_KERNEL=auto|torch|fused: which CPU kernels quantize and dequantize (auto: the fused "
-    "ones for runs of 512 MiB or more when numba is installed); every choice writes the same "
-    "bytes."
+    "ones when numba is installed and the run's work, estimated per tensor and then measured, "
+    "pays for loading them); every choice writes the same bytes."
 )
 DEBUG_ENV = "QTOOL_DEBUG=1: an error raises with its traceback instead of the one-line message."
 

@@ -29,6 +29,16 @@ class OutDtype(str, Enum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    F32 = "f32"  # the short spellings (llama.cpp's, GGUF's) of the same three
+    F16 = "f16"
+    BF16 = "bf16"
+
+    @property
+    def canonical(self) -> str:
+        return _SHORT_DTYPES.get(self.value, self.value)
+
+
+_SHORT_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 class SortKey(str, Enum):

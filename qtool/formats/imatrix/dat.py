@@ -64,7 +64,9 @@ def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
         size = os.fstat(f.fileno()).st_size
         cur = _Cursor(f.fileno(), size, path)
         n = cur.i32("the entry count")
-        if n < 1 or n * _MIN_ENTRY > cur.left():
+        if n < 1:
+            raise InputError(path, f"declares {n} entries; is it an importance matrix?")
+        if n * _MIN_ENTRY > cur.left():
             raise InputError(path, f"declares {n} entries, which a {size}-byte file cannot "
                              "hold; is it an importance matrix?")  # fmt: skip
         raw = [_entry(cur, i) for i in range(n)]
@@ -90,7 +92,9 @@ def _entry(cur: _Cursor, i: int) -> tuple[str, int, np.ndarray]:
     ncall, nval = cur.i32(f"the chunk count of {name!r}"), cur.i32(f"the size of {name!r}")
     if ncall < 0:
         raise InputError(cur.path, f"a chunk count of {ncall}", name)
-    if nval < 1 or 4 * nval > cur.left():
+    if nval < 1:
+        raise InputError(cur.path, f"declares {nval} values; an entry holds at least one", name)
+    if 4 * nval > cur.left():
         raise InputError(cur.path, f"declares {nval} values, more than the file holds", name)
     values = np.frombuffer(cur.take(4 * nval, f"the values of {name!r}"), dtype="<f4")
     return name, ncall, values

@@ -10,4 +10,6 @@ writes) with its detectors (detect.py: `detect(path)`, one priority order for ev
 builtins.py lists the packages. The engine imports only base, detect and registry from here (an
 import-linter contract holds it), so a new format is a package and a line in builtins.py.
 listing.py holds what the formats' `inspect` share.
+imatrix/ reads and writes llama.cpp's importance-matrix files (statistics, not a checkpoint:
+nothing registers it).
 """

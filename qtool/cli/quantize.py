@@ -195,7 +195,9 @@ def _run(
 ) -> QuantizeSummary:
     also = [plot] if plot is not None else []
     if mode is api.Mode.PLAN:  # headers only: no kernels, no progress to show
-        return api.quantize(src, out, options, mode=mode, force=force, also=also)
+        return api.quantize(
+            src, out, options, mode=mode, device=device.value, force=force, also=also
+        )
     _set_threads(threads)
     with report.progress_bar() as progress:
         return api.quantize(

@@ -112,6 +112,44 @@ def prepared(
     output shard occupies; `also`: files the caller writes afterwards; `protect`: more files no
     output may replace), then give where to write; a directory is published when the body
     succeeds and removed when it fails."""
+    protected, files, found = _checked(source, target, layout, force, also, needed_bytes, protect)
+    if target.directory is None:
+        scratch = files[0].parent
+        yield Placement(target, scratch, stale=remove_stale_temps(scratch))
+        return
+    directory = target.directory
+    assert found is not None
+    with DirTransaction(directory, force=force, protected=protected) as temp:
+        inside = [temp / f.name for f in files]
+        needed = needed_bytes + found.nbytes
+        preflight(inside, [], force=False, needed_bytes=needed)
+        placed = Target(tuple(temp / p.name for p in target.shard_outputs), temp)
+        yield Placement(placed, directory.parent, list(found.notes), companions=found)
+
+
+def check_outputs(
+    source: Source,
+    target: Target,
+    layout: Callable[[Path], list[Path]],
+    force: bool,
+    also: Sequence[Path] = (),
+    needed_bytes: int = 0,
+) -> None:
+    """Every check `prepared` makes before it writes (what a dry run checks), writing nothing."""
+    _checked(source, target, layout, force, also, needed_bytes, ())
+
+
+def _checked(
+    source: Source,
+    target: Target,
+    layout: Callable[[Path], list[Path]],
+    force: bool,
+    also: Sequence[Path],
+    needed_bytes: int,
+    protect: Sequence[Path],
+) -> tuple[list[Path], list[Path], Companions | None]:
+    """The checks of the outputs (see `prepared`): the protected paths, the output files and,
+    for a directory, the companions to copy along."""
     protected = [*source.protected, *protect]
     files = [f for out in target.shard_outputs for f in layout(out)]
     if target.directory is None:
@@ -119,9 +157,7 @@ def prepared(
             for f in files:
                 refuse_nesting(f, [source.directory])
         preflight([*files, *also], protected, force=force, needed_bytes=needed_bytes)
-        scratch = files[0].parent
-        yield Placement(target, scratch, stale=remove_stale_temps(scratch))
-        return
+        return protected, files, None
     directory = target.directory
     if source.directory is None:  # a lone file's directory is its model's, spelled otherwise
         protected.append(source.path.parent)
@@ -131,12 +167,7 @@ def prepared(
     check_out_dir(directory, protected, force)
     _refuse_clashes(also, finals)
     preflight(also, protected, force=force)
-    with DirTransaction(directory, force=force, protected=protected) as temp:
-        inside = [temp / f.name for f in files]
-        needed = needed_bytes + found.nbytes
-        preflight(inside, [], force=False, needed_bytes=needed)
-        placed = Target(tuple(temp / p.name for p in target.shard_outputs), temp)
-        yield Placement(placed, directory.parent, list(found.notes), companions=found)
+    return protected, files, found
 
 
 def _refuse_clashes(also: Sequence[Path], finals: Sequence[Path]) -> None:

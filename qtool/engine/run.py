@@ -22,6 +22,7 @@ from qtool.engine.decision import TensorPlan
 from qtool.engine.job import Done, Job, Mode, Output, RunOptions
 from qtool.engine.layout import (
     Target,
+    check_outputs,
     default_directory,
     directory_target,
     file_target,
@@ -40,7 +41,6 @@ from qtool.engine.source import Source, open_source
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
 from qtool.formats.registry import entry, input_refusal, output_format
-from qtool.io.atomic import preflight
 from qtool.results import QuantizeRow, QuantizeSummary
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def quantize(
 
             done = write(job, plan)
         else:
-            preflight(run.also, output.source.protected, force=run.force)
+            _check_as_written(job, plan)
             done = (
                 _estimate(job, plan) if kernels else Done(plan, list(map(planned_row, plan.plans)))
             )
@@ -125,6 +125,24 @@ def _label(options: QuantizeOptions) -> str:
     if entry(options.format.value).stores_gguf:
         return "mixed"
     return output_tag(options)
+
+
+def _check_as_written(job: Job, plan: ModelPlan) -> None:
+    """A run that writes nothing makes every check a real run makes before it reads a tensor:
+    its outputs (their directory exists and is writable, nothing is replaced without --force,
+    the free space) and, for a plan, the device (torch is imported only for a named GPU)."""
+    run, output = job.run, job.output
+    if job.kernels is None and run.device not in ("auto", "cpu"):
+        from qtool.engine.loop import resolve_device
+
+        resolve_device(run.device)
+    if job.options.target_sqnr is not None:
+        from qtool.engine.budget import needed_bytes
+
+        needed = needed_bytes(plan.plans, job.options)
+    else:
+        needed = sum(p.out_nbytes for p in plan.plans)
+    check_outputs(output.source, output.target, job.fmt.layout, run.force, run.also, needed)
 
 
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:

@@ -126,7 +126,8 @@ def test_dequantize_to_other_dtypes_and_pt(samples: Path) -> None:
     api.dequantize(q, samples / "f32.safetensors", dtype="float32")
     out = load_file(samples / "f32.safetensors")
     assert out["head.weight"].dtype == torch.float32
-    assert out["head.bias"].dtype == torch.bfloat16  # unquantized: untouched
+    assert out["head.bias"].dtype == torch.float32  # unquantized: cast too, one float dtype
+    assert out["position_ids"].dtype == torch.int64  # an integer tensor: untouched
     api.dequantize(q, samples / "restored.pt")
     pt = torch.load(samples / "restored.pt", weights_only=True)
     assert pt["head.weight"].dtype == torch.bfloat16

@@ -236,7 +236,7 @@ def test_a_split_part_is_refused(tmp_path: Path) -> None:
         [("w.weight", "F32", [32, 2])],
         [np.zeros((2, 32), np.float32)],
     )
-    with pytest.raises(InputError, match="one part of a GGUF split in 3"):
+    with pytest.raises(InputError, match="part 1 of 3 of a split GGUF"):
         _quantize(tmp_path / "part.gguf", tmp_path / "out.gguf", lambda i: gguf_spec("Q8_0"))
 
 

@@ -151,7 +151,7 @@ def _block_count(header: GGUFHeader, arch: str, path: Path | None) -> int:
         if found is not None and int(found[1]) >= blocks:
             blocks, last = int(found[1]) + 1, t.name
     if blocks > MAX_BLOCKS:
-        raise InputError(path, f"tensor {last} is in block {blocks - 1}, over llama.cpp's limit "
+        raise InputError(path, f"it is in block {blocks - 1}, over llama.cpp's limit "
                          f"of {MAX_BLOCKS} blocks; is the file intact?", last)  # fmt: skip
     declared = _uint(header.metadata.get(key))
     if declared is not None and declared > blocks:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, Planned, Ruled, ShardWriter
 from qtool.formats.gguf.plan import kept_by_llama
-from qtool.formats.gguf.summary import ARCH_KEY
+from qtool.formats.gguf.summary import ARCH_KEY, refuse_split
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.stformat import TensorEntry
@@ -60,6 +60,7 @@ class GGUFFormat:
     def __init__(self, source: Path) -> None:
         with GGUFFile(source) as f:
             self.header = f.header
+        refuse_split(source, self.header)
         self.source = source
         arch = self.header.metadata.get(ARCH_KEY)
         self.arch = arch.value if arch is not None and isinstance(arch.value, str) else ""

@@ -11,15 +11,19 @@ through gguf.quants when gguf is installed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 import torch
 
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError, NumericError, UsageError
 from qtool.formats.base import FloatReader
+from qtool.formats.gguf.summary import refuse_split
 from qtool.gguf_types import GGMLType
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
@@ -42,6 +46,11 @@ class GGUFFloatReader:
         self.path = Path(path)
         self.file = GGUFFile(self.path)
         self.header: GGUFHeader = self.file.header
+        try:
+            refuse_split(self.path, self.header)
+        except InputError:
+            self.file.close()
+            raise
         self._infos = self.header.by_name()
 
     @property
@@ -71,15 +80,31 @@ class GGUFFloatReader:
         return gguf_spec(t) if is_gguf_name(t.name) else None
 
     def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor as float (plain types as stored), in `dtype` when given. A block type's
+        values are checked once: NaN/Inf (a non-finite scale or minimum) is a NumericError
+        naming the tensor, and so is a cast that overflows `dtype`, never a silent NaN or -inf."""
         info = self._infos[name]
-        raw = np.empty(info.nbytes, dtype=np.uint8)
-        self.file.read_into(info, raw)
-        plain = PLAIN.get(info.type.name)
-        if plain is not None:
-            t = torch.from_numpy(raw).view(plain).reshape(info.torch_shape)
-        else:
-            t = self._dequantize(info, raw)
-        return t if dtype is None else t.to(dtype)
+        with _memory(self.path, info):
+            raw = np.empty(info.nbytes, dtype=np.uint8)
+            self.file.read_into(info, raw)
+            plain = PLAIN.get(info.type.name)
+            if plain is not None:
+                t = torch.from_numpy(raw).view(plain).reshape(info.torch_shape)
+            else:
+                t = self._dequantize(info, raw)
+                del raw
+                if not _finite(t):
+                    raise NumericError(self.path, "its blocks hold NaN/Inf scales or minimums, "
+                                       "so it dequantizes to NaN/Inf; the file is damaged",
+                                       name)  # fmt: skip
+            if dtype is None or dtype == t.dtype:
+                return t
+            out = t.to(dtype)
+        if out.is_floating_point() and not _finite(out) and _finite(t):
+            raise NumericError(self.path, f"values overflow {_dtype_name(dtype)} to infinity; "
+                               "restore it as float32 (or bfloat16)", name,
+                               hint="restore-dtype")  # fmt: skip
+        return out
 
     def _dequantize(self, info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:
         rows = raw.reshape(-1, info.type.row_bytes(info.shape[0] if info.shape else 1))
@@ -93,7 +118,8 @@ class GGUFFloatReader:
         info = self._infos[name]
         if info.type.name not in PLAIN:
             raise ValueError(f"{name!r} is {info.type.name}-quantized; read its values")
-        return self.file.tensor_bytes(info).data
+        with _memory(self.path, info):
+            return self.file.tensor_bytes(info).data
 
     def nbytes(self, name: str) -> int:
         return self._infos[name].nbytes
@@ -131,6 +157,34 @@ class GGUFFloatReader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _memory(path: Path, info: GGUFTensorInfo) -> Iterator[None]:
+    """A tensor too large for the memory this process may use (a limit, or a sparse file that
+    declares more than it holds): an InputError naming the file and the tensor."""
+    try:
+        yield
+    except (MemoryError, OSError) as err:
+        if isinstance(err, OSError) and err.errno != errno.ENOMEM:
+            raise
+        raise InputError(
+            path, f"its {info.type.name} data of {info.nbytes:,} bytes ({info.numel:,} values) "
+            "does not fit in the memory qtool may use; free memory or raise the limit",
+            info.name,
+        ) from None  # fmt: skip
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite (one pass: the min and max propagate NaN/Inf)."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def open_gguf(path: Path) -> FloatReader:

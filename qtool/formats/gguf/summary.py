@@ -10,7 +10,9 @@ its GGUF type, shape, bytes and bits per weight, and totals by type. From the he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from qtool.errors import InputError
 from qtool.formats.gguf.ftype import FILE_TYPE_KEY, ftype_name
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
@@ -18,6 +20,29 @@ from qtool.results import TypeTotal
 
 ARCH_KEY = "general.architecture"
 SHOWN_KEYS = ("general.name", "general.basename", "general.size_label", "general.quantized_by")
+SPLIT_NO, SPLIT_COUNT = "split.no", "split.count"
+MAX_SHOWN_CHARS = 256  # of a metadata string: inspect shows a prefix and the whole length
+
+
+def split_part(header: GGUFHeader) -> tuple[int, int] | None:
+    """(part, parts), counting from 1, when the file is one part of a split GGUF
+    (llama-gguf-split's split.no / split.count); None for a whole file."""
+    no, count = _int(header.metadata.get(SPLIT_NO)), _int(header.metadata.get(SPLIT_COUNT))
+    if (count is None or count <= 1) and not no:
+        return None
+    return (no or 0) + 1, count if count is not None else 0
+
+
+def refuse_split(path: Path, header: GGUFHeader) -> None:
+    """InputError for one part of a split GGUF: its tensors are only part of a model, and
+    every command that reads tensors refuses it alike (inspect shows which part it is)."""
+    part = split_part(header)
+    if part is not None:
+        of = f" of {part[1]}" if part[1] else ""
+        raise InputError(
+            path, f"part {part[0]}{of} of a split GGUF, not a whole model; merge the parts "
+            "first (llama-gguf-split --merge FIRST-PART OUT.gguf)",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,11 +108,14 @@ def summarize(path: str, header: GGUFHeader) -> GGUFSummary:
         TensorRow(t.name, t.type.name, t.torch_shape, t.numel, t.nbytes) for t in header.tensors
     ]
     shown = {k: _show(meta[k]) for k in SHOWN_KEYS if k in meta}
+    part = split_part(header)
+    if part is not None:
+        shown["split"] = f"part {part[0]} of {part[1] or '?'} (merge with llama-gguf-split --merge)"
     return GGUFSummary(
         path=path,
         version=header.version,
-        architecture=arch,
-        name=_str(meta.get("general.name")),
+        architecture=_shorter(arch),
+        name=_shorter(_str(meta.get("general.name"))),
         block_count=_int(meta.get(f"{arch}.block_count")),
         context_length=_int(meta.get(f"{arch}.context_length")),
         vocab_size=_vocab_size(meta, arch),
@@ -124,4 +152,11 @@ def _str(v: GGUFValue | None) -> str | None:
 def _show(v: GGUFValue) -> str:
     if v.type is ValueType.ARRAY:
         return f"[{len(v.value)} items]"  # type: ignore[arg-type]
-    return str(v.value)
+    return _shorter(str(v.value)) or ""
+
+
+def _shorter(text: str | None) -> str | None:
+    """At most MAX_SHOWN_CHARS of `text`, saying how long it is when cut (a 5 MB name)."""
+    if text is None or len(text) <= MAX_SHOWN_CHARS:
+        return text
+    return f"{text[:MAX_SHOWN_CHARS]}... ({len(text):,} characters)"

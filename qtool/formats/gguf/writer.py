@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qtool.errors import InputError, NumericError
+from qtool.errors import NumericError
 from qtool.formats.gguf import plan
 from qtool.formats.gguf.ftype import FILE_TYPE_KEY, GGML_QNT_VERSION, QUANTIZATION_VERSION_KEY
 from qtool.formats.gguf.plan import TensorChoice
 from qtool.formats.gguf.reader import PLAIN
+from qtool.formats.gguf.summary import refuse_split
 from qtool.gguf_types import GGMLType, ValueType
 from qtool.io.atomic import OutputSet
 from qtool.io.gguf_file import GGUFFile
@@ -78,7 +79,7 @@ def write_quantized(
 ) -> list[WrittenTensor]:
     """Write the GGUF `out` (a temp file of `outputs`, renamed on its commit) with the tensors
     of `src` as `choices` say, in their order; returns each tensor as written."""
-    _refuse_split(src)
+    refuse_split(src.path, src.header)
     before = _file_type(src.header)
     planned = plan.file_type(choices, before)
     placeholder, _ = build_header(output_metadata(src.header, planned), _specs(choices))
@@ -103,13 +104,6 @@ def write_quantized(
     handle.write(header)
     src.check_unchanged()
     return written
-
-
-def _refuse_split(src: GGUFFile) -> None:
-    count = src.header.metadata.get("split.count")
-    if count is not None and int(count.value) > 1:  # type: ignore[arg-type]
-        raise InputError(src.path, f"one part of a GGUF split in {count.value}; merge them "
-                         "first (llama-gguf-split --merge)")  # fmt: skip
 
 
 def _file_type(header: GGUFHeader) -> int | None:

@@ -270,3 +270,26 @@ def test_write_refuses_names_ggml_cannot_hold(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="longer than ggml's 63 bytes"):
         write_imatrix(tmp_path / "o.gguf", ImportanceMatrix({long: stats}, 512, 0))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("change", ["touched", "truncated"])
+def test_a_dat_changed_while_read_is_refused(
+    change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process rewrites the file between two entries: refused, never half-read."""
+    from qtool.formats.imatrix import dat as dat_module
+
+    path = tmp_path / "m.dat"
+    path.write_bytes(dat([ONE, (b"blk.1.ffn_up.weight", 2, 2, f32(1, 1).tobytes())], TAIL))
+    real = dat_module._entry
+
+    def entry_then_change(cur: object, i: int) -> object:
+        got = real(cur, i)  # type: ignore[arg-type]
+        if i == 0 and change == "touched":
+            os.utime(path, ns=(1, 1))
+        elif i == 0:
+            os.truncate(path, 40)
+        return got
+
+    monkeypatch.setattr(dat_module, "_entry", entry_then_change)
+    refused(path, "changed while")

@@ -61,7 +61,8 @@ def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
     """The statistics of a legacy .dat file, as llama-imatrix holds them after --in-file with
     a context of `chunk_size` tokens; InputError naming the file (and entry) if it is bad."""
     with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         cur = _Cursor(f.fileno(), size, path)
         n = cur.i32("the entry count")
         if n < 1:
@@ -71,6 +72,9 @@ def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
                              "hold; is it an importance matrix?")  # fmt: skip
         raw = [_entry(cur, i) for i in range(n)]
         datasets = _trailer(cur)
+        now = os.fstat(f.fileno())
+        if (now.st_size, now.st_mtime_ns) != (size, st.st_mtime_ns):
+            raise InputError(path, "the file changed while qtool was reading it; run again")
     entries: dict[str, MatrixStats] = {}
     for name, ncall, values in raw:
         if name in entries:

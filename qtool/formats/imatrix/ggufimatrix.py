@@ -52,7 +52,8 @@ def _metadata(header: GGUFHeader, path: Path) -> tuple[int, int, tuple[str, ...]
     if datasets is not None and datasets.item_type is not ValueType.STRING:
         raise InputError(path, f"{DATASETS} must be an array of strings")
     names = datasets.value if datasets is not None else ()
-    assert isinstance(names, tuple)
+    if not isinstance(names, tuple):  # the parser gives string arrays as tuples
+        raise InputError(path, f"{DATASETS} must be an array of strings")
     return _u32(header, CHUNK_SIZE, path), _u32(header, CHUNK_COUNT, path), names
 
 

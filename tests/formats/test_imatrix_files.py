@@ -200,3 +200,12 @@ def test_the_header_is_llama_imatrix_s(tmp_path: Path) -> None:
     assert struct.unpack_from("<IQIQ", raw, pos + 8 + n) == (1, 3, 0, 0)  # 1 dim: [3], F32, @0
     assert len(raw) % 32 == 0
     assert raw[-32:-28] == struct.pack("<f", 2.0)  # the count, alone in its aligned slot
+
+
+def test_the_block_count_is_bounded() -> None:
+    """The name map costs work per block: a count from a hostile config is refused up front."""
+    pytest.importorskip("gguf")
+    one = MatrixStats(np.ones((1, 4), np.float32), np.ones(1, np.int64))
+    m = ImportanceMatrix({"blk.0.attn_q.weight": one}, 512, 0)
+    with pytest.raises(ValueError, match="llama.cpp loads models of 0 to 512"):
+        hf_names_of(m, "llama", 10**9, smollm2_hf_names(1))

@@ -45,8 +45,11 @@ def hf_names_of(
 ) -> dict[str, str]:
     """For each entry of `imatrix` some name of `hf_names` maps to (gguf-py's name map for
     architecture `arch` with `n_blocks` blocks, as compare pairs a GGUF with its checkpoint),
-    llama.cpp's name -> the Hugging Face name. Entries nothing maps to are left out."""
-    from qtool.formats.gguf.names import gguf_names
+    llama.cpp's name -> the Hugging Face name. Entries nothing maps to are left out.
+    ValueError for more blocks than llama.cpp loads (the map's cost grows with the number)."""
+    from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
 
+    if not 0 <= n_blocks <= MAX_BLOCKS:
+        raise ValueError(f"{n_blocks} blocks: llama.cpp loads models of 0 to {MAX_BLOCKS}")
     found = {g: hf for hf, g in gguf_names(arch, n_blocks, hf_names).items()}
     return {name: found[name] for name in imatrix.entries if name in found}

@@ -50,6 +50,10 @@ def test_llama_imatrix_files_hold_what_the_run_collected() -> None:
         assert s.n_mat == 1 and s.in_sum is None
         assert s.k == (1536 if "ffn_down" in name else 576)
         np.testing.assert_array_equal(s.counts, [128 * 512])
+    for i in range(30):  # q, k and v read one input, gate and up another: the same sums
+        e = {p: m.entries[f"blk.{i}.{p}.weight"].sums for p in PARTS}
+        assert e["attn_q"].tobytes() == e["attn_k"].tobytes() == e["attn_v"].tobytes()
+        assert e["ffn_gate"].tobytes() == e["ffn_up"].tobytes()
 
 
 @needs_data

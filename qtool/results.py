@@ -267,6 +267,19 @@ class QuantizeSummary:
         return any(r.spec_chosen for r in self.rows)
 
     @property
+    def by_spec(self) -> list[tuple[str, int, int]]:
+        """What was written, as llama-quantize counts it by type: (the spec each tensor was
+        quantized with, how many tensors, their bytes with qparams), most tensors first."""
+        counts: dict[str, list[int]] = {}
+        for r in self.quantized:
+            label = r.spec.describe() if r.spec is not None else r.out_dtype
+            entry = counts.setdefault(label, [0, 0])
+            entry[0] += 1
+            entry[1] += r.bytes_out + r.bytes_qparams
+        ordered = sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        return [(label, n, nbytes) for label, (n, nbytes) in ordered]
+
+    @property
     def bytes_in(self) -> int:
         return sum(r.bytes_in for r in self.rows)
 

@@ -362,9 +362,8 @@ def print_quantize(
 def _quantize_totals(summary: QuantizeSummary) -> list[str]:
     n, q = len(summary.rows), len(summary.quantized)
     ratio = summary.bytes_in / summary.bytes_out if summary.bytes_out else 0.0
-    spec = "specs per tensor" if summary.per_tensor_specs else summary.spec.describe()
     parts = [
-        f"{q} of {n} tensors quantized ({spec}), {n - q} kept",
+        f"{q} of {n} tensors quantized{_written_specs(summary)}, {n - q} kept",
         f"{_fmt_bytes(summary.bytes_in)} → {_fmt_bytes(summary.bytes_out)} ({ratio:.2f}x)",
     ]
     overall = summary.overall
@@ -380,6 +379,21 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
             f"all-float {_fmt_bytes(flt)}"
         )
     return parts
+
+
+_SPECS_SHOWN = 3
+
+
+def _written_specs(summary: QuantizeSummary) -> str:
+    """' (sym int8 axis 0)', or what each spec was written for: ' (180 sym int4 axis 0, 30 sym
+    int4 group 128)'; the first few, then how many more; '' when nothing was quantized."""
+    by_spec = summary.by_spec
+    if len(by_spec) == 1:
+        return f" ({by_spec[0][0]})"
+    shown = [f"{n} {label}" for label, n, _ in by_spec[:_SPECS_SHOWN]]
+    if len(by_spec) > _SPECS_SHOWN:
+        shown.append(f"{len(by_spec) - _SPECS_SHOWN} more specs")
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def _pooled(pooled_over: str) -> str:

@@ -184,6 +184,10 @@ def quantize_json(
             "tensors": len(summary.rows),
             "quantized": len(quantized),
             "kept": len(summary.rows) - len(quantized),
+            "by_spec": [
+                {"spec": label, "tensors": n, "bytes": nbytes}
+                for label, n, nbytes in summary.by_spec
+            ],
             "bytes_in": summary.bytes_in,
             "bytes_out": summary.bytes_out,
             "compression": summary.bytes_in / summary.bytes_out if summary.bytes_out else None,

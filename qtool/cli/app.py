@@ -10,13 +10,15 @@ Torch, Rich and the engine are loaded only when a command needs them (cli/lazy.p
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import sys
+import threading
 import warnings
 from types import FrameType
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
@@ -37,10 +39,6 @@ app = typer.Typer(  # its commands register themselves when qtool.cli imports th
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
-    raise Terminated
 
 
 def _warning_line(
@@ -98,34 +96,82 @@ def _run_command(argv: list[str] | None) -> None:
     as_json = "--json" in args
     if "stdout" in closed:
         report.print_warning("stdout is closed; the report is discarded")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    _finishing.code = None
+    signal.signal(signal.SIGTERM, _on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (`&`)
+        signal.signal(signal.SIGINT, _on_signal)
     try:
         code = app(args=args, prog_name="qtool", standalone_mode=False)
+        _finishing.code = code if isinstance(code, int) else 0  # done: a signal ends it quietly
     except typer.TyperException as err:  # Typer's usage errors (and its own abort)
-        code = _usage_error(err, args, as_json)
+        _finishing.code = code = _usage_error(err, args, as_json)
     except (typer.Abort, KeyboardInterrupt):
+        _finishing.code = code = 130  # first, so a second signal cannot interrupt the line
         report.print_error(InterruptError(None, "interrupted"), as_json)
-        sys.exit(130)
     except Terminated:
+        _finishing.code = code = 143
         report.print_error(TerminatedError(None, "terminated"), as_json)
-        sys.exit(143)
     except BrokenPipeError:
+        _finishing.code = code = 1
         _silence_stdout()
-        sys.exit(1)
     except QtoolError as err:  # the report itself could not be written (stdout full, EIO)
+        _finishing.code = code = 1
         _silence_stdout()
         report.print_error(err, as_json)
-        sys.exit(1)
-    except Exception as err:  # a bug: one line, and the traceback only when asked for
-        if os.environ.get("QTOOL_DEBUG") == "1":
+    except BaseException as err:  # a bug: one line, and the traceback only when asked for
+        # BaseException: pyo3's PanicException (a Rust panic in tokenizers) derives from it
+        if isinstance(err, (SystemExit, GeneratorExit)) or os.environ.get("QTOOL_DEBUG") == "1":
             raise
+        _finishing.code = code = 1
         message = (
             f"internal error: {type(err).__name__}: {err}; re-run with QTOOL_DEBUG=1 for the "
             "traceback and report it"
         )
         report.print_error(InternalError(None, message), as_json)
-        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Finishing:
+    """The exit code once the command is done (its outputs and report complete, or its error
+    line chosen); None while it runs."""
+
+    code: int | None = None
+
+
+_finishing = _Finishing()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM raises Terminated and SIGINT KeyboardInterrupt while the command runs, so that
+    its outputs are cleaned up on the way out. Once it is done, a signal interrupts nothing:
+    the interpreter's shutdown takes about a second after the last line (freeing torch), and an
+    exception raised there printed "Exception ignored ... Traceback" (exit 0). Then it ends the
+    process at once, with the command's own code and nothing more printed."""
+    code = _finishing.code
+    if code is not None and _exiting(frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or half-written stream: let it be
+                stream.flush()
+        os._exit(code)
+    if signum == signal.SIGTERM:
+        raise Terminated
+    raise KeyboardInterrupt
+
+
+def _exiting(frame: FrameType | None) -> bool:
+    """Whether the process is on its way out of main(): main() is on the stack, or the
+    interpreter is shutting down (threading's _shutdown, atexit callbacks, finalizers). Not when
+    main() was called in-process and its caller caught its SystemExit and goes on (a test)."""
+    if sys.is_finalizing() or getattr(threading, "_SHUTTING_DOWN", False):
+        return True
+    while frame is not None:
+        if frame.f_code in (main.__code__, _THREADING_SHUTDOWN):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_THREADING_SHUTDOWN = getattr(getattr(threading, "_shutdown", None), "__code__", None)
 
 
 def _reopen_closed_std_streams() -> list[str]:

@@ -71,6 +71,7 @@ GGUF_CASES = {
     "counts-nan": ({**good(), f"{W}.counts": ([1], f32(np.nan))}, "holds nan"),
     "counts-inf": ({**good(), f"{W}.counts": ([1], f32(np.inf))}, "holds inf"),
     "counts-fraction": ({**good(), f"{W}.counts": ([1], f32(2.5))}, "whole"),
+    "counts-huge": ({**good(), f"{W}.counts": ([1], f32(1e30))}, "at most 2^53"),
     "sums-negative": ({**good(), f"{W}.in_sum2": ([4], f32(1, -1, 1, 1))}, "negative, NaN"),
     "sums-nan": ({**good(), f"{W}.in_sum2": ([4], f32(1, np.nan, 1, 1))}, "column 1: nan"),
     "sums-without-rows": ({**good(), f"{W}.counts": ([1], f32(0))}, "non-zero sums over 0 rows"),
@@ -293,3 +294,12 @@ def test_a_dat_changed_while_read_is_refused(
 
     monkeypatch.setattr(dat_module, "_entry", entry_then_change)
     refused(path, "changed while")
+
+
+def test_the_dat_chunk_size_is_checked(tmp_path: Path) -> None:
+    path = tmp_path / "m.dat"
+    path.write_bytes(dat([ONE], TAIL))
+    for bad in (0, 2**31, 2**62):
+        with pytest.raises(ValueError, match="chunk size"):
+            read_imatrix(path, dat_chunk_size=bad)
+    assert int(read_imatrix(path, dat_chunk_size=4096).entries[W].counts[0]) == 2 * 4096

@@ -22,7 +22,7 @@ import numpy as np
 from qtool.errors import InputError
 from qtool.io.gguf_header import MAX_NAME_BYTES
 from qtool.io.safeopen import open_regular
-from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+from qtool.numerics.imatrix import MAX_CHUNK_SIZE, ImportanceMatrix, MatrixStats
 
 DAT_CHUNK_SIZE = 512  # llama-imatrix's default context (n_ctx / n_parallel): tokens per chunk
 MAX_DATASET_BYTES = 1 << 16
@@ -60,6 +60,8 @@ class _Cursor:
 def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
     """The statistics of a legacy .dat file, as llama-imatrix holds them after --in-file with
     a context of `chunk_size` tokens; InputError naming the file (and entry) if it is bad."""
+    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk size {chunk_size} is not in 1..{MAX_CHUNK_SIZE}")
     with open_regular(path) as f:
         st = os.fstat(f.fileno())
         size = st.st_size

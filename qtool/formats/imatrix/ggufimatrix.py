@@ -20,7 +20,7 @@ from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_header import MAX_NAME_BYTES
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo, GGUFValue
 from qtool.io.gguf_write import Buffer, TensorSpec, write_gguf
-from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+from qtool.numerics.imatrix import MAX_COUNT, ImportanceMatrix, MatrixStats
 
 TYPE_KEY, DATASETS, CHUNK_COUNT, CHUNK_SIZE = (
     "general.type", "imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size",
@@ -91,11 +91,11 @@ def _entry(f: GGUFFile, name: str, parts: dict[str, GGUFTensorInfo]) -> MatrixSt
     _dims(f.path, counts, n_mat, ones=True)
     sums = f.tensor_array(sum2).reshape(n_mat, k)
     raw = f.tensor_array(counts).reshape(n_mat)
-    whole = np.isfinite(raw) & (raw >= 0) & (np.floor(raw) == raw)
+    whole = np.isfinite(raw) & (raw >= 0) & (raw <= MAX_COUNT) & (np.floor(raw) == raw)
     if not whole.all():
         bad = raw[~whole][0]
-        raise InputError(f.path, f"holds {bad}: counts are numbers of rows, whole and not "
-                         "negative", counts.name)  # fmt: skip
+        raise InputError(f.path, f"holds {bad}: counts are numbers of rows, whole, not "
+                         f"negative and at most 2^53", counts.name)  # fmt: skip
     in_sum = None
     if SUM in parts:
         _dims(f.path, parts[SUM], n_mat, k=k)

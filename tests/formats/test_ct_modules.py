@@ -167,14 +167,9 @@ def test_gpt2_conv1d_weights_are_what_transformers_builds() -> None:
         ({**TIED, "architectures": ["AutoModelForCausalLM"]}, "has no model class AutoModel",
          ("lm_head",)),
         ({**TIED, "architectures": ["PreTrainedModel"]}, "names of PreTrainedModel do not", ()),
-        ({**TIED, "num_hidden_layers": 10**9}, "do not fit a checkpoint of 8 tensors",
-         ("lm_head",)),
-        ({**TIED, "text_config": {"num_layers": 10**5, "num_experts": 10**5}}, "do not fit",
-         ("lm_head",)),
         ({**TIED, "hidden_size": -5}, "could not build LlamaForCausalLM", ("lm_head",)),
     ],
-    ids=["unknown-class", "not-a-model-class", "abstract-class", "a-billion-layers",
-         "nested-counts", "bad-size"],
+    ids=["unknown-class", "not-a-model-class", "abstract-class", "bad-size"],
 )  # fmt: skip
 def test_what_transformers_cannot_build_falls_back_to_the_rules_quickly(
     config: dict[str, object], note: str, absent: tuple[str, ...]

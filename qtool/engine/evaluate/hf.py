@@ -9,27 +9,32 @@ import io
 import os
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from qtool.engine.evaluate.checked import checked_copy
 from qtool.errors import InputError, QtoolError
 from qtool.io.safeopen import InputDir
 
 INTEROP = "pip install 'qtool[interop]'"
-# the files transformers' tokenizers are read from (the ones it finds in a model directory)
+# the files transformers' tokenizers are read from (copied, checked, into a private directory)
 TOKENIZER_FILES = frozenset(
     {
         "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
         "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model",
-        "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+        "sentencepiece.bpe.model",
     }
 )  # fmt: skip
-# a tokenizer needs one of these (the others only configure it)
-TOKENIZER_VOCABULARIES = frozenset(
-    {"tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model",
-     "sentencepiece.bpe.model"}
+# chat templates, generation configs, custom code: eval uses none of them, so none is copied
+# a tokenizer needs one of these (the others only configure it), in the order transformers'
+# fast tokenizers prefer them
+VOCABULARY_FILES = (
+    "tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+    "vocab.txt",
 )  # fmt: skip
+TOKENIZER_VOCABULARIES = frozenset(VOCABULARY_FILES)
 TOKENIZER_WANTED = "tokenizer.json, tokenizer.model, vocab.txt or vocab.json"
 
 
@@ -83,22 +88,74 @@ def from_pretrained(cls: Any, path: Path | None, what: str, **kwargs: Any) -> tu
     except ImportError as err:
         raise QtoolError(path, f"loading {what} needs {err.name or err}; {INTEROP}") from None
     except (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError) as err:
-        raise InputError(path, f"transformers cannot load {what}: {first_line(err)}") from None
+        why = first_line(err)
+        if "ignore_mismatched_sizes" in why:  # its report of which tensor was logged, dropped
+            why = "a weight's shape is not the one its config.json describes"
+        raise InputError(path, f"transformers cannot load {what}: {why}") from None
 
 
 def config_from(doc: dict[str, object], path: Path, what: str) -> Any:
     """transformers' config of the config.json content `doc` (read by qtool, through the model
-    directory's descriptor), built as from_pretrained builds it from the file."""
+    directory's descriptor), built as from_pretrained builds it from the file; InputError naming
+    config.json for whatever transformers' validation refuses (heads that do not divide the
+    hidden size, ...)."""
     transformers = transformers_module()
     model_type = doc.get("model_type")
     try:
-        with quiet():
+        with quiet(), guarded():
             cls = transformers.AutoConfig.for_model(str(model_type)).__class__
             return cls.from_dict(dict(doc))
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except Exception as err:  # a third-party validator raises what it likes
         raise InputError(
             path / "config.json", f"transformers cannot read {what}'s config: {first_line(err)}"
         ) from None
+
+
+class Panic(Exception):
+    """A Rust library panicked (tokenizers' PanicException derives from BaseException)."""
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """Calls into transformers and the Rust tokenizers library: a Rust panic (pyo3's
+    PanicException, a BaseException that `except Exception` misses) becomes Panic, and what the
+    panic prints on the process's stderr descriptor (its message, RUST_BACKTRACE's backtrace) is
+    dropped. Anything else (Ctrl-C, SIGTERM's BaseException) goes on unchanged."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    except BaseException as err:
+        if type(err).__name__ != "PanicException":  # pyo3_runtime's, made at run time
+            raise  # Ctrl-C, SIGTERM and every Exception go on as they are
+        raise Panic(f"the Rust library panicked: {first_line(err)}") from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A model's tokenizer, loaded from a checked copy of its files; `source` is the model
+    directory it came from (what messages name)."""
+
+    backend: Any
+    source: Path  # the file its vocabulary came from (tokenizer.json, ...), for messages
+
+    def ids(self, text: str, max_length: int | None = None) -> list[int]:
+        """The ids of `text` with the default special tokens (cut to `max_length`)."""
+        kwargs: dict[str, Any] = {}
+        if max_length is not None:
+            kwargs = {"truncation": True, "max_length": max_length}
+        try:
+            with quiet(), guarded():
+                return list(self.backend(text, **kwargs)["input_ids"])
+        except Exception as err:
+            raise InputError(
+                self.source, f"the tokenizer fails on the text: {first_line(err)}; check the "
+                "model's tokenizer files",
+            ) from None  # fmt: skip
 
 
 def tokenizer_files(path: Path) -> list[str]:
@@ -125,25 +182,38 @@ def has_tokenizer(path: Path) -> bool:
     return not TOKENIZER_VOCABULARIES.isdisjoint(tokenizer_files(path))
 
 
-def tokenizer(path: Path, what: str) -> Any:
-    """The tokenizer saved in the model directory `path` (InputError when there is none)."""
-    if not has_tokenizer(path):
+def tokenizer(path: Path, what: str, config: Any) -> Tokenizer:
+    """The tokenizer saved in the model directory `path` (InputError when there is none), with
+    transformers' `config` of the model (never its config.json again). transformers reads a
+    private copy of the tokenizer files (checked.checked_copy), never the directory itself."""
+    files = tokenizer_files(path)
+    if TOKENIZER_VOCABULARIES.isdisjoint(files):
         raise InputError(
             path, f"{what} has no tokenizer ({TOKENIZER_WANTED}); copy the model's tokenizer "
             "files into the directory",
         )  # fmt: skip
     transformers = transformers_module()
-    try:
-        with quiet():
-            return transformers.AutoTokenizer.from_pretrained(
-                str(path), local_files_only=True, trust_remote_code=False
-            )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
-        raise InputError(
-            path, f"no tokenizer transformers can load for {what}: {first_line(err)}"
-        ) from None
+    with checked_copy(path, files) as copy:
+        try:
+            with quiet(), guarded():
+                backend = transformers.AutoTokenizer.from_pretrained(
+                    str(copy), config=config, local_files_only=True, trust_remote_code=False
+                )
+        except Exception as err:
+            raise InputError(
+                path, f"no tokenizer transformers can load for {what}: {first_line(err)}"
+            ) from None
+    vocabulary = next(n for n in VOCABULARY_FILES if n in files)
+    return Tokenizer(backend, path / vocabulary)
 
 
 def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """The error's type and first line; a first line that ends in a colon (a validator
+    introducing its reason) with the line after it."""
+    if isinstance(err, Panic):
+        return str(err)
+    text = [line.strip() for line in str(err).strip().splitlines()]
+    line = text[0] if text else ""
+    if line.endswith(":") and len(text) > 1:
+        line = f"{line} {text[1]}"
+    return f"{type(err).__name__}: {line}".rstrip(": ")

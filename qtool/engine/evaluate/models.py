@@ -5,7 +5,9 @@ compute dtype."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +19,21 @@ from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM
-from qtool.formats.detect import Detected, refuse_quantized
+from qtool.formats.detect import CONFIG, Detected, refuse_quantized
+from qtool.formats.model_config import check_counts
 from qtool.io.stformat import HeaderError
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """The tensors a checkpoint holds: name -> (shape, safetensors dtype)."""
+    """The tensors a checkpoint holds: name -> (shape, safetensors dtype), and the file of
+    each (for messages)."""
 
     tensors: dict[str, tuple[tuple[int, ...], str]]
+    files: dict[str, Path] = field(default_factory=dict)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self.tensors.items()}
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class FloatModel:
     architecture: str
     kind: str  # CAUSAL_LM or ENCODER
     model: Any  # a transformers PreTrainedModel, in eval mode, in the compute dtype
-    tokenizer: Any
+    tokenizer: hf.Tokenizer
     checkpoint: Checkpoint
     unexpected: frozenset[str]  # checkpoint tensors the architecture does not use (a head)
 
@@ -44,6 +52,7 @@ def read_checkpoint(found: Detected) -> Checkpoint:
     directory's descriptor; a quantized one refused)."""
     source = Source(found)
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    files: dict[str, Path] = {}
     for shard in source.shards:
         try:
             header = source.header(shard)
@@ -51,7 +60,8 @@ def read_checkpoint(found: Detected) -> Checkpoint:
             raise InputError(shard, f"not a valid safetensors file: {err}") from None
         refuse_quantized(shard, header.metadata, [e.name for e in header.tensors])
         tensors |= {e.name: (e.shape, e.dtype) for e in header.tensors}
-    return Checkpoint(tensors)
+        files |= {e.name: shard for e in header.tensors}
+    return Checkpoint(tensors, files)
 
 
 def read_float_tensors(found: Detected) -> dict[str, torch.Tensor]:
@@ -61,21 +71,25 @@ def read_float_tensors(found: Detected) -> dict[str, torch.Tensor]:
 
 
 def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
-    """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when it lacks a
-    weight its architecture needs (transformers would initialise it at random)."""
+    """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when config.json
+    asks for a model its weights do not hold (counts, then every parameter's shape, checked
+    before anything is built for real) or it lacks a weight its architecture needs
+    (transformers would initialise it at random)."""
     found, config = float_source(path)
     kind, architecture = kind_of(config)
     checkpoint = read_checkpoint(found)
-    tokenizer = hf.tokenizer(path, "FLOAT")  # before the weights: a missing one fails at once
+    check_counts(config, path / CONFIG, checkpoint.shapes())
+    hf_config = hf.config_from(config, path, "FLOAT")
+    tokenizer = hf.tokenizer(path, "FLOAT", hf_config)  # before the weights: fails at once
     transformers = hf.transformers_module()
     auto = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
-    hf_config = hf.config_from(config, path, "FLOAT")
     try:
         cls = auto._model_mapping[type(hf_config)]  # the class from_pretrained(path) would pick
     except KeyError:
         raise InputError(
             path, f"transformers has no {auto.__name__} for model_type {config.get('model_type')!r}"
         ) from None
+    check_sizes(cls, hf_config, checkpoint, path)
     tensors = read_float_tensors(found)  # through qtool's reader, never by path again
     model, info = hf.from_pretrained(
         cls, None, "FLOAT", config=hf_config, state_dict=tensors, dtype=dtype
@@ -86,6 +100,56 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     if problem:
         raise InputError(path, f"FLOAT {problem}")
     return FloatModel(path, architecture, kind, model.eval(), tokenizer, checkpoint, unexpected)
+
+
+def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) -> None:
+    """The model config.json describes, built on the meta device (no memory), against the
+    weights: a parameter of another shape than its tensor, or more parameter values in all than
+    the checkpoint holds (a vocabulary or hidden size the weights do not have), is InputError
+    naming config.json, the tensor and its file, before transformers builds the model for real
+    (it would allocate what config.json says, then report "look at the above report!")."""
+    config_json = path / CONFIG
+    try:
+        with hf.quiet(), hf.guarded(), torch.device("meta"):
+            built = cls(copy.deepcopy(hf_config))
+    except Exception as err:  # a third-party constructor raises what it likes
+        raise InputError(
+            config_json, f"transformers cannot build the model it describes: {hf.first_line(err)}"
+        ) from None
+    held = checkpoint.tensors
+    prefix = getattr(cls, "base_model_prefix", "") or ""
+    unmatched = []
+    for name, param in built.named_parameters():
+        shape = tuple(param.shape)
+        stored = _stored_name(name, prefix, held)
+        if stored is None:
+            unmatched.append((name, shape))
+        elif held[stored][0] != shape:
+            where = checkpoint.files.get(stored, path)
+            raise InputError(
+                config_json, f"config.json makes it {list(shape)}, but {where.name} holds "
+                f"{list(held[stored][0])}; config.json does not describe these weights "
+                "(another model's config?)", stored,
+            )  # fmt: skip
+    wanted = sum(p.numel() for p in built.parameters())
+    values = sum(math.prod(shape) for shape, _ in held.values())
+    if wanted > values:
+        example = f" ({unmatched[0][0]} {list(unmatched[0][1])} is in no weight file)"
+        raise InputError(
+            config_json, f"describes a model of {wanted:,} parameters, but the weights hold "
+            f"{values:,} values{example if unmatched else ''}; config.json does not describe "
+            "these weights",
+        )  # fmt: skip
+
+
+def _stored_name(name: str, prefix: str, held: dict[str, Any]) -> str | None:
+    """The checkpoint's name of the model parameter `name`: the same, or with or without the
+    base model's prefix (a BertModel's `embeddings...` is `bert.embeddings...` in a checkpoint
+    saved from BertForMaskedLM)."""
+    candidates = [name]
+    if prefix:
+        candidates += [f"{prefix}.{name}", name.removeprefix(f"{prefix}.")]
+    return next((c for c in candidates if c in held), None)
 
 
 def loading_problem(info: dict[str, Any], unexpected_ok: frozenset[str]) -> str | None:

@@ -27,6 +27,7 @@ from qtool.dtypes import FLOAT_DTYPES
 from qtool.engine.evaluate import hf
 from qtool.engine.evaluate.models import FloatModel, listed, loading_problem
 from qtool.engine.evaluate.readers import read_tensors
+from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.formats.detect import Detected, detect
 from qtool.spec import FormatName
@@ -46,7 +47,7 @@ CONFIG_NOISE = frozenset(
 class QuantModel:
     model: Any  # in eval mode, in the compute dtype
     loaded_as: str
-    tokenizer: Any | None  # QUANT's own tokenizer, when its directory has one
+    tokenizer: hf.Tokenizer | None  # QUANT's own tokenizer, when its directory has one
 
 
 @dataclass(frozen=True)
@@ -72,40 +73,74 @@ def _is_ct(found: Detected) -> bool:
 def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:
     assert found.directory is not None
     path = found.directory
-    check_same_architecture(reference, found)
-    _check_weight_files(found)
+    config = check_same_architecture(reference, found)
+    tensors, files = _stored_tensors(found)
+    _check_stored_shapes(tensors, files, reference)
     kwargs: dict[str, Any] = {}
     how = "compressed-tensors, loaded by transformers"
-    config = _quantization_config(found)
-    if _asymmetric(path, config):
+    qconfig = _quantization_config(found)
+    if _asymmetric(path, qconfig):
         kwargs["quantization_config"] = hf.transformers_module().CompressedTensorsConfig(
             dequantize=True
         )
         how += " (dequantize=True: asymmetric)"
     # its own dtype: the weights are (q - z) * s rounded as every consumer rounds them
     try:
-        model, info = hf.from_pretrained(type(reference.model), path, "QUANT", **kwargs)
+        model, info = hf.from_pretrained(
+            type(reference.model), None, "QUANT", config=config, state_dict=tensors, **kwargs
+        )
     except InputError as err:
-        hint = _tied_hint(reference.model, config)
+        hint = _tied_hint(reference.model, qconfig)
         raise InputError(path, f"{err.message}{hint}") from None
+    del tensors
     problem = loading_problem(info, reference.unexpected)
     if problem:
         raise InputError(path, f"QUANT {problem}")
-    _decompress(model, path, reference, config)
-    return QuantModel(model.to(dtype).eval(), how, own_tokenizer(path))
+    _decompress(model, path, reference, qconfig)
+    return QuantModel(model.to(dtype).eval(), how, own_tokenizer(path, config))
 
 
-def _check_weight_files(found: Detected) -> None:
-    """Every weight file transformers is about to open by path is a regular file inside the
-    directory, as qtool's own reads require (a FIFO would hang it, a link lead outside)."""
-    if found.within is None:
-        return
-    for weights in found.weights:
-        problem = found.within.problem(weights.name)
-        if problem is not None:
+def _stored_tensors(found: Detected) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Every tensor of the export as stored (packed codes, scales, shapes), read through the
+    directory's descriptor by qtool's safetensors reader (and the file of each): transformers
+    is handed them as a state dict and never opens a file of QUANT's directory."""
+    source = Source(found)
+    tensors: dict[str, torch.Tensor] = {}
+    files: dict[str, Path] = {}
+    for shard in source.shards:
+        checkpoint = source.checkpoint(shard)
+        try:
+            for entry, t in zip(checkpoint.entries, checkpoint.tensors(checkpoint.entries),
+                                strict=True):  # fmt: skip
+                if entry.name in tensors:
+                    raise InputError(shard, "holds a tensor another shard holds too", entry.name)
+                tensors[entry.name], files[entry.name] = t, shard
+            checkpoint.check_unchanged()
+        finally:
+            checkpoint.close()
+    return tensors, files
+
+
+def _check_stored_shapes(
+    tensors: dict[str, torch.Tensor], files: dict[str, Path], reference: FloatModel
+) -> None:
+    """The export's tensors have FLOAT's shapes: a tensor kept float its own, a packed Linear
+    the shape its `weight_shape` records (InputError naming the tensor, both files and both
+    shapes; transformers would only say "look at the above report!")."""
+    want = reference.checkpoint
+    for stored, t in tensors.items():
+        name = stored
+        if name.endswith(".weight_shape") and t.dim() == 1 and not t.is_floating_point():
+            name, shape = name.removesuffix("_shape"), tuple(int(v) for v in t.tolist())
+        else:
+            shape = tuple(t.shape)
+        theirs = want.tensors.get(name)
+        if theirs is not None and theirs[0] != shape:
+            ours = want.files.get(name, reference.path)
             raise InputError(
-                weights, f"{problem}; qtool reads only regular files inside the model "
-                "directory (copy the file in, e.g. cp -L, instead of linking it)",
+                files[stored],
+                f"not FLOAT's model: {name} is {list(shape)} here but {list(theirs[0])} in "
+                f"FLOAT's {ours}", name,
             )  # fmt: skip
 
 
@@ -177,7 +212,11 @@ def _load_tensors(found: Detected, reference: FloatModel, dtype: torch.dtype) ->
     tensors, quantized = read_tensors(found, list(reference.checkpoint.tensors))
     model = into_float_architecture(tensors, reference, dtype, path)
     how = "qtool reader, dequantized in memory" if quantized else "float checkpoint"
-    tokenizer = own_tokenizer(found.directory) if found.directory is not None else None
+    tokenizer = (
+        own_tokenizer(found.directory, reference.model.config)
+        if found.directory is not None
+        else None
+    )
     return QuantModel(model, how, tokenizer)
 
 
@@ -223,9 +262,10 @@ def check_same_tensors(tensors: dict[str, torch.Tensor], reference: FloatModel, 
 # ---- checks shared by the loaders ---------------------------------------------------------
 
 
-def check_same_architecture(reference: FloatModel, found: Detected) -> None:
+def check_same_architecture(reference: FloatModel, found: Detected) -> Any:
     """QUANT's config.json (as detect read it) describes FLOAT's architecture (as transformers
-    reads both), but for its quantization_config, dtypes, token ids and bookkeeping."""
+    reads both), but for its quantization_config, dtypes, token ids and bookkeeping; returns
+    transformers' config of it."""
     assert found.directory is not None
     path = found.directory
     doc = found.config
@@ -241,13 +281,14 @@ def check_same_architecture(reference: FloatModel, found: Detected) -> None:
             path, f"not FLOAT's architecture: its config.json differs in {', '.join(shown)}"
             f"{f' and {len(differ) - 3} more' if len(differ) > 3 else ''}",
         )  # fmt: skip
+    return theirs
 
 
-def own_tokenizer(path: Path) -> Any | None:
+def own_tokenizer(path: Path, config: Any) -> hf.Tokenizer | None:
     """QUANT's tokenizer when its directory holds one (compared with FLOAT's on the text)."""
     if not hf.has_tokenizer(path):
         return None
-    return hf.tokenizer(path, "QUANT")
+    return hf.tokenizer(path, "QUANT", config)
 
 
 LOADERS: tuple[QuantLoader, ...] = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +72,18 @@ def sentences(text: str) -> list[str]:
     """The text's paragraphs (cut at blank lines, each one's white space collapsed to single
     spaces) cut after . ! ? followed by white space; pieces without a letter or digit (rules,
     lone punctuation) are dropped."""
-    out = []
-    for paragraph in _PARAGRAPH.split(text):
-        flat = " ".join(paragraph.split())
-        out += [s for s in _SENTENCE_END.split(flat) if any(c.isalnum() for c in s)]
-    return out
+    return list(iter_sentences(text))
+
+
+def iter_sentences(text: str) -> Iterator[str]:
+    """sentences(), one at a time: a caller that needs the first few never cuts the rest."""
+    start = 0
+    for gap in _PARAGRAPH.finditer(text):
+        yield from _cut(text[start : gap.start()])
+        start = gap.end()
+    yield from _cut(text[start:])
+
+
+def _cut(paragraph: str) -> Iterator[str]:
+    flat = " ".join(paragraph.split())
+    return (s for s in _SENTENCE_END.split(flat) if any(c.isalnum() for c in s))

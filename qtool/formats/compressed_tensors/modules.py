@@ -21,7 +21,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
-import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from qtool.errors import InputError
+from qtool.formats.model_config import check_counts
 from qtool.io import usercache
 from qtool.io.stformat import TensorEntry
 
@@ -68,9 +68,6 @@ HEADS = {
 }
 """Output heads that are not `lm_head`, by model_type."""
 
-_COUNTS = re.compile(r"(^|_)(layers?|experts)$|^n_layer$")
-MIN_MODULE_BOUND = 4096
-
 
 @dataclass(frozen=True)
 class Linears:
@@ -101,7 +98,10 @@ def model_linears(
     config: Mapping[str, object], path: Path | None, entries: Sequence[TensorEntry]
 ) -> Linears:
     """The Linear modules of the model config.json describes (`path` names it in messages),
-    given the checkpoint's tensors; InputError when neither transformers nor the rules decide."""
+    given the checkpoint's tensors; InputError when neither transformers nor the rules decide,
+    or when config.json's layer and expert counts ask for more modules than the checkpoint
+    backs (model_config.check_counts: nothing is built then)."""
+    check_counts(config, path, {e.name: e.shape for e in entries})
     weights = matrix_modules(entries)
     try:
         return cached_linears(config, weights, len(entries))
@@ -223,7 +223,6 @@ def built_linears(config: Mapping[str, object], weights: frozenset[str], count: 
     """The Linears of the class config.json names, built on the meta device; Undecided when
     transformers is missing or cannot build it, or its names do not match the checkpoint's."""
     arch, model_type = _architecture(config)
-    _check_counts(config, count)
     try:
         transformers = importlib.import_module("transformers")
         torch = importlib.import_module("torch")
@@ -259,29 +258,6 @@ def _architecture(config: Mapping[str, object]) -> tuple[str, str]:
     if not isinstance(model_type, str):
         raise Undecided("config.json has no model_type")
     return archs[0], model_type
-
-
-def _check_counts(config: Mapping[str, object], count: int) -> None:
-    """Undecided when config.json's layer and expert counts multiply into more modules than a
-    checkpoint of `count` tensors can hold (a hostile or broken config must not make qtool
-    build millions of modules)."""
-    product = 1
-    for key, value in _ints(config):
-        if _COUNTS.search(key) and value > 0:
-            product *= value
-    if product > max(MIN_MODULE_BOUND, 8 * count):
-        raise Undecided(
-            f"its layer and expert counts ({product:,} modules) do not fit a checkpoint of "
-            f"{count:,} tensors"
-        )
-
-
-def _ints(doc: Mapping[str, object], depth: int = 0) -> Iterator[tuple[str, int]]:
-    for key, value in doc.items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            yield key, value
-        elif isinstance(value, dict) and depth < 4:
-            yield from _ints(value, depth + 1)
 
 
 @contextlib.contextmanager

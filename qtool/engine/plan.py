@@ -3,8 +3,10 @@
 From the headers alone (torch-free, so a dry run is instant), `plan_headers`:
   1. rules     --exclude, the recipe's rules, --include (first match wins; recipe/rules.py),
                else the default selection: float tensors of 2+ dims get the command-line spec,
-               1-D tensors, scalars, empty and non-float tensors are kept. The spec is fitted
-               to the tensor's shape (spec.fit_spec: a group as long as a row is per channel).
+               1-D tensors, scalars, empty and non-float tensors are kept, and so is an input
+               embedding tied to the output head at 4 bits (engine/tied.py; the qtool format,
+               as compressed-tensors keeps every embedding). The spec is fitted to the
+               tensor's shape (spec.fit_spec: a group as long as a row is per channel).
   2. budget    with --target-sqnr, the tensors the command line would quantize become the
                budget's to decide (holding int8 per channel until it has).
   3. format    the output format's constraints (formats.base.OutputFormat.select: which
@@ -124,15 +126,18 @@ def plan_headers(
     headers: Iterable[tuple[Path, tuple[TensorEntry, ...]]],
     options: QuantizeOptions,
     fmt: OutputFormat,
+    tied: frozenset[str] = frozenset(),
 ) -> ModelPlan:
     """Passes 1 to 3 over every shard's tensors (from their headers): the plan a dry run shows.
-    InputError for an axis a tensor lacks; the format's own errors (a spec it cannot store)."""
+    `tied`: the input embeddings that are also the output head (engine/tied.py). InputError for
+    an axis a tensor lacks; the format's own errors (a spec it cannot store)."""
     shards, plans, counts = [], [], []
+    kept_tied = tied if fmt.name == FormatName.QTOOL.value else frozenset()
     with patterns.bounded():  # one time budget for the recipe's patterns over every tensor
         for shard, entries in headers:
             shards.append(shard)
             counts.append(len(entries))
-            plans += plan_tensors(shard, entries, options)  # passes 1 and 2
+            plans += plan_tensors(shard, entries, options, kept_tied)  # passes 1 and 2
     _refuse_block_types(plans, fmt)
     return ModelPlan(tuple(shards), tuple(by_format(plans, fmt)), tuple(counts))  # pass 3
 
@@ -167,19 +172,44 @@ def plan_data(
 
 
 def plan_tensors(
-    path: Path | str, entries: tuple[TensorEntry, ...], options: QuantizeOptions
+    path: Path | str,
+    entries: tuple[TensorEntry, ...],
+    options: QuantizeOptions,
+    tied: frozenset[str] = frozenset(),
 ) -> list[TensorPlan]:
-    """Passes 1 (rules) and 2 (the budget's tensors) for the tensors of one file, in order;
-    InputError (naming `path`) or RecipeError for an axis a tensor lacks."""
-    return [TensorPlan(e, _claimed(_by_rules(path, e, options), e, options)) for e in entries]
+    """Passes 1 (rules; `tied`: the embeddings the default selection keeps at 4 bits) and 2
+    (the budget's tensors) for the tensors of one file, in order; InputError (naming `path`)
+    or RecipeError for an axis a tensor lacks."""
+    return [TensorPlan(e, _claimed(_by_rules(path, e, options, tied), e, options)) for e in entries]
 
 
-def _by_rules(path: Path | str, entry: TensorEntry, options: QuantizeOptions) -> Decision:
+TIED_KEPT = "tied to the output head (float at 4 bits)"
+
+
+def _by_rules(
+    path: Path | str, entry: TensorEntry, options: QuantizeOptions, tied: frozenset[str]
+) -> Decision:
     found = resolve(options.rules, entry, options.spec, checkpoint=path)
     selection = Selection(found.rule, found.by_rule, labelled=options.recipe is not None)
     if isinstance(found.action, Keep):
         return Decision(found.action, selection)
+    by_default = found.rule is None and not found.by_rule
+    if by_default and entry.name in tied and found.action.dtype.bits == 4:
+        return Decision(Keep(TIED_KEPT), selection)
     return Decision(Quantize(found.action, found.note, found.asked), selection)
+
+
+def tied_warnings(plans: Iterable[TensorPlan], tied: frozenset[str]) -> list[str]:
+    """One line per embedding tied to the output head that a rule or the budget quantized to
+    4 bits, the costliest place for them."""
+    return [
+        f"{p.entry.name} is also the output head (tied embeddings) and is quantized to 4 bits "
+        f"({p.spec.describe()}), which costs the most quality of any tensor; keep it float or "
+        "at 8 bits"
+        for p in plans
+        if p.entry.name in tied and p.spec is not None and p.spec.dtype.bits == 4
+        and p.spec.gguf is None
+    ]  # fmt: skip
 
 
 def _claimed(decision: Decision, entry: TensorEntry, options: QuantizeOptions) -> Decision:

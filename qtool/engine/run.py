@@ -35,12 +35,16 @@ from qtool.engine.plan import (
     plan_headers,
     planned_row,
     quantized_output,
+    tied_warnings,
 )
 from qtool.engine.shards import Shards
 from qtool.engine.source import Source, open_source
+from qtool.engine.tied import tied_embeddings
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
 from qtool.formats.registry import entry, input_refusal, output_format
+from qtool.io.jsonfile import read_json_object
+from qtool.io.stformat import TensorEntry
 from qtool.results import QuantizeRow, QuantizeSummary
 
 if TYPE_CHECKING:
@@ -65,7 +69,9 @@ def quantize(
     shards = Shards(output.source, header_only=kernels is None)
     job = Job(output, fmt, options, run, shards, kernels)
     try:
-        plan = plan_headers(shards.headers(), options, fmt)
+        headers = list(shards.headers())
+        tied = _tied(output.source, headers)
+        plan = plan_headers(headers, options, fmt, tied)
         if run.mode is Mode.WRITE:
             from qtool.engine.write import write
 
@@ -75,7 +81,7 @@ def quantize(
             done = (
                 _estimate(job, plan) if kernels else Done(plan, list(map(planned_row, plan.plans)))
             )
-        return _summary(job, done, started)
+        return _summary(job, done, started, tied_warnings(done.plan.plans, tied))
     finally:
         shards.close()
 
@@ -166,7 +172,20 @@ def _estimate(job: Job, plan: ModelPlan) -> Done:
     return Done(plan, rows)
 
 
-def _summary(job: Job, done: Done, started: float) -> QuantizeSummary:
+def _tied(
+    source: Source, headers: Sequence[tuple[Path, tuple[TensorEntry, ...]]]
+) -> frozenset[str]:
+    """The input embeddings that are also the output head (engine/tied.py), by the tensor
+    names of every shard and the model's config.json when there is one."""
+    names = [e.name for _, entries in headers for e in entries]
+    config = None
+    path, within = source.config, source.config_dir
+    if path is not None and (within is None or within.exists(path.name)):
+        config = read_json_object(path, within=within, what="model config")
+    return tied_embeddings(names, config)
+
+
+def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> QuantizeSummary:
     """The run's summary: its rows, what it read and wrote, and the format's warnings (after
     the writing, which may add some) and its list of tensors kept in float."""
     target, plans = job.output.target, done.plan.plans
@@ -183,6 +202,7 @@ def _summary(job: Job, done: Done, started: float) -> QuantizeSummary:
         seconds=time.perf_counter() - started,
         notes=[
             *done.notes,
+            *warnings,
             *job.fmt.warnings(plans),
             *(job.kernels.notes() if job.kernels else []),
         ],

@@ -141,4 +141,26 @@ CASES = [
     GGUFCase("data-truncated", gguf(infos=[W], data=DATA[:31]), "ends at byte"),
     GGUFCase("tensor-far-away", gguf(infos=[ti("w", [2**40, 2**20])], data=DATA), "ends at byte"),
     GGUFCase("infos-truncated", gguf(infos=[W])[:60], "truncated: the offset of 'w'"),
+    # issue 28: bounds on work, and names and shapes no consumer could take
+    GGUFCase("empty-tensor-name", gguf(infos=[ti("", [4, 2])], data=DATA), "tensor 0 has an empty"),
+    GGUFCase(
+        "overflow-after-a-zero",  # torch order [2^62, 2^62, 0]: its running product overflows
+        gguf(infos=[ti("w", [0, 2**62, 2**62])]),
+        "non-zero dimensions multiply to more than 2^63 - 1",
+    ),
+    GGUFCase(
+        "alignment-2^30",
+        gguf([kv_u32("general.alignment", 1 << 30)], infos=[W], data=DATA),
+        "1073741824 is over qtool's limit of 65536",
+    ),
+    GGUFCase(
+        "too-many-tensors",
+        gguf(n_tensors=65_537) + bytes(65_537 * 25),
+        "declares 65,537 tensors, over qtool's limit of 65,536",
+    ),
+    GGUFCase(
+        "too-many-keys",
+        gguf(n_kv=65_537) + bytes(65_537 * 14),
+        "declares 65,537 key/value pairs, over qtool's limit of 65,536",
+    ),
 ]

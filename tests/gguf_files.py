@@ -42,3 +42,32 @@ def odd_gguf(path: Path, *, seed: int = 0, nan_in: str | None = None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+SAMPLE = Path(__file__).parents[1] / "sample_weights" / "tiny-llama.gguf"
+
+
+def sample_variant(path: Path, **metadata: object) -> Path:
+    """sample_weights/tiny-llama.gguf rewritten with its metadata changed: a GGUFValue, or an
+    int (written as an INT32, so that it may be negative) per key (dots as '__'); None drops the
+    key. Tensors and their bytes are the sample's."""
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_file import GGUFFile
+    from qtool.io.gguf_layout import GGUFValue
+    from qtool.io.gguf_write import write_gguf
+
+    with GGUFFile(SAMPLE) as f:
+        meta = dict(f.header.metadata)
+        for key, value in metadata.items():
+            key = key.replace("__", ".")
+            if value is None:
+                meta.pop(key, None)
+            elif isinstance(value, GGUFValue):
+                meta[key] = value
+            else:
+                assert isinstance(value, int)
+                meta[key] = GGUFValue(ValueType.INT32, value)
+        infos = f.header.tensors
+        specs = [(t.name, t.type, t.shape) for t in infos]
+        write_gguf(path, meta, specs, (f.tensor_bytes(t) for t in infos))
+    return path

@@ -11,6 +11,7 @@ slab for a large one.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from qtool.engine.decision import TensorPlan
 from qtool.engine.plan import planned_row
 from qtool.engine.slabs import Reader, quantize_by_slabs, slab_rows
 from qtool.engine.spill import Figures, Spill
-from qtool.errors import DeviceError, NumericError
+from qtool.errors import DeviceError, InputError, NumericError
 from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
@@ -197,6 +198,14 @@ def quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
+    except (MemoryError, OSError) as err:  # read whole (a GGUF block type, per tensor): too big
+        if isinstance(err, OSError) and err.errno != errno.ENOMEM:
+            raise
+        raise InputError(
+            ckpt.path, f"its {plan.entry.nbytes:,} bytes do not fit in the memory qtool may use "
+            "(read whole to be quantized so); free memory, raise the limit or exclude it",
+            plan.entry.name, hint="exclude",
+        ) from None  # fmt: skip
 
 
 def _quantize_whole(

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from qtool.dtypes import FLOAT_DTYPES, RESTORE_DTYPES
-from qtool.errors import OutputError
+from qtool.errors import InputError, OutputError
 from qtool.formats.base import FloatReader, carried_metadata
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, tensor_bytes
@@ -47,6 +47,9 @@ def write_dense(
     names = list(reader.names if names is None else names)
     if out.suffix.lower() in (".pt", ".pth", ".bin"):
         return _write_pickle(reader, names, out, outputs, dtype)
+    if "__metadata__" in names:  # safetensors' key for the file's metadata (a GGUF may use it)
+        raise InputError(reader.file_of("__metadata__"), "safetensors reserves this name for "
+                         "its metadata; write a .pt file instead", "__metadata__")  # fmt: skip
     specs = [(n, restored_dtype(reader, n, dtype), reader.shape(n)) for n in names]
     header_bytes, header = build_header(specs, carried_metadata(reader.metadata) or None)
     writer = StreamingWriter(outputs.create(out), header_bytes, header, out)

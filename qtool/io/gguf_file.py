@@ -10,7 +10,7 @@ A file that is not a valid GGUF is refused with an InputError naming it and sayi
 wrong (the parse is gguf_header's). Nothing is memory-mapped: a mapped file truncated while
 open kills the process with SIGBUS, which Python cannot catch, so the header and each tensor
 are read into buffers of their own and a short read is an error ("changed while reading").
-The header is read in growing prefixes (1 MiB, then doubling), at most MAX_HEADER_BYTES, and
+The header is read in growing prefixes (256 KiB, then doubling), at most MAX_HEADER_BYTES, and
 parsed once (the parse reads on where the prefix ends; the last file's header is remembered).
 """
 
@@ -28,7 +28,7 @@ from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
 
 MAX_HEADER_BYTES = 256 << 20  # a 256k-token vocabulary with its merges takes ~20 MiB
-FIRST_READ = 1 << 20
+FIRST_READ = 1 << 18  # then doubling: the parse reads on, so small steps cost no reparse
 
 # detect, inspect and the readers each open the same file: the last header parsed is kept,
 # keyed by the file's device, inode, size, mtime and ctime (any write changes the ctime)

@@ -15,12 +15,21 @@ from qtool.io import usercache
 KEY = usercache.key_of("test", {"a": 1}, [1, 2])
 
 
+def _entries(private_cache: Path) -> Path:
+    """Where entries go: QTOOL_CACHE_DIR names an empty directory, which a first store tags as
+    qtool's."""
+    usercache.store(usercache.key_of("warm-up"), {})
+    assert (private_cache / usercache.TAG).is_file()
+    return private_cache
+
+
 def test_a_stored_value_comes_back_under_its_key_only(private_cache: Path) -> None:
     usercache.store(KEY, {"x": [1, "two"]})
     assert usercache.load(KEY) == {"x": [1, "two"]}
     assert usercache.load(usercache.key_of("test", {"a": 2}, [1, 2])) is None
-    (entry,) = private_cache.iterdir()
+    (tag, entry) = sorted(private_cache.iterdir())  # the empty directory became qtool's
     assert entry.name == f"{KEY}.json" and entry.stat().st_mode & 0o777 == 0o600
+    assert tag.name == usercache.TAG and tag.read_bytes() == usercache.TAG_TEXT
 
 
 def test_keys_differ_by_every_part_and_not_by_dict_order() -> None:
@@ -79,12 +88,13 @@ def test_a_linked_entry_is_not_followed_but_a_named_directory_is(
     usercache.store(KEY, {"x": 1})
     link = tmp_path / "link"
     link.symlink_to(private_cache)
-    monkeypatch.setenv(usercache.ENV, str(link))  # the user named it: its target is the cache
+    monkeypatch.setenv(usercache.ENV, str(link))  # the user's own link: its target is the cache
     assert usercache.load(KEY) == {"x": 1}
     monkeypatch.setenv(usercache.ENV, str(private_cache))
     elsewhere = tmp_path / "elsewhere.json"
-    (private_cache / f"{KEY}.json").rename(elsewhere)
-    (private_cache / f"{KEY}.json").symlink_to(elsewhere)
+    entries = _entries(private_cache)
+    (entries / f"{KEY}.json").rename(elsewhere)
+    (entries / f"{KEY}.json").symlink_to(elsewhere)
     assert usercache.load(KEY) is None
 
 
@@ -92,9 +102,10 @@ def test_a_document_that_does_not_begin_with_its_key_is_never_parsed(
     monkeypatch: pytest.MonkeyPatch, private_cache: Path
 ) -> None:
     parsed: list[object] = []
+    entries = _entries(private_cache)
     monkeypatch.setattr(usercache.json, "loads", lambda raw: parsed.append(raw))
     for doc in ("[" * 100_000, json.dumps({"value": {}, "key": KEY}), "not json"):
-        (private_cache / f"{KEY}.json").write_text(doc)
+        (entries / f"{KEY}.json").write_text(doc)
         assert usercache.load(KEY) is None
     assert parsed == []
 
@@ -102,14 +113,15 @@ def test_a_document_that_does_not_begin_with_its_key_is_never_parsed(
 def test_a_fifo_or_huge_entry_is_a_miss_that_never_blocks(
     monkeypatch: pytest.MonkeyPatch, private_cache: Path
 ) -> None:
-    os.mkfifo(private_cache / f"{KEY}.json")
+    entries = _entries(private_cache)
+    os.mkfifo(entries / f"{KEY}.json")
     assert usercache.load(KEY) is None  # would hang on a blocking open of a FIFO
-    (private_cache / f"{KEY}.json").unlink()
+    (entries / f"{KEY}.json").unlink()
     monkeypatch.setattr(usercache, "MAX_BYTES", 100)
     usercache.store(KEY, {"x": "y" * 200})  # too big to keep
-    assert not (private_cache / f"{KEY}.json").exists()
+    assert not (entries / f"{KEY}.json").exists()
     big = json.dumps({"key": KEY, "value": {"x": "y" * 200}})
-    (private_cache / f"{KEY}.json").write_text(big)
+    (entries / f"{KEY}.json").write_text(big)
     assert usercache.load(KEY) is None
 
 
@@ -124,13 +136,17 @@ def test_a_cache_that_cannot_be_written_is_silently_skipped(
 
 
 def test_temp_files_of_killed_runs_are_swept_after_a_day(private_cache: Path) -> None:
-    old, new = private_cache / ".tmp-1-old", private_cache / ".tmp-2-new"
+    entries = _entries(private_cache)
+    old, new = (entries / f"{usercache.TEMP_PREFIX}{n}-{n * 16}" for n in ("1", "2"))
+    empty = entries / f"{usercache.TEMP_PREFIX}3-{'3' * 16}"  # killed before its first byte
     for path in (old, new):
-        path.write_text("{")
+        path.write_bytes(b'{"key":"linears-' + b"0" * 40 + b'","val')
+    empty.write_bytes(b"")
     day_ago = time.time() - 2 * usercache.TEMP_MAX_AGE_S
-    os.utime(old, (day_ago, day_ago))
+    for path in (old, empty):
+        os.utime(path, (day_ago, day_ago))
     usercache.store(KEY, {"x": 1})
-    assert not old.exists() and new.exists()
+    assert not old.exists() and not empty.exists() and new.exists()
 
 
 def test_a_home_others_can_write_keeps_no_cache(

@@ -16,6 +16,7 @@ parsed once (the parse reads on where the prefix ends; the last file's header is
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from types import TracebackType
@@ -31,8 +32,14 @@ MAX_HEADER_BYTES = 256 << 20  # a 256k-token vocabulary with its merges takes ~2
 FIRST_READ = 1 << 18  # then doubling: the parse reads on, so small steps cost no reparse
 
 # detect, inspect and the readers each open the same file: the last header parsed is kept,
-# keyed by the file's device, inode, size, mtime and ctime (any write changes the ctime)
-_REMEMBERED: dict[tuple[int, int, int, int, int], GGUFHeader] = {}
+# keyed by the file's device, inode, size, mtime and ctime, and taken again only when the
+# header's bytes have the same digest (hashing 20 MiB takes milliseconds, parsing it seconds)
+_REMEMBERED: dict[tuple[int, int, int, int, int], tuple[int, bytes, GGUFHeader]] = {}
+
+
+def _blake(data: np.ndarray) -> bytes:
+    return hashlib.blake2b(data.data, digest_size=32).digest()
+
 
 # ggml types whose elements are plain little-endian numbers
 _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I32": "<i4",
@@ -58,8 +65,9 @@ class GGUFFile:
     def _parse(self, size: int) -> GGUFHeader:
         st = os.fstat(self._file.fileno())
         key = (st.st_dev, st.st_ino, size, st.st_mtime_ns, st.st_ctime_ns)
-        if _REMEMBERED.get(key) is not None:
-            return _REMEMBERED[key]
+        found = _REMEMBERED.get(key)
+        if found is not None and found[1] == _blake(self._pread(0, found[0], "the header")):
+            return found[2]
         want = min(size, FIRST_READ)
         prefix = self._pread(0, want, "the header")
 
@@ -80,7 +88,8 @@ class GGUFFile:
         except GGUFHeaderError as err:
             raise InputError(self.path, f"not a valid GGUF file: {err}") from None
         _REMEMBERED.clear()
-        _REMEMBERED[key] = header
+        n = min(len(prefix), header.data_start)  # the header's bytes (its padding may be unread)
+        _REMEMBERED[key] = (n, _blake(prefix[:n]), header)
         return header
 
     def _pread(self, start: int, n: int, what: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -51,6 +51,7 @@ def test_every_success_document_says_ok_and_schema_2(invoke: Invoke, samples: Pa
     assert json.loads(docs["dequantize"])["totals"] == {
         "tensors": 11,
         "restored": 4,
+        "cast": 0,
         "copied": 7,
         "bytes": (samples / "mlp.safetensors").stat().st_size - 8 - _header_len(samples),
     }

@@ -69,7 +69,7 @@ CASES = [
     GGUFCase("n-kv-past-end", gguf([kv_u32("a", 1)], n_kv=2), "declares 2 key/value pairs"),
     GGUFCase("value-truncated", gguf([kv("a", UINT32, b"\x01")]), "truncated: the value of 'a'"),
     GGUFCase(
-        "huge-key-length", gguf([struct.pack("<Q", 2**62) + bytes(16)]), "over the 1073741824"
+        "huge-key-length", gguf([struct.pack("<Q", 2**62) + bytes(16)]), "over the 1024-byte limit"
     ),
     GGUFCase("key-past-end", gguf([struct.pack("<Q", 100) + b"abcdefgh"]), "truncated: key 0"),
     GGUFCase("empty-key", gguf([kv("", UINT32, bytes(4))]), "key 0 is empty"),
@@ -142,6 +142,7 @@ CASES = [
     GGUFCase("tensor-far-away", gguf(infos=[ti("w", [2**40, 2**20])], data=DATA), "ends at byte"),
     GGUFCase("infos-truncated", gguf(infos=[W])[:60], "truncated: the offset of 'w'"),
     # issue 28: bounds on work, and names and shapes no consumer could take
+    GGUFCase("long-key", gguf([kv_u32("k" * 1025, 1)]), "key 0 is 1025 bytes long, over the 1024"),
     GGUFCase("empty-tensor-name", gguf(infos=[ti("", [4, 2])], data=DATA), "tensor 0 has an empty"),
     GGUFCase(
         "overflow-after-a-zero",  # torch order [2^62, 2^62, 0]: its running product overflows

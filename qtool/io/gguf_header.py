@@ -50,6 +50,7 @@ MAX_STRINGS = 1 << 22  # strings in all arrays together (a vocabulary and its me
 MAX_TENSORS = 1 << 16  # the largest published GGUFs hold a few thousand (DeepSeek-V3: ~1,100)
 MAX_KEYS = 1 << 16  # key/value pairs: real files hold 20-60 (a vocabulary is one array)
 MAX_ALIGNMENT = 1 << 16  # llama.cpp writes 32; a page is 4-64 KiB
+MAX_KEY_BYTES = 1 << 10  # real keys are under 100 bytes; messages quote them
 INT64_MAX = (1 << 63) - 1
 MIN_INFO_BYTES = 8 + 1 + 4 + 4 + 8  # name length, a 1-byte name, n_dims, type, offset
 MIN_KV_BYTES = 8 + 1 + 4 + 1  # key length, a 1-byte key, value type, a 1-byte value
@@ -222,7 +223,7 @@ def _count(n: int, what: str, cur: _Cursor, min_bytes: int, limit: int) -> int:
 def _metadata(cur: _Cursor, n_kv: int) -> dict[str, GGUFValue]:
     metadata: dict[str, GGUFValue] = {}
     for i in range(n_kv):
-        key = cur.string(lambda: f"key {i}")  # noqa: B023 (called at once or never)
+        key = cur.string(lambda: f"key {i}", limit=MAX_KEY_BYTES)  # noqa: B023 (called at once)
         if not key:
             raise GGUFHeaderError(f"key {i} is empty")
         if key in metadata:

@@ -213,6 +213,9 @@ def test_class4_an_unknown_architecture_is_a_bad_input_naming_the_file(
     path = sample_variant(tmp_path / "arch.gguf", general__architecture=_string("nosucharch"))
     _refused(invoke, ["compare", str(HF), str(path)], path, "general.architecture is "
              "'nosucharch'", "installed gguf package (version ", "pip install -U gguf")  # fmt: skip
+    path = sample_variant(tmp_path / "long.gguf", general__architecture=_string("a" * (5 << 20)))
+    line = _refused(invoke, ["compare", str(HF), str(path)], path, "5,242,880 characters long")
+    assert len(line) < 500
 
 
 def _string(text: str) -> object:

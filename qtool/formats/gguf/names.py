@@ -36,6 +36,7 @@ from qtool.spec import QSpec
 PERMUTED_ARCHS = ("llama", "arcee", "smollm3", "llama-embed", "deepseek", "llada")
 SUFFIXES = (".weight", ".bias")
 MAX_BLOCKS = 512  # llama.cpp's LLAMA_MAX_LAYERS: it loads no model of more blocks
+MAX_ARCH_CHARS = 64  # llama.cpp's architecture names are under 20 characters
 _BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
 
 
@@ -130,6 +131,9 @@ def _arch(header: GGUFHeader, path: Path | None) -> str:
     found = header.metadata.get(ARCH_KEY)
     if found is None or not isinstance(found.value, str):
         raise InputError(path, f"no {ARCH_KEY}: cannot tell how its tensors are named")
+    if len(found.value) > MAX_ARCH_CHARS:
+        raise InputError(path, f"{ARCH_KEY} is {len(found.value):,} characters long, not an "
+                         "architecture llama.cpp knows; is the file intact?")  # fmt: skip
     return found.value
 
 

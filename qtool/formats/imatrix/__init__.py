@@ -13,12 +13,13 @@ checkpoint format: nothing registers it, commands name it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
 from qtool.formats.imatrix.ggufimatrix import read_gguf, write_gguf_imatrix
+from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix
 
@@ -35,9 +36,12 @@ def read_imatrix(path: Path, dat_chunk_size: int = DAT_CHUNK_SIZE) -> Importance
     return read_gguf(path) if magic == b"GGUF" else read_dat(path, dat_chunk_size)
 
 
-def write_imatrix(path: Path, imatrix: ImportanceMatrix) -> None:
-    """`imatrix` as a GGUF imatrix file at `path`, written atomically."""
-    write_gguf_imatrix(path, imatrix)
+def write_imatrix(
+    path: Path, imatrix: ImportanceMatrix, extra: Mapping[str, GGUFValue] | None = None
+) -> None:
+    """`imatrix` as a GGUF imatrix file at `path`, written atomically (with `extra` metadata
+    keys after llama-imatrix's own)."""
+    write_gguf_imatrix(path, imatrix, extra)
 
 
 def hf_names_of(

@@ -9,7 +9,7 @@ dimensions of 1 are not written (ggml_n_dims), so a plain Linear's are [K] and [
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -124,9 +124,13 @@ def _dims(
     return shape[0], shape[1]
 
 
-def write_gguf_imatrix(path: Path, imatrix: ImportanceMatrix) -> None:
+def write_gguf_imatrix(
+    path: Path, imatrix: ImportanceMatrix, extra: Mapping[str, GGUFValue] | None = None
+) -> None:
     """Write `imatrix` to `path` (a temp file renamed into place) byte for byte as
-    llama-imatrix would. The caller checks the output path first (io.atomic.preflight)."""
+    llama-imatrix would; `extra` metadata keys (qtool's provenance) after llama-imatrix's, which
+    llama-quantize's loader skips (it looks its keys up by name). The caller checks the output
+    path first (io.atomic.preflight)."""
     names = sorted(imatrix.entries)
     for name in names:
         if len(f"{name}{SUM2}".encode()) > MAX_NAME_BYTES:
@@ -137,7 +141,7 @@ def write_gguf_imatrix(path: Path, imatrix: ImportanceMatrix) -> None:
         DATASETS: GGUFValue(ValueType.ARRAY, tuple(imatrix.datasets), ValueType.STRING),
         CHUNK_COUNT: GGUFValue(ValueType.UINT32, imatrix.chunk_count),
         CHUNK_SIZE: GGUFValue(ValueType.UINT32, imatrix.chunk_size),
-    }
+    } | dict(extra or {})
     specs: list[TensorSpec] = []
     for name in names:
         s = imatrix.entries[name]

@@ -1,0 +1,48 @@
+"""What `qtool calibrate` reports: the texts it read, the statistics it wrote, how long the pass
+took; and what a merge joined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One calibration text: its name (imatrix.datasets), SHA-256 and the tokens taken."""
+
+    name: str
+    sha256: str | None  # None: a file from llama-imatrix, which records names only
+    tokens: int | None
+
+
+@dataclass(frozen=True)
+class CalibrateSummary:
+    model: str
+    output: str
+    architecture: str
+    datasets: tuple[DatasetInfo, ...]
+    ctx: int
+    windows: int
+    tokens: int
+    entries: int  # weights with statistics (one per Linear of every block)
+    blocks: int
+    device: str
+    load_seconds: float
+    run_seconds: float
+    peak_block_bytes: int  # the largest block's weights, float32, as held during the pass
+    activation_bytes: int  # the activations at one block boundary
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens through the whole model per second (each token passes every block)."""
+        return self.tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class MergeSummary:
+    inputs: tuple[str, ...]
+    output: str
+    datasets: tuple[DatasetInfo, ...]
+    entries: int
+    chunk_size: int
+    chunk_count: int

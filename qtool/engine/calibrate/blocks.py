@@ -1,0 +1,182 @@
+"""The block-by-block pass: the model built empty (meta device), its embeddings loaded and run,
+then each decoder block loaded from the checkpoint, run on the activations at its input with
+ImatrixProbe's hooks, and freed. Peak memory: the embeddings or one block's weights (float32),
+the activations at one block boundary (windows x ctx x hidden float32), the statistics.
+
+The blocks are called with what the model's own forward gives them: the base model's forward
+runs once per window with every block replaced by a recorder that keeps the block's arguments
+(attention mask, rotary embeddings, position ids: whatever that architecture builds, per block)
+and passes the hidden states on; the last recorder stops the forward (the final norm and the
+head never run: llama-imatrix collects the blocks' matrices only, output.weight only with
+--process-output)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from qtool.engine.imatrix_hooks import ImatrixProbe
+from qtool.errors import InputError
+from qtool.formats.base import FloatReader
+from qtool.numerics.imatrix import MatrixStats
+from qtool.results import Progress
+
+BlockObserver = Callable[[int, torch.nn.Module], None]
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    index: int
+    seconds: float
+
+
+class _Stop(Exception):
+    """Raised by the last recorder: everything after the blocks is not needed."""
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for block `index` while the base model's forward runs: keeps the block's
+    keyword arguments (from the first window; every window has the same length) and, for the
+    first block, its input hidden states."""
+
+    def __init__(self, block: torch.nn.Module, index: int, last: bool, pass_: _Capture) -> None:
+        super().__init__()
+        object.__setattr__(self, "_block", block)  # not a submodule: stays out of state dicts
+        self.index, self.last, self.pass_ = index, last, pass_
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_block"), name)  # attention_type ...
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            raise TypeError("decoder blocks are called with their hidden states only")
+        if self.index not in self.pass_.kwargs:
+            self.pass_.kwargs[self.index] = kwargs
+        if self.index == 0:
+            self.pass_.hidden.append(hidden.detach().float())
+        if self.last:
+            raise _Stop
+        return hidden
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.kwargs: dict[int, dict[str, Any]] = {}
+        self.hidden: list[torch.Tensor] = []
+
+
+def block_list(model: Any, path: Any) -> tuple[Any, torch.nn.ModuleList, str]:
+    """(base model, its decoder blocks, the blocks' name in the state dict)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "model", None)
+    layers = getattr(base, "layers", None)
+    if base is None or not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise InputError(
+            path, f"{type(model).__name__} has no decoder blocks qtool can run one at a time "
+            "(model.layers); calibrate supports the Llama family",
+        )  # fmt: skip
+    name = next(n for n, m in model.named_modules() if m is layers)
+    return base, layers, name
+
+
+def load_module(
+    module: torch.nn.Module, prefix: str, reader: FloatReader, device: torch.device, path: Any
+) -> None:
+    """The meta `module`'s parameters and persistent buffers read from the checkpoint (float32,
+    onto `device`) under `prefix`; InputError naming a tensor the checkpoint lacks, or a
+    non-persistent buffer qtool cannot rebuild."""
+    names = set(reader.names)
+    state: dict[str, torch.Tensor] = {}
+    for local in module.state_dict():
+        name = f"{prefix}{local}"
+        if name not in names:
+            raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
+        state[local] = reader.values(name, torch.float32).to(device, copy=True)
+        reader.release(name)
+    module.load_state_dict(state, strict=True, assign=True)
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if left:
+        raise InputError(
+            path, f"{prefix}{left[0]} is computed, not stored, and qtool cannot rebuild it one "
+            "block at a time; calibrate supports the Llama family",
+        )  # fmt: skip
+
+
+def prepare_base(
+    base: Any, layers_name: str, reader: FloatReader, device: torch.device, path: Any
+) -> None:
+    """Everything of the base model but its blocks onto `device`: stored modules (embeddings,
+    final norm) from the checkpoint; modules holding only computed buffers (the rotary
+    embedding) built again from the config on the device."""
+    prefix = layers_name.rsplit(".", 1)[0] + "." if "." in layers_name else ""
+    for name, child in base.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            continue
+        if child.state_dict():
+            load_module(child, f"{prefix}{name}.", reader, device, path)
+        elif any(True for _ in child.buffers()):
+            setattr(base, name, type(child)(config=base.config).to(device))
+
+
+def capture(
+    base: Any, layers: torch.nn.ModuleList, windows: list[list[int]], device: torch.device
+) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
+    """The hidden states entering the first block, per window, and each block's keyword
+    arguments, from the base model's own forward."""
+    blocks = list(layers)
+    captured = _Capture()
+    for i, block in enumerate(blocks):
+        layers[i] = _Recorder(block, i, i == len(blocks) - 1, captured)
+    try:
+        with torch.no_grad():
+            for window in windows:
+                ids = torch.tensor([window], dtype=torch.long, device=device)
+                with contextlib.suppress(_Stop):
+                    base(input_ids=ids, use_cache=False)
+    finally:
+        for i, block in enumerate(blocks):
+            layers[i] = block
+    return captured.hidden, captured.kwargs
+
+
+def run_blocks(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    device: torch.device,
+    path: Any,
+    progress: Progress | None = None,
+    observe: BlockObserver | None = None,
+) -> tuple[dict[str, MatrixStats], list[BlockTiming]]:
+    """The statistics of every Linear of every decoder block over `windows`, keyed by the
+    checkpoint's names, and how long each block took. `observe(i, model)` is called while block
+    i is loaded (tests count what is materialized)."""
+    base, layers, layers_name = block_list(model, path)
+    prepare_base(base, layers_name, reader, device, path)
+    hidden, kwargs = capture(base, layers, windows, device)
+    for _, child in base.named_children():  # the embeddings are done with
+        if not isinstance(child, torch.nn.ModuleList):
+            child.to_empty(device="meta")
+    stats: dict[str, MatrixStats] = {}
+    timings = []
+    for i, block in enumerate(layers):
+        started = perf_counter()
+        load_module(block, f"{layers_name}.{i}.", reader, device, path)
+        if observe is not None:
+            observe(i, model)
+        with torch.no_grad(), ImatrixProbe(block) as probe:
+            for w, x in enumerate(hidden):
+                hidden[w] = block(x, **kwargs[i])
+                if progress is not None:
+                    progress.advance(f"block {i}", x.shape[-2])
+        stats |= {f"{layers_name}.{i}.{n}": s for n, s in probe.stats().items()}
+        block.to_empty(device="meta")
+        timings.append(BlockTiming(i, perf_counter() - started))
+    return stats, timings

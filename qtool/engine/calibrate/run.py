@@ -1,0 +1,227 @@
+"""`qtool calibrate`: a float model over calibration text, block by block, into llama.cpp's GGUF
+importance matrix (names as llama.cpp's converter gives them); and merges of such files.
+
+The text's names go into imatrix.datasets; qtool adds, per dataset in the same order, its
+SHA-256 and token count (qtool.datasets.sha256, qtool.datasets.tokens: keys llama-quantize's
+loader skips, as it looks its own up by name)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
+from qtool.engine.calibrate.blocks import BlockObserver, run_blocks
+from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
+from qtool.engine.evaluate import hf
+from qtool.engine.evaluate.config import float_source, kind_of
+from qtool.engine.evaluate.models import check_sizes, read_checkpoint
+from qtool.engine.layout import check_files
+from qtool.engine.loop import resolve_device
+from qtool.errors import InputError, UsageError
+from qtool.eval_results import CAUSAL_LM
+from qtool.formats.detect import CONFIG
+from qtool.formats.imatrix import read_imatrix, write_imatrix
+from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
+from qtool.formats.model_config import check_counts
+from qtool.formats.registry import open_reader
+from qtool.gguf_types import ValueType
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import GGUFValue
+from qtool.io.safeopen import open_regular
+from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats, merge
+from qtool.results import Progress
+
+DEFAULT_TOKENS = 128 * 512
+DEFAULT_CTX = 512
+SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    texts: tuple[Path, ...] = ()  # none: data.default_text()
+    tokens: int = DEFAULT_TOKENS
+    ctx: int = DEFAULT_CTX
+    device: str = "cpu"
+    force: bool = False
+    threads: int | None = None
+
+
+def calibrate(
+    model_dir: Path,
+    out: Path,
+    options: CalibrateOptions,
+    progress: Progress | None = None,
+    observe: BlockObserver | None = None,
+) -> CalibrateSummary:
+    if options.ctx < 1:
+        raise UsageError(None, f"a window of {options.ctx} tokens holds nothing; give 1 or more")
+    if options.tokens < options.ctx:
+        raise UsageError(None, f"{options.tokens} tokens do not fill one window of "
+                         f"{options.ctx}; ask for at least {options.ctx}")  # fmt: skip
+    check_files([out], [model_dir, *options.texts], options.force)
+    device = resolve_device(options.device)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    started = perf_counter()
+    found, config = float_source(model_dir)
+    kind, architecture = kind_of(config)
+    arch = GGUF_ARCHS.get(str(config.get("model_type")))
+    if kind != CAUSAL_LM or arch is None:
+        raise InputError(
+            model_dir, f"calibrate runs the Llama family ({', '.join(GGUF_ARCHS)}), not "
+            f"{architecture} (model_type {config.get('model_type')!r})",
+        )  # fmt: skip
+    checkpoint = read_checkpoint(found)
+    check_counts(config, model_dir / CONFIG, checkpoint.shapes())
+    hf_config = hf.config_from(config, model_dir, "the model")
+    tokenizer = hf.tokenizer(model_dir, "the model", hf_config)
+    texts = [load_text(p, tokenizer) for p in options.texts] or [default_text()]
+    sources = take_windows(texts, tokenizer, options.tokens, options.ctx)
+    _check_window(options.ctx, hf_config, model_dir)
+    model = _empty_model(model_dir, hf_config, checkpoint)
+    windows = _interleaved(sources)
+    reader = open_reader(found)
+    loaded = perf_counter()
+    try:
+        if progress is not None:
+            progress.start(len(windows) * options.ctx * hf_config.num_hidden_layers)
+        stats, _ = run_blocks(model, reader, windows, device, model_dir, progress, observe)
+        reader.check_unchanged()
+    finally:
+        reader.close()
+    done = perf_counter()
+    imatrix = _named(stats, arch, hf_config.num_hidden_layers, options.ctx, sources, model_dir)
+    write_imatrix(out, imatrix, _provenance([_info(s) for s in sources]))
+    hidden = int(hf_config.hidden_size)
+    return CalibrateSummary(
+        model=str(model_dir),
+        output=str(out),
+        architecture=architecture,
+        datasets=tuple(_info(s) for s in sources),
+        ctx=options.ctx,
+        windows=len(windows),
+        tokens=len(windows) * options.ctx,
+        entries=len(imatrix.entries),
+        blocks=int(hf_config.num_hidden_layers),
+        device=str(device),
+        load_seconds=loaded - started,
+        run_seconds=done - loaded,
+        peak_block_bytes=_block_bytes(model),
+        activation_bytes=len(windows) * options.ctx * hidden * 4,
+    )
+
+
+def _check_window(ctx: int, hf_config: Any, path: Path) -> None:
+    longest = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(longest, int) and ctx > longest:
+        raise UsageError(
+            path, f"a window of {ctx} tokens is longer than the model's max_position_embeddings "
+            f"({longest}); choose at most {longest}",
+        )  # fmt: skip
+
+
+def _empty_model(path: Path, hf_config: Any, checkpoint: Any) -> Any:
+    """The causal LM of `hf_config` on the meta device (no memory), its config.json checked
+    against the weights first."""
+    transformers = hf.transformers_module()
+    auto = transformers.AutoModelForCausalLM
+    try:
+        cls = auto._model_mapping[type(hf_config)]
+    except KeyError:
+        raise InputError(path, f"transformers has no {auto.__name__} for this config") from None
+    check_sizes(cls, hf_config, checkpoint, path)
+    with hf.quiet(), hf.guarded(), torch.device("meta"):
+        return cls(copy.deepcopy(hf_config)).eval()
+
+
+def _interleaved(sources: list[Source]) -> list[list[int]]:
+    """The windows of every source in turn (one of each, then the next of each ...)."""
+    out = []
+    longest = max(len(s.windows) for s in sources)
+    for i in range(longest):
+        out += [s.windows[i] for s in sources if i < len(s.windows)]
+    return out
+
+
+def _named(
+    stats: dict[str, MatrixStats], arch: str, blocks: int, ctx: int, sources: list[Source],
+    path: Path,
+) -> ImportanceMatrix:  # fmt: skip
+    names = llama_names(arch, blocks, list(stats))
+    missing = [n for n in stats if n not in names]
+    if missing:
+        raise InputError(path, f"llama.cpp has no name for this {arch} weight; calibrate "
+                         "cannot key its statistics", missing[0])  # fmt: skip
+    top = max(int(s.counts.max()) for s in stats.values())
+    datasets = tuple(s.name for s in sources)
+    entries = {names[n]: s for n, s in stats.items()}
+    return ImportanceMatrix(entries, ctx, min(top // ctx, MAX_CHUNK_COUNT), datasets)
+
+
+def _info(source: Source) -> DatasetInfo:
+    return DatasetInfo(source.name, source.sha256, source.tokens)
+
+
+def _provenance(infos: Sequence[DatasetInfo]) -> dict[str, GGUFValue]:
+    """qtool's keys, one item per dataset, when every dataset has them (else none)."""
+    if not infos or any(i.sha256 is None or i.tokens is None for i in infos):
+        return {}
+    shas = tuple(str(i.sha256) for i in infos)
+    tokens = np.array([i.tokens for i in infos], dtype=np.uint64)
+    return {
+        SHA_KEY: GGUFValue(ValueType.ARRAY, shas, ValueType.STRING),
+        TOKENS_KEY: GGUFValue(ValueType.ARRAY, tokens, ValueType.UINT64),
+    }
+
+
+def _block_bytes(model: Any) -> int:
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "model")
+    return max(sum(int(p.numel()) * 4 for p in block.parameters()) for block in base.layers)
+
+
+def dataset_infos(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
+    """The datasets of an imatrix file, with qtool's SHA-256 and token counts where the file
+    holds them for every dataset (files from llama-imatrix: names only)."""
+    with GGUFFile(path) as f:
+        meta = f.header.metadata
+        shas, tokens = meta.get(SHA_KEY), meta.get(TOKENS_KEY)
+    n = len(imatrix.datasets)
+    sha_list = list(shas.value) if shas is not None and isinstance(shas.value, tuple) else []
+    token_list = [int(t) for t in tokens.value] if tokens is not None else []  # type: ignore[union-attr]
+    if len(sha_list) != n or len(token_list) != n:
+        return tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
+    return tuple(
+        DatasetInfo(d, s, t) for d, s, t in zip(imatrix.datasets, sha_list, token_list, strict=True)
+    )
+
+
+def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
+    """The importance matrices in `inputs` (GGUF or legacy .dat) added together into `out`, as
+    llama-imatrix --in-file A --in-file B ... writes them."""
+    if len(inputs) < 2:
+        raise UsageError(None, "a merge needs two or more importance matrices")
+    check_files([out], list(inputs), force)
+    matrices = [read_imatrix(p) for p in inputs]
+    infos: list[DatasetInfo] = []
+    for path, imatrix in zip(inputs, matrices, strict=True):
+        with open_regular(path) as f:
+            gguf = f.read(4) == b"GGUF"
+        plain = tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
+        infos += dataset_infos(path, imatrix) if gguf else plain
+    try:
+        joined = merge(*matrices)
+    except ValueError as err:
+        raise InputError(inputs[0], f"cannot be merged with the others: {err}") from None
+    write_imatrix(out, joined, _provenance(infos))
+    return MergeSummary(
+        tuple(str(p) for p in inputs), str(out), tuple(infos), len(joined.entries),
+        joined.chunk_size, joined.chunk_count,
+    )  # fmt: skip

@@ -1,0 +1,26 @@
+"""llama.cpp's names for a Hugging Face checkpoint's weights, as its converter
+(convert_hf_to_gguf.py) names them: what an importance matrix computed on the Hugging Face model
+must be keyed by for llama-quantize to find its entries in the GGUF of the same model.
+
+    names = llama_names("llama", 30, ["model.layers.0.self_attn.q_proj.weight", ...])
+    # {"model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight", ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# transformers' model_type -> the llama.cpp architecture its converter writes (Mistral-style
+# checkpoints are converted as llama: same tensors, same names)
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def llama_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, str]:
+    """Hugging Face name -> llama.cpp name for each of `hf_names` gguf-py's name map places,
+    for a model of llama.cpp architecture `arch` with `n_blocks` blocks (UsageError without
+    the gguf package). ValueError for more blocks than llama.cpp loads."""
+    from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
+
+    if not 0 <= n_blocks <= MAX_BLOCKS:
+        raise ValueError(f"{n_blocks} blocks: llama.cpp loads models of 0 to {MAX_BLOCKS}")
+    return gguf_names(arch, n_blocks, hf_names)

@@ -74,8 +74,10 @@ OPTION_HINTS = {
 
 
 def with_option_names(err: QtoolError) -> QtoolError:
-    """The error with its hints spelled as this command line's options, e.g. `(pass --force)`."""
-    names = [OPTION_HINTS[h] for h in err.hints if h in OPTION_HINTS]
+    """The error with its hints spelled as this command line's options, e.g. `(pass --force)`;
+    not those the message spells already."""
+    spelled = [OPTION_HINTS[h] for h in err.hints if h in OPTION_HINTS]
+    names = [name for name in spelled if name not in err.message]
     if not names:
         return err
     rendered = type(err).__new__(type(err))  # (copy.copy would re-run __init__ with args)

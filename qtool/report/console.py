@@ -47,7 +47,7 @@ from qtool.results import (
     Row,
     natural_key,
 )
-from qtool.spec import FormatName
+from qtool.spec import FormatName, QSpec
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -201,10 +201,10 @@ R = TypeVar("R", bound=Row)
 
 
 def arrange(rows: list[R], sort: str | None, top: int | None) -> list[R]:
-    """File order unless asked: name in natural order (`layers.2` before `layers.10`), worst
-    first for mse/sqnr, largest first for size. Rows without error figures sort after those
-    with them."""
-    if sort == "name":
+    """Name in natural order (`layers.2` before `layers.10`, as inspect lists them) unless asked
+    otherwise: worst first for mse/sqnr, largest first for size. Rows without error figures
+    sort after those with them."""
+    if sort in (None, "name"):
         rows = sorted(rows, key=lambda r: natural_key(r.name))
     elif sort == "mse":
         rows = sorted(rows, key=lambda r: -r.errors.mse if r.errors else math.inf)
@@ -233,7 +233,9 @@ def _shown_line(shown: int, total: int) -> str:
 def _hidden_line(hidden: list[str], stream: IO[str]) -> str:
     """The note that says which columns a narrow output hid, and how to see them."""
     width = width_of(stream)
-    where = f"a {width}-column terminal" if stream.isatty() else f"{width} columns (COLUMNS)"
+    article = "an" if str(width).startswith("8") else "a"  # an 80-column, a 100-column
+    terminal = f"{article} {width}-column terminal"
+    where = terminal if stream.isatty() else f"{width} columns (COLUMNS)"
     how = "widen the terminal" if stream.isatty() else "set COLUMNS wider"
     return f"({', '.join(hidden)} hidden to fit {where}; {how}, or use --json)"
 
@@ -309,7 +311,11 @@ def _fmt_gain(stats: ErrorStats | None) -> str:
 
 
 def _dtype_cell(r: Row) -> str:
+    """'F32→I8'; 4-bit codes, stored two to a U8 byte, as what they are: 'F32→int4'."""
     a, b = r.dtypes
+    spec = getattr(r, "spec", None)
+    if isinstance(spec, QSpec) and spec.gguf is None and spec.dtype.packed and b == "U8":
+        b = spec.dtype.value
     return f"{a}→{b}" if a != b else a
 
 
@@ -474,11 +480,12 @@ def print_inspect(summary: InspectSummary) -> None:
     if summary.type_totals is not None:  # GGUF: bits per weight of each tensor and each type
         columns.append(Column("bits/w", [(_bits(r.nbytes, r.numel), "") for r in rows], right=True))
     totals = [
-        f"{len(rows)} tensors, {summary.total_numel:,} elements, {_fmt_bytes(summary.total_bytes)}"
+        f"{_count(len(rows), 'tensor')}, {summary.total_numel:,} elements, "
+        f"{_fmt_bytes(summary.total_bytes)}"
     ]
     lines, width, hidden = _report(title, columns, totals, sys.stdout)
     for t in summary.type_totals or []:
-        text = (f"  {t.dtype}: {t.tensors} tensors, {t.numel:,} elements, "
+        text = (f"  {t.dtype}: {_count(t.tensors, 'tensor')}, {t.numel:,} elements, "
                 f"{_fmt_bytes(t.nbytes)}, {t.bits_per_weight:.2f} bits/w")  # fmt: skip
         lines += _plain(layout.phrases([text], width))
     _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None)
@@ -494,6 +501,11 @@ def print_inspect(summary: InspectSummary) -> None:
     emit(sys.stdout, lines)
     for note in summary.notes:
         print_warning(note)
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 tensor', '2 tensors'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _qinfo_text(qinfo: dict[str, object] | None) -> str:
@@ -526,7 +538,7 @@ def _manifest_parts(manifest: dict[str, object]) -> list[str]:
         f"semantics {manifest.get('semantics')!r}",
         f"qtool {manifest.get('qtool_version')}",
         f"for {safe(str(manifest.get('quantized_file')))}",
-        f"{count} quantized tensors",
+        _count(count, "quantized tensor"),
     ]
 
 

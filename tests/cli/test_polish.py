@@ -1,0 +1,68 @@
+"""Small things a new user read wrong: counts of one in the singular, "an 80-column", rows in
+the natural order inspect uses (layers.2 before layers.10) in quantize and compare, 4-bit codes
+shown as int4 rather than as the U8 bytes that hold them, and a hint the message already gave
+not repeated in brackets."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qtool.report import console
+from tests.conftest import SAMPLES, Invoke
+
+
+def test_a_count_of_one_is_singular(invoke: Invoke, tmp_path: Path) -> None:
+    q = tmp_path / "q.safetensors"
+    code, _, err = invoke("quantize", str(SAMPLES / "mlp.safetensors"), "-o", str(q),
+                          "--include", "head.weight")  # fmt: skip
+    assert code == 0, err
+    code, out, _ = invoke("inspect", str(q.with_name("q.qparams.safetensors")))
+    assert code == 0 and "1 quantized tensor" in out and "1 quantized tensors" not in out
+
+
+@pytest.mark.parametrize(("width", "words"), [(80, "an 80-column"), (100, "a 100-column")])
+def test_the_article_fits_the_width(
+    monkeypatch: pytest.MonkeyPatch, width: int, words: str
+) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(console, "width_of", lambda stream: width)
+    assert words in console._hidden_line(["shape"], Terminal())
+
+
+@pytest.fixture
+def layered(tmp_path: Path) -> Path:
+    path = tmp_path / "layers.safetensors"
+    torch.manual_seed(0)
+    save_file({f"layers.{i}.weight": torch.randn(8, 16) for i in (10, 1, 2)}, path)
+    return path
+
+
+def test_quantize_and_compare_list_rows_in_natural_order(
+    invoke: Invoke, layered: Path, tmp_path: Path
+) -> None:
+    q = tmp_path / "q.safetensors"
+    for args in (["quantize", str(layered), "-o", str(q)], ["compare", str(layered), str(q)]):
+        code, out, err = invoke(*args)
+        assert code == 0, err
+        where = [out.index(f" layers.{i}.weight") for i in (1, 2, 10)]
+        assert where == sorted(where), out
+
+
+def test_four_bit_codes_show_as_int4(invoke: Invoke) -> None:
+    code, out, _ = invoke("quantize", str(SAMPLES / "mlp.safetensors"), "--dtype", "int4",
+                          "--dry-run")  # fmt: skip
+    assert code == 0 and "F32→int4" in out and "→U8" not in out
+
+
+def test_a_hint_the_message_gives_is_not_repeated(invoke: Invoke, tmp_path: Path) -> None:
+    code, _, err = invoke("quantize", str(SAMPLES / "mlp.safetensors"), "--format",
+                          "compressed-tensors", "-o", str(tmp_path / "o"))  # fmt: skip
+    assert code == 2 and err.count("--config PATH") == 1, err

@@ -48,7 +48,7 @@ SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"
 class CalibrateOptions:
     texts: tuple[Path, ...] = ()  # none: data.default_text()
     tokens: int = DEFAULT_TOKENS
-    ctx: int = DEFAULT_CTX
+    ctx: int | None = None  # None: DEFAULT_CTX, or the model's max_position_embeddings if less
     device: str = "cpu"
     force: bool = False
     threads: int | None = None
@@ -61,11 +61,8 @@ def calibrate(
     progress: Progress | None = None,
     observe: BlockObserver | None = None,
 ) -> CalibrateSummary:
-    if options.ctx < 1:
-        raise UsageError(None, f"a window of {options.ctx} tokens holds nothing; give 1 or more")
-    if options.tokens < options.ctx:
-        raise UsageError(None, f"{options.tokens} tokens do not fill one window of "
-                         f"{options.ctx}; ask for at least {options.ctx}")  # fmt: skip
+    if options.ctx is not None:
+        _check_tokens(options.tokens, options.ctx)
     check_files([out], [model_dir, *options.texts], options.force)
     device = resolve_device(options.device)
     if options.threads is not None:
@@ -83,22 +80,23 @@ def calibrate(
     check_counts(config, model_dir / CONFIG, checkpoint.shapes())
     hf_config = hf.config_from(config, model_dir, "the model")
     tokenizer = hf.tokenizer(model_dir, "the model", hf_config)
+    ctx = _window(options.ctx, hf_config, model_dir)
+    _check_tokens(options.tokens, ctx)
     texts = [load_text(p, tokenizer) for p in options.texts] or [default_text()]
-    sources = take_windows(texts, tokenizer, options.tokens, options.ctx)
-    _check_window(options.ctx, hf_config, model_dir)
+    sources = take_windows(texts, tokenizer, options.tokens, ctx)
     model = _empty_model(model_dir, hf_config, checkpoint)
     windows = _interleaved(sources)
     reader = open_reader(found)
     loaded = perf_counter()
     try:
         if progress is not None:
-            progress.start(len(windows) * options.ctx * hf_config.num_hidden_layers)
+            progress.start(len(windows) * ctx * hf_config.num_hidden_layers)
         stats, _ = run_blocks(model, reader, windows, device, model_dir, progress, observe)
         reader.check_unchanged()
     finally:
         reader.close()
     done = perf_counter()
-    imatrix = _named(stats, arch, hf_config.num_hidden_layers, options.ctx, sources, model_dir)
+    imatrix = _named(stats, arch, hf_config.num_hidden_layers, ctx, sources, model_dir)
     write_imatrix(out, imatrix, _provenance([_info(s) for s in sources]))
     hidden = int(hf_config.hidden_size)
     return CalibrateSummary(
@@ -106,26 +104,42 @@ def calibrate(
         output=str(out),
         architecture=architecture,
         datasets=tuple(_info(s) for s in sources),
-        ctx=options.ctx,
+        ctx=ctx,
         windows=len(windows),
-        tokens=len(windows) * options.ctx,
+        tokens=len(windows) * ctx,
         entries=len(imatrix.entries),
         blocks=int(hf_config.num_hidden_layers),
         device=str(device),
         load_seconds=loaded - started,
         run_seconds=done - loaded,
         peak_block_bytes=_block_bytes(model),
-        activation_bytes=len(windows) * options.ctx * hidden * 4,
+        activation_bytes=len(windows) * ctx * hidden * 4,
     )
 
 
-def _check_window(ctx: int, hf_config: Any, path: Path) -> None:
-    longest = getattr(hf_config, "max_position_embeddings", None)
-    if isinstance(longest, int) and ctx > longest:
+def _check_tokens(tokens: int, ctx: int) -> None:
+    if ctx < 1:
+        raise UsageError(None, f"a window of {ctx} tokens holds nothing; give 1 or more")
+    if tokens < ctx:
         raise UsageError(
-            path, f"a window of {ctx} tokens is longer than the model's max_position_embeddings "
+            None, f"{tokens} tokens do not fill one window of {ctx}; ask for at least {ctx}"
+        )
+
+
+def _window(asked: int | None, hf_config: Any, path: Path) -> int:
+    """`asked`, else DEFAULT_CTX or the model's max_position_embeddings if less (UsageError
+    when `asked` is longer than that)."""
+    longest = getattr(hf_config, "max_position_embeddings", None)
+    if not isinstance(longest, int) or longest < 1:
+        return DEFAULT_CTX if asked is None else asked
+    if asked is None:
+        return min(DEFAULT_CTX, longest)
+    if asked > longest:
+        raise UsageError(
+            path, f"a window of {asked} tokens is longer than the model's max_position_embeddings "
             f"({longest}); choose at most {longest}",
         )  # fmt: skip
+    return asked
 
 
 def _empty_model(path: Path, hf_config: Any, checkpoint: Any) -> Any:

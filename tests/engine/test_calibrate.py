@@ -178,3 +178,14 @@ def test_the_file_is_llama_cpps_format_with_qtools_provenance(
     assert tensors["blk.0.ffn_down.weight.in_sum2"].shape.tolist() == [128]
     assert tensors["blk.1.attn_q.weight.counts"].data.tolist() == [2 * CTX]
     assert len(tensors) == 2 * 7 * 2
+
+
+def test_every_window_starts_with_bos_as_llama_imatrix_chunks_do(models: dict[str, Path]) -> None:
+    config = transformers.AutoConfig.from_pretrained(models["llama"])
+    tokenizer = hf.tokenizer(models["llama"], "the model", config)
+    text = read_text(_texts(models)[0])
+    ids = tokenizer.ids(text.content)
+    (source,) = take_windows([text], tokenizer, 3 * CTX + 5, CTX)
+    assert ids[0] == 1 and len(source.windows) == 3
+    for i, window in enumerate(source.windows):
+        assert window == [1, *ids[i * CTX + 1 : (i + 1) * CTX]]

@@ -3,8 +3,9 @@ library, not eval's pydoc_data topics), text files and JSONL (`text` fields, or 
 rendered through the model's chat template), several sources mixed window by window.
 
 Windows are `ctx` tokens, non-overlapping, whole (a shorter tail is dropped, as llama-imatrix
-drops it); with several sources, windows are taken from each in turn, so that `--tokens` draws
-on all of them."""
+drops it); when the tokenizer starts a text with BOS, every window's first token is replaced by
+BOS, as llama-imatrix does with its chunks. With several sources, windows are taken from each in
+turn, so that `--tokens` draws on all of them."""
 
 from __future__ import annotations
 
@@ -121,6 +122,9 @@ def take_windows(texts: list[Text], tokenizer: Tokenizer, tokens: int, ctx: int)
     for text in texts:
         ids = leading_ids(tokenizer, text.content, wanted * ctx)  # one may give them all
         windows = [ids[s : s + ctx] for s in range(0, len(ids) - ctx + 1, ctx)]
+        bos = getattr(tokenizer.backend, "bos_token_id", None)
+        if windows and isinstance(bos, int) and ids[0] == bos and ctx > 1:
+            windows = [[bos, *w[1:]] for w in windows]  # each window starts a sequence
         if not windows:
             raise InputError(text.source, f"gives {len(ids)} tokens, fewer than one window of "
                              f"{ctx}; give more text or a shorter window")  # fmt: skip

@@ -311,11 +311,12 @@ def _fmt_gain(stats: ErrorStats | None) -> str:
 
 
 def _dtype_cell(r: Row) -> str:
-    """'F32→I8'; 4-bit codes, stored two to a U8 byte, as what they are: 'F32→int4'."""
+    """'F32→I8'; 4-bit codes, stored two to a U8 byte, as what they are: 'F32→I4' (int4),
+    'F32→U4' (uint4)."""
     a, b = r.dtypes
     spec = getattr(r, "spec", None)
     if isinstance(spec, QSpec) and spec.gguf is None and spec.dtype.packed and b == "U8":
-        b = spec.dtype.value
+        b = f"{'I' if spec.dtype.signed else 'U'}{spec.dtype.bits}"
     return f"{a}→{b}" if a != b else a
 
 

@@ -1,6 +1,6 @@
 """Small things a new user read wrong: counts of one in the singular, "an 80-column", rows in
 the natural order inspect uses (layers.2 before layers.10) in quantize and compare, 4-bit codes
-shown as int4 rather than as the U8 bytes that hold them, and a hint the message already gave
+shown as I4 (int4) rather than as the U8 bytes that hold them, and a hint the message already gave
 not repeated in brackets."""
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def test_quantize_and_compare_list_rows_in_natural_order(
         assert where == sorted(where), out
 
 
-def test_four_bit_codes_show_as_int4(invoke: Invoke) -> None:
+def test_four_bit_codes_show_as_4_bit_integers(invoke: Invoke) -> None:
     code, out, _ = invoke("quantize", str(SAMPLES / "mlp.safetensors"), "--dtype", "int4",
                           "--dry-run")  # fmt: skip
-    assert code == 0 and "F32→int4" in out and "→U8" not in out
+    assert code == 0 and "F32→I4" in out and "→U8" not in out
 
 
 def test_a_hint_the_message_gives_is_not_repeated(invoke: Invoke, tmp_path: Path) -> None:

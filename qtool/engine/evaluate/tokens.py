@@ -3,10 +3,11 @@ tokens; QUANT's own tokenizer, when its directory has one, must give the same id
 
 Only as much text reaches a tokenizer as the tokens asked for need (a 16 MB --text with
 --tokens 20 took 149 s and 7.9 GB when tokenized whole): `leading_ids` tokenizes prefixes of
-growing length, cut at white space, and stops once two of them agree on the tokens wanted, far
-enough from the cut that text after it cannot change them. The ids are the whole text's (a test
-compares them on ordinary and adversarial texts); a tokenizer whose early tokens depend on text
-far ahead is given longer prefixes, up to the whole text."""
+doubling length, each ending before white space, and stops once two of them agree on the tokens
+wanted, SLACK tokens or more before the shorter one's end, so that the text after the cut
+cannot change them. The ids are the whole text's (tests/eval/test_eval_tokens.py compares them
+on ordinary and adversarial texts); a tokenizer whose early tokens depend on text far ahead is
+given longer prefixes, up to the whole text."""
 
 from __future__ import annotations
 
@@ -25,38 +26,27 @@ SLACK = 16
 """Tokens beyond those wanted that a prefix must give: the last ones may be a word cut in two,
 or special tokens closing the sequence."""
 _SPACE = re.compile(r"\s")
-_CUT_SEARCH = 4096
 
 
 def leading_ids(tokenizer: Tokenizer, text: str, limit: int, truncate: bool = False) -> list[int]:
     """The first `limit` ids of `text` (truncate: the ids of `text` truncated to `limit` by the
-    tokenizer, special tokens kept), as the whole text gives them."""
+    tokenizer, special tokens kept), as the whole text gives them. A prefix ends before white
+    space (a word cut in two may tokenize otherwise, WordPiece makes a long word [UNK]); a text
+    without white space after the first prefix is tokenized whole."""
     size = max(MIN_PREFIX, CHARS_PER_TOKEN * limit)
     previous: list[int] | None = None
     while size < len(text):
-        ids = tokenizer.ids(text[: _cut(text, size)], limit if truncate else None)
-        if _settled(ids, previous, limit, truncate):
-            return ids[:limit]
+        found = _SPACE.search(text, size)
+        if found is None:
+            break
+        prefix = text[: found.start()]
+        ids = tokenizer.ids(prefix)
+        far = previous is not None and len(previous) >= limit + SLACK
+        if far and ids[:limit] == (previous or [])[:limit]:  # what follows changes nothing
+            return tokenizer.ids(prefix, limit) if truncate else ids[:limit]
         previous = ids
-        size *= 2
+        size = max(2 * size, found.end())
     return tokenizer.ids(text, limit if truncate else None)[:limit]
-
-
-def _settled(ids: list[int], previous: list[int] | None, limit: int, truncate: bool) -> bool:
-    """Whether a prefix's ids and the shorter one's before it agree on the ids wanted, far
-    from the shorter one's cut (truncated: both cut by the tokenizer at `limit`, identical)."""
-    if previous is None:
-        return False
-    if truncate:
-        return len(ids) == limit and ids == previous
-    return len(previous) >= limit + SLACK and ids[:limit] == previous[:limit]
-
-
-def _cut(text: str, size: int) -> int:
-    """Where a prefix of about `size` characters ends: before the first white space from
-    `size` on (a word is not cut in two), or at `size` when none is near."""
-    found = _SPACE.search(text, size, size + _CUT_SEARCH)
-    return found.start() if found else size
 
 
 def causal_tokens(

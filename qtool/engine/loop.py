@@ -198,12 +198,14 @@ def quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
-    except (MemoryError, OSError) as err:  # read whole (a GGUF block type, per tensor): too big
+    except (MemoryError, OSError) as err:  # read whole (per tensor), or its codes: too big
         if isinstance(err, OSError) and err.errno != errno.ENOMEM:
             raise
+        sliced = reader is not None and slab_rows(plan, workspace.device) is not None
+        what = "its codes" if sliced else "read whole to be quantized so"
         raise InputError(
             ckpt.path, f"its {plan.entry.nbytes:,} bytes do not fit in the memory qtool may use "
-            "(read whole to be quantized so); free memory, raise the limit or exclude it",
+            f"({what}); free memory, raise the limit or exclude it",
             plan.entry.name, hint="exclude",
         ) from None  # fmt: skip
 

@@ -9,6 +9,11 @@ the error sums added. The codes and qparams are those of one call on the whole t
 bit; the float64 error sums are added in another order (a difference of an ulp or two).
 Memory: one slab instead of the whole tensor, in memory already touched; and progress moves
 within the tensor, slab by slab.
+
+A GGUF block type is the same case: ggml quantizes each row (the last dimension, whole blocks)
+on its own, so a slab of rows gives its rows' blocks, which go to their place in the (rows,
+row_bytes) code buffer, and the block scales are concatenated: the bytes of one call on the
+whole tensor. Only the codes (the output's own size) are held whole.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 from qtool.engine.decision import TensorPlan
 from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint
 from qtool.io.readbuffer import ReadBuffer
-from qtool.numerics import kernels, select
+from qtool.numerics import kernels
 from qtool.numerics.kernels import TORCH_STORAGE, QuantizedTensor
+from qtool.numerics.quantize import quantize_tensor
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, combine
 from qtool.spec import PerChannel, PerGroup, packed_shape
@@ -47,19 +53,14 @@ class Reader:
 
 def slab_rows(plan: TensorPlan, device: torch.device) -> int | None:
     """Rows per slab when the tensor is read and quantized a slab at a time (a CPU run, rows
-    quantized on their own, over SLAB_BYTES, at least two slabs); None: read it whole (a GGUF
-    block type: numerics/gguf quantizes whole tensors)."""
+    quantized on their own: per channel, per group or a GGUF block type; over SLAB_BYTES, at
+    least two slabs); None: read it whole."""
     spec, entry = plan.spec, plan.entry
-    if (
-        spec is None
-        or spec.gguf is not None
-        or device.type != "cpu"
-        or len(entry.shape) < 2
-        or entry.numel == 0
-    ):
+    if spec is None or device.type != "cpu" or len(entry.shape) < 2 or entry.numel == 0:
         return None
     g = spec.granularity
-    if not (isinstance(g, PerGroup) or g == PerChannel(0)) or entry.nbytes <= SLAB_BYTES:
+    by_rows = spec.gguf is not None or isinstance(g, PerGroup) or g == PerChannel(0)
+    if not by_rows or entry.nbytes <= SLAB_BYTES:
         return None
     rows = max(1, SLAB_BYTES // (entry.nbytes // entry.shape[0]))
     return rows if rows < entry.shape[0] else None
@@ -79,22 +80,41 @@ def quantize_by_slabs(
     assert spec is not None
     dtype = ST_TO_TORCH[entry.dtype]
     scale_dtype = dtype if weight_dtype else torch.float32
-    stored = packed_shape(entry.shape) if spec.dtype.packed else entry.shape
-    codes = out.codes(tuple(stored), TORCH_STORAGE[spec.dtype])
+    codes, per_row = _codes(plan, out)
     parts: list[QuantizedTensor] = []
     for start in range(0, entry.shape[0], rows):
         stop = min(start + rows, entry.shape[0])
         x = ckpt.rows(entry, start, stop, reader.buffer)
         try:
-            part = select.quantize_tensor(
+            part = quantize_tensor(
                 x, spec, workspace=reader.slab_workspace, scale_dtype=scale_dtype
             )
         except NonFiniteInput as err:
             raise NonFiniteInput(err.count and _nonfinite(ckpt, plan, reader)) from None
-        codes[start:stop].copy_(part.q)
+        codes[start * per_row : stop * per_row].copy_(part.q)
         parts.append(_without_codes(part))
         reader.advance(entry.name, x.numel() * x.element_size())
     return _joined(parts, codes)
+
+
+def _codes(plan: TensorPlan, out: kernels.Workspace) -> tuple[torch.Tensor, int]:
+    """The tensor's code buffer in `out` and how many of its rows one row of the tensor's
+    first dimension gives: 1 for qtool's grids (codes in the tensor's shape, 4-bit packed),
+    the rows of the other dimensions but the last for a GGUF type ((rows, row_bytes) blocks).
+    MemoryError when even the codes do not fit."""
+    spec, shape = plan.spec, plan.entry.shape
+    assert spec is not None
+    try:
+        if spec.gguf is not None:
+            per_row = math.prod(shape[1:-1])
+            row_bytes = spec.gguf.row_bytes(shape[-1])
+            return out.codes((shape[0] * per_row, row_bytes), torch.uint8), per_row
+        stored = packed_shape(shape) if spec.dtype.packed else shape
+        return out.codes(tuple(stored), TORCH_STORAGE[spec.dtype]), 1
+    except RuntimeError as err:  # torch's allocator: "can't allocate memory"
+        if "allocate" not in str(err):
+            raise
+        raise MemoryError(str(err)) from None
 
 
 def _without_codes(part: QuantizedTensor) -> QuantizedTensor:

@@ -1,6 +1,8 @@
 """The one door to transformers, the optional `interop` extra: imported only here and only when
 `qtool eval` runs (never at start-up), offline, with its chatter (log lines, progress bars,
-warnings) kept off qtool's streams, and its failures turned into one line naming the path."""
+warnings, a Rust panic's backtrace) kept off qtool's streams, and its failures turned into one
+line naming the path. It is given objects qtool built (configs, state dicts) and a private
+copy of the tokenizer files (checked.py), never a path into the user's directories."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ TOKENIZER_FILES = frozenset(
         "sentencepiece.bpe.model",
     }
 )  # fmt: skip
-# chat templates, generation configs, custom code: eval uses none of them, so none is copied
+# (chat templates, generation configs, custom code: eval uses none of them, so none is copied)
+
 # a tokenizer needs one of these (the others only configure it), in the order transformers'
 # fast tokenizers prefer them
 VOCABULARY_FILES = (

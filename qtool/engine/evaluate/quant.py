@@ -3,7 +3,9 @@ claims it (LOADERS, in order):
 
 - a compressed-tensors model directory (whoever wrote it) is loaded by transformers itself, as
   a user would serve it: the default path, or `dequantize=True` for asymmetric schemes (the
-  default path cannot load those: docs/formats.md), then its weights are checked to be there;
+  default path cannot load those: docs/formats.md), then its weights are checked to be there.
+  Its tensors as stored are read by qtool (through the directory's descriptor) and handed to
+  transformers as a state dict with the config qtool read: transformers opens no file of it;
 - anything else qtool reads (a qtool-quantized file with its sidecar, a sharded set, a float
   checkpoint or model directory) is read through qtool's readers, dequantized in memory to the
   dtype a consumer restores, and loaded into FLOAT's architecture by transformers (never

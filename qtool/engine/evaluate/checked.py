@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from qtool.errors import InputError
+from qtool.errors import InputError, OutputError
 from qtool.io.jsonfile import parse_json
 from qtool.io.safeopen import InputDir
 
@@ -37,7 +37,11 @@ def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
     """A private directory holding the files `names` of the model directory `path` that exist
     there, each checked and copied (InputError naming the file otherwise); removed on exit."""
     within = InputDir(path)
-    scratch = Path(tempfile.mkdtemp(prefix="qtool-eval-"))  # 0700, a name only qtool makes
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix="qtool-eval-"))  # 0700, a name only qtool makes
+    except OSError as err:
+        within.close()
+        raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
     try:
         total = 0
         for name in sorted(set(names) & set(within.names())):
@@ -51,14 +55,18 @@ def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
             if name.endswith(".json"):
                 parse_json(data, path / name, name)  # what the library would choke on
             _write_new(scratch / name, data)
-        within.close()
         yield scratch
     finally:
         within.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _write_new(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    try:
+        with os.fdopen(os.open(path, _NEW_FILE, 0o600), "wb") as f:
+            f.write(data)
+    except OSError as err:
+        raise OutputError(path.parent, f"cannot copy the tokenizer files here: {err}") from None

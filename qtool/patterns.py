@@ -31,14 +31,16 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import TypeVar
 
 MAX_PATTERN_CHARS = 1_000
 MATCH_LIMIT_S = 0.5
 TOTAL_LIMIT_S = 5.0
 TICK_S = 0.05
+_T = TypeVar("_T")
 _REMEMBERED = 1 << 16  # results kept (pattern, name, full) -> bool; cleared when full
 
 
@@ -67,9 +69,9 @@ class _Budget:
         slowest = max(self.by_pattern, key=self.by_pattern.__getitem__, default=pattern)
         share = self.by_pattern.get(slowest, 0.0)
         return PatternError(
-            f"regular expressions took over {TOTAL_LIMIT_S:g} s in total to compile and match "
+            f"patterns took over {TOTAL_LIMIT_S:g} s in total to compile and match "
             f"({len(self.by_pattern):,} patterns, {self.count:,} matches; the slowest, "
-            f"{_shown(slowest)}, took {share:.2f} s); qtool refuses them: use fewer, simpler "
+            f"{slowest}, took {share:.2f} s); qtool refuses them: use fewer, simpler "
             "patterns (anchor them; avoid repeated .* and nested repetition)"
         )
 
@@ -112,33 +114,55 @@ def matches(pattern: str, name: str, *, full: bool = False) -> bool:
 
 
 def _timed_match(pattern: str, name: str, full: bool) -> bool:
+    rx: list[re.Pattern[str]] = []
+
+    def work() -> bool:
+        rx.append(compiled(pattern))
+        found = rx[0].fullmatch(name) if full else rx[0].match(name)
+        return found is not None
+
+    doing: Callable[[], str] = lambda: f"to match {name[:80]!r}" if rx else "to compile"  # noqa: E731
+    return _charged(f"regular expression {_shown(pattern)}", work, doing)
+
+
+def timed(label: str, work: Callable[[], _T], name: str = "") -> _T:
+    """`work()` (compiling or matching patterns from a file that are not `re:` ones: a
+    recipe's globs) under the same limits as a regular expression, charged to `label` (how an
+    error names the patterns); `name`: the name being matched, for the error."""
+    doing: Callable[[], str] = lambda: f"to match {name[:80]!r}" if name else "to compile"  # noqa: E731
+    if getattr(_state, "depth", 0):
+        return _charged(label, work, doing)
+    with bounded():
+        return _charged(label, work, doing)
+
+
+def _charged(label: str, work: Callable[[], _T], doing: Callable[[], str]) -> _T:
+    """Run `work` inside the current bounded() block: PatternError when the block's budget is
+    spent, or when this one call takes over MATCH_LIMIT_S (stopped by the ticking timer on the
+    main thread, found out afterwards elsewhere)."""
     budget: _Budget = _state.budget
     if budget.spent >= TOTAL_LIMIT_S:
-        raise budget.exhausted(pattern)
+        raise budget.exhausted(label)
     started = time.perf_counter()
-    expired = compiling = False
+    expired = False
     try:
         _state.started = started
         try:
-            compiling = True
-            rx = compiled(pattern)
-            compiling = False
-            found = rx.fullmatch(name) if full else rx.match(name)
+            result = work()
         finally:
             _state.started = None
-    except _Expired:  # also a tick delivered just after the match ended
-        found, expired = None, True
+    except _Expired:  # also a tick delivered just after the work ended
+        expired = True
     took = time.perf_counter() - started
-    budget.add(pattern, took)
+    budget.add(label, took)
     if budget.spent > TOTAL_LIMIT_S:
-        raise budget.exhausted(pattern)
-    if expired or took > MATCH_LIMIT_S:  # off the main thread: found out afterwards
-        doing = "to compile" if compiling else f"to match {name[:80]!r}"
+        raise budget.exhausted(label)
+    if expired or took > MATCH_LIMIT_S:
         raise PatternError(
-            f"regular expression {_shown(pattern)} took over {MATCH_LIMIT_S} s {doing} "
-            "(it backtracks catastrophically); qtool refuses it"
+            f"{label} took over {MATCH_LIMIT_S} s {doing()} (it backtracks catastrophically); "
+            "qtool refuses it"
         )
-    return found is not None
+    return result
 
 
 def _shown(pattern: str) -> str:

@@ -23,6 +23,7 @@ the final decision (`planned_row`).
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,10 @@ class QuantizeOptions:
         object.__setattr__(self, "format", FormatName(self.format))
         object.__setattr__(self, "group_fallback", GroupFallback(self.group_fallback))
 
-    @property
+    @functools.cached_property
     def rules(self) -> tuple[Rule, ...]:
-        """Every rule in the order tried: --exclude, the recipe's, --include."""
+        """Every rule in the order tried: --exclude, the recipe's, --include (one tuple, so
+        its matcher is built once: recipe/rules.py)."""
         recipe_rules = self.recipe.rules if self.recipe is not None else ()
         return rules_from_cli(self.include, self.exclude, recipe_rules)
 

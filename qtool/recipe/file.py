@@ -34,7 +34,7 @@ import tomllib
 from qtool import patterns
 from qtool.errors import InputError, RecipeError
 from qtool.io.safeopen import read_bounded
-from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind
+from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind, is_wildcard
 from qtool.recipe.tomllines import TomlPath, line_of, toml_lines
 from qtool.spec import (
     Granularity,
@@ -56,6 +56,7 @@ RULE_KEYS = ("match", "keep", *SPEC_KEYS)
 LADDER_KEYS = ("scheme", "dtype", "granularity", "group_size", "range")
 TOP_KEYS = ("rule", "ladder")
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of rules; a bigger file is a wrong path
+MAX_PATTERNS = 1_000  # rules matching by glob with a wildcard or re: (docs/reliability.md)
 
 _E = TypeVar("_E", Scheme, StorageDtype, RangeMethod)
 
@@ -79,6 +80,7 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
         raise RecipeError(path, f"not valid TOML: {err}") from None
     except RecursionError:
         raise RecipeError(path, "not valid TOML: nested too deeply") from None
+    _check_pattern_count(doc, path)  # before the line map of a huge recipe is built
     check = _Checker(path, toml_lines(text))
     for key in doc:
         if key not in TOP_KEYS:
@@ -89,6 +91,23 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
     rules = tuple(check.rule(i, table) for i, table in enumerate(tables))
     ladder = check.ladder(doc["ladder"]) if "ladder" in doc else None
     return Recipe(path, rules, ladder)
+
+
+def _check_pattern_count(doc: dict[str, object], path: str) -> None:
+    """RecipeError for a recipe of more than MAX_PATTERNS globs with a wildcard and `re:`
+    patterns (literal names cost one dict lookup whatever their number)."""
+    tables = doc.get("rule")
+    if not isinstance(tables, list):
+        return
+    found = [t.get("match") for t in tables if isinstance(t, dict)]
+    count = sum(1 for m in found if isinstance(m, str) and (m.startswith("re:") or is_wildcard(m)))
+    if count > MAX_PATTERNS:
+        raise RecipeError(
+            path,
+            f"{count:,} rules match by pattern (a glob with * ? [ or re:), over {MAX_PATTERNS:,}: "
+            "a recipe is a page of rules; name tensors literally, or merge rules into fewer "
+            "patterns",
+        )
 
 
 class _Checker:
@@ -164,6 +183,11 @@ class _Checker:
                 patterns.compiled(match[3:])
             except patterns.PatternError as err:
                 self.fail((*at, "match"), str(err))
+        elif len(match) > patterns.MAX_PATTERN_CHARS:
+            self.fail(
+                (*at, "match"),
+                f"a glob of {len(match):,} characters (over {patterns.MAX_PATTERN_CHARS:,})",
+            )
         return match
 
     def _reason(self, at: TomlPath, keep: object) -> str:

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-from collections.abc import Iterable
+import functools
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from qtool import patterns
 from qtool.dtypes import FLOAT_DTYPES
@@ -73,13 +75,33 @@ class Rule:
     file: str | None = None
 
     def matches(self, name: str) -> bool:
-        """Glob on the whole name, or `re:` + a regular expression matching the whole name."""
-        if self.pattern.startswith("re:"):  # bounded: a recipe's pattern cannot hang qtool
+        """Glob on the whole name, or `re:` + a regular expression matching the whole name;
+        both bounded (patterns.py): a recipe's patterns cannot hang qtool."""
+        if self.pattern.startswith("re:"):
             try:
                 return patterns.matches(self.pattern[3:], name, full=True)
             except patterns.PatternError as err:
                 raise RecipeError(self.file, f"line {self.line}: {err}") from None
-        return fnmatch.fnmatchcase(name, self.pattern)
+        if not is_wildcard(self.pattern):
+            return name == self.pattern
+        rx = _glob(self.pattern)
+        return self._bounded(f"glob {self.pattern!r}", lambda: rx.match(name) is not None, name)
+
+    def any_of(self, names: Iterable[str]) -> bool:
+        """Whether the pattern matches any of `names` (bounded as `matches`)."""
+        if self.pattern.startswith("re:") or not is_wildcard(self.pattern):
+            return any(self.matches(n) for n in names)
+        rx = _glob(self.pattern)
+        return self._bounded(
+            f"glob {self.pattern!r}", lambda: any(rx.match(n) for n in names), "the names"
+        )
+
+    def _bounded(self, label: str, work: Callable[[], _T], name: str) -> _T:
+        try:
+            return patterns.timed(label, work, name)
+        except patterns.PatternError as err:
+            where = f"line {self.line}: " if self.line else ""
+            raise RecipeError(self.file, f"{where}{err}") from None
 
     def describe(self) -> str:
         """Label for tables: rule 3 'mlp.*', or --exclude 'embed.*'."""
@@ -142,8 +164,9 @@ def resolve(
 ) -> Resolution:
     """What happens to `entry` (first matching rule wins; see the module docstring).
     RecipeError / InputError (naming `checkpoint`) for an axis the tensor lacks."""
-    rule = next((r for r in rules if r.matches(entry.name)), None)
-    if rule is None and any(r.kind is RuleKind.INCLUDE for r in rules):
+    matcher = _matcher(rules)
+    rule = matcher.first(entry.name)
+    if rule is None and matcher.includes:
         return Resolution(None, Keep("not matched by --include"), by_rule=True)
     action = rule.action if rule is not None else SpecPatch()
     if isinstance(action, Keep):
@@ -171,10 +194,142 @@ def selection_reason(entry: Entry, *, small: bool = False) -> str | None:
 
 
 def unmatched(rules: Iterable[Rule], names: Iterable[str]) -> list[Rule]:
-    """The rules whose pattern matches none of `names` (each worth a one-line warning)."""
-    names = list(names)
+    """The rules whose pattern matches none of `names` (each worth a one-line warning): the
+    rules that decide some name are known from one pass; literal names are looked up; a glob
+    whose literal run is in no name is known to match none (one search of all names joined);
+    only the rest are tried on every name, within the same time budget."""
+    rules, present = tuple(rules), set(names)
+    matcher = _matcher(rules)
+    joined = "\0".join(present)
     with patterns.bounded():  # one time budget for the recipe's patterns over every name
-        return [r for r in rules if not any(r.matches(n) for n in names)]
+        deciding = {id(matcher.first(n)) for n in present}
+        left = []
+        for r in rules:
+            if id(r) in deciding:
+                continue
+            if not _is_pattern(r.pattern):
+                matched = r.pattern in present
+            elif r.pattern.startswith("re:"):
+                matched = r.any_of(present)
+            else:  # a run in no name: the glob matches none (a hit may span two names: try)
+                found = r._bounded(f"glob {r.pattern!r}", _search(r.pattern, joined), "the names")
+                matched = found and r.any_of(present)
+            if not matched:
+                left.append(r)
+        return left
+
+
+# -- matching many rules against many names ---------------------------------------------------
+
+_T = TypeVar("_T")
+_WILDCARD = re.compile(r"[*?\[]")
+
+
+def is_wildcard(glob: str) -> bool:
+    """Whether a glob has a wildcard (`*`, `?`, `[`); without one it matches only itself."""
+    return _WILDCARD.search(glob) is not None
+
+
+def _is_pattern(pattern: str) -> bool:
+    return pattern.startswith("re:") or is_wildcard(pattern)
+
+
+@functools.lru_cache(maxsize=4096)
+def _glob(pattern: str) -> re.Pattern[str]:
+    return re.compile(fnmatch.translate(pattern))
+
+
+class _Matcher:
+    """The first of `rules` whose pattern matches a name, without trying the globs that cannot
+    match it: literal names are one dict; a glob with a literal prefix is tried only on the
+    names that begin with it (a dict per prefix length), one that begins with a wildcard only
+    on the names that hold its longest literal run (a substring test in C: `*q00001*` is never
+    run as a regular expression over a name without `q00001`). The candidates are then tried
+    in rule order, each compile and match charged to the bounded() time budget as `re:`
+    patterns are. Answers are remembered per name."""
+
+    def __init__(self, rules: tuple[Rule, ...]) -> None:
+        self.rules = rules
+        self.literal: dict[str, int] = {}
+        self.prefixed: dict[str, list[int]] = {}  # literal prefix -> its globs, in order
+        self.inner: dict[str, dict[str, list[int]]] = {}  # a literal run's first two
+        # characters -> the run -> the globs beginning with a wildcard that hold it
+        self.anywhere: list[int] = []  # globs with no literal character (`*`, `?*`)
+        self.regexes: list[int] = []  # the `re:` rules, in order
+        for i, rule in enumerate(rules):
+            p = rule.pattern
+            if p.startswith("re:"):
+                self.regexes.append(i)
+            elif not is_wildcard(p):
+                self.literal.setdefault(p, i)
+            elif prefix := p[: _WILDCARD.search(p).start()]:  # type: ignore[union-attr]
+                self.prefixed.setdefault(prefix, []).append(i)
+            elif len(run := _literal_run(p)) >= 2:
+                self.inner.setdefault(run[:2], {}).setdefault(run, []).append(i)
+            else:
+                self.anywhere.append(i)
+        self.lengths = sorted({len(prefix) for prefix in self.prefixed})
+        self.includes = any(r.kind is RuleKind.INCLUDE for r in rules)
+        self.known: dict[str, Rule | None] = {}
+
+    def first(self, name: str) -> Rule | None:
+        if name in self.known:
+            return self.known[name]
+        best = self.literal.get(name, len(self.rules))
+        globs: list[int] = []
+        if self.prefixed or self.inner or self.anywhere:
+            first = self.rules[0]
+            globs = first._bounded("the recipe's globs", lambda: self._candidates(name), name)
+        for candidates in (globs, self.regexes):
+            for i in candidates:
+                if i >= best:
+                    break
+                if self.rules[i].matches(name):
+                    best = i
+                    break
+        rule = self.rules[best] if best < len(self.rules) else None
+        self.known[name] = rule
+        return rule
+
+    def _candidates(self, name: str) -> list[int]:
+        """The globs that may match `name`, in rule order."""
+        found = list(self.anywhere)
+        for n in self.lengths:
+            if n > len(name):
+                break
+            found += self.prefixed.get(name[:n], ())
+        pairs = {name[j : j + 2] for j in range(len(name) - 1)}
+        for pair in pairs.intersection(self.inner) if self.inner else ():
+            for run, globs in self.inner[pair].items():
+                if run in name:
+                    found += globs
+        return sorted(found)
+
+
+def _search(glob: str, joined: str) -> Callable[[], bool]:
+    """Whether `glob`'s literal run is somewhere in `joined` (all names), as work to time."""
+    run = _literal_run(glob)
+    return lambda: run in joined
+
+
+def _literal_run(glob: str) -> str:
+    """The longest run of literal characters that every name `glob` matches holds, looked for
+    only before its first `[` (what follows may be inside a set); "" when there is none."""
+    head = glob.split("[", 1)[0]
+    return max(re.split(r"[*?]", head), key=len)
+
+
+_last: list[tuple[tuple[Rule, ...], _Matcher]] = []
+
+
+def _matcher(rules: tuple[Rule, ...]) -> _Matcher:
+    """The matcher of `rules`, built once for the same tuple (QuantizeOptions keeps its
+    rules), so a model's tensors are resolved in one pass."""
+    if _last and _last[0][0] is rules:
+        return _last[0][1]
+    matcher = _Matcher(rules)
+    _last[:] = [(rules, matcher)]
+    return matcher
 
 
 def _axis_error(

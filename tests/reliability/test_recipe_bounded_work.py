@@ -1,0 +1,69 @@
+"""Issue 28, class 3 (recipes): the work of matching a recipe is bounded by what the model
+holds, never by a number of patterns in a file. A 1 MB recipe of 29,000 globs took 87 s for
+1,000 tensors and over 10 minutes for 10,000: every glob was tried on every name, twice (to
+resolve, then to warn of rules that match nothing), and only `re:` patterns had a time budget.
+Now a recipe of more than MAX_PATTERNS pattern rules is refused before any is compiled, a
+glob is tried only on the names its literal prefix or run allows, and globs share the 5 s
+budget of `re:` patterns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qtool import patterns
+from qtool.errors import RecipeError
+from qtool.io.stformat import TensorEntry
+from qtool.recipe import rules as rules_module
+from qtool.recipe.file import MAX_PATTERNS, load_recipe, parse_recipe
+from qtool.recipe.rules import Rule, resolve, rules_from_cli, unmatched
+from qtool.spec import QSpec
+
+NAMES = [f"model.layers.{i // 7}.mlp.proj{i % 7}.weight" for i in range(300)]
+
+
+def _recipe(globs: list[str]) -> str:
+    return "".join(f'[[rule]]\nmatch="{g}"\nkeep="k"\n' for g in globs)
+
+
+def test_a_recipe_of_more_pattern_rules_than_the_cap_is_refused_before_any_is_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled: list[str] = []
+    monkeypatch.setattr(rules_module.fnmatch, "translate", lambda p: compiled.append(p) or p)
+    path = tmp_path / "hostile.toml"
+    path.write_text(_recipe([f"*q{i:05d}*" for i in range(29_000)]))  # 1 MB, as found
+    assert path.stat().st_size <= 1 << 20
+    with pytest.raises(RecipeError, match=r"29,000 rules match by pattern .* over 1,000") as err:
+        load_recipe(path)
+    assert err.value.path == str(path) and compiled == []
+    literal = [f"model.layers.{i}.mlp.proj0.weight" for i in range(5_000)]  # names cost nothing
+    assert len(parse_recipe(_recipe(literal)).rules) == 5_000
+    with pytest.raises(RecipeError, match="a glob of 1,001 characters"):
+        parse_recipe(_recipe(["*" + "a" * 1_000]))
+
+
+def test_globs_are_tried_only_on_names_they_can_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting tries of a rule on a name: MAX_PATTERNS globs none of the names can match
+    cost no try at all (before: globs x names, twice), whatever their number."""
+    tries: list[tuple[str, str]] = []
+    real = Rule.matches
+
+    def counted(self: Rule, name: str) -> bool:
+        tries.append((self.pattern, name))
+        return real(self, name)
+
+    monkeypatch.setattr(Rule, "matches", counted)
+    globs = [f"*q{i:05d}*" for i in range(MAX_PATTERNS - 3)] + ["*.proj3.*", "model.*.proj6.*"]
+    recipe = parse_recipe(_recipe([*globs, NAMES[0]]), "r.toml")
+    rules = rules_from_cli((), (), recipe.rules)
+    with patterns.bounded():
+        decided = [resolve(rules, TensorEntry(n, "F32", (4, 4), 0, 0), QSpec()).rule for n in NAMES]
+    left = unmatched(rules, NAMES)
+    assert [r.pattern if r else None for r in decided[:8]] == [
+        NAMES[0], None, None, "*.proj3.*", None, None, "model.*.proj6.*", None
+    ]  # fmt: skip
+    assert len(left) == MAX_PATTERNS - 3
+    # one try per name and glob that could match (its prefix or run is in the name), at most
+    assert len(tries) <= 2 * len(NAMES), len(tries)

@@ -67,3 +67,19 @@ def test_globs_are_tried_only_on_names_they_can_match(monkeypatch: pytest.Monkey
     assert len(left) == MAX_PATTERNS - 3
     # one try per name and glob that could match (its prefix or run is in the name), at most
     assert len(tries) <= 2 * len(NAMES), len(tries)
+
+
+def test_globs_are_charged_to_the_time_budget_of_re_patterns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The budget is spent (a limit of 0 s): the first glob tried is refused, naming the file
+    and line, as an `re:` pattern is (before, only `re:` patterns counted)."""
+    monkeypatch.setattr(patterns, "TOTAL_LIMIT_S", 0.0)
+    recipe = parse_recipe(_recipe(["model.*.proj3.*"]), "r.toml")
+    rules = rules_from_cli((), (), recipe.rules)
+    entry = TensorEntry(NAMES[3], "F32", (4, 4), 0, 0)
+    with pytest.raises(RecipeError, match=r"took over 0 s in total") as err:
+        resolve(rules, entry, QSpec())
+    assert err.value.path == "r.toml"
+    with pytest.raises(RecipeError, match=r"line 1: .*took over 0 s in total"):
+        unmatched(recipe.rules, NAMES)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from qtool.calibrate_results import CalibrateSummary, MergeSummary
     from qtool.engine.evaluate.run import EvalOptions
     from qtool.engine.job import Mode
     from qtool.engine.plan import QuantizeOptions
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EvalOptions",
     "Mode",
+    "calibrate",
+    "merge_imatrices",
     "QuantizeOptions",
     "compare",
     "dequantize",
@@ -120,6 +123,34 @@ def evaluate(
     from qtool.engine.evaluate.run import evaluate as run
 
     return run(float_dir, quant, options, progress)
+
+
+def calibrate(
+    model_dir: Path,
+    out: Path,
+    texts: Sequence[Path] = (),
+    tokens: int = 128 * 512,
+    ctx: int | None = None,
+    device: str = "cpu",
+    force: bool = False,
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> CalibrateSummary:
+    """The importance matrix of a float model (Llama family) over calibration text, run one
+    decoder block at a time, written to `out` as llama.cpp's GGUF imatrix; needs the interop
+    extra."""
+    from qtool.engine.calibrate.run import CalibrateOptions
+    from qtool.engine.calibrate.run import calibrate as run
+
+    options = CalibrateOptions(tuple(texts), tokens, ctx, device, force, threads)
+    return run(model_dir, out, options, progress)
+
+
+def merge_imatrices(inputs: Sequence[Path], out: Path, force: bool = False) -> MergeSummary:
+    """Importance matrices (GGUF or legacy .dat) added together into one GGUF imatrix."""
+    from qtool.engine.calibrate.run import merge_files
+
+    return merge_files(inputs, out, force)
 
 
 def eval_kind(float_dir: Path) -> str:

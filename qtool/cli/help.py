@@ -18,7 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 # The commands in the order `qtool --help` lists them (the order of a session); a command not
 # named here follows them in the order it registered.
-COMMANDS = ("quantize", "dequantize", "compare", "eval", "inspect", "plot")
+COMMANDS = ("quantize", "dequantize", "compare", "eval", "calibrate", "inspect", "plot")
 
 # The panels of the options, in the order --help shows them; an option without one is listed
 # under OTHER (-h/--help).

@@ -42,6 +42,9 @@ from qtool.results import Progress
 DEFAULT_TOKENS = 128 * 512
 DEFAULT_CTX = 512
 SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"
+MAX_ACTIVATION_BYTES = 8 << 30
+"""The activations at a block boundary (windows x ctx x hidden float32) are held in memory, not
+spilled: a run asking for more is refused before anything is read (calibrate slices, merge)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ def calibrate(
     tokenizer = hf.tokenizer(model_dir, "the model", hf_config)
     ctx = _window(options.ctx, hf_config, model_dir)
     _check_tokens(options.tokens, ctx)
+    _check_activations(options.tokens // ctx * ctx, int(hf_config.hidden_size))
     texts = [load_text(p, tokenizer) for p in options.texts] or [default_text()]
     sources = take_windows(texts, tokenizer, options.tokens, ctx)
     model = _empty_model(model_dir, hf_config, checkpoint)
@@ -124,6 +128,17 @@ def _check_tokens(tokens: int, ctx: int) -> None:
         raise UsageError(
             None, f"{tokens} tokens do not fill one window of {ctx}; ask for at least {ctx}"
         )
+
+
+def _check_activations(tokens: int, hidden: int) -> None:
+    held = tokens * hidden * 4
+    if held > MAX_ACTIVATION_BYTES:
+        limit = MAX_ACTIVATION_BYTES // (hidden * 4)
+        raise UsageError(
+            None, f"{tokens:,} tokens of hidden size {hidden} need {held / (1 << 30):.1f} GiB of "
+            f"activations, over qtool's {MAX_ACTIVATION_BYTES >> 30} GiB; ask for at most "
+            f"{limit:,} tokens per run and merge the runs' files",
+        )  # fmt: skip
 
 
 def _window(asked: int | None, hf_config: Any, path: Path) -> int:

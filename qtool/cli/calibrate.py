@@ -1,0 +1,162 @@
+"""`qtool calibrate MODEL -o FILE`: a float model run over calibration text one decoder block at
+a time; the sum of squared inputs per input column of every Linear, and the token rows, written
+as llama.cpp's GGUF importance matrix. `--merge A B ... -o C` adds such files together
+(docs/calibration.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from qtool.cli.app import app
+from qtool.cli.errors import user_errors
+from qtool.cli.help import DEBUG_ENV, INPUT, OUTPUT, RUN, Command, choices, epilog
+from qtool.cli.lazy import api, lazy_module, report
+from qtool.cli.options import ForceOpt, JsonOpt
+from qtool.cli.quantize_options import MAX_THREADS, thread_count
+from qtool.errors import UsageError
+from qtool.spec import Device
+
+if TYPE_CHECKING:
+    from qtool.report import calibrate_console as calibrate_report
+    from qtool.report import calibrate_json
+else:
+    calibrate_report = lazy_module("qtool.report.calibrate_console")
+    calibrate_json = lazy_module("qtool.report.calibrate_json")
+
+
+def _at_least(least: int) -> Callable[[int | None], int | None]:
+    def check(value: int | None) -> int | None:
+        if value is not None and value < least:
+            raise typer.BadParameter(f"must be at least {least}, got {value}")
+        return value
+
+    return check
+
+
+InputsArg = Annotated[
+    list[Path],
+    typer.Argument(
+        metavar="MODEL",
+        help="The float model: a Hugging Face model directory of the Llama family (config.json, "
+        "safetensors weights, tokenizer); with --merge, the importance matrices to add "
+        "(GGUF or llama.cpp's legacy .dat).",
+        show_default=False,
+    ),
+]
+OutOpt = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        "-o",
+        help="The importance matrix to write (llama.cpp's GGUF imatrix, e.g. model.imatrix.gguf).",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+TextOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--text",
+        help="Calibration text: UTF-8, or JSONL (.jsonl: a 'text' string or chat 'messages' per "
+        "line); repeat to mix several, a window from each in turn [default: the docstrings of "
+        "CPython's standard library].",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=INPUT,
+    ),
+]
+TokensOpt = Annotated[
+    int,
+    typer.Option(
+        help="Tokens to run, in whole windows (rounded down to a multiple of --ctx).",
+        callback=_at_least(1),
+        metavar="N",
+        rich_help_panel=INPUT,
+    ),
+]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Window length in tokens; windows do not overlap [default: 512, or the model's "
+        "max_position_embeddings if smaller].",
+        callback=_at_least(1),
+        metavar="N",
+        show_default=False,
+        rich_help_panel=INPUT,
+    ),
+]
+MergeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--merge",
+        help="Add the importance matrices given as MODEL into --out (sums and counts added, as "
+        "llama-imatrix --in-file does).",
+        rich_help_panel=INPUT,
+    ),
+]
+DeviceOpt = Annotated[
+    Device,
+    typer.Option(
+        help="Where the blocks run; auto picks CUDA when available.",
+        metavar=choices(Device),
+        rich_help_panel=RUN,
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help=f"CPU threads for the forward passes, 1 to {MAX_THREADS} [default: all cores].",
+        callback=thread_count,
+        metavar="N",
+        show_default=False,
+        rich_help_panel=RUN,
+    ),
+]
+
+
+@app.command(
+    cls=Command,
+    short_help="Run a float model over text and write its importance matrix for llama.cpp.",
+    epilog=epilog("qtool calibrate models/llama --text calib.txt -o llama.imatrix.gguf", DEBUG_ENV),
+)
+def calibrate(
+    inputs: InputsArg,
+    out: OutOpt,
+    text: TextOpt = None,
+    tokens: TokensOpt = 128 * 512,
+    ctx: CtxOpt = None,
+    merge: MergeOpt = False,
+    as_json: JsonOpt = False,
+    force: ForceOpt = False,
+    device: DeviceOpt = Device.CPU,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Run MODEL over calibration text one decoder block at a time and write, for every Linear
+    of every block, the sum of squared inputs per input column and the number of token rows:
+    llama.cpp's GGUF importance matrix (llama-quantize --imatrix), named as llama.cpp names the
+    model's tensors. With --merge, add importance matrices together instead."""
+    with user_errors(as_json):
+        if merge:
+            summary = api.merge_imatrices(inputs, out, force)
+        else:
+            if len(inputs) != 1:
+                raise UsageError(None, f"calibrate runs one MODEL, got {len(inputs)}; to add "
+                                 "importance matrices, pass --merge")  # fmt: skip
+            with calibrate_report.calibrate_progress() as progress:
+                result = api.calibrate(inputs[0], out, tuple(text or ()), tokens, ctx,
+                                       device.value, force, threads, progress)  # fmt: skip
+    if merge:
+        if as_json:
+            report.print_json(calibrate_json.merge_json(summary))
+        else:
+            calibrate_report.print_merge(summary)
+        return
+    if as_json:
+        report.print_json(calibrate_json.calibrate_json(result))
+    else:
+        calibrate_report.print_calibrate(result)

@@ -1,0 +1,91 @@
+"""`qtool calibrate`'s report on stdout and its progress on stderr (a bar per block with
+tokens/s while stderr is a terminal, nothing otherwise, as `qtool eval` does)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+from rich.progress import Task as RichTask
+from rich.text import Text
+
+from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
+from qtool.report import layout
+from qtool.report.console import console, emit, safe, width_of
+from qtool.report.layout import Line
+
+MIB = 1 << 20
+
+
+def print_calibrate(s: CalibrateSummary) -> None:
+    pieces = "window" if s.windows == 1 else "windows"
+    texts = [
+        f"{s.tokens:,} tokens in {s.windows:,} {pieces} of {s.ctx}",
+        *[_dataset(d) for d in s.datasets],
+    ]
+    block, held = s.peak_block_bytes / MIB, s.activation_bytes / MIB
+    _emit([
+        f"{safe(s.model)} ({safe(s.architecture)}): {s.blocks} blocks, one at a time, "
+        f"on {s.device}",
+        *texts,
+        f"wrote {safe(s.output)}: {s.entries} weights' importance (llama.cpp's names)",
+        f"{s.tokens:,} tokens in {s.run_seconds:.2f} s ({s.tokens_per_second:,.0f} tokens/s); "
+        f"loading took {s.load_seconds:.1f} s; held at once: one block's weights "
+        f"({block:.1f} MiB) and the activations ({held:.1f} MiB)",
+    ])  # fmt: skip
+
+
+def print_merge(s: MergeSummary) -> None:
+    _emit([
+        f"merged {len(s.inputs)} importance matrices: {s.entries} weights, "
+        f"{s.chunk_count:,} chunks of {s.chunk_size}",
+        *[_dataset(d) for d in s.datasets],
+        f"wrote {safe(s.output)}",
+    ])  # fmt: skip
+
+
+def _dataset(d: DatasetInfo) -> str:
+    if d.sha256 is None or d.tokens is None:
+        return f"  {safe(d.name)}"
+    return f"  {safe(d.name)}: {d.tokens:,} tokens, sha256 {d.sha256[:16]}"
+
+
+def _emit(texts: list[str]) -> None:
+    width = width_of(sys.stdout)
+    lines: list[Line] = [[(t, "")] for text in texts for t in layout.phrases([text], width)]
+    emit(sys.stdout, lines)
+
+
+class _TokensPerSecond(ProgressColumn):
+    def render(self, task: RichTask) -> Text:
+        speed = task.speed
+        return Text(f"{speed:,.0f} tokens/s" if speed else "", style="dim")
+
+
+class _CalibrateProgress:
+    """Loading (no total yet), then tokens through each block, the block named."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task = progress.add_task("loading the model and the text", total=None)
+
+    def start(self, total_bytes: int) -> None:
+        self._progress.update(self._task, total=total_bytes, description="tokens")
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self._progress.update(self._task, advance=nbytes, description=name)
+
+
+@contextmanager
+def calibrate_progress() -> Iterator[_CalibrateProgress | None]:
+    """A transient bar while stderr is an interactive terminal; None (nothing) otherwise."""
+    err = console(sys.stderr)
+    if not err.is_interactive:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               _TokensPerSecond())  # fmt: skip
+    with Progress(*columns, console=err, transient=True) as progress:
+        yield _CalibrateProgress(progress)

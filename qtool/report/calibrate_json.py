@@ -1,0 +1,49 @@
+"""The `qtool calibrate --json` documents (no rich here; schema in docs/json.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
+from qtool.report.json import SCHEMA_VERSION, json_number
+
+
+def _datasets(datasets: tuple[DatasetInfo, ...]) -> list[dict[str, Any]]:
+    return [{"name": d.name, "sha256": d.sha256, "tokens": d.tokens} for d in datasets]
+
+
+def calibrate_json(s: CalibrateSummary) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ok": True,
+        "command": "calibrate",
+        "model": s.model,
+        "output": s.output,
+        "architecture": s.architecture,
+        "datasets": _datasets(s.datasets),
+        "ctx": s.ctx,
+        "windows": s.windows,
+        "tokens": s.tokens,
+        "entries": s.entries,
+        "blocks": s.blocks,
+        "device": s.device,
+        "load_seconds": json_number(s.load_seconds),
+        "run_seconds": json_number(s.run_seconds),
+        "tokens_per_second": json_number(s.tokens_per_second),
+        "peak_block_bytes": s.peak_block_bytes,
+        "activation_bytes": s.activation_bytes,
+    }
+
+
+def merge_json(s: MergeSummary) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ok": True,
+        "command": "calibrate",
+        "merged": list(s.inputs),
+        "output": s.output,
+        "datasets": _datasets(s.datasets),
+        "entries": s.entries,
+        "chunk_size": s.chunk_size,
+        "chunk_count": s.chunk_count,
+    }

@@ -1,0 +1,158 @@
+"""`qtool calibrate` refuses what it cannot calibrate in one line naming the path and what to do,
+stdout empty, no output written: a directory without config.json, a quantized model, a model
+outside the Llama family, text too short for one window, a window of 0 or longer than the model
+allows, broken JSONL, chat messages without a chat template, one file given to --merge, two
+models without it, and an importance matrix of another model in a merge."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Invoke
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from tests.eval_models import build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    r = tmp_path_factory.mktemp("calibrate-inputs")
+    build(r / "llama", "llama")
+    build(r / "bert", "bert")
+    (r / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    return r
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Invoke:
+    """The real entry point in process (Typer's usage errors are worded there)."""
+    from qtool.cli import main
+
+    def invoke(*args: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+        out, err = capsys.readouterr()
+        return int(exited.value.code or 0), out, err
+
+    return invoke
+
+
+def _refused(run: Invoke, args: list[str], *words: str, code: int = 1) -> str:
+    rc, out, err = run("calibrate", *args)
+    assert rc == code, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_directory_without_config_json(root: Path, tmp_path: Path, run: Invoke) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(root / "llama" / "model.safetensors", bare)
+    _refused(run, [str(bare), "-o", str(tmp_path / "x.gguf")], "config.json")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_quantized_model(root: Path, tmp_path: Path, run: Invoke) -> None:
+    ct = tmp_path / "llama-ct"
+    rc, _, err = run("quantize", str(root / "llama"), "--format", "compressed-tensors",
+                        "--dtype", "int8", "-o", str(ct))  # fmt: skip
+    assert rc == 0, err
+    _refused(run, [str(ct), "-o", str(tmp_path / "x.gguf")], "already quantized")
+
+
+def test_a_model_outside_the_llama_family(root: Path, tmp_path: Path, run: Invoke) -> None:
+    _refused(run, [str(root / "bert"), "-o", str(tmp_path / "x.gguf")], "Llama family")
+
+
+def test_text_too_short_for_one_window(root: Path, tmp_path: Path, run: Invoke) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    args = [str(root / "llama"), "--text", str(short), "--ctx", "64", "-o", str(tmp_path / "x")]
+    _refused(run, args, "short.txt", "fewer than one window of 64")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("ctx", "words"),
+    [("0", "--ctx: must be at least 1"), ("-3", "--ctx: must be at least 1"),
+     ("1000", "longer than the model's max_position_embeddings (128)")],
+)  # fmt: skip
+def test_a_window_of_no_tokens_or_too_many(
+    root: Path, tmp_path: Path, run: Invoke, ctx: str, words: str
+) -> None:
+    args = [str(root / "llama"), "--text", str(root / "text.txt"), "--ctx", ctx,
+            "--tokens", "100000", "-o", str(tmp_path / "x.gguf")]  # fmt: skip
+    _refused(run, args, words, code=2)
+
+
+def test_fewer_tokens_than_one_window(root: Path, tmp_path: Path, run: Invoke) -> None:
+    args = [str(root / "llama"), "--tokens", "10", "--ctx", "32", "-o", str(tmp_path / "x.gguf")]
+    _refused(run, args, "one window of 32", code=2)
+
+
+def test_more_activations_than_qtool_holds(root: Path, tmp_path: Path, run: Invoke) -> None:
+    args = [str(root / "llama"), "--tokens", str(40 << 20), "--ctx", "128",
+            "-o", str(tmp_path / "x.gguf")]  # fmt: skip
+    _refused(run, args, "10.0 GiB of activations", "at most 33,554,432 tokens", code=2)
+
+
+def test_broken_jsonl(root: Path, tmp_path: Path, run: Invoke) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    args = [str(root / "llama"), "--text", str(bad), "-o", str(tmp_path / "x.gguf")]
+    _refused(run, args, "bad.jsonl", "line 2 is not JSON")
+    bad.write_text(json.dumps({"title": "no text"}) + "\n")
+    _refused(run, args, "bad.jsonl", "line 1 has neither")
+
+
+def test_chat_messages_without_a_chat_template(root: Path, tmp_path: Path, run: Invoke) -> None:
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    args = [str(root / "llama"), "--text", str(chat), "-o", str(tmp_path / "x.gguf")]
+    _refused(run, args, "chat.jsonl", "no chat template")
+
+
+def test_merge_and_model_counts(root: Path, tmp_path: Path, run: Invoke) -> None:
+    one = tmp_path / "one.gguf"
+    rc, _, err = run("calibrate", str(root / "llama"), "--text", str(root / "text.txt"),
+                        "--tokens", "256", "--ctx", "32", "-o", str(one))  # fmt: skip
+    assert rc == 0, err
+    _refused(run, ["--merge", str(one), "-o", str(tmp_path / "m.gguf")], "two or more", code=2)
+    _refused(run, [str(root / "llama"), str(root / "llama"), "-o", str(tmp_path / "m.gguf")],
+             "--merge", code=2)  # fmt: skip
+    rc, out, _ = run("calibrate", "--merge", str(one), str(one), "-o", str(tmp_path / "m.gguf"))
+    assert rc == 0 and "merged 2 importance matrices" in out
+
+
+def test_a_merge_of_different_models(root: Path, tmp_path: Path, run: Invoke) -> None:
+    import numpy as np
+
+    from qtool.formats.imatrix import write_imatrix
+    from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+
+    one = tmp_path / "one.gguf"
+    rc, _, err = run("calibrate", str(root / "llama"), "--text", str(root / "text.txt"),
+                        "--tokens", "256", "--ctx", "32", "-o", str(one))  # fmt: skip
+    assert rc == 0, err
+    other = tmp_path / "other.gguf"
+    stats = MatrixStats(np.ones((1, 7), np.float32), np.array([32], np.int64))
+    write_imatrix(other, ImportanceMatrix({"blk.0.attn_q.weight": stats}, 32, 1))
+    line = _refused(run, ["--merge", str(one), str(other), "-o", str(tmp_path / "m.gguf")])
+    assert "blk.0.attn_q.weight" in line and "cannot be merged" in line
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_json_errors_are_json(root: Path, tmp_path: Path, run: Invoke) -> None:
+    rc, out, err = run("calibrate", str(root / "bert"), "-o", str(tmp_path / "x"), "--json")
+    assert rc == 1 and out == ""
+    assert "Llama family" in json.loads(err)["error"]["message"]

@@ -73,15 +73,14 @@ def quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def from_pretrained(cls: Any, path: Path | None, what: str, **kwargs: Any) -> tuple[Any, Any]:
-    """(model, loading info) of `cls` from the local directory `path` (None: from the
-    `state_dict` and `config` in kwargs), safetensors only, no remote code; InputError naming
-    `what` when transformers cannot load it."""
-    where = str(path) if path is not None else None
+def from_pretrained(cls: Any, path: Path, what: str, **kwargs: Any) -> tuple[Any, Any]:
+    """(model, loading info) of `cls` from the `config` and `state_dict` in kwargs (objects
+    qtool built from what it read in `path`: transformers is never given the path), no remote
+    code; InputError naming `path` and `what` when transformers cannot load it."""
     try:
-        with quiet():
+        with quiet(), guarded():
             return cls.from_pretrained(  # type: ignore[no-any-return]
-                where,
+                None,
                 local_files_only=True,
                 use_safetensors=True,
                 trust_remote_code=False,
@@ -90,7 +89,7 @@ def from_pretrained(cls: Any, path: Path | None, what: str, **kwargs: Any) -> tu
             )
     except ImportError as err:
         raise QtoolError(path, f"loading {what} needs {err.name or err}; {INTEROP}") from None
-    except (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError) as err:
+    except Exception as err:  # a third-party loader raises what it likes
         why = first_line(err)
         if "ignore_mismatched_sizes" in why:  # its report of which tensor was logged, dropped
             why = "a weight's shape is not the one its config.json describes"

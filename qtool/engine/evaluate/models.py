@@ -92,7 +92,7 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     check_sizes(cls, hf_config, checkpoint, path)
     tensors = read_float_tensors(found)  # through qtool's reader, never by path again
     model, info = hf.from_pretrained(
-        cls, None, "FLOAT", config=hf_config, state_dict=tensors, dtype=dtype
+        cls, path, "FLOAT", config=hf_config, state_dict=tensors, dtype=dtype
     )
     del tensors
     unexpected = frozenset(info.get("unexpected_keys") or ())  # e.g. a head AutoModel drops

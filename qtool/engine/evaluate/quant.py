@@ -89,7 +89,7 @@ def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> Quan
     # its own dtype: the weights are (q - z) * s rounded as every consumer rounds them
     try:
         model, info = hf.from_pretrained(
-            type(reference.model), None, "QUANT", config=config, state_dict=tensors, **kwargs
+            type(reference.model), path, "QUANT", config=config, state_dict=tensors, **kwargs
         )
     except InputError as err:
         hint = _tied_hint(reference.model, qconfig)
@@ -230,7 +230,7 @@ def into_float_architecture(
     check_same_tensors(tensors, reference, path)
     config = copy.deepcopy(reference.model.config)
     model, info = hf.from_pretrained(
-        type(reference.model), None, "QUANT", config=config, state_dict=tensors, dtype=dtype
+        type(reference.model), path, "QUANT", config=config, state_dict=tensors, dtype=dtype
     )
     problem = loading_problem(info, reference.unexpected)
     if problem:

@@ -198,9 +198,11 @@ def quantize_one(
         raise NumericError(ckpt.path, str(err), plan.entry.name, hint="exclude") from None
     except ValueError as err:
         raise NumericError(ckpt.path, str(err), plan.entry.name) from None
-    except (MemoryError, OSError) as err:  # read whole (per tensor), or its codes: too big
+    except (MemoryError, OSError, RuntimeError) as err:  # read whole, or its codes: too big
         if isinstance(err, OSError) and err.errno != errno.ENOMEM:
             raise
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
+            raise  # torch's allocator says so in a RuntimeError
         sliced = reader is not None and slab_rows(plan, workspace.device) is not None
         what = "its codes" if sliced else "read whole to be quantized so"
         raise InputError(

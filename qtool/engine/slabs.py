@@ -112,7 +112,7 @@ def _codes(plan: TensorPlan, out: kernels.Workspace) -> tuple[torch.Tensor, int]
         stored = packed_shape(shape) if spec.dtype.packed else shape
         return out.codes(tuple(stored), TORCH_STORAGE[spec.dtype]), 1
     except RuntimeError as err:  # torch's allocator: "can't allocate memory"
-        if "allocate" not in str(err):
+        if "can't allocate memory" not in str(err):
             raise
         raise MemoryError(str(err)) from None
 

@@ -120,6 +120,18 @@ class GGUFFile:
             raise ValueError(f"{info.name!r}: give a contiguous uint8 array of {info.nbytes}")
         self._pread(self.header.data_start + info.offset, info.nbytes, repr(info.name), out)
 
+    def read_part(self, info: GGUFTensorInfo, skip: int, out: np.ndarray) -> None:
+        """`out.size` bytes of the tensor's data from byte `skip` on (a slab of its rows) into
+        `out`, a C-contiguous uint8 array; ValueError for a range beyond the tensor."""
+        if (
+            out.dtype != np.uint8
+            or not out.flags.c_contiguous
+            or not (skip >= 0 and skip + out.size <= info.nbytes)
+        ):
+            raise ValueError(f"{info.name!r}: bytes {skip}+{out.size} of {info.nbytes}")
+        start = self.header.data_start + info.offset + skip
+        self._pread(start, out.size, repr(info.name), out)
+
     def tensor_array(self, info: GGUFTensorInfo) -> np.ndarray:
         """Read-only, in torch order: typed for float/int types (BF16 as its uint16 bits,
         numpy has no bfloat16), else uint8 rows of blocks (..., row_bytes)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -51,6 +51,22 @@ class StreamingWriter:
         if data.nbytes >= WRITEBACK_MIN_BYTES:
             self._start_writeback(self._end, data.nbytes)
         self._end += data.nbytes
+
+    def write_parts(self, name: str, parts: Iterable[memoryview]) -> None:
+        """`write` for a tensor that arrives in parts (a slab of rows at a time), its bytes in
+        order; each part is written as it comes, so only one is ever in memory."""
+        entry = next(self._pending)
+        start = self._end
+        for data in parts:
+            if entry.name != name or self._end + data.nbytes - start > entry.nbytes:
+                raise AssertionError(f"writer expected {entry.name} ({entry.nbytes} B), got {name}")
+            self._put(data)
+            if data.nbytes >= WRITEBACK_MIN_BYTES:
+                self._start_writeback(self._end, data.nbytes)
+            self._end += data.nbytes
+        if entry.name != name or self._end - start != entry.nbytes:
+            raise AssertionError(f"writer expected {entry.name} ({entry.nbytes} B), got {name}")
+        self._left -= 1
 
     def _start_writeback(self, offset: int, nbytes: int) -> None:
         """Start writing a large tensor's pages to disk now, without waiting (Linux: fadvise

@@ -56,11 +56,15 @@ def write_dense(
     rows: dict[str, DequantizedRow] = {}
     for entry in header.tensors:
         restored = reader.quantization(entry.name) is not None
-        if _converted(reader, entry.name, entry.dtype):
+        slabs = getattr(reader, "slabs", None)  # a reader giving values a slab at a time (GGUF)
+        if slabs is not None:
+            parts = slabs(entry.name, ST_TO_TORCH[entry.dtype])
+            writer.write_parts(entry.name, (tensor_bytes(t) for t in parts))
+        elif _converted(reader, entry.name, entry.dtype):
             data = tensor_bytes(reader.values(entry.name, ST_TO_TORCH[entry.dtype]))
+            writer.write(entry.name, data)
         else:
-            data = reader.raw(entry.name)
-        writer.write(entry.name, data)
+            writer.write(entry.name, reader.raw(entry.name))
         reader.release(entry.name)
         cast = not restored and _converted(reader, entry.name, entry.dtype)
         rows[entry.name] = DequantizedRow(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib.util
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -36,6 +37,7 @@ PLAIN: dict[str, torch.dtype] = {
     "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
 }  # fmt: skip
 INSTALL_GGUF = "pip install 'qtool[gguf]'"
+SLAB_BYTES = 16 << 20  # float32 values per slab of `slabs`, as engine/slabs.py reads them
 
 
 class GGUFFloatReader:
@@ -82,37 +84,68 @@ class GGUFFloatReader:
     def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor as float (plain types as stored), in `dtype` when given. A block type's
         values are checked once: NaN/Inf (a non-finite scale or minimum) is a NumericError
-        naming the tensor, and so is a cast that overflows `dtype`, never a silent NaN or -inf."""
+        naming the tensor, and so is a cast that overflows `dtype`, never a silent NaN or -inf.
+        The whole tensor in memory: `slabs` gives it a slab of rows at a time."""
         info = self._infos[name]
         with _memory(self.path, info):
             raw = np.empty(info.nbytes, dtype=np.uint8)
             self.file.read_into(info, raw)
+        return self._decoded(info, raw, info.torch_shape, dtype)
+
+    def slabs(self, name: str, dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+        """The tensor's values as `values` gives them (and checks them), SLAB_BYTES of float32
+        rows at a time: 2-D slabs of its rows (the last dimension) whose bytes, one slab after
+        another, are the tensor's in C order. Memory: one slab, reused; a slab is valid until
+        the next one is asked for."""
+        info = self._infos[name]
+        shape = info.torch_shape
+        rows = math.prod(shape[:-1]) if len(shape) >= 2 else 0
+        if rows < 2 or info.nbytes == 0:
+            yield self.values(name, dtype)
+            return
+        row_bytes = info.nbytes // rows
+        per = max(1, SLAB_BYTES // (shape[-1] * 4))
+        with _memory(self.path, info):
+            buf = np.empty(min(per, rows) * row_bytes, dtype=np.uint8)
+        for start in range(0, rows, per):
+            n = min(per, rows - start)
+            raw = buf[: n * row_bytes]
+            self.file.read_part(info, start * row_bytes, raw)
+            yield self._decoded(info, raw, (n, shape[-1]), dtype)
+
+    def _decoded(
+        self,
+        info: GGUFTensorInfo,
+        raw: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        """`raw` (whole rows of the tensor) as values of `shape`, checked (see `values`)."""
+        with _memory(self.path, info):
             plain = PLAIN.get(info.type.name)
             if plain is not None:
-                t = torch.from_numpy(raw).view(plain).reshape(info.torch_shape)
+                t = torch.from_numpy(raw).view(plain).reshape(shape)
             else:
-                t = self._dequantize(info, raw)
-                del raw
+                t = self._dequantize(info, raw).reshape(shape)
                 if not _finite(t):
                     raise NumericError(self.path, "its blocks hold NaN/Inf scales or minimums, "
                                        "so it dequantizes to NaN/Inf; the file is damaged",
-                                       name)  # fmt: skip
+                                       info.name)  # fmt: skip
             if dtype is None or dtype == t.dtype:
                 return t
             out = t.to(dtype)
         if out.is_floating_point() and not _finite(out) and _finite(t):
             raise NumericError(self.path, f"values overflow {_dtype_name(dtype)} to infinity; "
-                               "restore it as float32 (or bfloat16)", name,
+                               "restore it as float32 (or bfloat16)", info.name,
                                hint="restore-dtype")  # fmt: skip
         return out
 
     def _dequantize(self, info: GGUFTensorInfo, raw: np.ndarray) -> torch.Tensor:
+        """float32 rows of `raw`, whole rows of the tensor's blocks."""
         rows = raw.reshape(-1, info.type.row_bytes(info.shape[0] if info.shape else 1))
         if info.type.name in kernels.DEQUANTIZE_TYPES:
-            out = kernels.dequantize(torch.from_numpy(rows), info.type)
-        else:
-            out = torch.from_numpy(_gguf_py_dequantize(self.path, info, rows))
-        return out.reshape(info.torch_shape)
+            return kernels.dequantize(torch.from_numpy(rows), info.type)
+        return torch.from_numpy(_gguf_py_dequantize(self.path, info, rows))
 
     def raw(self, name: str) -> memoryview:
         info = self._infos[name]
@@ -165,9 +198,11 @@ def _memory(path: Path, info: GGUFTensorInfo) -> Iterator[None]:
     declares more than it holds): an InputError naming the file and the tensor."""
     try:
         yield
-    except (MemoryError, OSError) as err:
+    except (MemoryError, OSError, RuntimeError) as err:
         if isinstance(err, OSError) and err.errno != errno.ENOMEM:
             raise
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
+            raise  # torch's allocator says so in a RuntimeError
         raise InputError(
             path, f"its {info.type.name} data of {info.nbytes:,} bytes ({info.numel:,} values) "
             "does not fit in the memory qtool may use; free memory or raise the limit",

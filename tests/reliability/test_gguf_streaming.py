@@ -115,3 +115,35 @@ def test_slabs_give_the_values_of_the_whole_tensor(
     api.dequantize(tmp_path / "x.gguf", tmp_path / "o.safetensors")
     with GGUFFloatReader(tmp_path / "x.gguf") as r:
         assert torch.equal(load_file(tmp_path / "o.safetensors")["t"], r.values("t"))
+
+
+@pytest.mark.parametrize("mode", ["write", "plan", "estimate"])
+def test_class3_the_size_model_counts_the_alignment_padding(tmp_path: Path, mode: str) -> None:
+    """A GGUF at the largest alignment allowed (64 KiB) with tensors of a few KiB: the report
+    and the dry runs count each tensor's padding, so the bytes they report are the bytes of the
+    data section written (they said 16.0 KiB -> 4.2 KiB while 64 KiB blocks were written). The
+    kept norm fills its 64 KiB: a kept tensor is reported at its own size (see reliability.md)."""
+    from qtool import api
+    from qtool.engine.plan import QuantizeOptions
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_file import GGUFFile
+    from qtool.io.gguf_layout import GGUFValue
+    from qtool.io.gguf_write import write_gguf
+    from qtool.spec import FormatName, gguf_spec
+
+    meta = {"general.architecture": GGUFValue(ValueType.STRING, "llama"),
+            "general.alignment": GGUFValue(ValueType.UINT32, 1 << 16)}  # fmt: skip
+    datas = [np.ones((8, 256), np.float32), np.ones(1 << 14, np.float32),
+             np.ones((4, 64), np.float32)]  # fmt: skip
+    specs = [("blk.0.ffn_up.weight", "F32", [256, 8]), ("blk.0.attn_norm.weight", "F32", [1 << 14]),
+             ("blk.0.ffn_down.weight", "F32", [64, 4])]  # fmt: skip
+    write_gguf(tmp_path / "a.gguf", meta, specs, datas)
+    out = tmp_path / "q.gguf"
+    options = QuantizeOptions(gguf_spec("Q8_0"), format=FormatName.GGUF)
+    summary = api.quantize(tmp_path / "a.gguf", out, options, mode=mode, device="cpu")
+    assert [r.bytes_out for r in summary.rows if r.quantized] == [1 << 16] * 2
+    reported = sum(r.bytes_out for r in summary.rows)
+    assert reported == 3 << 16
+    if mode == "write":
+        with GGUFFile(out) as f:
+            assert out.stat().st_size - f.header.data_start == reported

@@ -26,6 +26,7 @@ from qtool.formats.gguf.plan import kept_by_llama
 from qtool.formats.gguf.summary import ARCH_KEY, refuse_split
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
 from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import align
 from qtool.io.stformat import TensorEntry
 from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, fit_spec, gguf_nbytes
 
@@ -71,7 +72,8 @@ class GGUFFormat:
     def _choice(self, planned: Ruled) -> GGUFChoice:
         entry, spec = planned.entry, planned.spec
         if spec is None:
-            return GGUFChoice(entry, None, planned.decision.reason, "", entry.nbytes, entry.dtype)
+            nbytes = self._padded(entry.nbytes)
+            return GGUFChoice(entry, None, planned.decision.reason, "", nbytes, entry.dtype)
         if spec.gguf is None:
             decision = planned.decision
             if decision.budget:  # the budget holds it (int8 per channel) until it has chosen
@@ -83,8 +85,8 @@ class GGUFFormat:
             raise UsageError(None, _not_gguf(spec), entry.name, hint="dtype")
         why = self.supports(entry, spec)
         if why is not None:
-            return GGUFChoice(entry, None, why, "", entry.nbytes, entry.dtype)
-        nbytes = gguf_nbytes(spec, entry.shape)
+            return GGUFChoice(entry, None, why, "", self._padded(entry.nbytes), entry.dtype)
+        nbytes = self._padded(gguf_nbytes(spec, entry.shape))
         return GGUFChoice(entry, spec, "", planned.decision.note, nbytes, spec.gguf.name)
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
@@ -121,15 +123,20 @@ class GGUFFormat:
         return None
 
     def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
-        """Bytes in the output; an integer spec (the budget's all-int8 reference) counts as
-        Q8_0, GGUF's 8-bit type."""
+        """Bytes in the output, the padding to the file's alignment after it included; an
+        integer spec (the budget's all-int8 reference) counts as Q8_0, GGUF's 8-bit type."""
         if spec is None:
-            return entry.nbytes
+            return self._padded(entry.nbytes)
         gguf = spec if spec.gguf is not None else _Q8_0
         fitted, _ = fit_spec(gguf, entry.shape)
         if self.supports(entry, fitted) is not None:
-            return entry.nbytes
-        return gguf_nbytes(fitted, entry.shape)
+            return self._padded(entry.nbytes)
+        return self._padded(gguf_nbytes(fitted, entry.shape))
+
+    def _padded(self, nbytes: int) -> int:
+        """A tensor's bytes in the file: its data and the zeros after it up to the alignment
+        (the input's general.alignment, up to 64 KiB: a padding the report must count)."""
+        return align(nbytes, self.header.alignment)
 
     def layout(self, out: Path) -> list[Path]:
         if out.suffix.lower() != SUFFIX:

@@ -189,3 +189,26 @@ def test_every_window_starts_with_bos_as_llama_imatrix_chunks_do(models: dict[st
     assert ids[0] == 1 and len(source.windows) == 3
     for i, window in enumerate(source.windows):
         assert window == [1, *ids[i * CTX + 1 : (i + 1) * CTX]]
+
+
+def test_jsonl_text_lines_and_chat_messages_become_text(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+
+    from qtool.engine.calibrate.data import load_text
+
+    config = transformers.AutoConfig.from_pretrained(models["llama"])
+    tokenizer = hf.tokenizer(models["llama"], "the model", config)
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"text": "first piece"}) + "\n\n" + json.dumps({"text": "two"}))
+    assert load_text(plain, tokenizer).content == "first piece\n\ntwo"
+    chat = tmp_path / "chat.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chat.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"text": "plain"}))
+    tokenizer.backend.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    )
+    text = load_text(chat, tokenizer)
+    assert text.content == "<user>hi\n<assistant>hello\n\n\nplain"
+    assert text.source == str(chat)

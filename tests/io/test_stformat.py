@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from qtool.io.stformat import HeaderError, build_header, parse_header, read_header
+from qtool.io.stformat import Header, HeaderError, build_header, parse_header, read_header
 
 ALL_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
@@ -59,14 +59,21 @@ def _file(doc: object, data: bytes = b"", pad: bytes = b"") -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-def _parse(blob: bytes) -> None:
+def _parse(blob: bytes) -> Header:
     n = struct.unpack("<Q", blob[:8])[0]
-    parse_header(blob[8 : 8 + n], len(blob))
+    return parse_header(blob[8 : 8 + n], len(blob))
 
 
 def test_whitespace_padding_either_side_is_accepted() -> None:
     doc = {"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}
-    _parse(_file(b"  " + json.dumps(doc).encode(), b"xy", pad=b"   \n"))
+    blob = _file(b"  " + json.dumps(doc).encode(), b"xy", pad=b"   \n")
+    header = _parse(blob)
+    assert [(t.name, t.dtype, t.shape, t.begin, t.end) for t in header.tensors] == [
+        ("a", "U8", (2,), 0, 2)
+    ]
+    # The padding belongs to the header: the data starts after it, at the file's last 2 bytes.
+    assert header.data_start == len(blob) - 2
+    assert blob[header.data_start :] == b"xy"
 
 
 @pytest.mark.parametrize(
@@ -160,4 +167,7 @@ def test_zero_size_tensor_may_share_an_offset() -> None:
         "a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]},
         "b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
     }
-    _parse(_file(doc, b"xy"))
+    header = _parse(_file(doc, b"xy"))
+    entries = header.by_name()
+    assert (entries["a"].begin, entries["a"].end, entries["a"].nbytes) == (0, 0, 0)
+    assert (entries["b"].begin, entries["b"].end, entries["b"].nbytes) == (0, 2, 2)

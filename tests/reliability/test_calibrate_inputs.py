@@ -156,3 +156,13 @@ def test_json_errors_are_json(root: Path, tmp_path: Path, run: Invoke) -> None:
     rc, out, err = run("calibrate", str(root / "bert"), "-o", str(tmp_path / "x"), "--json")
     assert rc == 1 and out == ""
     assert "Llama family" in json.loads(err)["error"]["message"]
+
+
+def test_cuda_without_a_gpu(root: Path, tmp_path: Path, run: Invoke) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    args = [str(root / "llama"), "--device", "cuda", "-o", str(tmp_path / "x.gguf")]
+    _refused(run, args, "no CUDA device")
+    assert not (tmp_path / "x.gguf").exists()

@@ -23,7 +23,10 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from qtool.io import renames
 
@@ -131,3 +134,56 @@ def rmtree_at(dir_fd: int, name: str) -> None:
     """Remove the directory `name` and all it holds, never following a link out of it."""
     with contextlib.suppress(OSError):
         shutil.rmtree(name, dir_fd=dir_fd)
+
+
+# ---------------------------------------------------------------- private scratch directories
+
+_SCRATCH_RE = re.compile(r"^qtool-(?P<kind>[a-z]+)-[a-z0-9_]{8}$")  # tempfile.mkdtemp's names
+
+
+@contextlib.contextmanager
+def private_scratch(kind: str) -> Iterator[Path]:
+    """A new directory only this user can enter (0700) in the system's temp directory, named
+    `qtool-KIND-XXXXXXXX`, locked for its life and removed on exit. A SIGKILL skips that
+    removal, so each new one first removes the user's own dead ones of the same kind (a lock
+    nobody holds; never another user's, never through a link). OSError when none can be made."""
+    parent = tempfile.gettempdir()
+    _remove_dead_scratch(parent, kind)
+    scratch = Path(tempfile.mkdtemp(prefix=f"qtool-{kind}-", dir=parent))
+    fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        lock_dir(fd)
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.close(fd)
+
+
+def _remove_dead_scratch(parent: str, kind: str) -> None:
+    try:
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        for name in os.listdir(pfd):
+            match = _SCRATCH_RE.match(name)
+            if match is None or match["kind"] != kind:
+                continue
+            st = lstat_at(pfd, name)
+            if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            dfd = open_dir_at(pfd, name)
+            if dfd < 0:
+                continue
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live run: busy
+                if same_at(dfd, pfd, name):
+                    rmtree_at(pfd, name)
+            except OSError:
+                pass
+            finally:
+                os.close(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(pfd)

@@ -7,7 +7,8 @@ sparse gigabyte, a FIFO that hangs it, a file swapped after qtool's check. So th
 files are read through the model directory's descriptor (regular files inside it, no link out,
 at most MAX_TOKENIZER_BYTES each, JSON strict and nested at most 100 levels) and written into a
 new directory only this process can enter (mode 0700, removed on exit); the library reads that
-copy. Files eval does not use (generation and chat templates, custom code) are never copied.
+copy (`qtool-eval-*` in the temp directory; a killed run's copy is removed by the next
+run). Files eval does not use (generation and chat templates, custom code) are never copied.
 Torch-free.
 """
 
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qtool.errors import InputError, OutputError
 from qtool.io.jsonfile import parse_json
 from qtool.io.safeopen import InputDir
+from qtool.io.tempdirs import private_scratch
 
 MAX_TOKENIZER_BYTES = 64_000_000
 """Per tokenizer file. The largest real ones are a few tens of MB (Gemma's tokenizer.json:
@@ -36,13 +36,7 @@ MAX_TOKENIZER_TOTAL = 2 * MAX_TOKENIZER_BYTES
 def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
     """A private directory holding the files `names` of the model directory `path` that exist
     there, each checked and copied (InputError naming the file otherwise); removed on exit."""
-    within = InputDir(path)
-    try:
-        scratch = Path(tempfile.mkdtemp(prefix="qtool-eval-"))  # 0700, a name only qtool makes
-    except OSError as err:
-        within.close()
-        raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
-    try:
+    with contextlib.closing(InputDir(path)) as within, _scratch() as scratch:
         total = 0
         for name in sorted(set(names) & set(within.names())):
             data = within.read(name, MAX_TOKENIZER_BYTES, "a tokenizer file")
@@ -56,9 +50,16 @@ def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
                 parse_json(data, path / name, name)  # what the library would choke on
             _write_new(scratch / name, data)
         yield scratch
-    finally:
-        within.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    with contextlib.ExitStack() as stack:
+        try:
+            path = stack.enter_context(private_scratch("eval"))
+        except OSError as err:
+            raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
+        yield path
 
 
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -12,6 +12,7 @@ computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warn
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,58 +137,75 @@ class FormatContext:
     inputs: tuple[Path, ...] = ()  # the checkpoint files the run reads (GGUF: its header)
 
 
-class OutputFormat(Protocol):
+class OutputFormat(abc.ABC):
+    """An output format: `name` and `writer` are its own; every other member has the default
+    of a format that stores each tensor under its name in one file per shard, with qtool's
+    specs and sizes, and nothing else (a format overrides what it does differently)."""
+
     name: str
-    model_directory: bool
+    model_directory: bool = False
     """True: the output is a model directory (config.json from `directory_files`), even for a
     single input file; it is built under a temporary name and renamed when complete."""
-    scales_in_weight_dtype: bool
+    scales_in_weight_dtype: bool = False
     """True: scales are rounded to the weight's dtype before the codes are computed."""
 
     def select(self, planned: Sequence[Ruled]) -> list[Choice] | None:
         """The format's decision for every tensor of the model in order (all shards at once,
         so a check can span shards), given the rules' plan; None: the plan stands as it is.
         Deciding again on its own output changes nothing."""
+        return None
 
     def fused_key(self, name: str) -> str | None:
         """Tensors with the same key must be quantized alike (a consumer fuses them); None
         for a tensor with no such siblings."""
+        return None
 
     def tensor_names(self, planned: Planned) -> list[str]:
         """The names the tensor is stored under (the output index maps each to its shard)."""
+        return [planned.entry.name]
 
     def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
         """Files of a model directory output the format writes itself (they replace companions
         of the same name), given the whole model's plan."""
+        return {}
 
     def warnings(self, planned: Sequence[Planned]) -> list[str]:
         """One line per choice that will not run everywhere."""
+        return []
 
     def ignore(self, planned: Sequence[Planned]) -> list[str] | None:
         """What the output's config lists as kept in float; None: the format has no such list."""
+        return None
 
     def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
         """None when the format can store `entry` quantized with `spec`; else why not."""
+        return None
 
     def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int | None:
         """Bytes `entry` takes in this format's output quantized with `spec` (None: kept);
         None: qtool's count (its codes and a float32 scale and a zero point per group)."""
+        return None
 
     def layout(self, out: Path) -> list[Path]:
         """Every file one output shard named `out` occupies (checked before writing);
         OutputError for a name the format cannot store."""
+        return [out]
 
     def index_section(self, outputs: Sequence[Path]) -> dict[str, object] | None:
         """What a sharded output's index records of the format under its `qtool` key, given
         the output shards (None: nothing)."""
+        return None
 
+    @abc.abstractmethod
     def writer(
         self,
         planned: Sequence[Planned],
         metadata: dict[str, str] | None,
         out: Path,
         outputs: OutputSet,
-    ) -> ShardWriter: ...
+    ) -> ShardWriter:
+        """The writer of one shard named `out`, given its tensors' plan and the input's
+        metadata (`outputs` holds the files being written)."""
 
 
 class FloatReader(Protocol):

@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from qtool import __version__
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
-from qtool.formats.base import Choice, FormatContext, Planned, Ruled
+from qtool.formats.base import Choice, FormatContext, OutputFormat, Planned, Ruled
 from qtool.formats.compressed_tensors import config as ct_config
 from qtool.formats.compressed_tensors import groups, loaders
 from qtool.formats.compressed_tensors import selection as ct
@@ -87,7 +87,7 @@ def _module_notes(linears: Linears, config: Path | None) -> list[str]:
     return [f"{config}: the Linear layers were decided by qtool's rules: {linears.note}"]
 
 
-class CompressedTensorsFormat:
+class CompressedTensorsFormat(OutputFormat):
     """compressed-tensors `pack-quantized`: a model directory transformers and vLLM load."""
 
     name = ct.FORMAT
@@ -156,12 +156,6 @@ class CompressedTensorsFormat:
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
         """Every Linear kept in float, by exact module name (those with no weight included)."""
         return ct.ignore_list(self._selections(planned), self.linears(planned).absent)
-
-    def layout(self, out: Path) -> list[Path]:
-        return [out]
-
-    def index_section(self, outputs: Sequence[Path]) -> None:
-        return None
 
     def tensor_names(self, planned: Planned) -> list[str]:
         return list(ct.output_tensors(self._selection(planned)))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
-from qtool.formats.base import Choice, Planned, Ruled, ShardWriter
+from qtool.formats.base import Choice, OutputFormat, Planned, Ruled, ShardWriter
 from qtool.formats.gguf.plan import kept_by_llama
 from qtool.formats.gguf.summary import ARCH_KEY, refuse_split
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
@@ -50,13 +50,12 @@ class GGUFChoice:
     stored_dtype: str = ""
 
 
-class GGUFFormat:
+class GGUFFormat(OutputFormat):
     """The GGUF output of one run, reading the float GGUF `source` (its header: the metadata,
-    alignment and types the output carries over)."""
+    alignment and types the output carries over). No fused siblings: llama.cpp takes q, k and
+    v of different types."""
 
     name = NAME
-    model_directory = False
-    scales_in_weight_dtype = False
 
     def __init__(self, source: Path) -> None:
         with GGUFFile(source) as f:
@@ -107,21 +106,6 @@ class GGUFFormat:
                     "kept as it is (llama-quantize writes F16)")  # fmt: skip
         return None
 
-    def fused_key(self, name: str) -> str | None:
-        return None  # llama.cpp takes q, k and v of different types
-
-    def tensor_names(self, planned: Planned) -> list[str]:
-        return [planned.entry.name]
-
-    def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
-        return {}
-
-    def warnings(self, planned: Sequence[Planned]) -> list[str]:
-        return []
-
-    def ignore(self, planned: Sequence[Planned]) -> list[str] | None:
-        return None
-
     def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
         """Bytes in the output, the padding to the file's alignment after it included; an
         integer spec (the budget's all-int8 reference) counts as Q8_0, GGUF's 8-bit type."""
@@ -142,9 +126,6 @@ class GGUFFormat:
         if out.suffix.lower() != SUFFIX:
             raise OutputError(out, f"a GGUF output is a {SUFFIX} file; name it so")
         return [out]
-
-    def index_section(self, outputs: Sequence[Path]) -> dict[str, object] | None:
-        return None
 
     def writer(
         self,

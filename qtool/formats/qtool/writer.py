@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.errors import OutputError
-from qtool.formats.base import FormatContext, Planned, Ruled, carried_metadata
+from qtool.formats.base import FormatContext, OutputFormat, Planned, carried_metadata
 from qtool.formats.qtool import config as model_config
 from qtool.formats.qtool.manifest import (
     BINDING_KEY,
@@ -62,30 +62,14 @@ def _patch_digests(header_bytes: bytes, digests: dict[str, str]) -> bytes:
     return header_bytes
 
 
-class QtoolFormat:
-    """qtool's own format: codes under the original names, and a sidecar of qparams."""
+class QtoolFormat(OutputFormat):
+    """qtool's own format: codes under the original names, and a sidecar of qparams; every
+    spec (granularity, storage dtype, range method) and the rules' plan as it stands."""
 
     name = FormatName.QTOOL.value
-    model_directory = False
-    scales_in_weight_dtype = False
 
     def __init__(self, context: FormatContext | None = None) -> None:
         self._context = context or FormatContext()
-
-    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
-        return None  # every granularity, storage dtype and range method
-
-    def select(self, planned: Sequence[Ruled]) -> None:
-        return None  # the rules' plan stands: every float tensor of 2 or more dimensions
-
-    def fused_key(self, name: str) -> None:
-        return None
-
-    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> None:
-        return None
-
-    def tensor_names(self, planned: Planned) -> list[str]:
-        return [planned.entry.name]
 
     def directory_files(self, planned: Sequence[Planned]) -> dict[str, bytes]:
         """The model's config.json marked as qtool codes (formats/qtool/config.py), so that no
@@ -95,12 +79,6 @@ class QtoolFormat:
             return {}
         doc = read_json_object(path, within=within, what="model config")
         return {"config.json": model_config.config_bytes(model_config.marked(doc))}
-
-    def warnings(self, planned: Sequence[Planned]) -> list[str]:
-        return []
-
-    def ignore(self, planned: Sequence[Planned]) -> None:
-        return None
 
     def layout(self, out: Path) -> list[Path]:
         """The quantized file and its sidecar; OutputError for a name that is not UTF-8 (the

@@ -58,7 +58,7 @@ def test_a_directory_without_config_json(root: Path, tmp_path: Path, run: Invoke
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(root / "llama" / "model.safetensors", bare)
-    _refused(run, [str(bare), "-o", str(tmp_path / "x.gguf")], "config.json")
+    _refused(run, [str(bare), "-o", str(tmp_path / "x.gguf")], "MODEL must be", "config.json")
     assert not (tmp_path / "x.gguf").exists()
 
 
@@ -67,7 +67,8 @@ def test_a_quantized_model(root: Path, tmp_path: Path, run: Invoke) -> None:
     rc, _, err = run("quantize", str(root / "llama"), "--format", "compressed-tensors",
                         "--dtype", "int8", "-o", str(ct))  # fmt: skip
     assert rc == 0, err
-    _refused(run, [str(ct), "-o", str(tmp_path / "x.gguf")], "already quantized")
+    line = _refused(run, [str(ct), "-o", str(tmp_path / "x.gguf")], "already quantized")
+    assert "calibrate runs the float model" in line and "FLOAT" not in line
 
 
 def test_a_model_outside_the_llama_family(root: Path, tmp_path: Path, run: Invoke) -> None:

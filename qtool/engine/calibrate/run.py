@@ -21,13 +21,13 @@ from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.engine.calibrate.blocks import BlockObserver, run_blocks
 from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
 from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.config import float_source, kind_of
+from qtool.engine.evaluate.config import kind_of
 from qtool.engine.evaluate.models import check_sizes, read_checkpoint
 from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
-from qtool.formats.detect import CONFIG
+from qtool.formats.detect import CONFIG, Detected, detect
 from qtool.formats.imatrix import read_imatrix, write_imatrix
 from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
 from qtool.formats.model_config import check_counts
@@ -71,7 +71,7 @@ def calibrate(
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     started = perf_counter()
-    found, config = float_source(model_dir)
+    found, config = _model_source(model_dir)
     kind, architecture = kind_of(config)
     arch = GGUF_ARCHS.get(str(config.get("model_type")))
     if kind != CAUSAL_LM or arch is None:
@@ -119,6 +119,27 @@ def calibrate(
         peak_block_bytes=_block_bytes(model),
         activation_bytes=len(windows) * ctx * hidden * 4,
     )
+
+
+def _model_source(path: Path) -> tuple[Detected, dict[str, object]]:
+    """MODEL detected, and its config.json (InputError when `path` is not a float model
+    directory: a file, a directory without config.json, or a quantized model)."""
+    wanted = "MODEL must be a Hugging Face model directory (config.json beside safetensors weights)"
+    if not path.exists():
+        raise InputError(path, "no such file or directory; check the path")
+    if not path.is_dir():
+        raise InputError(path, f"{wanted}; this is a file")
+    found = detect(path)
+    config = found.config
+    if config is None:
+        raise InputError(path, f"{wanted}; it has no {CONFIG}")
+    if not isinstance(config, dict):
+        raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
+    if "quantization_config" in config or found.quantized:
+        what = found.description if found.quantized else "its config.json has a quantization_config"
+        raise InputError(path, f"the model is already quantized ({what}); calibrate runs the "
+                         "float model it came from")  # fmt: skip
+    return found, config
 
 
 def _check_tokens(tokens: int, ctx: int) -> None:

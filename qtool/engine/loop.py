@@ -27,6 +27,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
+from qtool.numerics.gguf import fast as gguf_fast
 from qtool.numerics.quantize import quantize_tensor
 from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
@@ -62,6 +63,12 @@ class Kernels:
             if p.spec is not None and p.spec.gguf is None and batch.layout(p) is None
         ]
         select.expect_work(self.device, work)
+        if self.device.type == "cpu":  # the GGUF kernels choose by the whole run's work too:
+            # one slab at a time, each call looked too small to be worth loading numba for
+            gguf_fast.expect(sum(
+                gguf_fast.torch_seconds(p.spec.gguf.name, p.entry.numel, True)
+                for p in plans if p.spec is not None and p.spec.gguf is not None
+            ))  # fmt: skip
 
     def notes(self) -> list[str]:
         """What the kernel choice has to say about the run (a much faster path not taken)."""

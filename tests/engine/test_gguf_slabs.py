@@ -72,3 +72,21 @@ def test_gguf_slabs_give_the_bytes_of_a_whole_tensor(
         rows = max(1, 4096 // row_bytes)
         assert len(steps) == -(-shape[0] // rows) > 1, (name, steps)
         assert sum(steps) == row_bytes * shape[0]
+
+
+def test_the_kernel_choice_sees_the_whole_tensor_not_a_slab(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """QTOOL_KERNEL=auto loads the fused kernels when a run's work is worth it; a slab of a
+    large tensor alone looks too small, so the run tells it the whole tensors' work first (a
+    1 GiB F32 tensor went to Q8_0 through the torch kernels: 2 min instead of seconds)."""
+    from qtool.numerics.gguf import fast
+
+    monkeypatch.setenv("QTOOL_KERNEL", "auto")
+    loader = fast._Loader()
+    monkeypatch.setattr(fast, "_LOADER", loader)
+    seconds = fast.torch_seconds("Q8_0", 203 * 256, True)  # the largest tensor's work
+    monkeypatch.setattr(fast, "LOAD_SECONDS", seconds * 1.5)  # over it, under the run's
+    src = _float_gguf(tmp_path / "f.gguf")
+    _quantize(src, tmp_path / "s.gguf", gguf_spec("Q8_0"), 4096, monkeypatch)
+    assert loader.tried

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from qtool.engine.job import Mode
     from qtool.engine.plan import QuantizeOptions
     from qtool.eval_results import EvalSummary
+    from qtool.formats.registry import Refusal
     from qtool.recipe.rules import Recipe, Rule
     from qtool.results import (
         CompareSummary,
@@ -47,7 +48,9 @@ __all__ = [
     "load_recipe",
     "unmatched_rules",
     "plot_tensor",
+    "format_option_refusal",
     "format_refuses",
+    "output_formats",
     "quantize",
 ]
 
@@ -243,10 +246,26 @@ def plot_tensor(
     return plots.plot_tensor(checkpoint, tensor, spec, path, force=force)
 
 
-def format_refuses(fmt: str, spec: QSpec) -> str | None:
-    """Why the output format `fmt` can store no tensor at all with `spec` (compressed-tensors:
-    unsigned codes, an axis other than the output channels), or None: checked before any file
-    is read, so the CLI can report a usage error."""
+def output_formats() -> list[tuple[str, str]]:
+    """The formats `--format` writes, in order, each with its one-line help (the registry's:
+    loads the format packages, torch-free)."""
     from qtool.formats import registry
 
-    return registry.refuses(fmt, spec)
+    return [(e.name, e.help) for e in registry.outputs()]
+
+
+def format_refuses(fmt: str, spec: QSpec) -> Refusal | None:
+    """Why the output format `fmt` can store no tensor at all with `spec` (compressed-tensors:
+    unsigned codes, an axis other than the output channels), or None: checked before any file
+    is read, so the CLI can report a usage error (the refusal's hint names what to change)."""
+    from qtool.formats import registry
+
+    return registry.spec_refusal(fmt, spec)
+
+
+def format_option_refusal(fmt: str, *, config: bool, group_fallback: bool) -> Refusal | None:
+    """Why the output format `fmt` takes no model config or group fallback (the format that
+    reads a config takes both), or None."""
+    from qtool.formats import registry
+
+    return registry.option_refusal(fmt, config=config, group_fallback=group_fallback)

@@ -12,6 +12,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, fields, replace
+from typing import ClassVar
 
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES, GGMLType, fallback_type
 
@@ -464,12 +465,27 @@ def _label_word(word: str) -> SpecPatch:
 # -- the other choices a run makes (the CLI's option values; the engine takes the same) ----
 
 
-class FormatName(str, enum.Enum):
-    """The output formats (formats.output_format builds each)."""
+class FormatName(str):
+    """An output format's name, as `--format` takes it: any name a format registered
+    (formats/registry.py knows which; a format package adds one without touching this).
+    The built-in formats' names are constants here for callers that name one."""
 
-    QTOOL = "qtool"
-    COMPRESSED_TENSORS = "compressed-tensors"
-    GGUF = "gguf"
+    QTOOL: ClassVar[FormatName]
+    COMPRESSED_TENSORS: ClassVar[FormatName]
+    GGUF: ClassVar[FormatName]
+
+    def __new__(cls, name: object) -> FormatName:
+        return super().__new__(cls, getattr(name, "value", name))  # an enum member: its value
+
+    @property
+    def value(self) -> str:
+        """The name as a plain string (as an enum member's value reads)."""
+        return str.__str__(self)
+
+
+FormatName.QTOOL = FormatName("qtool")
+FormatName.COMPRESSED_TENSORS = FormatName("compressed-tensors")
+FormatName.GGUF = FormatName("gguf")
 
 
 class GroupFallback(str, enum.Enum):

@@ -5,7 +5,7 @@ gates, the report) are in cli/options.py."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -15,7 +15,6 @@ from qtool.cli.lazy import api, report
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
     Device,
-    FormatName,
     GroupFallback,
     PerChannel,
     QSpec,
@@ -162,14 +161,17 @@ KeepNonfiniteOpt = Annotated[
         rich_help_panel=SELECT,
     ),
 ]
+_FORMATS = api.output_formats()  # the registry's writable formats, with their help lines
+if TYPE_CHECKING:
+    FormatChoice = str
+else:
+    FormatChoice = Literal[tuple(name for name, _ in _FORMATS)]
 FormatOpt = Annotated[
-    FormatName,
+    FormatChoice,
     typer.Option(
         "--format",
-        help="qtool: codes plus a qparams sidecar. compressed-tensors: a model directory "
-        "(pack-quantized, int8/int4) that transformers and vLLM load; needs -o DIR. gguf: a "
-        "float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",
-        metavar=choices(FormatName),
+        help=" ".join(f"{name}: {line}" for name, line in _FORMATS),
+        metavar="|".join(name for name, _ in _FORMATS),
         rich_help_panel=OUTPUT,
     ),
 ]
@@ -251,36 +253,23 @@ def quantize_mode(dry_run: bool, estimate: bool, measured: str | None, budget: b
     return "estimate" if estimate else "plan" if dry_run else "write"
 
 
-def check_format_options(fmt: FormatName, config: Path | None, fallback: GroupFallback) -> None:
-    """--config and --group-fallback only mean something to compressed-tensors: the option
-    given is the one blamed."""
-    if fmt is FormatName.COMPRESSED_TENSORS:
-        return
-    if config is not None:
-        raise typer.BadParameter(
-            f"goes with --format compressed-tensors (the {fmt.value} format reads no config.json)",
-            param_hint="--config",
-        )
-    if fallback is not GroupFallback.ERROR:
-        why = (
-            "GGUF types fall back as llama-quantize does"
-            if fmt is FormatName.GGUF
-            else "the qtool format stores groups of any size"
-        )
-        raise typer.BadParameter(
-            f"goes with --format compressed-tensors ({why})", param_hint="--group-fallback"
-        )
+def check_format_options(fmt: str, config: Path | None, fallback: GroupFallback) -> None:
+    """--config and --group-fallback mean something only to a format that reads a model's
+    config (compressed-tensors; the registry says which): the option given is the one blamed."""
+    refused = api.format_option_refusal(
+        fmt, config=config is not None, group_fallback=fallback is not GroupFallback.ERROR
+    )
+    if refused is not None:
+        raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
-def check_format_spec(fmt: FormatName, spec: QSpec, budget: bool) -> None:
+def check_format_spec(fmt: str, spec: QSpec, budget: bool) -> None:
     """A spec the output format can store for no tensor at all (compressed-tensors: unsigned
     codes, another axis) is a usage error naming the option to change; not with the error
     budget (`budget`), whose ladder chooses the specs instead."""
-    block_type = spec.gguf is not None or fmt is FormatName.GGUF
-    refused = None if budget and not spec.gguf else api.format_refuses(fmt.value, spec)
+    refused = None if budget and not spec.gguf else api.format_refuses(fmt, spec)
     if refused is not None:
-        hint = "--dtype" if block_type or not spec.dtype.signed else "--axis"
-        raise typer.BadParameter(refused, param_hint=hint)
+        raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
 _SPEC_FLAGS = {

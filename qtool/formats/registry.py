@@ -54,7 +54,13 @@ class FormatEntry:
     another checkpoint's names (None: it names tensors as that checkpoint does);
     `dequantize_float`: dequantize converts its files even when no tensor is quantized;
     `stores_gguf`: its output stores llama.cpp's block types (a spec naming one, "Q4_K", is
-    refused by every other output)."""
+    refused by every other output).
+
+    What `--format` shows and checks before any file is read: `help`, one line saying what the
+    output is (the option's help lists every writable format's); `reads_config`: the output
+    takes a model's config.json and a group fallback (`--config`, `--group-fallback`), which
+    every other output refuses, saying why with `groups` (how it stores a group size that does
+    not divide a row; "" says nothing)."""
 
     name: str
     reader: Callable[[Detected, Path | None], FloatReader]
@@ -69,6 +75,18 @@ class FormatEntry:
     dequantize_float: bool = False
     stores_gguf: bool = False
     input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
+    help: str = ""
+    reads_config: bool = False
+    groups: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an output format refuses an option, and a hint code naming what to change
+    ("dtype", "axis", "config", "group-fallback"): the CLI spells it as its option."""
+
+    message: str
+    hint: str
 
 
 FloatWriter = Callable[
@@ -98,22 +116,56 @@ def write_float(
 
 
 def entry(name: str) -> FormatEntry:
+    """The format registered under `name` (ValueError for an unknown name)."""
     builtins.load()
-    return _FORMATS[str(getattr(name, "value", name))]
+    found = _FORMATS.get(str(getattr(name, "value", name)))
+    if found is None:
+        raise ValueError(f"unknown format {name!r}; choose one of {', '.join(output_names())}")
+    return found
 
 
 def output_names() -> list[str]:
     """The formats `--format` can write, by name."""
+    return [e.name for e in outputs()]
+
+
+def outputs() -> list[FormatEntry]:
+    """The formats `--format` can write, in the order registered (builtins.py's first)."""
     builtins.load()
-    return [name for name, e in _FORMATS.items() if e.output is not None]
+    return [e for e in _FORMATS.values() if e.output is not None]
+
+
+def option_refusal(name: str, *, config: bool, group_fallback: bool) -> Refusal | None:
+    """Why the output format `name` refuses a model config (`config`) or a group fallback
+    other than an error (`group_fallback`): only a format that reads a config takes them."""
+    found = entry(name)
+    if found.reads_config:
+        return None
+    takers = " or ".join(f"--format {e.name}" for e in outputs() if e.reads_config)
+    if config:
+        message = f"goes with {takers} (the {found.name} format reads no config.json)"
+        return Refusal(message, "config")
+    if group_fallback:
+        why = f" ({found.groups})" if found.groups else ""
+        return Refusal(f"goes with {takers}{why}", "group-fallback")
+    return None
+
+
+def spec_refusal(name: str, spec: QSpec) -> Refusal | None:
+    """`refuses`, with the hint code of what to change: the dtype for a block type (asked for,
+    or the only thing the output stores) or unsigned codes, else the axis."""
+    refused = refuses(name, spec)
+    if refused is None:
+        return None
+    block_type = spec.gguf is not None or entry(name).stores_gguf
+    return Refusal(refused, "dtype" if block_type or not spec.dtype.signed else "axis")
 
 
 def output_format(name: str, context: FormatContext | None = None) -> OutputFormat:
     """The output format registered under `name`, set up for this run's `context` (ValueError
     for an unknown name; InputError when the context does not fit the format)."""
-    builtins.load()
-    found = _FORMATS.get(str(getattr(name, "value", name)))
-    if found is None or found.output is None:
+    found = entry(name)
+    if found.output is None:
         raise ValueError(f"unknown format {name!r}; choose one of {', '.join(output_names())}")
     return found.output(context or FormatContext())
 

@@ -113,4 +113,10 @@ def _refuses(spec: QSpec) -> str | None:
     return None
 
 
-registry.register(registry.FormatEntry(NAME, _reader, _inspect, _output, refuses=_refuses))
+registry.register(
+    registry.FormatEntry(
+        NAME, _reader, _inspect, _output, refuses=_refuses, reads_config=True,
+        help="a model directory (pack-quantized, int8/int4) that transformers and vLLM load; "
+        "needs -o DIR.",
+    )
+)  # fmt: skip

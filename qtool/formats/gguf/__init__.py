@@ -122,5 +122,7 @@ registry.register(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
         ladder=LADDER, matcher=_matcher, dequantize_float=True, stores_gguf=True,
         input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
+        help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",
+        groups="GGUF types fall back as llama-quantize does",
     )
 )  # fmt: skip

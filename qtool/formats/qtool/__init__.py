@@ -118,4 +118,9 @@ detect.register(10, _sidecar)
 detect.register(20, _quantized_file)
 detect.register(40, _directory)
 detect.register_header(_header)
-registry.register(registry.FormatEntry(NAME, _reader, _inspect, _output, _belongings))
+registry.register(
+    registry.FormatEntry(
+        NAME, _reader, _inspect, _output, _belongings, help="codes plus a qparams sidecar.",
+        groups="the qtool format stores groups of any size",
+    )
+)  # fmt: skip

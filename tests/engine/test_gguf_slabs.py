@@ -15,9 +15,22 @@ from qtool.engine import slabs
 from qtool.engine.plan import QuantizeOptions
 from qtool.results import QuantizeSummary
 from qtool.spec import FormatName, QSpec, gguf_spec
-from tests.engine.test_slabs import Recorder
 
 gguf = pytest.importorskip("gguf")
+
+
+class Recorder:
+    """The progress a run reports: each tensor's name and bytes as they are done."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def start(self, total_bytes: int) -> None:
+        self.total = total_bytes
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self.calls.append((name, nbytes))
+
 
 TENSORS = {  # name -> (torch shape, dtype)
     "blk.0.ffn_up.weight": ((203, 256), np.float32),

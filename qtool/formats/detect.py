@@ -1,25 +1,13 @@
 """What a path holds: `detect(path)`, the one answer every command starts from (torch-free).
 
-Each format registers its detectors with a priority (formats/registry.py loads the formats);
-`detect` asks them in this fixed order and the first that recognises the path answers:
-
-  10 qtool sidecar            a safetensors file whose metadata holds a qparams manifest
-  20 qtool-quantized file     a safetensors file whose metadata binds it to a sidecar
-  25 GGUF file                a lone file starting with llama.cpp's GGUF magic, or named *.gguf
-  30 compressed-tensors       a model directory (or its index or config.json) whose config.json
-                              has a compressed-tensors quantization_config
-  35 compressed-tensors file  a lone safetensors file holding *.weight_packed / *.weight_scale
-                              (a shard out of its directory: read only through that directory)
-  40 qtool-format directory   a directory (or index) of qtool-quantized files: an index with a
-                              `qtool` section, or weight files that are qtool-quantized
-  50 sharded checkpoint       an index file, or a directory holding exactly one index
-  60 model directory          a directory with one *.safetensors file and no index
-  70 float file               any other file (.safetensors, .pt, .pth, .bin; its reader says
-                              what is wrong with anything else)
+Each format registers its detectors by name (formats/registry.py loads the formats); `detect`
+asks them in the order of PRIORITY, the one table of every detector's place, and the first that
+recognises the path answers.
 
 A directory's config.json is read once, by the one bounded, regular-file-only reader: a FIFO,
 `/dev/zero`, a file nested too deep or too big there is an error naming config.json, never "no
-checkpoint here". A new format registers one more detector.
+checkpoint here". A new format registers one more detector, with its priority when it is not
+in the table (a number between those it must come after and before).
 
 Header detectors are the per-file check the quantize loop runs on each shard: a checkpoint
 that is already quantized is never quantized again (codes of codes).
@@ -203,13 +191,45 @@ class Probe:
         )  # fmt: skip
 
 
+PRIORITY = {
+    # a safetensors file whose metadata holds a qparams manifest
+    "qtool-sidecar": 10,
+    # a safetensors file whose metadata binds it to a sidecar
+    "qtool-file": 20,
+    # a lone file starting with llama.cpp's GGUF magic, or named *.gguf
+    "gguf": 25,
+    # a model directory (or its index or config.json) whose config.json has a
+    # compressed-tensors quantization_config
+    "compressed-tensors": 30,
+    # a lone safetensors file holding *.weight_packed / *.weight_scale (a shard out of its
+    # directory: read only through that directory)
+    "compressed-tensors-file": 35,
+    # a directory (or index) of qtool-quantized files: an index with a `qtool` section, or
+    # weight files that are qtool-quantized
+    "qtool-directory": 40,
+    # an index file, or a directory holding exactly one index
+    "sharded": 50,
+    # a directory with one *.safetensors file and no index
+    "model-directory": 60,
+    # any other file (.safetensors, .pt, .pth, .bin; its reader says what is wrong with
+    # anything else)
+    "checkpoint": 70,
+}
+"""Every built-in detector's place in the order `detect` asks them (lower first)."""
+
 Detector = Callable[[Probe], Detected | None]
-_DETECTORS: list[tuple[int, Detector]] = []
+_DETECTORS: list[tuple[int, str, Detector]] = []
 
 
-def register(priority: int, detector: Detector) -> None:
-    """Add a detector at `priority` (see the module docstring for the order in use)."""
-    _DETECTORS.append((priority, detector))
+def register(name: str, detector: Detector, priority: int | None = None) -> None:
+    """Add the detector `name` at its place in PRIORITY (or at `priority`, for a detector the
+    table does not hold); ValueError for a name registered twice or placed nowhere."""
+    if any(n == name for _, n, _ in _DETECTORS):
+        raise ValueError(f"detector {name!r} is registered already")
+    place = PRIORITY.get(name) if priority is None else priority
+    if place is None:
+        raise ValueError(f"detector {name!r} has no priority: give one, or add it to PRIORITY")
+    _DETECTORS.append((place, name, detector))
     _DETECTORS.sort(key=lambda d: d[0])
 
 
@@ -217,7 +237,7 @@ def detect(path: Path) -> Detected:
     """What `path` holds (see the module docstring); InputError when nothing recognises it."""
     builtins.load()
     probe = Probe(path)
-    for _, detector in _DETECTORS:
+    for _, _, detector in _DETECTORS:
         found = detector(probe)
         if found is not None:
             return found

@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+from qtool.formats import builtins, detect
 
 # A container that adds nothing new: qtool's files under another format name, registered with a
 # help line; its OutputFormat overrides only the name (the rest: QtoolFormat's and the base's).
@@ -76,3 +79,17 @@ def test_a_registered_format_takes_no_config_it_does_not_read(tmp_path: Path) ->
     assert result.stderr == (
         "qtool: error: --group-fallback: goes with --format compressed-tensors\n"
     )
+
+
+def test_detectors_run_in_the_order_of_the_one_priority_table() -> None:
+    """Every built-in detector has its place in detect.PRIORITY and runs in that order; a
+    detector with no place, or registered twice, is refused (no silent order)."""
+
+    builtins.load()
+    registered = [name for _, name, _ in detect._DETECTORS]
+    assert registered == sorted(detect.PRIORITY, key=detect.PRIORITY.__getitem__)
+    with pytest.raises(ValueError, match="has no priority"):
+        detect.register("unplaced", lambda probe: None)
+    with pytest.raises(ValueError, match="registered already"):
+        detect.register("gguf", lambda probe: None)
+    assert [name for _, name, _ in detect._DETECTORS] == registered

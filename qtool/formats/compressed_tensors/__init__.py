@@ -11,9 +11,10 @@
   reader.py     a model directory as float tensors;  writer.py  the export
   inspect.py    what `qtool inspect` shows
 
-Registered as FormatName.COMPRESSED_TENSORS with one detector (formats/detect.py has the
+Registered as FormatName.COMPRESSED_TENSORS with two detectors (detect.PRIORITY has the
 order): a model directory, or its index or config.json, whose config.json holds a
-compressed-tensors quantization_config. Torch-free at import.
+compressed-tensors quantization_config; and a lone shard holding its tensors (refused: read
+through its directory). Torch-free at import.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _inspect(found: Detected) -> InspectSummary:
     return inspect(found)
 
 
-detect.register(30, _model_directory)
-detect.register(35, _shard_file)
+detect.register("compressed-tensors", _model_directory)
+detect.register("compressed-tensors-file", _shard_file)
 detect.register_header(_header)
 
 

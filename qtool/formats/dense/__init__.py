@@ -1,7 +1,7 @@
 """Plain float checkpoints (reader.py; writer.py writes what `qtool dequantize` gives back).
 
 Registered as "dense" (read only: `--format` never writes it) with the detectors of plain
-checkpoints (formats/detect.py has the order): a sharded checkpoint (an index, or a directory
+checkpoints (detect.PRIORITY has the order): a sharded checkpoint (an index, or a directory
 holding one), a model directory with one *.safetensors file and no index, and any other file
 (a .safetensors, .pt, .pth or .bin file; its reader says what is wrong with anything else).
 Torch-free at import.
@@ -72,8 +72,8 @@ def _inspect(found: Detected) -> InspectSummary:
     return listing.directory(found, listing.checkpoint_file, "checkpoint", "sharded")
 
 
-detect.register(50, _sharded)
-detect.register(60, _model_directory)
-detect.register(70, _file)
+detect.register("sharded", _sharded)
+detect.register("model-directory", _model_directory)
+detect.register("checkpoint", _file)
 registry.register(registry.FormatEntry(NAME, _reader, _inspect))
 registry.register_float_writer(_write)

@@ -1,6 +1,6 @@
 """llama.cpp's GGUF as a qtool format, registered as FormatName.GGUF with one detector
-(formats/detect.py has the order: 25, a lone file starting with the GGUF magic or named
-*.gguf). Torch-free at import.
+(detect.PRIORITY places it: a lone file starting with the GGUF magic or named *.gguf).
+Torch-free at import.
 
 - reader.GGUFFloatReader: any GGUF file as float tensors (the FloatReader protocol), under GGUF
   names, in torch order, quantized types dequantized as ggml does (compare, dequantize).
@@ -116,7 +116,7 @@ def hf_state_dict(
     return state, found
 
 
-detect.register(25, _gguf)
+detect.register("gguf", _gguf)
 registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,

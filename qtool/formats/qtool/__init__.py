@@ -1,7 +1,7 @@
 """qtool's own format: codes under the original tensor names, and a qparams sidecar beside each
 quantized file (manifest.py: the sidecar and the binding; writer.py; reader.py; inspect.py).
 
-Registered as FormatName.QTOOL, with three detectors (formats/detect.py has the order): a
+Registered as FormatName.QTOOL, with three detectors (detect.PRIORITY has the order): a
 sidecar, a quantized file, and a directory of quantized files (an index with a `qtool`
 section, or one quantized weight file beside its sidecar). Torch-free at import.
 """
@@ -114,9 +114,9 @@ def _belongings(path: Path) -> list[Path]:
     return [sidecar_path(path)]
 
 
-detect.register(10, _sidecar)
-detect.register(20, _quantized_file)
-detect.register(40, _directory)
+detect.register("qtool-sidecar", _sidecar)
+detect.register("qtool-file", _quantized_file)
+detect.register("qtool-directory", _directory)
 detect.register_header(_header)
 registry.register(
     registry.FormatEntry(

@@ -100,7 +100,9 @@ def load_module(
         name = f"{prefix}{local}"
         if name not in names:
             raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
-        state[local] = reader.values(name, torch.float32).to(device, copy=True)
+        stored = reader.values(name)  # as stored: one float32 copy made from it, on device
+        state[local] = stored.to(device=device, dtype=torch.float32, copy=True)
+        del stored
         reader.release(name)
     module.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]

@@ -21,13 +21,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qtool.errors import InputError
 from qtool.formats import builtins
-from qtool.io.index import INDEX_SUFFIX, ShardedInput, load_index
-from qtool.io.jsonfile import read_json
-from qtool.io.safeopen import InputDir
-from qtool.io.stformat import Header, HeaderError, read_header, read_header_file
+
+if TYPE_CHECKING:  # the readers are imported when a path is probed: registering imports none
+    from qtool.io.index import ShardedInput
+    from qtool.io.safeopen import InputDir
+    from qtool.io.stformat import Header
 
 CONFIG = "config.json"
 SAFETENSORS = ".safetensors"
@@ -75,6 +77,8 @@ class Probe:
     index; for a file, its safetensors header."""
 
     def __init__(self, path: Path) -> None:
+        from qtool.io.index import INDEX_SUFFIX
+
         self.path = path
         try:
             st = os.stat(path)
@@ -95,6 +99,8 @@ class Probe:
     @cached_property
     def within(self) -> InputDir | None:
         """The directory, opened once (None: a lone file)."""
+        from qtool.io.safeopen import InputDir
+
         return InputDir(self.directory) if self.directory is not None else None
 
     @cached_property
@@ -105,6 +111,8 @@ class Probe:
     def config(self) -> object:
         """The directory's config.json, parsed (None: there is none); InputError naming it when
         it cannot be read (not a regular file, too big, too deep, not JSON)."""
+        from qtool.io.jsonfile import read_json
+
         if self.within is None or not self.within.exists(CONFIG):
             return None
         assert self.directory is not None
@@ -114,6 +122,8 @@ class Probe:
     def index_name(self) -> str | None:
         """The index named, or the one index in the directory (None: none); InputError when a
         directory holds several."""
+        from qtool.io.index import INDEX_SUFFIX
+
         if not self.is_dir:
             return self.path.name if self.path.name.endswith(INDEX_SUFFIX) else None
         within = self.within
@@ -129,6 +139,8 @@ class Probe:
     @cached_property
     def sharded(self) -> ShardedInput | None:
         """The validated index and shards (None: no index)."""
+        from qtool.io.index import load_index
+
         if self.index_name is None:
             return None
         if not self.is_dir:
@@ -148,6 +160,8 @@ class Probe:
     def header(self) -> Header | None:
         """A lone file's safetensors header (None: not a safetensors file, or unreadable: its
         reader says why)."""
+        from qtool.io.stformat import HeaderError, read_header
+
         if self.is_dir or self.directory is not None:
             return None
         try:
@@ -157,6 +171,8 @@ class Probe:
 
     def header_of(self, name: str) -> Header | None:
         """The header of the file `name` in the directory (None: not safetensors)."""
+        from qtool.io.stformat import HeaderError, read_header_file
+
         assert self.within is not None
         try:
             with self.within.open(name) as f:
@@ -235,6 +251,8 @@ def register(name: str, detector: Detector, priority: int | None = None) -> None
 
 def detect(path: Path) -> Detected:
     """What `path` holds (see the module docstring); InputError when nothing recognises it."""
+    from qtool.io.index import INDEX_SUFFIX
+
     builtins.load()
     probe = Probe(path)
     for _, _, detector in _DETECTORS:

@@ -4,23 +4,25 @@ compressors and gguf-py's quant types do), and the engine reaches every format t
 `open_matching` for a checkpoint read under another one's tensor names (GGUF against the
 Hugging Face checkpoint it was converted from).
 
-A format is a FormatEntry: its name (spec.FormatName for the formats `--format` writes) and
-what it can do, each imported only when used, so that `inspect` and dry runs stay torch-free.
+A format is a FormatEntry: its name, the help line `--format` shows, and what it can do, each
+imported only when used (`lazy`): registering a format imports none of its modules, so the CLI
+reads every entry at start-up for `--format`, and `inspect` and dry runs stay torch-free.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qtool.formats import builtins
-from qtool.formats.base import FloatReader, FormatContext, OutputFormat
-from qtool.formats.detect import Detected, detect
 from qtool.spec import FormatName, QSpec
 
 if TYPE_CHECKING:
+    from qtool.formats.base import FloatReader, FormatContext, OutputFormat
+    from qtool.formats.detect import Detected
     from qtool.io.atomic import OutputSet
     from qtool.results import DequantizedRow, InspectSummary
 
@@ -36,7 +38,7 @@ class Matched:
     placed: dict[str, str] = field(default_factory=dict)  # the other's name -> its own
 
 
-Matcher = Callable[[FloatReader, Sequence[str]], Matched]
+Matcher = Callable[["FloatReader", Sequence[str]], Matched]
 """Given an open reader of the format and the other checkpoint's names, the reader as Matched."""
 
 
@@ -95,6 +97,18 @@ FloatWriter = Callable[
 """Writes a reader's tensors `names` as a float checkpoint file (dtype: 'original' or a name)."""
 
 _FORMATS: dict[str, FormatEntry] = {}
+
+
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """The function `name` of `module`, imported on its first call: how a format package
+    registers its detectors and hooks without importing them."""
+
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return call
+
+
 _FLOAT_WRITERS: list[FloatWriter] = []
 
 
@@ -167,6 +181,8 @@ def output_format(name: str, context: FormatContext | None = None) -> OutputForm
     found = entry(name)
     if found.output is None:
         raise ValueError(f"unknown format {name!r}; choose one of {', '.join(output_names())}")
+    from qtool.formats.base import FormatContext
+
     return found.output(context or FormatContext())
 
 
@@ -185,6 +201,8 @@ def refuses(name: str, spec: QSpec) -> str | None:
 def open_reader(path: Path | Detected, qparams: Path | None = None) -> FloatReader:
     """Any checkpoint, file or directory, as float tensors (quantized ones dequantized on the
     fly); `qparams` names the sidecar of a qtool-quantized file moved away from it."""
+    from qtool.formats.detect import Detected, detect
+
     found = path if isinstance(path, Detected) else detect(path)
     owner = found.format if qparams is None else FormatName.QTOOL.value  # whose sidecars
     return entry(owner).reader(found, qparams)
@@ -215,6 +233,8 @@ def open_matching(path: Path | Detected, names: Sequence[str]) -> Matched:
     of the same model (a Hugging Face float model's state dict names): a GGUF file's tensors
     come renamed and in that layout, with what could not be placed listed; any other format
     as it is. What an evaluation of a quantized file against its float model reads."""
+    from qtool.formats.detect import Detected, detect
+
     found = path if isinstance(path, Detected) else detect(path)
     reader = open_reader(found)
     try:

@@ -8,6 +8,7 @@
   groups.py     group sizes that must divide K, and the group fallback
   loaders.py    what transformers and vLLM will do with it: warnings, load-time dequantization
   codec.py      one Linear weight encoded as packed codes and scales, and decoded back
+  detection.py  what its detectors recognise (registered lazily by this module)
   reader.py     a model directory as float tensors;  writer.py  the export
   inspect.py    what `qtool inspect` shows
 
@@ -20,58 +21,19 @@ through its directory). Torch-free at import.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qtool.errors import InputError
-from qtool.formats import detect, listing, registry
-from qtool.formats.base import FloatReader, FormatContext, OutputFormat
-from qtool.formats.compressed_tensors.config import quantization_config_of
-from qtool.formats.compressed_tensors.selection import FORMAT, check_spec
-from qtool.formats.detect import SAFETENSORS, Detected, HeaderView, Probe
-from qtool.io.index import INDEX_SUFFIX
-from qtool.results import InspectSummary
-from qtool.spec import QSpec
+from qtool.formats import detect, registry
+from qtool.spec import FormatName, QSpec
 
-NAME = FORMAT
+if TYPE_CHECKING:
+    from qtool.formats.base import FloatReader, FormatContext, OutputFormat
+    from qtool.formats.detect import Detected
+    from qtool.results import InspectSummary
 
-
-def _model_directory(probe: Probe) -> Detected | None:
-    """A directory (or its index or config.json) whose config.json says compressed-tensors;
-    its weights: the index's shards, else its one *.safetensors file."""
-    if probe.directory is None or quantization_config_of(probe.config) is None:
-        return None
-    what = "a compressed-tensors model directory"
-    if probe.index_name is not None:
-        return probe.as_directory("compressed-tensors", NAME, what, quantized=True)
-    files = [n for n in probe.within.names() if n.endswith(SAFETENSORS)] if probe.within else []
-    if len(files) != 1:
-        raise InputError(
-            probe.directory,
-            f"a compressed-tensors model directory holds one *{SAFETENSORS} file or an "
-            f"*{INDEX_SUFFIX} index; found {len(files)} and no index",
-        )
-    return probe.as_directory("compressed-tensors", NAME, what, quantized=True, weights=files)
-
-
-_STORED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point")
-
-
-def _header(view: HeaderView) -> str | None:
-    """A file holding pack-quantized codes or naive-quantized scales (by its tensor names)."""
-    if any(n.endswith(_STORED_SUFFIXES) for n in view.names):
-        return "a compressed-tensors checkpoint (it holds *.weight_packed / *.weight_scale)"
-    return None
-
-
-def _shard_file(probe: Probe) -> Detected | None:
-    """A lone file holding compressed-tensors tensors: a shard taken out of its model directory
-    (read only through that directory, which holds the config that says how to decode it)."""
-    header = probe.header
-    if header is None:
-        return None
-    what = _header(HeaderView(probe.path, header.metadata or {}, [e.name for e in header.tensors]))
-    if what is None:
-        return None
-    return probe.as_file("compressed-tensors-file", NAME, what, quantized=True)
+NAME = FormatName.COMPRESSED_TENSORS.value
+_FOUND = "qtool.formats.compressed_tensors.detection"
 
 
 def _output(context: FormatContext) -> OutputFormat:
@@ -93,6 +55,7 @@ def _reader(found: Detected, qparams: Path | None) -> FloatReader:
 
 
 def _inspect(found: Detected) -> InspectSummary:
+    from qtool.formats import listing
     from qtool.formats.compressed_tensors.inspect import inspect
 
     if found.directory is None:
@@ -101,12 +64,14 @@ def _inspect(found: Detected) -> InspectSummary:
     return inspect(found)
 
 
-detect.register("compressed-tensors", _model_directory)
-detect.register("compressed-tensors-file", _shard_file)
-detect.register_header(_header)
+detect.register("compressed-tensors", registry.lazy(_FOUND, "model_directory"))
+detect.register("compressed-tensors-file", registry.lazy(_FOUND, "shard_file"))
+detect.register_header(registry.lazy(_FOUND, "header"))
 
 
 def _refuses(spec: QSpec) -> str | None:
+    from qtool.formats.compressed_tensors.selection import check_spec
+
     try:
         check_spec(spec)
     except ValueError as err:

@@ -13,14 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qtool.formats import detect, listing, registry
-from qtool.formats.base import FloatReader
-from qtool.formats.detect import Detected, Probe
-from qtool.results import InspectSummary
+from qtool.formats import detect, registry
 
 if TYPE_CHECKING:
+    from qtool.formats.base import FloatReader
+    from qtool.formats.detect import Detected, Probe
     from qtool.io.atomic import OutputSet
-    from qtool.results import DequantizedRow
+    from qtool.results import DequantizedRow, InspectSummary
 
 NAME = "dense"
 
@@ -67,6 +66,8 @@ def _write(
 
 
 def _inspect(found: Detected) -> InspectSummary:
+    from qtool.formats import listing
+
     if found.directory is None:
         return listing.checkpoint_file(found.path)
     return listing.directory(found, listing.checkpoint_file, "checkpoint", "sharded")

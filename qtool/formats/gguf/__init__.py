@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 
 from qtool.errors import InputError, UsageError
 from qtool.formats import detect, registry
-from qtool.formats.base import FloatReader, FormatContext, OutputFormat
 from qtool.formats.detect import Detected, Probe
-from qtool.io.safeopen import open_regular
-from qtool.results import InspectSummary
 from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, gguf_spec
 
 if TYPE_CHECKING:
     import torch
+
+    from qtool.formats.base import FloatReader, FormatContext, OutputFormat
+    from qtool.results import InspectSummary
 
 NAME = FormatName.GGUF.value
 MAGIC = b"GGUF"
@@ -59,6 +59,8 @@ def _gguf(probe: Probe) -> Detected | None:
 
 
 def _has_magic(path: Path) -> bool:
+    from qtool.io.safeopen import open_regular
+
     try:
         with open_regular(path) as f:
             return f.read(4) == MAGIC

@@ -12,6 +12,7 @@ GLOB, FILE.png); a choice lists its values, `sym|asym`.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 from typer.core import TyperCommand, TyperGroup
@@ -57,7 +58,7 @@ class Command(TyperCommand):
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces: list[str] = super().collect_usage_pieces(ctx)
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
+        return [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", p) for p in pieces]  # {X}... -> X...
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         arguments: list[tuple[str, str]] = []

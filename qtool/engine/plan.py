@@ -134,7 +134,7 @@ def plan_headers(
     `tied`: the input embeddings that are also the output head (engine/tied.py). InputError for
     an axis a tensor lacks; the format's own errors (a spec it cannot store)."""
     shards, plans, counts = [], [], []
-    kept_tied = tied if fmt.name == FormatName.QTOOL.value else frozenset()
+    kept_tied = tied if fmt.keeps_tied_embedding else frozenset()
     with patterns.bounded():  # one time budget for the recipe's patterns over every tensor
         for shard, entries in headers:
             shards.append(shard)

@@ -148,6 +148,10 @@ class OutputFormat(abc.ABC):
     single input file; it is built under a temporary name and renamed when complete."""
     scales_in_weight_dtype: bool = False
     """True: scales are rounded to the weight's dtype before the codes are computed."""
+    keeps_tied_embedding: bool = False
+    """True: the default selection keeps a tied input embedding (engine/tied.py) in float
+    where it would quantize it to 4 bits (compressed-tensors never quantizes an embedding;
+    GGUF decides by its own plan)."""
 
     def select(self, planned: Sequence[Ruled]) -> list[Choice] | None:
         """The format's decision for every tensor of the model in order (all shards at once,

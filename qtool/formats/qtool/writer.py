@@ -67,6 +67,7 @@ class QtoolFormat(OutputFormat):
     spec (granularity, storage dtype, range method) and the rules' plan as it stands."""
 
     name = FormatName.QTOOL.value
+    keeps_tied_embedding = True
 
     def __init__(self, context: FormatContext | None = None) -> None:
         self._context = context or FormatContext()

@@ -1,5 +1,5 @@
 """The formats qtool ships, loaded (and so registered) on first use. A new format package adds
-its module name here; nothing else in qtool names it (engine code asks the registry)."""
+its module name here; nothing else in qtool names it (engine and CLI ask the registry)."""
 
 from __future__ import annotations
 

@@ -218,7 +218,39 @@ def test_warnings_are_one_line_each(invoke: Invoke, llama: Path, tmp_path: Path)
     assert code == 0
     warnings = [line for line in err.splitlines() if "warning:" in line]
     assert len(warnings) == 2
-    assert "group size 16" in warnings[0] and "dequantize=True" in warnings[1]
+    assert "group size 16" in warnings[0] and '"dequantize"' in warnings[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "dense"),
+    [
+        (("--scheme", "asym"), True),  # transformers' packed path cannot load asymmetric
+        (("--scheme", "asym", "--dtype", "int4", "--group-size", "32"), True),
+        (
+            (
+                "--scheme",
+                "sym",
+            ),
+            False,
+        ),  # loads packed: no key
+        (("--scheme", "asym", "--group-size", "128", "--group-fallback", "channel"), False),
+    ],
+    ids=["asym-int8", "asym-int4", "sym", "asym-mixed"],
+)
+def test_asymmetric_single_scheme_exports_dequantize_at_load(
+    invoke: Invoke, llama: Path, tmp_path: Path, args: tuple[str, ...], dense: bool
+) -> None:
+    """A single-scheme asymmetric export asks transformers to dequantize at load time (its
+    default path raises on asymmetric weights: tests/interop/test_interop.py loads these); a
+    mixed one cannot (one group's args for every module) and says no path loads it."""
+    out = tmp_path / "o"
+    code, _, err = invoke("quantize", str(llama), *CT, *args, "-o", str(out))
+    assert code == 0, err
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q.get("dequantize", False) is dense
+    assert "CompressedTensorsConfig(dequantize=True)" not in err
+    if not dense and "asym" in args:
+        assert "no path that loads it correctly" in err
 
 
 @pytest.mark.parametrize(

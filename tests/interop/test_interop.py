@@ -7,9 +7,11 @@ model's with those weights swapped in (exactly), and is close to the float model
 measured maxima in docs/formats.md); compressed-tensors' own decompressor gives the same weights.
 Checkpoints written by compressed-tensors itself are read back by qtool bit for bit.
 
-Known upstream bug (transformers 5.23 + compressed-tensors 0.20): the default load path fails on
-every asymmetric checkpoint; `CompressedTensorsConfig(dequantize=True)` loads them. The test
-that asserts the failure starts failing when upstream fixes it: then update docs/formats.md.
+Known upstream bug (transformers 5.23 + compressed-tensors 0.20): the packed load path fails on
+every asymmetric checkpoint; `CompressedTensorsConfig(dequantize=True)` loads them, so qtool's
+asymmetric exports carry `"dequantize": true` and load on the default path. The test that asserts
+the failure (on a copy without the key) starts failing when upstream fixes it: then update
+docs/formats.md.
 """
 
 from __future__ import annotations
@@ -263,10 +265,11 @@ def test_compressed_tensors_decompresses_qtool_exports_identically(
 
 
 def paths(case: Case) -> list[bool]:
-    """dequantize flags of the load paths that work for this case (trap T1, T4)."""
+    """dequantize flags of the load paths that work for this case (trap T1, T4): every
+    single-scheme export, asymmetric ones too, as its config carries `"dequantize": true`."""
     if case.mixed:
         return [False]  # dequantize=True applies the first group to every module
-    return [True] if case.spec.scheme is ASYM else [False, True]
+    return [False, True]
 
 
 @pytest.mark.parametrize(
@@ -296,10 +299,19 @@ def test_transformers_loads_qtool_exports_bit_exact(
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.spec.scheme is ASYM], ids=lambda c: c.id)
 def test_default_path_still_fails_on_asymmetric(
-    case: Case, exports: dict[str, Path], models: dict[str, Model]
+    case: Case, exports: dict[str, Path], models: dict[str, Model], tmp_path: Path
 ) -> None:
+    """Why qtool writes `"dequantize": true` into an asymmetric export: without the key,
+    transformers' packed path still raises on it (upstream)."""
+    src = exports[case.id]
+    doc = json.loads((src / "config.json").read_text())
+    assert doc["quantization_config"].pop("dequantize") is True
+    for f in src.iterdir():
+        if f.is_file():
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(doc))
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        load(models[case.model], exports[case.id], dequantize=False)
+        load(models[case.model], tmp_path, dequantize=False)
 
 
 # ---------------------------------------------------------------- compressed-tensors' exports read

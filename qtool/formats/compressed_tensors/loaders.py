@@ -1,6 +1,7 @@
 """What the loaders do with an export, said before it is written (torch-free): one warning per
 choice that will not run everywhere (vLLM kernels, transformers' paths), and whether the export
-asks transformers to dequantize at load time (`"dequantize": true`, for sentence-transformers)."""
+asks transformers to dequantize at load time (`"dequantize": true`, for sentence-transformers
+and asymmetric exports)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,21 @@ def dequantize_at_load(
     selections: Sequence[Selection], sentence_transformers: bool
 ) -> tuple[bool, str | None]:
     """Whether the export writes `"dequantize": true` (transformers then dequantizes every
-    Linear at load time), and a warning when it cannot. Only a sentence-transformers directory
-    needs it: sentence-transformers calls the model's `forward` directly, which skips the
-    forward pre-hook through which transformers' default path decompresses the model, so
-    `encode` fails on weights still packed. transformers' load-time dequantization reads every
-    module with one config group's args, so it is written only for a single group."""
-    if not sentence_transformers:
+    Linear at load time), and a warning when it cannot. Two exports need it. A
+    sentence-transformers directory: sentence-transformers calls the model's `forward`
+    directly, which skips the forward pre-hook through which transformers' default path
+    decompresses the model, so `encode` fails on weights still packed. An asymmetric one:
+    transformers 5.23's default path cannot load an asymmetric checkpoint at all
+    (compressed-tensors 0.20 expects an unpacked zero point). transformers' load-time
+    dequantization reads every module with one config group's args, so it is written only for
+    a single group (vLLM and compressed-tensors ignore the key)."""
+    asym = any(s.spec is not None and s.spec.scheme is Scheme.ASYM for s in selections)
+    if not (sentence_transformers or asym):
         return False, None
     if len(config_groups(selections)) == 1:
         return True, None
+    if not sentence_transformers:
+        return False, None  # asymmetric with several schemes: export_warnings says it
     return False, (
         "sentence-transformers (modules.json): this export mixes schemes, which transformers "
         "cannot dequantize at load time, so SentenceTransformer(out).encode fails until the "
@@ -58,9 +65,10 @@ def export_warnings(selections: Sequence[Selection], *, dequantize: bool = False
             "asymmetric with several schemes (e.g. a group fallback): transformers 5.23 with "
             "compressed-tensors 0.20 has no path that loads it correctly; vLLM and qtool read it"
         )
-    if asym and not dequantize:
+    if asym and dequantize:
         warnings.append(
-            "asymmetric: transformers loads it only with "
-            "CompressedTensorsConfig(dequantize=True) (compressed-tensors 0.20 zero-point bug)"
+            'asymmetric: the export asks transformers to dequantize at load time ("dequantize": '
+            "true; its packed path cannot load asymmetric weights), so transformers holds it as "
+            "float; vLLM ignores the key and runs it packed"
         )
     return warnings

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM, ENCODER
+from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected, detect
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -29,13 +30,24 @@ def float_source(path: Path) -> tuple[Detected, dict[str, object]]:
         raise InputError(path, f"{FLOAT_WANTED}; it has no {CONFIG}")
     if not isinstance(config, dict):
         raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
-    if "quantization_config" in config or found.quantized:
-        what = found.description if found.quantized else "its config.json has a quantization_config"
+    stale = stale_config.is_gguf_marker(config)  # the weights decide (models.load_float)
+    if found.quantized:
         raise InputError(
-            path, f"FLOAT is already quantized ({what}); give the float model as FLOAT and the "
-            "quantized one as QUANT",
+            path, f"FLOAT is already quantized ({found.description}); give the float model as "
+            "FLOAT and the quantized one as QUANT",
         )  # fmt: skip
-    return found, config
+    if stale_config.KEY in config and not stale:
+        raise InputError(
+            path, f"FLOAT is already quantized (its config.json has a {stale_config.KEY}"
+            f"{_method(config)}); give the float model as FLOAT and the quantized one as QUANT "
+            f"(if its weights are float, {stale_config.REMOVE})",
+        )  # fmt: skip
+    return found, {k: v for k, v in config.items() if k != stale_config.KEY}
+
+
+def _method(config: dict[str, object]) -> str:
+    method = stale_config.method_of(config)
+    return f' with quant_method "{method}"' if method else ""
 
 
 def kind_of(config: dict[str, object]) -> tuple[str, str]:

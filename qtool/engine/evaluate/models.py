@@ -19,6 +19,7 @@ from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM
+from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected, refuse_quantized
 from qtool.formats.model_config import check_counts
 from qtool.io.stformat import HeaderError
@@ -78,6 +79,10 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     found, config = float_source(path)
     kind, architecture = kind_of(config)
     checkpoint = read_checkpoint(found)
+    if isinstance(found.config, dict) and stale_config.is_gguf_marker(found.config):
+        stale_config.check_float_weights(
+            ((name, d) for name, (_, d) in checkpoint.tensors.items()), path / CONFIG
+        )
     check_counts(config, path / CONFIG, checkpoint.shapes())
     hf_config = hf.config_from(config, path, "FLOAT")
     tokenizer = hf.tokenizer(path, "FLOAT", hf_config)  # before the weights: fails at once

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import InputError
+from qtool.formats import stale_config
 from qtool.formats.compressed_tensors import coerce
 from qtool.formats.compressed_tensors.selection import (
     FORMAT,
@@ -177,13 +178,10 @@ def _supported(group: str, w: Mapping[str, object], fmt: str) -> CtArgs:
 
 
 def check_not_quantized(config: Mapping[str, object], path: Path) -> None:
-    """InputError when config.json already carries a quantization_config."""
+    """InputError when config.json already carries a quantization_config (naming its
+    quant_method and how to remove the key)."""
     if config.get("quantization_config") is not None:
-        raise InputError(
-            path,
-            "already quantized: config.json has a quantization_config; "
-            "quantize the original float checkpoint instead",
-        )
+        raise stale_config.refusal(config, path)
 
 
 def weights_args(spec: QSpec) -> dict[str, object]:

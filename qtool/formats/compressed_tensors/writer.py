@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 from qtool import __version__
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
+from qtool.formats import stale_config
 from qtool.formats.base import Choice, FormatContext, OutputFormat, Planned, Ruled
 from qtool.formats.compressed_tensors import config as ct_config
 from qtool.formats.compressed_tensors import groups, loaders
@@ -44,7 +45,8 @@ def read_model_config(path: Path | None, within: InputDir | None = None) -> dict
             hint="config",
         )
     doc = read_json_object(path, within=within, what="model config")
-    ct_config.check_not_quantized(doc, path)
+    if not stale_config.is_gguf_marker(doc):  # that one the weights decide (select)
+        ct_config.check_not_quantized(doc, path)
     return doc
 
 
@@ -97,7 +99,9 @@ class CompressedTensorsFormat(OutputFormat):
     def __init__(self, context: FormatContext) -> None:
         self.context = context
         self.config_path = context.config
-        self.config = read_model_config(context.config, context.config_dir)
+        doc = read_model_config(context.config, context.config_dir)
+        self.stale_gguf = stale_config.is_gguf_marker(doc)
+        self.config = {k: v for k, v in doc.items() if k != stale_config.KEY or not self.stale_gguf}
         self.fallback = context.group_fallback
         self.data_warnings: list[str] = []
         self.sentence_transformers = _has_modules_json(context)
@@ -136,6 +140,9 @@ class CompressedTensorsFormat(OutputFormat):
     def select(self, planned: Sequence[Ruled]) -> list[Choice]:
         """Linear weights by name, shape and config.json; the group fallback; InputError for a
         spec it cannot store or a plan vLLM would refuse (fused siblings treated differently)."""
+        if self.stale_gguf:
+            entries = (p.entry for p in planned)
+            stale_config.check_float_weights(((e.name, e.dtype) for e in entries), self.config_path)
         linears = self.linears(planned)
         try:
             chosen = ct.select_planned(planned, self.config, linears)
@@ -193,6 +200,7 @@ class CompressedTensorsFormat(OutputFormat):
         linears = self.linears(planned)
         dense, st_warning = loaders.dequantize_at_load(selections, self.sentence_transformers)
         return [
+            *([stale_config.dropped_note(self.config_path)] if self.stale_gguf else []),
             *_module_notes(linears, self.config_path),
             *loaders.export_warnings(selections, dequantize=dense),
             *([st_warning] if st_warning else []),

@@ -1,6 +1,7 @@
 """`calibrate`'s block-by-block pass against the reference (ImatrixProbe's hooks on the whole
 float model loaded by transformers): the same sums to float tolerance and the same row counts,
-for Llama (tied and not), Qwen2 (biases, its per-layer mask mapping) and Mistral; merges of
+for Llama (tied and not), Qwen2 (biases, its per-layer mask mapping), Qwen3 (norms inside
+attention) and Mistral; merges of
 runs equal one run over all their texts; at most one block is materialized at a time; the file
 is read back by qtool and by gguf-py with llama.cpp's names and qtool's provenance keys."""
 
@@ -46,6 +47,9 @@ def _other(directory: Path, kind: str) -> Path:
     if kind == "qwen2":
         cfg: Any = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         model: Any = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":  # q_norm / k_norm inside attention
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.MistralConfig(**common, tie_word_embeddings=False)
         model = transformers.MistralForCausalLM(cfg)
@@ -58,7 +62,7 @@ def _other(directory: Path, kind: str) -> Path:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("calibrate")
     out = {name: build(root / name, name) for name in ("llama", "llama-tied")}
-    out |= {name: _other(root / name, name) for name in ("qwen2", "mistral")}
+    out |= {name: _other(root / name, name) for name in ("qwen2", "qwen3", "mistral")}
     (root / "a.txt").write_text(TEXT_A)
     (root / "b.txt").write_text(TEXT_B)
     return out
@@ -83,7 +87,7 @@ def _reference(model_dir: Path, texts: list[Path], tokens: int) -> dict[str, Any
     return probe.stats()
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "qwen2", "qwen3", "mistral"])
 def test_block_by_block_equals_hooks_on_the_whole_model(
     models: dict[str, Path], tmp_path: Path, name: str
 ) -> None:

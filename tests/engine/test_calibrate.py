@@ -1,9 +1,9 @@
 """`calibrate`'s block-by-block pass against the reference (ImatrixProbe's hooks on the whole
 float model loaded by transformers): the same sums to float tolerance and the same row counts,
 for Llama (tied and not), Qwen2 (biases, its per-layer mask mapping), Qwen3 (norms inside
-attention) and Mistral; merges of
-runs equal one run over all their texts; at most one block is materialized at a time; the file
-is read back by qtool and by gguf-py with llama.cpp's names and qtool's provenance keys."""
+attention) and Mistral; merges of runs equal one run over all their texts; at most one block is
+materialized at a time; the file is read back by qtool and by gguf-py with llama.cpp's names and
+qtool's provenance keys."""
 
 from __future__ import annotations
 

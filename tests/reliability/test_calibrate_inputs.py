@@ -167,3 +167,23 @@ def test_cuda_without_a_gpu(root: Path, tmp_path: Path, run: Invoke) -> None:
     args = [str(root / "llama"), "--device", "cuda", "-o", str(tmp_path / "x.gguf")]
     _refused(run, args, "no CUDA device")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_a_quantization_config_is_refused_unless_it_is_transformers_gguf_marker(
+    root: Path, tmp_path: Path, run: Invoke
+) -> None:
+    """A directory saved from a model transformers loaded from a GGUF file keeps its marker
+    over float weights: that is a float model (as eval and the export take it)."""
+    model = tmp_path / "llama"
+    shutil.copytree(root / "llama", model)
+    config = json.loads((model / "config.json").read_text())
+    args = [str(model), "--text", str(root / "text.txt"), "--tokens", "64", "--ctx", "32"]
+    for method, refused in (("gguf", False), ("awq", True)):
+        config["quantization_config"] = {"quant_method": method}
+        (model / "config.json").write_text(json.dumps(config))
+        out = tmp_path / f"{method}.gguf"
+        if refused:
+            _refused(run, [*args, "-o", str(out)], "already quantized", '"awq"')
+        else:
+            rc, _, err = run("calibrate", *args, "-o", str(out))
+            assert rc == 0 and out.is_file(), err

@@ -27,6 +27,7 @@ from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
+from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected, detect
 from qtool.formats.imatrix import read_imatrix, write_imatrix
 from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
@@ -80,6 +81,10 @@ def calibrate(
             f"{architecture} (model_type {config.get('model_type')!r})",
         )  # fmt: skip
     checkpoint = read_checkpoint(found)
+    if isinstance(found.config, dict) and stale_config.is_gguf_marker(found.config):
+        stale_config.check_float_weights(  # transformers' marker over float weights: float
+            ((name, d) for name, (_, d) in checkpoint.tensors.items()), model_dir / CONFIG
+        )
     check_counts(config, model_dir / CONFIG, checkpoint.shapes())
     hf_config = hf.config_from(config, model_dir, "the model")
     tokenizer = hf.tokenizer(model_dir, "the model", hf_config)
@@ -135,11 +140,12 @@ def _model_source(path: Path) -> tuple[Detected, dict[str, object]]:
         raise InputError(path, f"{wanted}; it has no {CONFIG}")
     if not isinstance(config, dict):
         raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
-    if "quantization_config" in config or found.quantized:
-        what = found.description if found.quantized else "its config.json has a quantization_config"
-        raise InputError(path, f"the model is already quantized ({what}); calibrate runs the "
-                         "float model it came from")  # fmt: skip
-    return found, config
+    if found.quantized:
+        raise InputError(path, f"the model is already quantized ({found.description}); "
+                         "calibrate runs the float model it came from")  # fmt: skip
+    if stale_config.KEY in config and not stale_config.is_gguf_marker(config):
+        raise stale_config.refusal(config, path / CONFIG)
+    return found, {k: v for k, v in config.items() if k != stale_config.KEY}
 
 
 def _check_tokens(tokens: int, ctx: int) -> None:

@@ -15,10 +15,9 @@ import gc
 import os
 import signal
 import sys
-import threading
 import warnings
 from types import FrameType
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -83,14 +82,32 @@ def main(argv: list[str] | None = None) -> None:
     headers, plans and rows again and again: ~40 % of quantizing 50,000 tiny tensors."""
     collecting = gc.isenabled()
     gc.disable()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        _run_command(argv)
+        code = _run_command(argv)
     finally:
         if collecting:
             gc.enable()
+        if argv is not None:  # called in-process (a test): its signals are handed back
+            signal.signal(signal.SIGTERM, handlers[0])
+            signal.signal(signal.SIGINT, handlers[1])
+    if argv is None:
+        _end_process(code)
+    sys.exit(code)
 
 
-def _run_command(argv: list[str] | None) -> None:
+def _end_process(code: int) -> NoReturn:
+    """The process ends as soon as its command is done. Its outputs are published and closed
+    and its report printed; the interpreter's shutdown (a second or more, tearing down torch)
+    has nothing left to do for them, and a signal arriving during it was raised inside a
+    finalizer, which printed "Exception ignored ... Traceback" and exited 0."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or half-written stream: let it be
+            stream.flush()
+    os._exit(code)
+
+
+def _run_command(argv: list[str] | None) -> int:
     closed = _reopen_closed_std_streams()
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args
@@ -128,7 +145,7 @@ def _run_command(argv: list[str] | None) -> None:
             "traceback and report it"
         )
         report.print_error(InternalError(None, message), as_json)
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0
 
 
 class _Finishing:
@@ -143,35 +160,14 @@ _finishing = _Finishing()
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     """SIGTERM raises Terminated and SIGINT KeyboardInterrupt while the command runs, so that
-    its outputs are cleaned up on the way out. Once it is done, a signal interrupts nothing:
-    the interpreter's shutdown takes about a second after the last line (freeing torch), and an
-    exception raised there printed "Exception ignored ... Traceback" (exit 0). Then it ends the
-    process at once, with the command's own code and nothing more printed."""
+    its outputs are cleaned up on the way out. Once it is done (its code chosen), a signal
+    interrupts nothing: the process ends with the command's own code and nothing more."""
     code = _finishing.code
-    if code is not None and _exiting(frame):
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed or half-written stream: let it be
-                stream.flush()
-        os._exit(code)
+    if code is not None:
+        _end_process(code)
     if signum == signal.SIGTERM:
         raise Terminated
     raise KeyboardInterrupt
-
-
-def _exiting(frame: FrameType | None) -> bool:
-    """Whether the process is on its way out of main(): main() is on the stack, or the
-    interpreter is shutting down (threading's _shutdown, atexit callbacks, finalizers). Not when
-    main() was called in-process and its caller caught its SystemExit and goes on (a test)."""
-    if sys.is_finalizing() or getattr(threading, "_SHUTTING_DOWN", False):
-        return True
-    while frame is not None:
-        if frame.f_code in (main.__code__, _THREADING_SHUTDOWN):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_THREADING_SHUTDOWN = getattr(getattr(threading, "_shutdown", None), "__code__", None)
 
 
 def _reopen_closed_std_streams() -> list[str]:

@@ -21,6 +21,16 @@ settings.load_profile("exhaustive" if os.environ.get("QTOOL_EXHAUSTIVE") == "1" 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+SLOW_DIRECTORIES = ("interop",)
+"""Every test below these loads real consumers (transformers, compressed-tensors, gguf-py)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if set(SLOW_DIRECTORIES) & set(item.path.relative_to(Path(__file__).parent).parts):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def private_cache(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -36,6 +46,14 @@ def private_cache(
 def device(request: pytest.FixtureRequest) -> str:
     """Every available device: CPU always, CUDA when there is one."""
     return str(request.param)
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A private copy of the tiny-llama sample model directory."""
+    dest = tmp_path / "m"
+    shutil.copytree(SAMPLES / "tiny-llama", dest)
+    return dest
 
 
 @pytest.fixture

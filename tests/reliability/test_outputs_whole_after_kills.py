@@ -1,8 +1,10 @@
-"""Issue 17, round 3: SIGKILL at every step of a compressed-tensors export (named kill points and
-random moments), and concurrent `--force` exports to one directory. The invariant: once the
-next run has cleaned up, `-o` is missing (a fresh export), the previous export or the new one,
-complete, byte for byte; nothing else is left. `QTOOL_KILLS` sets the number of random kills
-(4 by default, 100 with QTOOL_EXHAUSTIVE=1)."""
+"""Outputs appear whole or not at all when the run is killed: SIGKILL at every step of a
+compressed-tensors export (named kill points and random moments), at random moments of a
+single-file quantize, SIGINT/SIGTERM mid-write, and concurrent `--force` exports to one
+directory. The invariant: once the next run has cleaned up, `-o` is missing (a fresh export),
+the previous export or the new one, complete, byte for byte; nothing else is left.
+`QTOOL_KILLS` sets the number of random kills (8 and 4 by default; 200 and 100 with
+QTOOL_EXHAUSTIVE=1). Every test here spawns processes."""
 
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from qtool.errors import SidecarError
+from qtool.formats.qtool.manifest import sidecar_path
+from qtool.formats.qtool.reader import QtoolReader
 from qtool.io import atomic, outdir
 from qtool.io.manifest import MANIFEST
+from qtool.io.stformat import read_header
+from tests.conftest import SAMPLES
+from tests.conftest import run_qtool as invoke
+from tests.outputs import CT, ERROR_LINE, EXHAUSTIVE, checkpoint, leftovers
 
-CT = ("--format", "compressed-tensors")
-SAMPLES = Path(__file__).parents[2] / "sample_weights"
-EXHAUSTIVE = os.environ.get("QTOOL_EXHAUSTIVE") == "1"
+pytestmark = pytest.mark.slow  # every test spawns and kills processes
 
 # A child qtool that SIGKILLs itself at one point of the export (argv[1]), then runs argv[2:].
 CHILD = r"""
@@ -137,6 +144,7 @@ def exports(
 
 
 FRESH = ["copying", "manifest", "created"]
+
 FORCE = ["copying", "manifest", "exchanged", "removing",
          "fallback-aside", "fallback-placed", "fallback-removing"]  # fmt: skip
 
@@ -229,3 +237,139 @@ def test_two_concurrent_force_exports_to_one_directory(
         assert any(code == 0 for _, code in results), results
         assert _settle(tmp_path, out, {"int8": old, "int4": new})
         assert _leftovers(tmp_path) == []
+
+
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored, and Python keeps it ignored (as a
+    # well-behaved tool should); restore the default so that the run reacts like one at a prompt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _spawn(args: list[str], capture: bool = True) -> subprocess.Popen[bytes]:
+    stream = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, "-m", "qtool", *args],
+        stdout=stream,
+        stderr=stream,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _wait_for_temp(directory: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(".qtool-tmp-" in p.name for p in directory.iterdir()):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_mid_write_cleans_up(tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    # 384 MiB: a write window of a second or more, so the signal lands inside it.
+    checkpoint(tmp_path / "m.safetensors", tensors=96, rows=2048, cols=512)
+    out = tmp_path / "q.safetensors"
+    seen = []
+    for _attempt in range(5):  # the signal must land while outputs are being written
+        proc = _spawn(["quantize", str(tmp_path / "m.safetensors"), "-o", str(out)])
+        seen.append(_wait_for_temp(tmp_path, proc))
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+        if proc.returncode != 0:
+            break
+        for p in (out, sidecar_path(out)):
+            p.unlink(missing_ok=True)
+    else:
+        pytest.skip(f"every run finished before the signal arrived (temp seen: {seen})")
+    assert proc.returncode == code
+    assert stdout == b""
+    assert ERROR_LINE.match(stderr.decode()), stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def _check_final_names(directory: Path, out: Path, previous: bytes | None) -> str:
+    """The kill invariant; returns which state the outputs are in."""
+    side = sidecar_path(out)
+    if not out.exists():
+        # The quantized file appears last, so it can only be missing with its sidecar either
+        # absent or already complete (a kill between the two renames).
+        if side.exists():
+            read_header(side)
+            return "sidecar only"
+        return "nothing"
+    read_header(out)  # the quantized file is never partial
+    try:
+        QtoolReader(out).close()
+        return "pair"
+    except SidecarError as err:
+        # Only an old quantized file beside a new sidecar, between the renames of a --force run.
+        assert previous is not None and out.read_bytes() == previous, err
+        assert "does not belong" in str(err)
+        return "old file, new sidecar (refused)"
+
+
+def test_sigkill_at_random_moments_never_leaves_a_bad_output(tmp_path: Path) -> None:
+    kills = int(os.environ.get("QTOOL_KILLS", 200 if EXHAUSTIVE else 8))
+    src = tmp_path / "m.safetensors"
+    checkpoint(src, tensors=48, rows=2048)
+    out = tmp_path / "q.safetensors"
+    # Measure the window in which outputs are written: from the first temp file to the commit.
+    proc = _spawn(["quantize", str(src), "-o", str(out)], capture=False)
+    assert _wait_for_temp(tmp_path, proc)
+    started = time.monotonic()
+    while not out.exists() and proc.poll() is None:
+        time.sleep(0.001)
+    window = time.monotonic() - started
+    assert proc.wait() == 0
+    rng = random.Random(1234)
+    states: dict[str, int] = {}
+    landed = 0
+    for i in range(kills):
+        force = i % 2 == 1
+        if force and not out.exists():  # a --force run over an existing pair
+            subprocess.run([sys.executable, "-m", "qtool", "quantize", str(src), "-o", str(out),
+                            "--force"], check=True, capture_output=True)  # fmt: skip
+        previous = out.read_bytes() if force else None
+        if not force:
+            for p in (out, sidecar_path(out)):
+                p.unlink(missing_ok=True)
+        args = ["quantize", str(src), "-o", str(out), "--scheme", rng.choice(["sym", "asym"])]
+        proc = _spawn([*args, "--force"] if force else args, capture=False)
+        _wait_for_temp(tmp_path, proc)
+        time.sleep(rng.uniform(0, window * 1.3))
+        proc.kill()
+        proc.wait()
+        state = _check_final_names(tmp_path, out, previous)
+        states[state] = states.get(state, 0) + 1
+        # A SIGKILL cannot clean up: a temp file of this pid proves it landed mid-write.
+        landed += any(f".qtool-tmp-{proc.pid}-" in p.name for p in tmp_path.iterdir())
+    # Kills that all missed the write window would prove nothing about it.
+    assert landed > 0, f"no kill of {kills} landed while outputs were written: {states}"
+    # A clean run afterwards removes every temp file the kills left behind.
+    subprocess.run([sys.executable, "-m", "qtool", "quantize", str(src), "-o", str(out), "--force"],
+                   check=True, capture_output=True)  # fmt: skip
+    assert not [p for p in tmp_path.iterdir() if ".qtool-tmp-" in p.name]
+    print(f"kills survived: {kills}, landed mid-write: {landed}, states: {states}")
+
+
+def _big_model(directory: Path) -> None:
+    directory.mkdir()
+    shutil.copy(SAMPLES / "tiny-llama" / "config.json", directory / "config.json")
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 1024)
+               for i in range(24)}, directory / "model.safetensors")  # fmt: skip
+
+
+def test_a_killed_export_leaves_a_temp_dir_the_next_run_removes(tmp_path: Path) -> None:
+    _big_model(tmp_path / "big")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "qtool", "quantize", str(tmp_path / "big"), *CT, "-o", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = leftovers(tmp_path)
+    assert left and not out.exists(), "the export finished before it could be killed"
+    assert invoke("quantize", str(SAMPLES / "tiny-llama"), *CT, "-o", str(tmp_path / "o2"))[0] == 0
+    assert leftovers(tmp_path) == []

@@ -105,6 +105,7 @@ def outcomes(
         }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=shown)
 def test_examples_run_and_print_what_the_docs_show(
     doc: Path, outcomes: dict[Path, Future[tuple[list[str], Edits]]]

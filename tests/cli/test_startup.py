@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+pytestmark = pytest.mark.slow  # every test starts a fresh interpreter
+
 PROBE = """
 import json, sys
 from qtool.cli import main

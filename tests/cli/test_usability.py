@@ -305,6 +305,7 @@ def test_readme_says_how_to_run_qtool_and_where_outputs_go() -> None:
     assert "mkdir -p build/demo" in usage[:first_qtool]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed")
 def test_readme_jq_example_selects_quantized_tensors_only(
     invoke: Invoke, samples: Path, monkeypatch: pytest.MonkeyPatch

@@ -141,6 +141,7 @@ def test_dry_run_reads_no_tensor_data_and_writes_nothing(invoke: Invoke, samples
     assert code == 1 and "NaN/Inf" in stderr  # --estimate does read the data
 
 
+@pytest.mark.slow
 def test_dry_run_does_not_import_torch(samples: Path) -> None:
     import subprocess
 

@@ -259,6 +259,7 @@ def _peak_anon_mib(args: list[str], env: dict[str, str]) -> float:
     return peak / 1024
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 @pytest.mark.parametrize("kernel", ["torch", "fused"])
 def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path, kernel: str) -> None:

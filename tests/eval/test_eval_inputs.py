@@ -34,11 +34,13 @@ def loaded_by(*args: str) -> list[str]:
     return list(json.loads(result.stderr.rsplit("LOADED ", 1)[-1]))
 
 
+@pytest.mark.slow
 def test_eval_help_loads_no_torch_and_no_transformers() -> None:
     assert loaded_by("eval", "--help") == []
     assert "transformers" not in loaded_by("--help")
 
 
+@pytest.mark.slow
 def test_a_bound_for_the_wrong_kind_is_refused_before_torch(tmp_path: Path) -> None:
     model = str(SAMPLES / "tiny-lm")
     assert "torch" not in loaded_by("eval", model, model, "--min-cosine", "0.9")

@@ -333,6 +333,7 @@ def test_a_directory_named_like_an_output_file_is_left_behind(
     assert tree(out) == EXPECTED
 
 
+@pytest.mark.slow
 def test_a_subdirectory_on_another_filesystem_is_not_entered(
     invoke: Invoke, model: Path, tmp_path: Path
 ) -> None:
@@ -356,6 +357,7 @@ def test_a_subdirectory_on_another_filesystem_is_not_entered(
     assert "1_Pooling/" not in tree(out) and "2_Dense/config.json" in tree(out)
 
 
+@pytest.mark.slow
 def test_force_never_takes_a_mount_over_a_listed_subdirectory_for_qtools(
     invoke: Invoke, model: Path, tmp_path: Path
 ) -> None:

@@ -172,6 +172,7 @@ def test_output_dir_that_is_the_input_through_a_symlinked_parent_is_refused(
     assert _snapshot(tmp_path / "m") == before
 
 
+@pytest.mark.slow
 def test_output_dir_that_is_the_input_through_a_bind_mount_is_refused(tmp_path: Path) -> None:
     """A bind mount has its own path string (resolve() cannot see through it) but the same
     device and inode; run in a private mount namespace so nothing leaks out of the test."""

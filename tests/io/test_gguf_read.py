@@ -44,6 +44,7 @@ def test_a_file_truncated_while_open_is_an_error_not_sigbus(tmp_path: Path) -> N
             f.check_unchanged()
 
 
+@pytest.mark.slow
 def test_no_sigbus_in_a_child_process_either(tmp_path: Path) -> None:
     """What killed qtool with a mapping (exit 135): truncate, then touch every byte."""
     path = _file(tmp_path / "m.gguf")

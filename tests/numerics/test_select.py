@@ -91,6 +91,7 @@ def test_fused_without_numba_is_a_usage_error_naming_the_extra(
         select.quantize_tensor(weights(), QSpec())
 
 
+@pytest.mark.slow
 def test_fused_without_numba_through_the_cli(tmp_path: Path) -> None:
     """Exit 2, one line naming the extra, no output written (numba blocked in the child)."""
     src = tmp_path / "w.safetensors"

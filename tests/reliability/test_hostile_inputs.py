@@ -69,6 +69,7 @@ for read in (ckpt.tensor, ckpt.raw):
 """
 
 
+@pytest.mark.slow
 def test_truncated_while_reading_is_an_error_not_sigbus(tmp_path: Path) -> None:
     """In a child: a regression to mapped reads dies of SIGBUS there, not in the test runner."""
     src = tmp_path / "m.safetensors"
@@ -98,6 +99,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_truncated_mid_run_reports_and_cleans_up(tmp_path: Path) -> None:
     """In a child process: before the fix the mapped read died of SIGBUS, leaving a temp."""
     src = tmp_path / "m.safetensors"
@@ -164,6 +166,7 @@ def test_safetensors_is_recognised_by_content_whatever_its_first_byte(
 # ---- 9.16: torch's warnings -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torch_warnings_are_one_qtool_line_each(tmp_path: Path) -> None:
     with pytest.warns(UserWarning):
         torch.save({"w": torch.eye(3).to_sparse_csr()}, tmp_path / "csr.pt")
@@ -178,6 +181,7 @@ def test_torch_warnings_are_one_qtool_line_each(tmp_path: Path) -> None:
 # ---- 9.14: names and metadata -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_undecodable_file_names_reach_json_as_escapes(tmp_path: Path) -> None:
     src = tmp_path / "n\udcff.safetensors"  # the file name holds the byte 0xff
     _weights(src)
@@ -209,6 +213,7 @@ def test_sidecar_name_in_metadata_must_be_a_plain_file_name(tmp_path: Path, name
 # ---- 9.14: standard streams, threads, internal errors -----------------------------------------
 
 
+@pytest.mark.slow
 def test_closed_stdout_writes_outputs_and_says_the_report_is_lost(tmp_path: Path) -> None:
     src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     _weights(src)
@@ -225,6 +230,7 @@ def test_closed_stdout_writes_outputs_and_says_the_report_is_lost(tmp_path: Path
     assert load_file(out)["l0.weight"].dtype == torch.int8
 
 
+@pytest.mark.slow
 def test_closed_stderr_runs_and_keeps_stdout_clean(tmp_path: Path) -> None:
     """Before: exit 1 with no output at all. The skipped-entry warning must not reach stdout."""
     torch.save({"w": torch.randn(8, 8), "epoch": 3}, tmp_path / "m.pt")
@@ -249,6 +255,7 @@ def test_closed_stderr_runs_and_keeps_stdout_clean(tmp_path: Path) -> None:
     assert load_file(out)["w"].dtype == torch.int8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 @pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
 def test_full_stdout_is_one_line_after_complete_outputs(tmp_path: Path, as_json: bool) -> None:
@@ -277,6 +284,7 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024))
 
 
+@pytest.mark.slow
 def test_dequantize_to_pt_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     src, q = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     save_file({"w": torch.randn(256, 256)}, src)

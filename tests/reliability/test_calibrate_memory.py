@@ -76,6 +76,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_model_twice_the_memory_budget_calibrates_within_it(tmp_path: Path) -> None:
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident set")

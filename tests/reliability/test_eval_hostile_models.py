@@ -101,6 +101,7 @@ for path in opened:
 """
 
 
+@pytest.mark.slow
 def test_libraries_never_open_a_file_of_the_model_directories_by_path(
     models: tuple[Path, Path],
 ) -> None:
@@ -118,6 +119,7 @@ def test_libraries_never_open_a_file_of_the_model_directories_by_path(
     assert inside == []
 
 
+@pytest.mark.slow
 def test_files_qtool_never_checked_are_never_opened(
     models: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -175,6 +177,7 @@ def test_only_the_text_the_tokens_need_is_tokenized(
     assert sum(seen) <= 200_000, seen  # a few prefixes of a few kB, never the 4 MB
 
 
+@pytest.mark.slow
 def test_a_layer_count_the_weights_do_not_back_is_refused_before_building(
     models: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -276,6 +279,7 @@ def test_a_quant_tensor_of_another_shape_names_it_and_both_files(
 # ---- class 4: no traceback ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_panics_is_one_line_naming_its_file(
     models: tuple[Path, Path], tmp_path: Path
 ) -> None:

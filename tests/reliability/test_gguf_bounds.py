@@ -137,6 +137,7 @@ main(sys.argv[2:])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and sparse files")
 def test_class3_a_tensor_larger_than_memory_is_named_not_an_internal_error(
     tmp_path: Path,

@@ -57,6 +57,7 @@ def _capped(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and sparse files")
 def test_class3_a_gguf_tensor_larger_than_the_memory_cap_is_streamed(tmp_path: Path) -> None:
     """A 512 MiB F32 tensor (a sparse file) under a cap of 384 MiB over the baseline: quantized

@@ -248,6 +248,7 @@ except InputError as err:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is Linux's")
 def test_declared_sizes_cost_nothing_before_they_are_checked(tmp_path: Path) -> None:
     """A .dat declaring 2^31 - 1 values (8 GiB) per entry, in a 1 GiB address space: refused

@@ -57,6 +57,7 @@ LADDER_KEYS = ("scheme", "dtype", "granularity", "group_size", "range")
 TOP_KEYS = ("rule", "ladder")
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of rules; a bigger file is a wrong path
 MAX_PATTERNS = 1_000  # rules matching by glob with a wildcard or re: (docs/reliability.md)
+MAX_LADDER = 64  # specs the error budget tries on each tensor (its default ladders hold 4)
 
 _E = TypeVar("_E", Scheme, StorageDtype, RangeMethod)
 
@@ -145,7 +146,19 @@ class _Checker:
     def ladder(self, value: object) -> tuple[QSpec, ...]:
         if not isinstance(value, list) or not value:
             self.fail(("ladder",), 'must be a non-empty list such as ["int4 g128 mse", "int8"]')
-        return tuple(self._rung(i, item) for i, item in enumerate(value))
+        if len(value) > MAX_LADDER:
+            self.fail(
+                ("ladder",),
+                f"{len(value):,} entries, over {MAX_LADDER}: the budget tries every entry on "
+                "every tensor it decides; list the few specs worth trying",
+            )
+        rungs: dict[QSpec, int] = {}
+        for i, item in enumerate(value):
+            spec = self._rung(i, item)
+            if spec in rungs:
+                self.fail(("ladder", i), f"repeats ladder entry {rungs[spec] + 1}")
+            rungs[spec] = i
+        return tuple(rungs)
 
     def _rung(self, i: int, item: object) -> QSpec:
         at: TomlPath = ("ladder", i)

@@ -18,10 +18,9 @@ pytestmark = pytest.mark.slow  # every test starts a fresh interpreter
 PROBE = """
 import json, sys
 from qtool.cli import main
-sys.argv = ["qtool", *json.loads(sys.argv[1])]
 code = None
 try:
-    main()
+    main(json.loads(sys.argv[1]))  # with its arguments: returns (SystemExit), no os._exit
 except SystemExit as exit:
     code = exit.code
 loaded = [m for m in ("torch", "rich", "pydantic", "qtool.engine") if m in sys.modules]

@@ -146,9 +146,9 @@ def test_dry_run_does_not_import_torch(samples: Path) -> None:
     import subprocess
 
     code = (
-        "import sys; from qtool.cli import main; sys.argv = ['qtool', 'quantize', "
-        f"{str(samples / MLP)!r}, '--dry-run']\n"
-        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "import sys; from qtool.cli import main\n"
+        f"try:\n    main(['quantize', {str(samples / MLP)!r}, '--dry-run'])\n"
+        "except SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -16,10 +16,9 @@ from tests.conftest import SAMPLES, Invoke
 PROBE = """
 import json, sys
 from qtool.cli import main
-sys.argv = ["qtool", *json.loads(sys.argv[1])]
 code = None
 try:
-    main()
+    main(json.loads(sys.argv[1]))  # with its arguments: returns (SystemExit), no os._exit
 except SystemExit as exit:
     code = exit.code
 names = ("torch", "transformers", "rich", "qtool.engine")

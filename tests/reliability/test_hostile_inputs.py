@@ -305,9 +305,8 @@ def test_internal_errors_are_json_with_a_code(
         raise ZeroDivisionError("a bug")
 
     monkeypatch.setattr(cli, "app", broken)
-    monkeypatch.setattr(sys, "argv", ["qtool", "inspect", "x", "--json"])
     with pytest.raises(SystemExit) as exit_info:
-        cli.main()
+        cli.main(["inspect", "x", "--json"])
     assert exit_info.value.code == 1
     captured = capsys.readouterr()
     assert captured.out == ""

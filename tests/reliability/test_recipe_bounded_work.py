@@ -16,7 +16,7 @@ from qtool import patterns
 from qtool.errors import RecipeError
 from qtool.io.stformat import TensorEntry
 from qtool.recipe import rules as rules_module
-from qtool.recipe.file import MAX_PATTERNS, load_recipe, parse_recipe
+from qtool.recipe.file import MAX_LADDER, MAX_PATTERNS, load_recipe, parse_recipe
 from qtool.recipe.rules import Rule, resolve, rules_from_cli, unmatched
 from qtool.spec import QSpec
 
@@ -83,3 +83,18 @@ def test_globs_are_charged_to_the_time_budget_of_re_patterns(
     assert err.value.path == "r.toml"
     with pytest.raises(RecipeError, match=r"line 1: .*took over 0 s in total"):
         unmatched(recipe.rules, NAMES)
+
+
+def test_a_ladder_is_bounded_and_tries_each_spec_once(tmp_path: Path) -> None:
+    """The error budget tries every ladder entry on every tensor it decides: a ladder of 28,000
+    entries (885 KB) cost 2 s per tensor. Over MAX_LADDER entries, or an entry repeated, is
+    refused naming the file and the entry's line."""
+    path = tmp_path / "ladder.toml"
+    rungs = ",".join(f'{{dtype="int8",group_size={n}}}' for n in range(2, 28_002))
+    path.write_text(f"ladder = [\n{rungs}\n]\n")
+    with pytest.raises(RecipeError, match=rf"28,000 entries, over {MAX_LADDER}") as err:
+        load_recipe(path)
+    assert err.value.path == str(path)
+    with pytest.raises(RecipeError, match=r"line 3: .*ladder entry 2.*repeats ladder entry 1"):
+        parse_recipe('ladder = [\n"int8",\n"sym int8 channel",\n]\n')
+    assert len(parse_recipe('ladder = ["int4 g128 mse", "int8"]').ladder or ()) == 2

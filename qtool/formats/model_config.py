@@ -34,6 +34,15 @@ BUILD_COUNTS = re.compile(
 )
 """Keys whose value is a number of modules a model class builds (`max_window_layers`,
 `num_experts_per_tok`, `first_k_dense_replace` build nothing)."""
+NEEDS_ONE = re.compile(r"^(num_hidden_layers|num_layers|n_layers?)$")
+"""Build counts a model needs at least one of (zero layers is no model: `num_hidden_layers: 0`
+or `-1` ran eval with no block at all, KL 0). Other build counts may be 0, never negative."""
+POSITIVE = re.compile(
+    r"^(num_attention_heads|num_key_value_heads|n_heads?|num_heads|attention_heads"
+    r"|(encoder|decoder)_attention_heads|head_dim)$"
+)
+"""Sizes transformers divides by or raises to a negative power: 0 was `ZeroDivisionError:
+integer modulo by zero` or `0.0 cannot be raised to a negative power`, naming nothing."""
 MIN_UNITS = 64
 """Any count up to this is allowed, whatever the checkpoint (a few blocks cost nothing)."""
 MODULES_PER_TENSOR = 8
@@ -47,6 +56,7 @@ def check_counts(
 ) -> None:
     """InputError naming `path` (config.json) and the key when a count of `config` asks for
     more modules than the checkpoint's tensors (`shapes`, name -> shape) can back."""
+    check_positive(config, path)
     tensors = len(shapes)
     units = max(MIN_UNITS, tensors, *(s[0] for s in shapes.values() if len(s) >= 3))
     modules = 0
@@ -66,6 +76,54 @@ def check_counts(
             path, f"its counts ({keys}) make {modules:,} modules, but the checkpoint holds "
             f"{_held(shapes)}; refusing to build a model the weights do not describe",
         )  # fmt: skip
+
+
+_DECODER_LAYER = re.compile(r"^(?:model|transformer)\.(?:layers|h)\.(\d+)\.")
+
+
+def check_layer_indices(
+    config: Mapping[str, object], path: Path | None, names: Sequence[str]
+) -> None:
+    """InputError naming `path` and num_hidden_layers when a tensor of a decoder's layer list
+    (`model.layers.N.`, `transformer.h.N.`) has an index N the count leaves out: a model built
+    from config.json would not have that layer, and its tensors would be taken for something
+    else (the export listed them as "kept: not an nn.Linear in transformers")."""
+    count = config.get("num_hidden_layers")
+    if type(count) is not int:
+        return
+    for name in names:
+        m = _DECODER_LAYER.match(name)
+        if m and int(m.group(1)) >= count:
+            raise InputError(
+                path, f"num_hidden_layers is {count:,}, but the checkpoint holds {name} (layer "
+                f"{m.group(1)}); fix the count in config.json",
+            )  # fmt: skip
+
+
+def check_positive(config: Mapping[str, object], path: Path | None) -> None:
+    """InputError naming `path` and the key when a count or size is below what any model needs
+    (NEEDS_ONE and POSITIVE at least 1, other BUILD_COUNTS at least 0)."""
+    for where, doc in _subconfigs(config):
+        for key, value in doc.items():
+            if type(value) is not int:
+                continue
+            least = 1 if NEEDS_ONE.match(key) or POSITIVE.match(key) else 0
+            if value < least and (least or BUILD_COUNTS.match(key)):
+                raise InputError(
+                    path, f"{where}{key} is {value:,}; a model needs {least} or more (fix it "
+                    "in config.json)",
+                )  # fmt: skip
+
+
+def _subconfigs(
+    doc: Mapping[str, object], where: str = "", depth: int = 0
+) -> Iterator[tuple[str, Mapping[str, object]]]:
+    """(key path, sub-config) for the config and each sub-config, MAX_SUBCONFIG_DEPTH deep."""
+    yield where, doc
+    if depth < MAX_SUBCONFIG_DEPTH:
+        for key, value in doc.items():
+            if isinstance(value, dict):
+                yield from _subconfigs(value, f"{where}{key}.", depth + 1)
 
 
 def _counts(

@@ -123,6 +123,7 @@ def test_chat_messages_without_a_chat_template(root: Path, tmp_path: Path, run: 
     _refused(run, args, "chat.jsonl", "no chat template")
 
 
+@pytest.mark.filterwarnings("always")  # one file merged twice warns (below)
 def test_merge_and_model_counts(root: Path, tmp_path: Path, run: Invoke) -> None:
     one = tmp_path / "one.gguf"
     rc, _, err = run("calibrate", str(root / "llama"), "--text", str(root / "text.txt"),
@@ -187,3 +188,76 @@ def test_a_quantization_config_is_refused_unless_it_is_transformers_gguf_marker(
         else:
             rc, _, err = run("calibrate", *args, "-o", str(out))
             assert rc == 0 and out.is_file(), err
+
+
+def test_a_jsonl_line_nested_too_deep(root: Path, tmp_path: Path, run: Invoke) -> None:
+    """A line of 100,000 `[` was `internal error: RecursionError` (json.loads unbounded); it
+    is parsed as config files are (nesting bounded), naming the file and the line."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(json.dumps({"text": "fine"}) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    args = [str(root / "llama"), "--text", str(deep), "-o", str(tmp_path / "x.gguf")]
+    _refused(run, args, "deep.jsonl", "line 2 is not JSON", "nest")
+
+
+def test_a_token_id_beyond_the_vocabulary(root: Path, tmp_path: Path, run: Invoke) -> None:
+    """An added token of tokenizer.json whose id the embedding has no row for, in the text:
+    was `internal error: IndexError: index out of range in self`."""
+    model = tmp_path / "model"
+    shutil.copytree(root / "llama", model)
+    _add_token(model, 5000, "<far>")
+    text = tmp_path / "far.txt"
+    text.write_text("The quick brown fox <far> jumps over the lazy dog. " * 20)
+    args = [str(model), "--text", str(text), "--tokens", "64", "--ctx", "32",
+            "-o", str(tmp_path / "x.gguf")]  # fmt: skip
+    _refused(run, args, "tokenizer.json", "gives token id 26", "vocabulary has 262 entries")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def _add_token(model: Path, token_id: int, content: str) -> None:
+    path = model / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    doc["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
+                                "lstrip": False, "rstrip": False, "normalized": False,
+                                "special": False})  # fmt: skip
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"num_hidden_layers": 1}, ["config.json", "model.layers.1.", "9 of the checkpoint's"]),
+        ({"num_hidden_layers": -1}, ["config.json", "num_hidden_layers is -1"]),
+        ({"num_hidden_layers": 0}, ["config.json", "num_hidden_layers is 0"]),
+        ({"num_attention_heads": 0}, ["config.json", "num_attention_heads is 0"]),
+        ({"head_dim": 0}, ["config.json", "head_dim is 0"]),
+    ],
+    ids=["fewer-layers", "negative-layers", "no-layers", "no-heads", "no-head-dim"],
+)
+def test_config_counts_below_the_checkpoint(
+    root: Path, tmp_path: Path, run: Invoke, change: dict[str, int], words: list[str]
+) -> None:
+    """Calibrate builds the model as eval does: a layer count below the checkpoint's was a
+    calibration of fewer blocks (tensors silently unused), a head count or head_dim of 0 a
+    ZeroDivisionError from transformers naming nothing."""
+    model = tmp_path / "model"
+    shutil.copytree(root / "llama", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | change))
+    args = [str(model), "--text", str(root / "text.txt"), "--tokens", "64", "--ctx", "32",
+            "-o", str(tmp_path / "x.gguf")]  # fmt: skip
+    _refused(run, args, *words)
+
+
+@pytest.mark.filterwarnings("always")  # shown as the CLI shows it, not raised by pytest
+def test_a_merge_of_one_file_twice_warns(root: Path, tmp_path: Path, run: Invoke) -> None:
+    """The same file twice (by inode: another spelling of its path too) doubles its counts; it
+    was merged silently."""
+    one = tmp_path / "one.gguf"
+    rc, _, err = run("calibrate", str(root / "llama"), "--text", str(root / "text.txt"),
+                     "--tokens", "64", "--ctx", "32", "-o", str(one))  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = run("calibrate", "--merge", str(one), f"{tmp_path}/./one.gguf",
+                       "-o", str(tmp_path / "m.gguf"))  # fmt: skip
+    assert rc == 0 and "merged 2 importance matrices" in out
+    assert "one.gguf and " in err and "are the same file, merged twice" in err, err
+    assert len(err.strip().splitlines()) == 1, err

@@ -332,3 +332,103 @@ def test_what_transformers_refuses_in_a_model_file_names_the_file(
     code, out, err = invoke("eval", str(model), str(models[0]), *EVAL)
     _one_line(code, out, err, message)
     assert "internal error" not in err
+
+
+# ---- issue 28, second attack: what config.json and tokenizer.json size without weights -------
+
+
+def _xglm(directory: Path, max_positions: int) -> Path:
+    """A tiny XGLM (d_model 32, 1 layer) whose sinusoidal position table is a buffer of
+    max_positions x 32, computed from config.json, in no weight file."""
+    import torch
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    from tests.eval_models import save_tokenizer
+
+    torch.manual_seed(0)
+    config = XGLMConfig(vocab_size=262, d_model=32, num_layers=1, attention_heads=2,
+                        ffn_dim=64, max_position_embeddings=64)  # fmt: skip
+    XGLMForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(directory, encoder=False)
+    _edit_config(directory, max_position_embeddings=max_positions)
+    return directory
+
+
+def test_a_buffer_config_json_sizes_is_bounded_before_building(tmp_path: Path) -> None:
+    """max_position_embeddings 40,000,000 made XGLM compute a 40,000,002 x 32 position table
+    (50 s, 7.9 GB, then a failed 5 GB allocation; at 4e8, 51 GB): buffers are now counted on
+    the meta build, at most 4 bytes per weight value or 64 MiB, and refused naming
+    config.json and the largest one. The run is capped at 3 GB of address space."""
+    model = _xglm(tmp_path / "xg", 40_000_000)
+    run = _qtool("eval", str(model), str(model), *EVAL, address_space=3 << 30)
+    _one_line(run.returncode, run.stdout, run.stderr, "config.json: describes a model whose "
+              "computed buffers take 5,120,000,256 bytes (the largest: "
+              "model.embed_positions.weights [40000002, 32])")  # fmt: skip
+
+
+def test_a_buffer_within_the_floor_is_built(tmp_path: Path, invoke: Invoke) -> None:
+    """The bound refuses only what config.json sizes beyond the floor: 2,048 positions run."""
+    model = _xglm(tmp_path / "xg", 2048)
+    code, _, err = invoke("eval", str(model), str(model), *EVAL)
+    assert code == 0, err
+
+
+def test_a_token_id_beyond_the_vocabulary_names_tokenizer_json(
+    invoke: Invoke, models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """tokenizer.json's added tokens with ids the embedding has no row for, in the text: was
+    `internal error: IndexError: index out of range in self`."""
+    model = _copy(models[0], tmp_path, "model")
+    path = model / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    doc["added_tokens"] += [{"id": 5000 + i, "content": f"<far{i}>", "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False,
+                             "special": False} for i in range(5)]  # fmt: skip
+    path.write_text(json.dumps(doc))
+    text = tmp_path / "far.txt"
+    text.write_text("A few words <far3> and more words after it. " * 10)
+    code, out, err = invoke("eval", str(model), str(model), "--text", str(text), *EVAL)
+    _one_line(code, out, err, "tokenizer.json: gives token id 26")
+    assert "vocabulary has 262 entries" in err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": 1}, "config.json: tensor 'model.layers.1.input_layernorm.weight': "
+         "describes a model with no place for this tensor of model.safetensors (9 of the "
+         "checkpoint's tensors in all)"),
+        ({"num_hidden_layers": -1}, "config.json: num_hidden_layers is -1; a model needs 1"),
+        ({"num_hidden_layers": 0}, "config.json: num_hidden_layers is 0; a model needs 1"),
+        ({"num_attention_heads": 0}, "config.json: num_attention_heads is 0; a model needs 1"),
+        ({"head_dim": 0}, "config.json: head_dim is 0; a model needs 1"),
+        ({"num_key_value_heads": -2}, "config.json: num_key_value_heads is -2"),
+    ],
+    ids=["fewer-layers", "negative-layers", "no-layers", "no-heads", "no-head-dim",
+         "negative-kv-heads"],
+)  # fmt: skip
+def test_counts_below_the_checkpoint_are_refused(
+    invoke: Invoke, models: tuple[Path, Path], tmp_path: Path, change: dict[str, int], message: str
+) -> None:
+    """Eval never drops weights: num_hidden_layers 1 of 2 ran on one layer (exit 0, 9
+    tensors unused), -1 on none (KL 0, a --max-kl gate passed); a head count or head_dim of 0
+    was transformers' ZeroDivisionError or "0.0 cannot be raised to a negative power"."""
+    model = _copy(models[0], tmp_path, "model")
+    _edit_config(model, **change)
+    code, out, err = invoke("eval", str(model), str(model), *EVAL, "--max-kl", "1")
+    _one_line(code, out, err, message)
+
+
+def test_the_export_refuses_layers_beyond_the_count() -> None:
+    """The compressed-tensors export of a 2-layer checkpoint with num_hidden_layers 1 listed
+    layer 1's projections as "kept: not an nn.Linear in transformers"; a tensor of a layer the
+    count leaves out is refused naming the key and the tensor."""
+    from qtool.formats.compressed_tensors.modules import model_linears
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 1}  # fmt: skip
+    entries = [TensorEntry(f"model.layers.{i}.mlp.down_proj.weight", "BF16", (64, 64), 0, 0)
+               for i in range(2)]  # fmt: skip
+    with pytest.raises(InputError, match=r"num_hidden_layers is 1, but the checkpoint holds "
+                       r"model\.layers\.1\.mlp\.down_proj\.weight"):  # fmt: skip
+        model_linears(config, Path("/m/config.json"), entries)

@@ -10,7 +10,6 @@ turn, so that `--tokens` draws on all of them."""
 from __future__ import annotations
 
 import ast
-import json
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from qtool.engine.evaluate.hf import Tokenizer, first_line, guarded, quiet
 from qtool.engine.evaluate.text import Text, read_text
 from qtool.engine.evaluate.tokens import leading_ids
 from qtool.errors import InputError
+from qtool.io.jsonfile import parse_json
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
@@ -82,10 +82,11 @@ def _render_jsonl(path: Path, content: str, tokenizer: Tokenizer) -> str:
         if not line.strip():
             continue
         try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(path, f"line {number} is not JSON ({err.msg}); give one JSON "
-                             "object per line") from None  # fmt: skip
+            doc = parse_json(line.encode(), path, "line")  # strict, nesting bounded
+        except InputError as err:
+            why = err.message.removeprefix("not a valid line: ")
+            raise InputError(path, f"line {number} is not JSON ({why}); give one JSON object "
+                             "per line") from None  # fmt: skip
         if isinstance(doc, dict) and isinstance(doc.get("text"), str):
             pieces.append(doc["text"])
         elif isinstance(doc, dict) and isinstance(doc.get("messages"), list):

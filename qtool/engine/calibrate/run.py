@@ -8,6 +8,7 @@ loader skips, as it looks its own up by name)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from qtool.engine.calibrate.data import Source, default_text, load_text, take_wi
 from qtool.engine.evaluate import hf
 from qtool.engine.evaluate.config import kind_of
 from qtool.engine.evaluate.models import check_sizes, read_checkpoint
+from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
 from qtool.errors import InputError, UsageError
@@ -95,6 +97,7 @@ def calibrate(
     sources = take_windows(texts, tokenizer, options.tokens, ctx)
     model = _empty_model(model_dir, hf_config, checkpoint)
     windows = _interleaved(sources)
+    check_vocabulary(windows, model.get_input_embeddings().num_embeddings, tokenizer)
     reader = open_reader(found)
     loaded = perf_counter()
     try:
@@ -259,12 +262,29 @@ def dataset_infos(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, .
     )
 
 
+class MergedTwice(UserWarning):
+    """One file given twice to a merge (by inode: a link or another spelling of its path)."""
+
+
+def _warn_same_file(inputs: Sequence[Path]) -> None:
+    seen: dict[tuple[int, int], Path] = {}
+    for path in inputs:
+        st = path.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first is not path:
+            warnings.warn(
+                f"{first} and {path} are the same file, merged twice: its counts count double",
+                MergedTwice, stacklevel=2,
+            )  # fmt: skip
+
+
 def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
     """The importance matrices in `inputs` (GGUF or legacy .dat) added together into `out`, as
     llama-imatrix --in-file A --in-file B ... writes them."""
     if len(inputs) < 2:
         raise UsageError(None, "a merge needs two or more importance matrices")
     check_files([out], list(inputs), force)
+    _warn_same_file(inputs)
     matrices = [read_imatrix(p) for p in inputs]
     infos: list[DatasetInfo] = []
     for path, imatrix in zip(inputs, matrices, strict=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,61 @@ def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) ->
             config_json, f"describes a model of {wanted:,} parameters, but the weights hold "
             f"{values:,} values{example if unmatched else ''}; config.json does not describe "
             "these weights",
+        )  # fmt: skip
+    check_unused(built, prefix, checkpoint, config_json)
+    check_buffers(built, values, config_json)
+
+
+def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: Path) -> None:
+    """InputError naming config.json, the first checkpoint tensor the model `built` has no
+    place for and how many there are: a layer count below the checkpoint's
+    (`num_hidden_layers: 1` of 2 ran eval on one layer, 9 tensors silently unused). A head the
+    base model AutoModel builds drops (BertForMaskedLM's `cls.*` beside `bert.*`) and the
+    tensors the class itself ignores on load (`_keys_to_ignore_on_load_unexpected`) are
+    allowed."""
+    used = set(built.state_dict())
+    ignored = [
+        re.compile(p) for p in getattr(built, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ]
+    held = checkpoint.tensors
+    base = prefix and built.base_model is built and any(n.startswith(f"{prefix}.") for n in held)
+    unused = [
+        name
+        for name in held
+        if _stored_name(name, prefix, dict.fromkeys(used)) is None
+        and not any(p.search(name) for p in ignored)
+        and not (base and not name.startswith(f"{prefix}."))  # a head the base model drops
+    ]
+    if unused:
+        where = checkpoint.files.get(unused[0], config_json).name
+        raise InputError(
+            config_json, f"describes a model with no place for this tensor of {where} "
+            f"({len(unused):,} of the checkpoint's tensors in all); config.json does not "
+            "describe these weights (a layer count below the checkpoint's?), and eval never "
+            "drops weights", unused[0],
+        )  # fmt: skip
+
+
+MIN_BUFFER_BYTES = 64 << 20
+"""Buffers (computed, not stored: a sinusoidal position table, rotary frequencies, a causal
+mask) may take at most 4 bytes per checkpoint value, or this much: config.json sizes them
+(`max_position_embeddings` times the hidden size), and no checkpoint backs them."""
+
+
+def check_buffers(built: Any, values: int, config_json: Path) -> None:
+    """InputError naming config.json and the largest buffer when the model `built` on the meta
+    device holds more buffer bytes than MIN_BUFFER_BYTES or 4 per checkpoint value (`values`):
+    XGLM's position table of 40,000,000 positions took 50 s and 7.9 GB before failing."""
+    buffers = [(n, b) for n, b in built.named_buffers() if b is not None]
+    total = sum(b.numel() * b.element_size() for _, b in buffers)
+    bound = max(MIN_BUFFER_BYTES, 4 * values)
+    if total > bound:
+        name, largest = max(buffers, key=lambda nb: nb[1].numel() * nb[1].element_size())
+        raise InputError(
+            config_json, f"describes a model whose computed buffers take {total:,} bytes "
+            f"(the largest: {name} {list(largest.shape)}), more than the {bound:,} its "
+            f"{values:,} weight values allow; check max_position_embeddings and the sizes in "
+            "config.json",
         )  # fmt: skip
 
 

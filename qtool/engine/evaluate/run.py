@@ -16,7 +16,7 @@ from qtool.engine.evaluate.models import FloatModel, load_float
 from qtool.engine.evaluate.passes import causal_pass, encoder_pass
 from qtool.engine.evaluate.quant import QuantModel, load_quant
 from qtool.engine.evaluate.text import Text, default_text, read_text, windows
-from qtool.engine.evaluate.tokens import causal_tokens, encoder_pieces
+from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary, encoder_pieces
 from qtool.engine.loop import resolve_device
 from qtool.errors import UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
@@ -91,8 +91,12 @@ def _pieces(
     tokenizers = (reference.tokenizer, candidate.tokenizer)
     if reference.kind == CAUSAL_LM:
         ids = causal_tokens(*tokenizers, text, limit, quant)
-        return [ids[s:e] for s, e in windows(len(ids), ctx)]
-    return encoder_pieces(*tokenizers, text, limit, ctx, quant)
+        pieces = [ids[s:e] for s, e in windows(len(ids), ctx)]
+    else:
+        pieces = encoder_pieces(*tokenizers, text, limit, ctx, quant)
+    rows = reference.model.get_input_embeddings().num_embeddings
+    check_vocabulary(pieces, rows, reference.tokenizer)
+    return pieces
 
 
 def window_length(asked: int | None, reference: FloatModel) -> int:

@@ -99,3 +99,16 @@ def same_ids(ours: list[int], theirs: list[int], quant: Path) -> None:
         quant, f"QUANT's tokenizer differs from FLOAT's: at token {at} of the text it gives "
         f"{got} where FLOAT's gives {want}; evaluate models that share a tokenizer",
     )  # fmt: skip
+
+
+def check_vocabulary(pieces: list[list[int]], rows: int, tokenizer: Tokenizer) -> None:
+    """InputError naming the tokenizer's file when it gives an id the model's embedding has no
+    row for (an added token beyond the vocabulary: the embedding lookup would fail inside
+    torch with "index out of range")."""
+    wrong = next((i for ids in pieces for i in ids if not 0 <= i < rows), None)
+    if wrong is not None:
+        raise InputError(
+            tokenizer.source, f"gives token id {wrong} on the text, but the model's vocabulary "
+            f"has {rows:,} entries (ids 0 to {rows - 1:,}); the tokenizer does not belong to "
+            "these weights",
+        )  # fmt: skip

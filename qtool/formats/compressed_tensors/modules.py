@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from qtool.errors import InputError
-from qtool.formats.model_config import check_counts
+from qtool.formats.model_config import check_counts, check_layer_indices
 from qtool.io import usercache
 from qtool.io.stformat import TensorEntry
 
@@ -102,6 +102,7 @@ def model_linears(
     or when config.json's layer and expert counts ask for more modules than the checkpoint
     backs (model_config.check_counts: nothing is built then)."""
     check_counts(config, path, {e.name: e.shape for e in entries})
+    check_layer_indices(config, path, [e.name for e in entries])
     weights = matrix_modules(entries)
     try:
         return cached_linears(config, weights, len(entries))

@@ -305,7 +305,8 @@ def test_a_same_size_overwrite_of_a_large_exported_file_is_kept(tmp_path: Path) 
     """The audit's reproduction, at its real size: a weights file over the hashed limit."""
     src = tmp_path / "big"
     src.mkdir()
-    shutil.copy(SAMPLES / "tiny-llama" / "config.json", src / "config.json")
+    config = json.loads((SAMPLES / "tiny-llama" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 17}))
     save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 1024)
                for i in range(17)}, src / "model.safetensors")  # fmt: skip
     out = tmp_path / "out"

@@ -8,6 +8,7 @@ QTOOL_EXHAUSTIVE=1). Every test here spawns processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -175,7 +176,8 @@ def test_sigkill_at_each_step_of_an_export_loses_nothing(
 
 def _big(directory: Path) -> None:
     directory.mkdir()
-    shutil.copy(SAMPLES / "tiny-llama" / "config.json", directory / "config.json")
+    config = json.loads((SAMPLES / "tiny-llama" / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 8}))
     (directory / "tokenizer.json").write_bytes(os.urandom(2_000_000))
     save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 1024)
                for i in range(8)}, directory / "model.safetensors")  # fmt: skip
@@ -354,7 +356,8 @@ def test_sigkill_at_random_moments_never_leaves_a_bad_output(tmp_path: Path) -> 
 
 def _big_model(directory: Path) -> None:
     directory.mkdir()
-    shutil.copy(SAMPLES / "tiny-llama" / "config.json", directory / "config.json")
+    config = json.loads((SAMPLES / "tiny-llama" / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 24}))
     save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1024, 1024)
                for i in range(24)}, directory / "model.safetensors")  # fmt: skip
 

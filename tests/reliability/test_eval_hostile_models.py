@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
@@ -432,3 +433,26 @@ def test_the_export_refuses_layers_beyond_the_count() -> None:
     with pytest.raises(InputError, match=r"num_hidden_layers is 1, but the checkpoint holds "
                        r"model\.layers\.1\.mlp\.down_proj\.weight"):  # fmt: skip
         model_linears(config, Path("/m/config.json"), entries)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("bert", "embeddings.position_ids"),
+        ("llama", "model.layers.0.self_attn.rotary_emb.inv_freq"),
+    ],
+)
+def test_buffers_older_checkpoints_store_are_not_unused_weights(
+    invoke: Invoke, tmp_path: Path, name: str, extra: str
+) -> None:
+    """Older BERT and Llama checkpoints store buffers transformers computes and ignores on load
+    (`position_ids`, `rotary_emb.inv_freq`): the model has a place for them, eval runs."""
+    from safetensors.torch import load_file, save_file
+
+    model = build(tmp_path / name, name)
+    weights = model / "model.safetensors"
+    tensors = load_file(weights)
+    tensors[extra] = torch.arange(16, dtype=torch.int64 if "position" in extra else torch.float32)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    code, _, err = invoke("eval", str(model), str(model), *EVAL)
+    assert code == 0, err

@@ -156,11 +156,18 @@ def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: P
     (`num_hidden_layers: 1` of 2 ran eval on one layer, 9 tensors silently unused). A head the
     base model AutoModel builds drops (BertForMaskedLM's `cls.*` beside `bert.*`) and the
     tensors the class itself ignores on load (`_keys_to_ignore_on_load_unexpected`) are
-    allowed."""
+    allowed, and so are the buffers older checkpoints store that transformers now computes
+    (BERT's `position_ids`, Llama's per-layer `rotary_emb.inv_freq`), which it ignores on load
+    by the same rule (modeling_utils._adjust_missing_and_unexpected_keys)."""
     used = set(built.state_dict())
     ignored = [
         re.compile(p) for p in getattr(built, "_keys_to_ignore_on_load_unexpected", None) or ()
     ]
+    buffers = [name for name, _ in built.named_buffers()]
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        ignored.append(re.compile(r"rotary_emb\.inv_freq"))
+    if any(name.endswith("position_ids") for name in buffers):
+        ignored.append(re.compile(r"(^|\.)position_ids$"))
     held = checkpoint.tensors
     base = prefix and built.base_model is built and any(n.startswith(f"{prefix}.") for n in held)
     unused = [

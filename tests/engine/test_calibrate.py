@@ -7,6 +7,7 @@ qtool's provenance keys."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,24 @@ def test_jsonl_text_lines_and_chat_messages_become_text(
     text = load_text(chat, tokenizer)
     assert text.content == "<user>hi\n<assistant>hello\n\n\nplain"
     assert text.source == str(chat)
+
+
+def test_chat_messages_use_the_template_the_model_directory_holds(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers saves a model's chat template as chat_template.jinja: it reaches the
+    tokenizer through qtool's checked copy (it was left out, and chat JSONL was refused)."""
+    import json
+
+    from qtool.engine.calibrate.data import load_text
+
+    model = tmp_path / "model"
+    shutil.copytree(models["llama"], model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
+    config = transformers.AutoConfig.from_pretrained(model)
+    tokenizer = hf.tokenizer(model, "the model", config)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert load_text(chat, tokenizer).content == "[hi]"

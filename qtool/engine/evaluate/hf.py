@@ -26,10 +26,11 @@ TOKENIZER_FILES = frozenset(
     {
         "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
         "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model",
-        "sentencepiece.bpe.model",
+        "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
     }
 )  # fmt: skip
-# (chat templates, generation configs, custom code: eval uses none of them, so none is copied)
+# (the default chat template, which calibrate renders chat JSONL with, is copied and checked
+# like the rest; generation configs, named templates and custom code are never copied)
 
 # a tokenizer needs one of these (the others only configure it), in the order transformers'
 # fast tokenizers prefer them

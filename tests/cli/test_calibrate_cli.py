@@ -42,9 +42,11 @@ def test_json_summary_force_and_merge(tmp_path: Path, invoke: Invoke) -> None:
     assert rc == 0, err
 
     merged = tmp_path / "merged.gguf"
-    rc, stdout, err = invoke("calibrate", "--merge", str(out), str(out), "-o", str(merged),
+    again = tmp_path / "again.imatrix.gguf"  # another machine's run over the same text
+    again.write_bytes(out.read_bytes())
+    rc, stdout, err = invoke("calibrate", "--merge", str(out), str(again), "-o", str(merged),
                              "--json")  # fmt: skip
     assert rc == 0, err
     doc = json.loads(stdout)
-    assert doc["merged"] == [str(out), str(out)] and doc["chunk_count"] == 8
+    assert doc["merged"] == [str(out), str(again)] and doc["chunk_count"] == 8
     assert [d["sha256"] for d in doc["datasets"]] == [sha, sha]

@@ -17,6 +17,13 @@ from tests.conftest import Invoke
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import numpy as np  # noqa: E402
+
+from qtool.engine.calibrate.run import SHA_KEY, TOKENS_KEY  # noqa: E402
+from qtool.formats.imatrix import read_imatrix, write_imatrix  # noqa: E402
+from qtool.gguf_types import ValueType  # noqa: E402
+from qtool.io.gguf_file import GGUFFile  # noqa: E402
+from qtool.io.gguf_layout import GGUFValue  # noqa: E402
 from tests.eval_models import build  # noqa: E402
 
 
@@ -261,3 +268,34 @@ def test_a_merge_of_one_file_twice_warns(root: Path, tmp_path: Path, run: Invoke
     assert rc == 0 and "merged 2 importance matrices" in out
     assert "one.gguf and " in err and "are the same file, merged twice" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        GGUFValue(ValueType.UINT64, 5),  # a scalar, not one count per dataset
+        GGUFValue(ValueType.ARRAY, ("x",), ValueType.STRING),
+        GGUFValue(ValueType.ARRAY, np.array([1, 2], dtype=np.uint64), ValueType.UINT64),
+    ],
+    ids=["scalar", "strings", "two-for-one"],
+)
+def test_qtools_own_keys_malformed_in_a_merged_file(
+    root: Path, tmp_path: Path, run: Invoke, value: GGUFValue
+) -> None:
+    """qtool.datasets.tokens that is not one token count per dataset was an internal error
+    (TypeError: 'int' object is not iterable) in a merge: one line naming the file."""
+    one = tmp_path / "one.gguf"
+    rc, _, err = run("calibrate", str(root / "llama"), "--text", str(root / "text.txt"),
+                     "--tokens", "64", "--ctx", "32", "-o", str(one))  # fmt: skip
+    assert rc == 0, err
+    bad = tmp_path / "bad.gguf"
+    write_imatrix(bad, read_imatrix(one), {SHA_KEY: _sha_of(one), TOKENS_KEY: value})
+    rc, out, err = run("calibrate", "--merge", str(one), str(bad), "-o", str(tmp_path / "m.gguf"))
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(bad) in err and "qtool.datasets.tokens" in err and "internal" not in err
+
+
+def _sha_of(path: Path) -> GGUFValue:
+    with GGUFFile(path) as f:
+        value = f.header.metadata[SHA_KEY]
+    return value

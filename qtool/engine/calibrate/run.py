@@ -8,6 +8,7 @@ loader skips, as it looks its own up by name)."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -248,18 +249,40 @@ def _block_bytes(model: Any) -> int:
 
 def dataset_infos(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
     """The datasets of an imatrix file, with qtool's SHA-256 and token counts where the file
-    holds them for every dataset (files from llama-imatrix: names only)."""
+    holds them (files from llama-imatrix: names only); InputError when qtool's keys are there
+    but are not one SHA-256 and one token count per dataset."""
     with GGUFFile(path) as f:
         meta = f.header.metadata
         shas, tokens = meta.get(SHA_KEY), meta.get(TOKENS_KEY)
-    n = len(imatrix.datasets)
-    sha_list = list(shas.value) if shas is not None and isinstance(shas.value, tuple) else []
-    token_list = [int(t) for t in tokens.value] if tokens is not None else []  # type: ignore[union-attr]
-    if len(sha_list) != n or len(token_list) != n:
+    if shas is None and tokens is None:
         return tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
-    return tuple(
-        DatasetInfo(d, s, t) for d, s, t in zip(imatrix.datasets, sha_list, token_list, strict=True)
+    n = len(imatrix.datasets)
+    sha_list = _items(shas)
+    token_list = _items(tokens)
+    valid = (
+        len(sha_list) == n == len(token_list)
+        and all(isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in sha_list)
+        and all(_is_count(t) for t in token_list)
     )
+    if not valid:
+        raise InputError(
+            path, f"{SHA_KEY} and {TOKENS_KEY} must hold one SHA-256 and one token count for "
+            f"each of its {n} datasets; remove them or calibrate again",
+        )  # fmt: skip
+    counts = [int(t) for t in token_list if isinstance(t, (int, np.integer))]
+    return tuple(
+        DatasetInfo(name, str(sha), count)
+        for name, sha, count in zip(imatrix.datasets, sha_list, counts, strict=True)
+    )
+
+
+def _items(value: GGUFValue | None) -> list[object]:
+    items = value.value if value is not None else None
+    return list(items) if isinstance(items, (tuple, np.ndarray)) else []
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and 0 <= int(value) < 1 << 63
 
 
 class MergedTwice(UserWarning):

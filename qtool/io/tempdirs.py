@@ -146,17 +146,25 @@ def private_scratch(kind: str) -> Iterator[Path]:
     """A new directory only this user can enter (0700) in the system's temp directory, named
     `qtool-KIND-XXXXXXXX`, locked for its life and removed on exit. A SIGKILL skips that
     removal, so each new one first removes the user's own dead ones of the same kind (a lock
-    nobody holds; never another user's, never through a link). OSError when none can be made."""
+    nobody holds, at least SCRATCH_GRACE_S old; never another user's, never through a link).
+    OSError when none can be made."""
     parent = tempfile.gettempdir()
     _remove_dead_scratch(parent, kind)
     scratch = Path(tempfile.mkdtemp(prefix=f"qtool-{kind}-", dir=parent))
-    fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = -1
     try:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         lock_dir(fd)
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
+
+
+SCRATCH_GRACE_S = 60.0
+"""A scratch directory younger than this is never taken for a dead run's: another run may have
+made it and not locked it yet."""
 
 
 def _remove_dead_scratch(parent: str, kind: str) -> None:
@@ -171,6 +179,8 @@ def _remove_dead_scratch(parent: str, kind: str) -> None:
                 continue
             st = lstat_at(pfd, name)
             if st is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if time.time() - st.st_mtime < SCRATCH_GRACE_S:
                 continue
             dfd = open_dir_at(pfd, name)
             if dfd < 0:

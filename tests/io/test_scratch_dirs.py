@@ -7,11 +7,12 @@ import fcntl
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from qtool.io.tempdirs import private_scratch
+from qtool.io.tempdirs import SCRATCH_GRACE_S, private_scratch
 
 
 @pytest.fixture
@@ -48,6 +49,11 @@ def test_only_the_users_own_dead_scratches_are_removed(tmpdir_: Path) -> None:
     ]
     for path in kept[1:]:
         path.mkdir()
+    young = tmpdir_ / "qtool-eval-young000"  # made by another run a moment ago, not locked yet
+    young.mkdir()
+    old = time.time() - 2 * SCRATCH_GRACE_S
+    for path in (dead, live, others):
+        os.utime(path, (old, old))
     target = tmpdir_ / "target"
     target.mkdir()
     (target / "precious").write_text("x")
@@ -59,6 +65,6 @@ def test_only_the_users_own_dead_scratches_are_removed(tmpdir_: Path) -> None:
     finally:
         os.close(held)
     assert not dead.exists()
-    assert all(p.is_dir() for p in kept)
+    assert all(p.is_dir() for p in [*kept, young])
     assert (target / "precious").read_text() == "x" and link.is_symlink()
     assert others.exists() == (os.getuid() == 0)  # root: another uid's is left alone

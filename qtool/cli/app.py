@@ -114,6 +114,7 @@ def _run_command(argv: list[str] | None) -> int:
     if "stdout" in closed:
         report.print_warning("stdout is closed; the report is discarded")
     _finishing.code = None
+    _finishing.ends_process = argv is None
     signal.signal(signal.SIGTERM, _on_signal)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (`&`)
         signal.signal(signal.SIGINT, _on_signal)
@@ -153,6 +154,7 @@ class _Finishing:
     line chosen); None while it runs."""
 
     code: int | None = None
+    ends_process = False  # main() is the process's entry (no argv given), not called in-process
 
 
 _finishing = _Finishing()
@@ -163,7 +165,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     its outputs are cleaned up on the way out. Once it is done (its code chosen), a signal
     interrupts nothing: the process ends with the command's own code and nothing more."""
     code = _finishing.code
-    if code is not None:
+    if code is not None and _finishing.ends_process:
         _end_process(code)
     if signum == signal.SIGTERM:
         raise Terminated

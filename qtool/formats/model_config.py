@@ -87,13 +87,17 @@ def check_layer_indices(
     """InputError naming `path` and num_hidden_layers when a tensor of a decoder's layer list
     (`model.layers.N.`, `transformer.h.N.`) has an index N the count leaves out: a model built
     from config.json would not have that layer, and its tensors would be taken for something
-    else (the export listed them as "kept: not an nn.Linear in transformers")."""
+    else (the export listed them as "kept: not an nn.Linear in transformers"). The layers a
+    model appends for multi-token prediction (DeepSeek-V3's and GLM-4.5's
+    `num_nextn_predict_layers`, which transformers ignores on load) are its own."""
     count = config.get("num_hidden_layers")
     if type(count) is not int:
         return
+    extra = config.get("num_nextn_predict_layers")
+    last = count + (extra if type(extra) is int and extra > 0 else 0)
     for name in names:
         m = _DECODER_LAYER.match(name)
-        if m and int(m.group(1)) >= count:
+        if m and int(m.group(1)) >= last:
             raise InputError(
                 path, f"num_hidden_layers is {count:,}, but the checkpoint holds {name} (layer "
                 f"{m.group(1)}); fix the count in config.json",

@@ -433,6 +433,8 @@ def test_the_export_refuses_layers_beyond_the_count() -> None:
     with pytest.raises(InputError, match=r"num_hidden_layers is 1, but the checkpoint holds "
                        r"model\.layers\.1\.mlp\.down_proj\.weight"):  # fmt: skip
         model_linears(config, Path("/m/config.json"), entries)
+    mtp = config | {"num_nextn_predict_layers": 1}  # layer 1 is a next-token predictor's
+    assert model_linears(mtp, Path("/m/config.json"), entries) is not None
 
 
 @pytest.mark.parametrize(

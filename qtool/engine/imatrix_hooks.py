@@ -15,17 +15,17 @@ block-by-block pass a calibrate command needs is built on it, not here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
+from qtool.engine.hooks import Hooks
 from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats
 from qtool.numerics.imatrix_sums import column_squares
 
 
-class ImatrixProbe:
+class ImatrixProbe(Hooks):
     """Pre-hooks on every nn.Linear of `model` whose module name `include` accepts (all by
     default) while the context is open; `stats()` / `imatrix()` afterwards."""
 
@@ -36,19 +36,9 @@ class ImatrixProbe:
         ]  # fmt: skip
         self._sums: dict[str, torch.Tensor] = {}
         self._rows: dict[str, int] = {}
-        self._handles: list[Any] = []
 
-    def __enter__(self) -> ImatrixProbe:
-        for name, module in self._linears:
-            self._handles.append(module.register_forward_pre_hook(self._hook(name)))
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _attach(self) -> list[Any]:
+        return [m.register_forward_pre_hook(self._hook(name)) for name, m in self._linears]
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...]], None]:
         def hook(module: Any, args: tuple[Any, ...]) -> None:

@@ -20,6 +20,8 @@ pytest.importorskip("gguf")
 
 import transformers  # noqa: E402
 
+from qtool.engine.calibrate import blocks as block_pass  # noqa: E402
+from qtool.engine.calibrate import run as calibrate_run  # noqa: E402
 from qtool.engine.calibrate.data import take_windows  # noqa: E402
 from qtool.engine.calibrate.run import (  # noqa: E402
     CalibrateOptions,
@@ -147,16 +149,27 @@ def test_a_merge_of_runs_equals_one_run_over_their_texts(
 
 
 def test_at_most_one_block_is_materialized_at_a_time(
-    models: dict[str, Path], tmp_path: Path
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A spy on the probe the pass opens on each block once it is loaded: what of the whole
+    model is real (not meta) at that moment."""
     seen: list[tuple[int, set[str]]] = []
+    whole: list[Any] = []
 
-    def observe(index: int, model: Any) -> None:
-        real = {n for n, p in model.named_parameters() if not p.is_meta}
-        seen.append((index, real))
+    def run_blocks(model: Any, *args: Any) -> Any:
+        whole.append(model)
+        return block_pass.run_blocks(model, *args)
 
+    class Spy(ImatrixProbe):
+        def __init__(self, block: Any) -> None:
+            super().__init__(block)
+            real = {n for n, p in whole[0].named_parameters() if not p.is_meta}
+            seen.append((len(seen), real))
+
+    monkeypatch.setattr(calibrate_run, "run_blocks", run_blocks)
+    monkeypatch.setattr(block_pass, "ImatrixProbe", Spy)
     opts = CalibrateOptions((_texts(models)[0],), tokens=2 * CTX, ctx=CTX)
-    calibrate(models["mistral"], tmp_path / "x.gguf", opts, observe=observe)
+    calibrate(models["mistral"], tmp_path / "x.gguf", opts)
     assert [i for i, _ in seen] == [0, 1, 2]
     for index, real in seen:
         blocks = {n.split(".")[2] for n in real if n.startswith("model.layers.")}

@@ -15,9 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-from collections.abc import Callable
-from dataclasses import dataclass
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -27,14 +24,6 @@ from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 from qtool.numerics.imatrix import MatrixStats
 from qtool.results import Progress
-
-BlockObserver = Callable[[int, torch.nn.Module], None]
-
-
-@dataclass(frozen=True)
-class BlockTiming:
-    index: int
-    seconds: float
 
 
 class _Stop(Exception):
@@ -169,11 +158,9 @@ def run_blocks(
     device: torch.device,
     path: Any,
     progress: Progress | None = None,
-    observe: BlockObserver | None = None,
-) -> tuple[dict[str, MatrixStats], list[BlockTiming]]:
+) -> dict[str, MatrixStats]:
     """The statistics of every Linear of every decoder block over `windows`, keyed by the
-    checkpoint's names, and how long each block took. `observe(i, model)` is called while block
-    i is loaded (tests count what is materialized)."""
+    checkpoint's names."""
     base, layers, layers_name = block_list(model, path)
     prepare_base(base, layers_name, reader, device, path)
     hidden, kwargs = capture(base, layers, windows, device)
@@ -181,12 +168,8 @@ def run_blocks(
         if not isinstance(child, torch.nn.ModuleList):
             child.to_empty(device="meta")
     stats: dict[str, MatrixStats] = {}
-    timings = []
     for i, block in enumerate(layers):
-        started = perf_counter()
         load_module(block, f"{layers_name}.{i}.", reader, device, path)
-        if observe is not None:
-            observe(i, model)
         with torch.no_grad(), ImatrixProbe(block) as probe:
             for x in hidden:
                 x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put
@@ -195,5 +178,4 @@ def run_blocks(
         stats |= {f"{layers_name}.{i}.{n}": s for n, s in probe.stats().items()}
         block.to_empty(device="meta")
         return_freed_memory()
-        timings.append(BlockTiming(i, perf_counter() - started))
-    return stats, timings
+    return stats

@@ -7,7 +7,6 @@ loader skips, as it looks its own up by name)."""
 
 from __future__ import annotations
 
-import copy
 import re
 import warnings
 from collections.abc import Sequence
@@ -20,21 +19,19 @@ import numpy as np
 import torch
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
-from qtool.engine.calibrate.blocks import BlockObserver, run_blocks
+from qtool.engine.calibrate.blocks import run_blocks
 from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
-from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.config import kind_of
-from qtool.engine.evaluate.models import check_sizes, read_checkpoint
+from qtool.engine.evaluate.config import Role, float_source, kind_of, window_length
+from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats import stale_config
-from qtool.formats.detect import CONFIG, Detected, detect
+from qtool.formats.detect import CONFIG, Detected
 from qtool.formats.imatrix import read_imatrix, write_imatrix
 from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
-from qtool.formats.model_config import check_counts
 from qtool.formats.registry import open_reader
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_file import GGUFFile
@@ -44,11 +41,20 @@ from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStat
 from qtool.results import Progress
 
 DEFAULT_TOKENS = 128 * 512
-DEFAULT_CTX = 512
 SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"
 MAX_ACTIVATION_BYTES = 8 << 30
 """The activations at a block boundary (windows x ctx x hidden float32) are held in memory, not
 spilled: a run asking for more is refused before anything is read (calibrate slices, merge)."""
+
+
+def _refusal(path: Path, found: Detected, config: dict[str, object]) -> InputError:
+    if found.quantized:
+        return InputError(path, f"the model is already quantized ({found.description}); "
+                          "calibrate runs the float model it came from")  # fmt: skip
+    return stale_config.refusal(config, path / CONFIG)
+
+
+MODEL = Role("MODEL", "the model", _refusal)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,6 @@ def calibrate(
     out: Path,
     options: CalibrateOptions,
     progress: Progress | None = None,
-    observe: BlockObserver | None = None,
 ) -> CalibrateSummary:
     if options.ctx is not None:
         _check_tokens(options.tokens, options.ctx)
@@ -75,7 +80,7 @@ def calibrate(
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     started = perf_counter()
-    found, config = _model_source(model_dir)
+    found, config = float_source(model_dir, MODEL)
     kind, architecture = kind_of(config)
     arch = GGUF_ARCHS.get(str(config.get("model_type")))
     if kind != CAUSAL_LM or arch is None:
@@ -83,20 +88,13 @@ def calibrate(
             model_dir, f"calibrate runs the Llama family ({', '.join(GGUF_ARCHS)}), not "
             f"{architecture} (model_type {config.get('model_type')!r})",
         )  # fmt: skip
-    checkpoint = read_checkpoint(found)
-    if isinstance(found.config, dict) and stale_config.is_gguf_marker(found.config):
-        stale_config.check_float_weights(  # transformers' marker over float weights: float
-            ((name, d) for name, (_, d) in checkpoint.tensors.items()), model_dir / CONFIG
-        )
-    check_counts(config, model_dir / CONFIG, checkpoint.shapes())
-    hf_config = hf.config_from(config, model_dir, "the model")
-    tokenizer = hf.tokenizer(model_dir, "the model", hf_config)
-    ctx = _window(options.ctx, hf_config, model_dir)
+    checkpoint, hf_config, tokenizer = float_parts(found, config, model_dir, MODEL)
+    ctx = window_length(options.ctx, hf_config, model_dir, MODEL, shortest=1)
     _check_tokens(options.tokens, ctx)
     _check_activations(options.tokens // ctx * ctx, int(hf_config.hidden_size))
     texts = [load_text(p, tokenizer) for p in options.texts] or [default_text()]
     sources = take_windows(texts, tokenizer, options.tokens, ctx)
-    model = _empty_model(model_dir, hf_config, checkpoint)
+    model = empty_model(kind, config, hf_config, checkpoint, model_dir).eval()
     windows = _interleaved(sources)
     check_vocabulary(windows, model.get_input_embeddings().num_embeddings, tokenizer)
     reader = open_reader(found)
@@ -104,7 +102,7 @@ def calibrate(
     try:
         if progress is not None:
             progress.start(len(windows) * ctx * hf_config.num_hidden_layers)
-        stats, _ = run_blocks(model, reader, windows, device, model_dir, progress, observe)
+        stats = run_blocks(model, reader, windows, device, model_dir, progress)
         reader.check_unchanged()
     finally:
         reader.close()
@@ -130,28 +128,6 @@ def calibrate(
     )
 
 
-def _model_source(path: Path) -> tuple[Detected, dict[str, object]]:
-    """MODEL detected, and its config.json (InputError when `path` is not a float model
-    directory: a file, a directory without config.json, or a quantized model)."""
-    wanted = "MODEL must be a Hugging Face model directory (config.json beside safetensors weights)"
-    if not path.exists():
-        raise InputError(path, "no such file or directory; check the path")
-    if not path.is_dir():
-        raise InputError(path, f"{wanted}; this is a file")
-    found = detect(path)
-    config = found.config
-    if config is None:
-        raise InputError(path, f"{wanted}; it has no {CONFIG}")
-    if not isinstance(config, dict):
-        raise InputError(path / CONFIG, f"not a valid {CONFIG}: expected a JSON object")
-    if found.quantized:
-        raise InputError(path, f"the model is already quantized ({found.description}); "
-                         "calibrate runs the float model it came from")  # fmt: skip
-    if stale_config.KEY in config and not stale_config.is_gguf_marker(config):
-        raise stale_config.refusal(config, path / CONFIG)
-    return found, {k: v for k, v in config.items() if k != stale_config.KEY}
-
-
 def _check_tokens(tokens: int, ctx: int) -> None:
     if ctx < 1:
         raise UsageError(None, f"a window of {ctx} tokens holds nothing; give 1 or more")
@@ -170,36 +146,6 @@ def _check_activations(tokens: int, hidden: int) -> None:
             f"activations, over qtool's {MAX_ACTIVATION_BYTES >> 30} GiB; ask for at most "
             f"{limit:,} tokens per run and merge the runs' files",
         )  # fmt: skip
-
-
-def _window(asked: int | None, hf_config: Any, path: Path) -> int:
-    """`asked`, else DEFAULT_CTX or the model's max_position_embeddings if less (UsageError
-    when `asked` is longer than that)."""
-    longest = getattr(hf_config, "max_position_embeddings", None)
-    if not isinstance(longest, int) or longest < 1:
-        return DEFAULT_CTX if asked is None else asked
-    if asked is None:
-        return min(DEFAULT_CTX, longest)
-    if asked > longest:
-        raise UsageError(
-            path, f"a window of {asked} tokens is longer than the model's max_position_embeddings "
-            f"({longest}); choose at most {longest}",
-        )  # fmt: skip
-    return asked
-
-
-def _empty_model(path: Path, hf_config: Any, checkpoint: Any) -> Any:
-    """The causal LM of `hf_config` on the meta device (no memory), its config.json checked
-    against the weights first."""
-    transformers = hf.transformers_module()
-    auto = transformers.AutoModelForCausalLM
-    try:
-        cls = auto._model_mapping[type(hf_config)]
-    except KeyError:
-        raise InputError(path, f"transformers has no {auto.__name__} for this config") from None
-    check_sizes(cls, hf_config, checkpoint, path)
-    with hf.quiet(), hf.guarded(), torch.device("meta"):
-        return cls(copy.deepcopy(hf_config)).eval()
 
 
 def _interleaved(sources: list[Source]) -> list[list[int]]:

@@ -11,12 +11,12 @@ hook's output less the bias; X (W - W_q)^T costs one more matmul per Linear and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from qtool.engine.hooks import Hooks
 from qtool.eval_results import LayerRow
 from qtool.results import sqnr_db
 
@@ -53,28 +53,18 @@ class _Sums:
 
 
 @dataclass
-class LayerProbe:
+class LayerProbe(Hooks):
     """Hooks on FLOAT's quantized Linears while the context is open; `rows()` afterwards."""
 
     float_model: Any
     quant_model: Any
     _layers: list[tuple[str, Any, Any]] = field(default_factory=list)
     _sums: dict[str, _Sums] = field(default_factory=dict)
-    _handles: list[Any] = field(default_factory=list)
 
-    def __enter__(self) -> LayerProbe:
+    def _attach(self) -> list[Any]:
         self._layers = quantized_linears(self.float_model, self.quant_model)
-        for name, module, other in self._layers:
-            self._sums[name] = _Sums()
-            self._handles.append(module.register_forward_hook(self._hook(name, other)))
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._sums = {name: _Sums() for name, _, _ in self._layers}
+        return [m.register_forward_hook(self._hook(name, o)) for name, m, o in self._layers]
 
     def _hook(self, name: str, other: Any) -> Any:
         sums = self._sums[name]

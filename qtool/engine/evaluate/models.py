@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.config import float_source, kind_of
+from qtool.engine.evaluate.config import FLOAT, Role, float_source, kind_of
 from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
@@ -72,30 +72,49 @@ def read_float_tensors(found: Detected) -> dict[str, torch.Tensor]:
     return read_tensors(found)[0]
 
 
+def float_parts(
+    found: Detected, config: dict[str, object], path: Path, role: Role
+) -> tuple[Checkpoint, Any, hf.Tokenizer]:
+    """The checkpoint's headers, transformers' config and the tokenizer of the float model
+    `found` (from `float_source`): InputError when transformers' stale GGUF marker sits over
+    weights that are not float, or config.json's counts are not the checkpoint's."""
+    checkpoint = read_checkpoint(found)
+    if isinstance(found.config, dict) and stale_config.is_gguf_marker(found.config):
+        stale_config.check_float_weights(  # transformers' marker over float weights: float
+            ((name, d) for name, (_, d) in checkpoint.tensors.items()), path / CONFIG
+        )
+    check_counts(config, path / CONFIG, checkpoint.shapes())
+    hf_config = hf.config_from(config, path, role.who)
+    tokenizer = hf.tokenizer(path, role.who, hf_config)  # before the weights: fails at once
+    return checkpoint, hf_config, tokenizer
+
+
+def empty_model(
+    kind: str, config: dict[str, object], hf_config: Any, checkpoint: Checkpoint, path: Path
+) -> Any:
+    """The model `hf_config` describes (the class from_pretrained(path) would pick, AutoModel's
+    for an encoder), built once on the meta device (no memory) and checked against the
+    weights (check_sizes)."""
+    transformers = hf.transformers_module()
+    auto = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
+    try:
+        cls = auto._model_mapping[type(hf_config)]
+    except KeyError:
+        raise InputError(
+            path, f"transformers has no {auto.__name__} for model_type {config.get('model_type')!r}"
+        ) from None
+    return check_sizes(cls, hf_config, checkpoint, path)
+
+
 def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     """FLOAT loaded by transformers in `dtype`, with its tokenizer; InputError when config.json
     asks for a model its weights do not hold (counts, then every parameter's shape, checked
     before anything is built for real) or it lacks a weight its architecture needs
     (transformers would initialise it at random)."""
-    found, config = float_source(path)
+    found, config = float_source(path, FLOAT)
     kind, architecture = kind_of(config)
-    checkpoint = read_checkpoint(found)
-    if isinstance(found.config, dict) and stale_config.is_gguf_marker(found.config):
-        stale_config.check_float_weights(
-            ((name, d) for name, (_, d) in checkpoint.tensors.items()), path / CONFIG
-        )
-    check_counts(config, path / CONFIG, checkpoint.shapes())
-    hf_config = hf.config_from(config, path, "FLOAT")
-    tokenizer = hf.tokenizer(path, "FLOAT", hf_config)  # before the weights: fails at once
-    transformers = hf.transformers_module()
-    auto = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
-    try:
-        cls = auto._model_mapping[type(hf_config)]  # the class from_pretrained(path) would pick
-    except KeyError:
-        raise InputError(
-            path, f"transformers has no {auto.__name__} for model_type {config.get('model_type')!r}"
-        ) from None
-    check_sizes(cls, hf_config, checkpoint, path)
+    checkpoint, hf_config, tokenizer = float_parts(found, config, path, FLOAT)
+    cls = type(empty_model(kind, config, hf_config, checkpoint, path))
     tensors = read_float_tensors(found)  # through qtool's reader, never by path again
     model, info = hf.from_pretrained(
         cls, path, "FLOAT", config=hf_config, state_dict=tensors, dtype=dtype
@@ -108,12 +127,13 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     return FloatModel(path, architecture, kind, model.eval(), tokenizer, checkpoint, unexpected)
 
 
-def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) -> None:
-    """The model config.json describes, built on the meta device (no memory), against the
-    weights: a parameter of another shape than its tensor, or more parameter values in all than
-    the checkpoint holds (a vocabulary or hidden size the weights do not have), is InputError
-    naming config.json, the tensor and its file, before transformers builds the model for real
-    (it would allocate what config.json says, then report "look at the above report!")."""
+def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) -> Any:
+    """The model config.json describes, built on the meta device (no memory) and returned,
+    checked against the weights: a parameter of another shape than its tensor, or more
+    parameter values in all than the checkpoint holds (a vocabulary or hidden size the weights
+    do not have), is InputError naming config.json, the tensor and its file, before
+    transformers builds the model for real (it would allocate what config.json says, then
+    report "look at the above report!")."""
     config_json = path / CONFIG
     try:
         with hf.quiet(), hf.guarded(), torch.device("meta"):
@@ -148,6 +168,7 @@ def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) ->
         )  # fmt: skip
     check_unused(built, prefix, checkpoint, config_json)
     check_buffers(built, values, config_json)
+    return built
 
 
 def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: Path) -> None:

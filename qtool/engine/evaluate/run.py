@@ -7,10 +7,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from typing import Any
 
 import torch
 
+from qtool.engine.evaluate.config import FLOAT, window_length
 from qtool.engine.evaluate.layers import LayerProbe, changed_parameters
 from qtool.engine.evaluate.models import FloatModel, load_float
 from qtool.engine.evaluate.passes import causal_pass, encoder_pass
@@ -18,11 +18,9 @@ from qtool.engine.evaluate.quant import QuantModel, load_quant
 from qtool.engine.evaluate.text import Text, default_text, read_text, windows
 from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary, encoder_pieces
 from qtool.engine.loop import resolve_device
-from qtool.errors import UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
 from qtool.results import Progress
 
-DEFAULT_CTX = 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,7 +44,7 @@ def evaluate(
         torch.set_num_threads(options.threads)
     started = perf_counter()
     reference = load_float(float_dir, DTYPES[options.dtype])
-    ctx = window_length(options.ctx, reference)
+    ctx = window_length(options.ctx, reference.model.config, float_dir, FLOAT, shortest=2)
     candidate = load_quant(quant, reference, DTYPES[options.dtype])
     pieces = _pieces(reference, candidate, text, options.tokens, ctx, quant)
     models = (reference.model.to(device), candidate.model.to(device))
@@ -97,21 +95,6 @@ def _pieces(
     rows = reference.model.get_input_embeddings().num_embeddings
     check_vocabulary(pieces, rows, reference.tokenizer)
     return pieces
-
-
-def window_length(asked: int | None, reference: FloatModel) -> int:
-    """The window (causal) or sentence cut-off (encoder): `asked`, else DEFAULT_CTX, never more
-    than FLOAT's max_position_embeddings (UsageError when `asked` is)."""
-    limit: Any = getattr(reference.model.config, "max_position_embeddings", None)
-    longest = limit if isinstance(limit, int) and limit >= 2 else None
-    if asked is None:
-        return min(DEFAULT_CTX, longest) if longest else DEFAULT_CTX
-    if longest is not None and asked > longest:
-        raise UsageError(
-            reference.path, f"a window of {asked} tokens is longer than FLOAT's "
-            f"max_position_embeddings ({longest}); choose at most {longest}",
-        )  # fmt: skip
-    return asked
 
 
 def _notes(changed: int) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from qtool.formats.model_config import untied
+
 _HEADS = ("lm_head", "embed_out", "output")
 _HEAD_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ForMaskedLM",
                  "ForPreTraining", "WithLMHeadModel")  # fmt: skip
@@ -33,18 +35,10 @@ def tied_embeddings(names: Iterable[str], config: object) -> frozenset[str]:
         return frozenset()
     leaves: tuple[str, ...] = _DECODER_EMBEDDINGS
     if isinstance(config, Mapping):
-        if _untied(config) or not _has_head(config):
+        if untied(config) or not _has_head(config):
             return frozenset()
         leaves = _EMBEDDINGS
     return frozenset(f"{m}.weight" for m in modules if m.rpartition(".")[2] in leaves)
-
-
-def _untied(config: Mapping[str, object]) -> bool:
-    tied = config.get("tie_word_embeddings")
-    text = config.get("text_config")
-    if tied is None and isinstance(text, Mapping):
-        tied = text.get("tie_word_embeddings")
-    return tied is False
 
 
 def _has_head(config: Mapping[str, object]) -> bool:

@@ -160,3 +160,13 @@ def _held(shapes: Mapping[str, Sequence[int]]) -> str:
         prefix, indices = max(runs.items(), key=lambda item: len(item[1]))
         text += f" (at most {len(indices):,} numbered modules, under {prefix})"
     return text
+
+
+def untied(config: Mapping[str, object]) -> bool:
+    """Whether config.json says the output head is not tied to the embedding
+    (`tie_word_embeddings: false`, at the top or in `text_config`)."""
+    tied = config.get("tie_word_embeddings")
+    text = config.get("text_config")
+    if tied is None and isinstance(text, Mapping):
+        tied = text.get("tie_word_embeddings")
+    return tied is False

@@ -7,13 +7,12 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
-from rich.progress import Task as RichTask
-from rich.text import Text
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.report import layout
 from qtool.report.console import console, emit, safe, width_of
+from qtool.report.eval_console import TokensPerSecond
 from qtool.report.layout import Line
 
 MIB = 1 << 20
@@ -58,12 +57,6 @@ def _emit(texts: list[str]) -> None:
     emit(sys.stdout, lines)
 
 
-class _TokensPerSecond(ProgressColumn):
-    def render(self, task: RichTask) -> Text:
-        speed = task.speed
-        return Text(f"{speed:,.0f} tokens/s" if speed else "", style="dim")
-
-
 class _CalibrateProgress:
     """Loading (no total yet), then tokens through each block, the block named."""
 
@@ -86,6 +79,6 @@ def calibrate_progress() -> Iterator[_CalibrateProgress | None]:
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               _TokensPerSecond())  # fmt: skip
+               TokensPerSecond())  # fmt: skip
     with Progress(*columns, console=err, transient=True) as progress:
         yield _CalibrateProgress(progress)

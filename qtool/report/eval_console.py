@@ -142,7 +142,9 @@ def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
 # ---- progress ------------------------------------------------------------------------------
 
 
-class _TokensPerSecond(ProgressColumn):
+class TokensPerSecond(ProgressColumn):
+    """The rate of a progress whose units are tokens (eval, calibrate)."""
+
     def render(self, task: RichTask) -> Text:
         speed = task.finished_speed or task.speed
         return Text(f"{speed:,.0f} tokens/s" if speed else "", style="dim")
@@ -170,6 +172,6 @@ def eval_progress() -> Iterator[_EvalProgress | None]:
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               _TokensPerSecond())  # fmt: skip
+               TokensPerSecond())  # fmt: skip
     with Progress(*columns, console=err, transient=True) as progress:
         yield _EvalProgress(progress)

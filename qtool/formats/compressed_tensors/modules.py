@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from qtool.errors import InputError
-from qtool.formats.model_config import check_counts, check_layer_indices
+from qtool.formats.model_config import check_counts, check_layer_indices, untied
 from qtool.io import usercache
 from qtool.io.stformat import TensorEntry
 
@@ -305,7 +305,7 @@ def by_rules(
     no output head; otherwise the head is named by the class and model_type (HEADS), and
     InputError when they do not say."""
     note = "" if why == "transformers is not installed" else why
-    if _untied(config) or any(_is_head(m) for m in weights):
+    if untied(config) or any(_is_head(m) for m in weights):
         return Linears(None, note=note)
     archs = config.get("architectures")
     if not (isinstance(archs, list) and archs and isinstance(archs[0], str)):
@@ -317,14 +317,6 @@ def by_rules(
     if head == "":
         raise _undecidable(path, f"qtool's rules do not know the output head of {arch}", why)
     return Linears(None, (head,), note=note)
-
-
-def _untied(config: Mapping[str, object]) -> bool:
-    text = config.get("text_config")
-    tied = config.get("tie_word_embeddings")
-    if tied is None and isinstance(text, dict):
-        tied = text.get("tie_word_embeddings")
-    return tied is False
 
 
 def _is_head(module: str) -> bool:

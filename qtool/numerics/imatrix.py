@@ -184,3 +184,28 @@ def _readonly(x: np.ndarray) -> np.ndarray:
 
 def _shape(s: MatrixStats) -> str:
     return f"[{s.n_mat}, {s.k}]"
+
+
+def quant_weights(stats: MatrixStats, k: int, n_mat: int = 1) -> np.ndarray:
+    """The `quant_weights` llama-quantize hands ggml's quantizers for a weight of `n_mat`
+    matrices (3-D stacked experts; 1 for a Linear) of rows of `k` elements: float32 [n_mat, k],
+    row e for every row of matrix e (qtool.numerics.gguf.quantize(rows, qtype,
+    quant_weights=qw[e])).
+
+    As tools/quantize and src/llama-quant.cpp compute it: each matrix's sums divided by its own
+    count in float32, 1.0 for every column of a matrix no row reached (mean_squares), the whole
+    entry taken as one flat vector and cut into n_mat slices of k (llama_tensor_quantize_impl:
+    imatrix + (row / nrows_per_expert) * n_per_row), so a legacy .dat entry of one matrix of
+    n_mat * k columns serves a 3-D weight too. llama-quantize divides a .dat's values by ncall
+    where qtool's reader keeps sums = value * chunk_size over ncall * chunk_size rows: the same
+    float32 quotient when chunk_size is a power of two (512, llama-imatrix's default), which
+    scales both sides exactly. ValueError when the entry holds other than n_mat * k values
+    (llama-quantize refuses that for every tensor but token_embd, which it quantizes without)."""
+    if k < 1 or n_mat < 1:
+        raise ValueError(f"a weight of {n_mat} matrices of rows of {k} has no columns")
+    if stats.sums.size != n_mat * k:
+        raise ValueError(
+            f"{_shape(stats)} statistics hold {stats.sums.size} values, the weight needs "
+            f"{n_mat} x {k} = {n_mat * k}"
+        )
+    return np.ascontiguousarray(stats.mean_squares().reshape(n_mat, k))

@@ -28,6 +28,7 @@ import torch
 from qtool.numerics.metrics import Measure
 from qtool.numerics.packing import pack_nibbles, unpack_nibbles
 from qtool.numerics.range_methods import (
+    ColumnWeights,
     MseSearch,
     Qparams,
     RangeMethodImpl,
@@ -76,6 +77,7 @@ class QuantizedTensor:
     zero_point: torch.Tensor  # storage dtype (unpacked), same shape as scale
     errors: ErrorStats | None
     choice: torch.Tensor | None = None  # uint8 candidate index per group (--range mse)
+    method: str | None = None  # a calibrated method that chose the codes (None: rounding)
 
 
 def compute_qparams(x: torch.Tensor, spec: QSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +117,12 @@ def quantize_tensor(
     scale_dtype: torch.dtype = torch.float32,
     block_elems: int = DEFAULT_BLOCK_ELEMS,
     workspace: Workspace | None = None,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
     """Choose qparams (min-max or the mse search), quantize, and (optionally) measure the
     error, in as few passes as can be. Scales hold values of `scale_dtype` and the codes are
-    computed against them.
+    computed against them. `weights` (an importance matrix's h per input column) make the mse
+    search minimise the weighted error; min-max and the error figures do not use them.
 
     With a `workspace`, the codes live in its reused memory: consume them (write them out)
     before the next call with the same workspace.
@@ -131,6 +135,9 @@ def quantize_tensor(
     ws = workspace or Workspace(x.device)
     codes = ws.codes(tuple(x.shape), TORCH_STORAGE[spec.dtype])
     ranger = range_method(spec, tuple(x.shape), scale_dtype, block_elems)
+    if weights is not None:
+        weights.check(tuple(x.shape))
+        weights = weights.to(x.device) if ranger.searching else None
     meas = Measure(tuple(x.shape), x.device, minmax=ranger.searching) if with_errors else None
     length = row_group_length(spec, tuple(x.shape))
     with _counting_nonfinite(x):
@@ -138,10 +145,10 @@ def quantize_tensor(
         # a group is always one pass, however long (slabs then hold one group each).
         if length is not None and (isinstance(spec.granularity, PerGroup) or length <= block_elems):
             scale, zero_point, choice = _quantize_rows(
-                x, length, spec, codes, meas, block_elems, ws, ranger
+                x, length, spec, codes, meas, block_elems, ws, ranger, weights=weights
             )
         else:
-            scale, zero_point, choice = ranger.whole(x)
+            scale, zero_point, choice = ranger.whole(x, weights)
             minmax = ranger.minmax if isinstance(ranger, MseSearch) and meas else None
             _quantize_slabs(
                 x, (scale, zero_point), spec, codes, meas, block_elems, ws, ranger.exact, minmax
@@ -258,10 +265,12 @@ def _quantize_rows(
     ws: Workspace,
     ranger: RangeMethodImpl | None = None,
     qparams: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights: ColumnWeights | None = None,
 ) -> Qparams:
     """Groups of `length` consecutive elements of the (C, K) rows: each slab's range and codes
     come from the same cache-resident data, so the tensor crosses memory once. Returns scale,
-    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only.
+    zero point (float32) and choice in the granularity's shape; with `qparams`, codes only;
+    `weights` weigh the range search's errors.
     The errors reach `meas` in flat order: a slab of whole rows whose last group is shorter is
     measured once both of its parts are done."""
     c, k = matrix_shape(tuple(x.shape))
@@ -283,7 +292,12 @@ def _quantize_rows(
             xf, work = ws.take(x3[r0:r1, g0:g1])  # (rows, groups, L)
             s, z = scale[r0:r1, cols][:, g0:g1], zero_point[r0:r1, cols][:, g0:g1]
             if ranger is not None:
-                s_new, z_new, k_new = ranger.groups(xf)
+                w = None
+                if weights is not None:
+                    a = part[0] + g0 * part[2]
+                    w = weights.block(r0, r1, a, a + (g1 - g0) * part[2])
+                    w = w.reshape(w.shape[0], g1 - g0, part[2])
+                s_new, z_new, k_new = ranger.groups(xf, w)
                 s.copy_(s_new)
                 z.copy_(z_new)
                 if choice is not None and k_new is not None:

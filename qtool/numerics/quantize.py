@@ -8,6 +8,7 @@ import torch
 
 from qtool.numerics import select
 from qtool.numerics.kernels import QuantizedTensor, Workspace
+from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import QSpec
 
 
@@ -18,13 +19,18 @@ def quantize_tensor(
     with_errors: bool = True,
     scale_dtype: torch.dtype = torch.float32,
     workspace: Workspace | None = None,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
     """x quantized with `spec` (see select.quantize_tensor); a GGUF type gives its blocks
-    (numerics/gguf/tensor.py: `scale_dtype` and `workspace` mean nothing to them)."""
+    (numerics/gguf/tensor.py: `scale_dtype` and `workspace` mean nothing to them; `weights`
+    are refused until the GGUF kernels take an importance matrix)."""
     if spec.gguf is not None:
+        if weights is not None:
+            raise ValueError("GGUF types do not take an importance matrix yet")
         from qtool.numerics.gguf.tensor import quantize_tensor as quantize_blocks
 
         return quantize_blocks(x, spec, with_errors=with_errors)
     return select.quantize_tensor(
-        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace
-    )
+        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace,
+        weights=weights,
+    )  # fmt: skip

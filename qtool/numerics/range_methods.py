@@ -5,12 +5,14 @@ qparams. The kernels (numerics/kernels.py) walk the tensor and ask the method fo
   MinMax     [min(x, 0), max(x, 0)] as it is (docs/numerics.md, "Scales, zero points and codes").
   MseSearch  the candidate range with the least squared error (numerics/ranges.mse_search);
              it also keeps, for the report, the min-max qparams of the groups it last searched
-             (the kernels measure the error min-max would have had).
+             (the kernels measure the error min-max would have had). Given ColumnWeights (an
+             importance matrix's h per input column), the least activation-weighted error.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +63,47 @@ def search_candidates(spec: QSpec, shape: tuple[int, ...]) -> tuple[float, ...]:
     return ranges.mse_candidates(IntRange.of(spec), per_group)
 
 
+@dataclass(frozen=True)
+class ColumnWeights:
+    """A weight h per input column of a tensor's [C, K] matrix view (numerics/views.py):
+    `h` float32 [1 or C, W] with W dividing K; value (r, c) weighs h[r or 0, c % W]. A 2-D
+    Linear [out, in]: [1, in]; stacked experts [E, out, in] (matrix rows are experts): [E, in]."""
+
+    h: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.h.ndim != 2 or self.h.dtype != torch.float32 or 0 in self.h.shape:
+            raise ValueError("column weights must be a non-empty float32 [n_mat, K] tensor")
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """ValueError unless these weights fit a tensor of `shape`."""
+        c, k = matrix_shape(shape)
+        n, w = self.h.shape
+        if k % w or n not in (1, c):
+            raise ValueError(f"column weights [{n}, {w}] do not fit a tensor of shape {shape}")
+
+    def rows(self, r0: int, r1: int) -> ColumnWeights:
+        """The weights of rows r0:r1 of the matrix view (a slab of the tensor's first dim)."""
+        return self if self.h.shape[0] == 1 else ColumnWeights(self.h[r0:r1])
+
+    def to(self, device: torch.device) -> ColumnWeights:
+        return ColumnWeights(self.h.to(device))
+
+    def block(self, r0: int, r1: int, a: int, b: int) -> torch.Tensor:
+        """Weights of rows r0:r1, columns a:b of the matrix view: [r1 - r0 or 1, b - a]."""
+        h = self.h if self.h.shape[0] == 1 else self.h[r0:r1]
+        w = h.shape[1]
+        if a // w == (b - 1) // w:  # within one input row: a view
+            return h[:, a % w : a % w + (b - a)]
+        cols = torch.arange(a, b, device=h.device).remainder_(w)
+        return h[:, cols]
+
+    def full(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The weights of every value of a tensor of `shape`, in that shape (a copy)."""
+        c, k = matrix_shape(shape)
+        return self.block(0, c, 0, k).expand(c, k).contiguous().view(shape)
+
+
 class MinMax:
     """Each group's own range. With float32 scales every value lies inside its group's grid,
     so codes need no clamp (`exact`); a scale rounded to fp16 can be far below amax / 127
@@ -72,12 +115,13 @@ class MinMax:
         self.spec, self.scale_dtype = spec, scale_dtype
         self.exact = scale_dtype == torch.float32
 
-    def groups(self, xf: torch.Tensor) -> Qparams:
-        """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups)."""
+    def groups(self, xf: torch.Tensor, weights: torch.Tensor | None = None) -> Qparams:
+        """qparams of the groups of a float32 slab (rows, groups, L): each (rows, groups);
+        min-max takes no weights."""
         lo, hi = xf.amin(dim=2), xf.amax(dim=2)  # (aminmax with dim= is ~10x slower)
         return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
 
-    def whole(self, x: torch.Tensor) -> Qparams:
+    def whole(self, x: torch.Tensor, weights: ColumnWeights | None = None) -> Qparams:
         """qparams per tensor or per channel on any axis, in the qparam shape."""
         lo, hi = channel_range(x, self.spec)
         return (*qparams_from_range(lo, hi, self.spec, self.scale_dtype), None)
@@ -100,21 +144,23 @@ class MseSearch:
         self.int_range = IntRange.of(spec)
         self.minmax: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
-    def groups(self, xf: torch.Tensor) -> Qparams:
-        """As MinMax.groups, searched."""
-        return self._search(xf.unsqueeze(2))
+    def groups(self, xf: torch.Tensor, weights: torch.Tensor | None = None) -> Qparams:
+        """As MinMax.groups, searched; `weights` [rows or 1, groups, L] weigh the errors."""
+        w = weights.unsqueeze(2) if weights is not None else None
+        return self._search(xf.unsqueeze(2), w)
 
-    def whole(self, x: torch.Tensor) -> Qparams:
-        """As MinMax.whole, searched."""
+    def whole(self, x: torch.Tensor, weights: ColumnWeights | None = None) -> Qparams:
+        """As MinMax.whole, searched (weighted: the weights are expanded to x's shape)."""
         shape = qparam_shape(self.spec.granularity, tuple(x.shape))
-        scale, zero_point, choice = self._search(search_view(x, self.spec))
+        w = search_view(weights.full(tuple(x.shape)), self.spec) if weights is not None else None
+        scale, zero_point, choice = self._search(search_view(x, self.spec), w)
         assert choice is not None
         self.minmax = (self.minmax[0].reshape(shape), self.minmax[1].reshape(shape))
         return scale.reshape(shape), zero_point.reshape(shape), choice.reshape(shape)
 
-    def _search(self, values: torch.Tensor) -> Qparams:
+    def _search(self, values: torch.Tensor, weights: torch.Tensor | None) -> Qparams:
         found = ranges.mse_search(
-            values, self.int_range, self.candidates, self.scale_dtype, self.block_elems
+            values, self.int_range, self.candidates, self.scale_dtype, self.block_elems, weights
         )
         check_grid_finite(found.scale, found.zero_point, self.spec)
         self.minmax = found.minmax

@@ -11,7 +11,10 @@ The mse search (spec.MSE_ALGORITHM) tries, for every group, candidate ranges (lo
 a fixed list of multipliers p (`mse_candidates`), quantizes with exactly these semantics, and
 keeps the candidate with the smallest sum of squared error (float32 error, squared exactly and
 summed in float64). Candidate 0 is p = 1.0 (min-max) and a candidate replaces the best so far
-only when its error is strictly smaller, so ties keep min-max and no group gets worse.
+only when its error is strictly smaller, so ties keep min-max and no group gets worse. With
+column weights h (an importance matrix: h_j = E[x_j^2] of the Linear's input column j) the error
+of a group is sum h_j e_j^2 instead (each e_j^2 exact in float64, times h_j in float64, summed in
+float64); candidates, ties and the stored choice are the same.
 """
 
 from __future__ import annotations
@@ -138,10 +141,15 @@ def mse_search(
     candidates: tuple[float, ...],
     scale_dtype: torch.dtype = torch.float32,
     block_elems: int = 1 << 20,
+    weights: torch.Tensor | None = None,
 ) -> SearchResult:
-    """Best candidate range per group of a block [R, S, A, L] (see module doc), slab by slab."""
+    """Best candidate range per group of a block [R, S, A, L] (see module doc), slab by slab;
+    `weights` (float32, broadcastable to the block; None: all 1) weigh each value's squared
+    error."""
     if not candidates or candidates[0] != 1.0 or len(candidates) > 256:
         raise ValueError("candidates must start with 1.0 (min-max) and number at most 256")
+    if weights is not None:
+        weights = weights.expand(values.shape)  # a view: slabs index it as they index values
     lo, hi = block_range(values, block_elems)
     qp = [
         _candidate_qparams(lo, hi, p, r, scale_dtype, checked=k == 0)
@@ -150,10 +158,12 @@ def mse_search(
     sse = torch.zeros((len(candidates), *lo.shape), dtype=torch.float64, device=values.device)
     for box in slabs(tuple(values.shape), block_elems):
         xf = values[box].float()
+        w = weights[box].double() if weights is not None else None
         for k, (scale, zp) in enumerate(qp):
             idx = box[:2]
             err = quantize_error(xf, scale[idx][..., None, None], zp[idx][..., None, None], r)
-            sse[k][idx] += err.double().square_().sum(dim=(2, 3))
+            sq = err.double().square_()
+            sse[k][idx] += (sq.mul_(w) if w is not None else sq).sum(dim=(2, 3))
     return _pick(qp, sse)
 
 

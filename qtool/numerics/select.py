@@ -13,9 +13,10 @@ QTOOL_KERNEL (environment) chooses: `auto` (default), `torch`, or `fused`.
 - torch: always the torch kernels (the reference, and the only CUDA path).
 - fused: the fused kernels for every CPU tensor they cover; without numba a usage error naming
   the extra to install.
-Whatever is chosen, CUDA tensors, 0-d tensors and the mse search per tensor or per channel on
-an axis other than 0 run the torch kernels. Where numba is missing and the torch kernels took
-much longer than the fused ones would have, `notes()` says so (once per run).
+Whatever is chosen, CUDA tensors, 0-d tensors, the mse search per tensor or per channel on
+an axis other than 0, and the mse search weighted by an importance matrix run the torch kernels.
+Where numba is missing and the torch kernels took much longer than the fused ones would have,
+`notes()` says so (once per run).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from qtool.errors import UsageError
 from qtool.numerics import kernels
 from qtool.numerics.kernels import QuantizedTensor, Workspace
+from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, matrix_shape
 
 ENV = "QTOOL_KERNEL"
@@ -274,14 +276,18 @@ def quantize_tensor(
     with_errors: bool = True,
     scale_dtype: torch.dtype = torch.float32,
     workspace: Workspace | None = None,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
-    """kernels.quantize_tensor through the chosen kernels (same results, bit for bit)."""
-    module = _fused_for(x.device, x.ndim, spec)
+    """kernels.quantize_tensor through the chosen kernels (same results, bit for bit); a
+    weighted mse search runs the torch kernels (the fused ones take no weights)."""
+    weighted = weights is not None and spec.range_method is RangeMethod.MSE
+    module = None if weighted else _fused_for(x.device, x.ndim, spec)
     if module is None:
         started = time.perf_counter()
         result = kernels.quantize_tensor(
-            x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace
-        )
+            x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace,
+            weights=weights,
+        )  # fmt: skip
         if x.device.type == "cpu" and requested() is Kernel.AUTO:
             wide = x.dtype in (torch.bfloat16, torch.float16)
             _measured(_cost(spec, tuple(x.shape), x.numel(), wide), started)

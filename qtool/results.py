@@ -137,8 +137,8 @@ class DecidedBy:
     """What decided a tensor's fate, as reports show it (engine/decision.py's Decision): the
     action (`quantize` with `spec`, or `keep` with the `reason`; a quantized tensor's reason is
     how its spec was adapted or chosen), the `origin` (`default`, `not-included`, `exclude`,
-    `include`, `recipe`, `budget`, `fused-siblings`, `format`, `keep-nonfinite`) with its facts,
-    and the decisions it superseded, oldest first."""
+    `include`, `recipe`, `budget`, `fused-siblings`, `format`, `keep-nonfinite`, `calibrated`)
+    with its facts, and the decisions it superseded, oldest first."""
 
     action: str
     origin: str
@@ -151,6 +151,7 @@ class DecidedBy:
     fused: str | None = None
     format: str | None = None
     nonfinite: int | None = None
+    method: str | None = None  # origin calibrated: the method that produced the codes
 
 
 class Row(Protocol):

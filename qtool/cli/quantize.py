@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,17 @@ from qtool.cli.app import app
 from qtool.cli.errors import user_errors
 from qtool.cli.help import DEBUG_ENV, KERNEL_ENV, Command, epilog
 from qtool.cli.lazy import api, documents, report
+from qtool.cli.method_options import (
+    CalibCtxOpt,
+    CalibTextOpt,
+    CalibTokensOpt,
+    CheckTextOpt,
+    GuardOpt,
+    MethodOpt,
+    ToleranceOpt,
+    calibration,
+    check_method,
+)
 from qtool.cli.options import (
     AllOpt,
     AxisOpt,
@@ -96,6 +108,13 @@ def quantize(
     group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
     device: DeviceOpt = Device.AUTO,
     keep_nonfinite: KeepNonfiniteOpt = False,
+    method: MethodOpt = None,
+    text: CalibTextOpt = None,
+    tokens: CalibTokensOpt = None,
+    calib_ctx: CalibCtxOpt = None,
+    check_text: CheckTextOpt = None,
+    guard: GuardOpt = None,
+    tolerance: ToleranceOpt = None,
     dry_run: DryRunOpt = False,
     estimate: EstimateOpt = False,
     threads: ThreadsOpt = None,
@@ -115,17 +134,21 @@ def quantize(
     from qtool.gates import Gate, evaluate
 
     bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
+    integer_grid = dtype in {d.value for d in StorageDtype}
     spec = (
         build_spec(scheme, StorageDtype(dtype), per_channel, axis, group_size, range_method)
-        if dtype in {d.value for d in StorageDtype}
+        if integer_grid
         else gguf_cli_spec(dtype, scheme, per_channel, axis, group_size, range_method)
     )
+    calibrated = calibration(method, text, tokens, calib_ctx, check_text, guard, tolerance)
+    check_method(calibrated, fmt, integer_grid, target_sqnr, dry_run, estimate)
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr)  # fmt: skip
+        options = dataclasses.replace(options, calibration=calibrated)
         if target_sqnr is not None:
             warn_budget_overrides(ctx, options)
         plot = plot_target(plot, src, "quantize")
@@ -215,6 +238,14 @@ def _set_threads(threads: int | None) -> None:
 def _notes(summary: QuantizeSummary) -> None:
     """The run's notes; the Linear layers a compressed-tensors export kept in float, if any."""
     print_notes(summary.notes)
+    methods = [r.decided_by.method for r in summary.rows if r.decided_by is not None]
+    chosen = [m for m in methods if m is not None]
+    if chosen:
+        kept = [m for m in chosen if m != "rtn"]
+        name = kept[0] if kept else "the calibrated method"
+        report.print_note(f"{name} kept for {len(kept)} of {len(chosen)} Linear layers of the "
+                          "decoder blocks; the others rounded to nearest (the table says "
+                          "why)")  # fmt: skip
     if summary.ignore:
         report.print_note(f"ignore (Linear layers kept in float): {', '.join(summary.ignore)}")
 

@@ -44,8 +44,14 @@ def data_passes(
     budget chose wait for the writing pass: a temporary file in `spill_directory` (None: a dry
     run, which keeps only their figures), dropped when the context ends."""
     assert job.kernels is not None
-    spill = Spill(spill_directory) if job.options.target_sqnr is not None else None
+    calibration = job.options.calibration
+    asks = job.options.target_sqnr is not None or calibration is not None
+    spill = Spill(spill_directory) if asks else None
     try:
+        if calibration is not None and spill is not None:  # its codes wait in the spill
+            from qtool.engine.methods.run import calibrated
+
+            plan = calibrated(job, plan, spill)
         data = Measured(job.shards, job.options, job.fmt, job.kernels, spill)
         yield plan_data(plan, job.options, job.fmt, data), spill
     finally:

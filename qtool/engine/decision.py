@@ -156,7 +156,21 @@ class NonFiniteGuard:
         return DecidedBy(*act.head("keep-nonfinite"), act.history, nonfinite=self.count)
 
 
-Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard
+@dataclass(frozen=True)
+class Calibrated:
+    """A calibrated method's pass (engine/methods): `method` produced the codes (gptq, or rtn
+    where the guard kept round to nearest); the action's note says why."""
+
+    method: str
+
+    def describe(self) -> str:
+        return f"calibrated: {self.method}"
+
+    def step(self, act: Step) -> DecidedBy:
+        return DecidedBy(*act.head("calibrated"), act.history, method=self.method)
+
+
+Origin = Selection | Budget | FusedSiblings | FormatConstraint | NonFiniteGuard | Calibrated
 
 
 # -- the decision ------------------------------------------------------------------------

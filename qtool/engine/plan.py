@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from qtool import patterns
+from qtool.calibration import Calibration
 from qtool.engine.decision import (
     Action,
     Budget,
@@ -73,6 +74,7 @@ class QuantizeOptions:
     format: FormatName = FormatName.QTOOL  # the output format
     config: Path | None = None  # the model's config.json, for a single-file model export
     group_fallback: GroupFallback = GroupFallback.ERROR  # K not a multiple of G
+    calibration: Calibration | None = None  # a calibrated method (engine/methods), its data
 
     def __post_init__(self) -> None:
         # the names as plain strings too ("compressed-tensors"), as a library caller writes them

@@ -50,10 +50,12 @@ class _Stored:
     spec: QSpec
     parts: dict[str, _Part]
     figures: Figures
+    method: str | None = None
 
 
 class Spill:
-    """Quantized tensors by name, each with the spec it was quantized with."""
+    """Quantized tensors by name, each with the spec it was quantized with (the error budget's
+    choices, or a calibrated method's codes: engine/methods)."""
 
     def __init__(self, directory: Path | None) -> None:
         """`directory`: where the temporary file goes; None keeps the figures alone."""
@@ -71,7 +73,8 @@ class Spill:
                 if t is not None:
                     parts[part] = self._append(t.cpu())
         scale_range = (float(result.scale.min()), float(result.scale.max()))
-        self._stored[name] = _Stored(spec, parts, Figures(result.errors, scale_range))
+        figures = Figures(result.errors, scale_range)
+        self._stored[name] = _Stored(spec, parts, figures, result.method)
 
     def figures(self, name: str, spec: QSpec) -> Figures | None:
         """The figures kept for `name` if it was quantized with `spec`."""
@@ -86,7 +89,8 @@ class Spill:
             return None
         t = {part: self._read(p) for part, p in stored.parts.items()}
         errors = stored.figures.errors
-        return QuantizedTensor(t["q"], t["scale"], t["zero_point"], errors, t.get("choice"))
+        choice = t.get("choice")
+        return QuantizedTensor(t["q"], t["scale"], t["zero_point"], errors, choice, stored.method)
 
     def close(self) -> None:
         """Drop the temporary file (unbuffered: closing cannot fail on unwritten data)."""

@@ -130,7 +130,10 @@ def decided_json(
             {"spec": label(t.spec), "sqnr_db": json_number(t.sqnr_db), "bytes": t.nbytes}
             for t in d.trials
         ]
-    for key, value in (("fused", d.fused), ("format", d.format), ("nonfinite", d.nonfinite)):
+    facts = (
+        ("fused", d.fused), ("format", d.format), ("nonfinite", d.nonfinite), ("method", d.method)
+    )  # fmt: skip
+    for key, value in facts:
         if value is not None:
             out[key] = value
     if history:

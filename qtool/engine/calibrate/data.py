@@ -18,7 +18,7 @@ from pathlib import Path
 from qtool.engine.evaluate.hf import Tokenizer, first_line, guarded, quiet
 from qtool.engine.evaluate.text import Text, read_text
 from qtool.engine.evaluate.tokens import leading_ids
-from qtool.errors import InputError
+from qtool.errors import InputError, UsageError
 from qtool.io.jsonfile import parse_json
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -53,6 +53,20 @@ def default_text() -> Text:
         docs += _docstrings(tree)
     version = ".".join(str(v) for v in sys.version_info[:3])
     return Text("\n\n".join(docs), f"stdlib docstrings (CPython {version})")
+
+
+def check_text() -> Text:
+    """The default check text of a calibrated method: CPython's LICENSE.txt (the history of the
+    software, then the licence terms), English prose of another domain than the docstrings of
+    default_text() and than eval's default text; it ships with CPython. UsageError where the
+    Python installation lacks it."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if not path.is_file():
+        raise UsageError(path, "this Python installation has no LICENSE.txt, the default "
+                         "check text; give a check text of another domain",
+                         hint="check-text")  # fmt: skip
+    version = ".".join(str(v) for v in sys.version_info[:3])
+    return Text(read_text(path).content, f"CPython LICENSE.txt (CPython {version})")
 
 
 def _docstrings(node: ast.AST) -> list[str]:

@@ -74,7 +74,7 @@ def calibrate(
     progress: Progress | None = None,
 ) -> CalibrateSummary:
     if options.ctx is not None:
-        _check_tokens(options.tokens, options.ctx)
+        check_tokens(options.tokens, options.ctx)
     check_files([out], [model_dir, *options.texts], options.force)
     device = resolve_device(options.device)
     if options.threads is not None:
@@ -90,12 +90,12 @@ def calibrate(
         )  # fmt: skip
     checkpoint, hf_config, tokenizer = float_parts(found, config, model_dir, MODEL)
     ctx = window_length(options.ctx, hf_config, model_dir, MODEL, shortest=1)
-    _check_tokens(options.tokens, ctx)
-    _check_activations(options.tokens // ctx * ctx, int(hf_config.hidden_size))
+    check_tokens(options.tokens, ctx)
+    check_activations(options.tokens // ctx * ctx, int(hf_config.hidden_size))
     texts = [load_text(p, tokenizer) for p in options.texts] or [default_text()]
     sources = take_windows(texts, tokenizer, options.tokens, ctx)
     model = empty_model(kind, config, hf_config, checkpoint, model_dir).eval()
-    windows = _interleaved(sources)
+    windows = interleaved(sources)
     check_vocabulary(windows, model.get_input_embeddings().num_embeddings, tokenizer)
     reader = open_reader(found)
     loaded = perf_counter()
@@ -128,7 +128,7 @@ def calibrate(
     )
 
 
-def _check_tokens(tokens: int, ctx: int) -> None:
+def check_tokens(tokens: int, ctx: int) -> None:
     if ctx < 1:
         raise UsageError(None, f"a window of {ctx} tokens holds nothing; give 1 or more")
     if tokens < ctx:
@@ -137,7 +137,7 @@ def _check_tokens(tokens: int, ctx: int) -> None:
         )
 
 
-def _check_activations(tokens: int, hidden: int) -> None:
+def check_activations(tokens: int, hidden: int) -> None:
     held = tokens * hidden * 4
     if held > MAX_ACTIVATION_BYTES:
         limit = MAX_ACTIVATION_BYTES // (hidden * 4)
@@ -148,7 +148,7 @@ def _check_activations(tokens: int, hidden: int) -> None:
         )  # fmt: skip
 
 
-def _interleaved(sources: list[Source]) -> list[list[int]]:
+def interleaved(sources: list[Source]) -> list[list[int]]:
     """The windows of every source in turn (one of each, then the next of each ...)."""
     out = []
     longest = max(len(s.windows) for s in sources)

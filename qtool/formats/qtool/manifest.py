@@ -61,6 +61,7 @@ class Record:
     orig_dtype: str  # safetensors dtype name of the original, e.g. "BF16"
     shape: tuple[int, ...]
     candidates: tuple[float, ...] = ()  # --range mse: the multipliers tried, in order
+    method: str | None = None  # a calibrated method chose the codes (gptq); None: rounding
 
     @property
     def fits_v1(self) -> bool:
@@ -151,6 +152,8 @@ def _record_json(record: Record, version: int) -> dict[str, object]:
                 "algorithm": MSE_ALGORITHM,
                 "candidates": list(record.candidates),
             }
+    if record.method is not None:  # codes not round(x / scale) of the original: say who chose
+        out["method"] = record.method
     return out
 
 

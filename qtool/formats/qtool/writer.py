@@ -133,6 +133,7 @@ class QtoolShardWriter:
         )
         self.order = [self._planned[e.name].entry for e in header.tensors]
         self._qparams: dict[str, dict[str, torch.Tensor]] = {}
+        self._methods: dict[str, str] = {}
 
     def keep(self, entry: TensorEntry, data: memoryview) -> None:
         self._writer.write(entry.name, data)
@@ -148,6 +149,8 @@ class QtoolShardWriter:
         if result.choice is not None:
             parts[choice_name(entry.name)] = result.choice
         self._qparams[entry.name] = {key: t.cpu() for key, t in parts.items()}
+        if result.method is not None:
+            self._methods[entry.name] = result.method
 
     def finish(self) -> None:
         digests = self._write_sidecar()
@@ -182,4 +185,5 @@ class QtoolShardWriter:
         spec = planned.spec
         assert spec is not None
         candidates = search_candidates(spec, planned.entry.shape)
-        return Record(spec, planned.entry.dtype, planned.entry.shape, candidates)
+        method = self._methods.get(name)
+        return Record(spec, planned.entry.dtype, planned.entry.shape, candidates, method)

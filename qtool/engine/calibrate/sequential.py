@@ -1,0 +1,86 @@
+"""The block-by-block pass of a calibrated method (engine/methods): the model built empty, its
+embeddings run once on every stream's windows, then for each decoder block in turn: loaded from
+the checkpoint, run on each stream with the method's probe (pass 1: statistics), quantized by
+the method (the block's weights replaced by what a consumer will reconstruct), run again on
+each stream (pass 2: its QUANTIZED outputs become the next block's inputs, so the error of
+every block before propagates), and freed. Peak memory: one block's weights (float32), the
+method's statistics for one block, the activations at one block boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from qtool.engine.calibrate.blocks import (
+    block_list,
+    capture,
+    load_module,
+    prepare_base,
+    return_freed_memory,
+)
+from qtool.formats.base import FloatReader
+from qtool.results import Progress
+
+
+class Probe(AbstractContextManager[Any], Protocol):
+    stream: str
+
+
+class BlockMethod(Protocol):
+    """What the pass asks of a method: a probe for pass 1 on block `prefix` (its hooks held
+    while the context is open; `stream` says which stream runs), then the block's
+    quantization from what the probe gathered (weights replaced in place)."""
+
+    def probe(self, block: torch.nn.Module, prefix: str) -> Probe: ...
+
+    def quantize(self, prefix: str, probe: Any) -> None: ...
+
+
+def run_sequential(
+    model: Any,
+    reader: FloatReader,
+    streams: dict[str, Sequence[list[int]]],
+    method: BlockMethod,
+    device: torch.device,
+    path: Any,
+    progress: Progress | None = None,
+) -> None:
+    """Every decoder block of `model`, in order, through `method` on the windows of each stream
+    (name -> windows of token ids, all of one length)."""
+    base, layers, layers_name = block_list(model, path)
+    prepare_base(base, layers_name, reader, device, path)
+    windows = [w for ws in streams.values() for w in ws]
+    hidden, kwargs = capture(base, layers, windows, device)
+    for _, child in base.named_children():  # the embeddings are done with
+        if not isinstance(child, torch.nn.ModuleList):
+            child.to_empty(device="meta")
+    named: dict[str, list[torch.Tensor]] = {}
+    start = 0
+    for name, ws in streams.items():
+        named[name] = hidden[start : start + len(ws)]
+        start += len(ws)
+    for i, block in enumerate(layers):
+        prefix = f"{layers_name}.{i}."
+        load_module(block, prefix, reader, device, path)
+        with torch.no_grad():
+            with method.probe(block, prefix) as probe:
+                for name, xs in named.items():
+                    probe.stream = name
+                    for x in xs:
+                        block(x, **kwargs[i])
+                        _advance(progress, f"block {i}", x)
+            method.quantize(prefix, probe)
+            for xs in named.values():
+                for x in xs:
+                    x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put
+                    _advance(progress, f"block {i}", x)
+        block.to_empty(device="meta")
+        return_freed_memory()
+
+
+def _advance(progress: Progress | None, what: str, x: torch.Tensor) -> None:
+    if progress is not None:
+        progress.advance(what, x.shape[-2])

@@ -1,0 +1,166 @@
+"""GPTQ as a calibrated method: the policy (what it collects in which pass, what it keeps); the
+solve itself is numerics/gptq.py.
+
+Pass 1 of each block (engine/calibrate/sequential.py) runs the block on three streams of
+activations, the calibration windows it fits (`fit`), the ones held out (`held`) and the check
+text (`check`), and a HessianProbe gathers each stream's Hessian of every target Linear's
+inputs. Then, per Linear: GPTQ's codes from the `fit` Hessian, round to nearest on the same grid,
+the guard (engine/methods/guard.py) comparing the two on `held` and `check`, and the chosen
+codes into the Spill, measured against the ORIGINAL weights; the chosen weights (as a consumer
+dequantizes them) replace the block's, so that pass 2 propagates the quantized outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qtool.calibration import Calibration
+from qtool.engine.hooks import Hooks
+from qtool.engine.methods.guard import change, describe, judge
+from qtool.engine.spill import Spill
+from qtool.numerics import gptq, kernels
+from qtool.numerics.metrics import error_stats
+from qtool.numerics.quantize import quantize_tensor
+from qtool.spec import QSpec
+
+STREAMS = ("fit", "held", "check")
+METHOD = "gptq"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A Linear weight the plan quantizes: its spec (fitted to its shape) and stored dtype."""
+
+    spec: QSpec
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What a Linear got: `method` (gptq or rtn) and the table's note saying why."""
+
+    method: str
+    note: str
+
+
+class HessianProbe(Hooks):
+    """Forward pre-hooks on `linears` (module name -> Linear): the Hessian of each one's inputs
+    on the stream now running (`stream`), per stream."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
+        self.linears = linears
+        self.stream = STREAMS[0]
+        self.hessians: dict[tuple[str, str], gptq.Hessian] = {}
+
+    def _attach(self) -> list[Any]:
+        return [m.register_forward_pre_hook(self._hook(n)) for n, m in self.linears.items()]
+
+    def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...]], None]:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            key = (name, self.stream)
+            if key not in self.hessians:
+                self.hessians[key] = gptq.Hessian(x.shape[-1], device=x.device)
+            self.hessians[key].add(x.reshape(-1, x.shape[-1]))
+
+        return hook
+
+    def matrix(self, name: str, stream: str) -> torch.Tensor | None:
+        found = self.hessians.get((name, stream))
+        return found.matrix if found is not None and found.rows else None
+
+
+class GptqPolicy:
+    """GPTQ over a run's `targets` (checkpoint name -> Target): results into `spill`, what each
+    Linear got into `chosen`. `scales_in_weight_dtype`: the format stores scales in the
+    weight's dtype (compressed-tensors), so codes are chosen against them rounded so."""
+
+    streams = STREAMS
+
+    def __init__(
+        self,
+        targets: dict[str, Target],
+        calibration: Calibration,
+        spill: Spill,
+        scales_in_weight_dtype: bool,
+    ) -> None:
+        self.targets, self.calibration, self.spill = targets, calibration, spill
+        self.scales_in_weight_dtype = scales_in_weight_dtype
+        self.chosen: dict[str, Chosen] = {}
+
+    def probe(self, block: torch.nn.Module, prefix: str) -> HessianProbe:
+        """Pass 1's hooks: on the block's Linears the plan quantizes (an integer grid)."""
+        linears = {
+            name: m for name, m in block.named_modules()
+            if isinstance(m, torch.nn.Linear) and f"{prefix}{name}.weight" in self.targets
+        }  # fmt: skip
+        return HessianProbe(linears)
+
+    def quantize(self, prefix: str, probe: HessianProbe) -> None:
+        """Each probed Linear's codes chosen and spilled; its weight replaced by the chosen
+        reconstruction (what the next blocks see)."""
+        for local, linear in probe.linears.items():
+            name = f"{prefix}{local}.weight"
+            fit = probe.matrix(local, "fit")
+            if fit is None:  # never called on the calibration windows: left to the loop
+                continue
+            target = self.targets[name]
+            held, check = probe.matrix(local, "held"), probe.matrix(local, "check")
+            result, weight, chosen = self._choose(linear.weight.detach(), target, fit, held, check)
+            self.spill.put(name, target.spec, result)
+            linear.weight.data.copy_(weight)
+            self.chosen[name] = chosen
+
+    def _choose(
+        self,
+        weight: torch.Tensor,
+        target: Target,
+        fit: torch.Tensor,
+        held: torch.Tensor | None,
+        check: torch.Tensor | None,
+    ) -> tuple[kernels.QuantizedTensor, torch.Tensor, Chosen]:
+        spec, dtype = target.spec, target.dtype
+        scale_dtype = dtype if self.scales_in_weight_dtype else torch.float32
+        original = weight.to(dtype)  # the stored values (float32 holds them exactly)
+        rtn = quantize_tensor(original, spec, scale_dtype=scale_dtype)
+        rtn_weight = restored(rtn, spec, dtype, tuple(weight.shape))
+        solved = gptq.gptq_quantize(
+            weight.float(), fit, spec, scale_dtype=scale_dtype,
+            dynamic_groups=self.calibration.dynamic_groups,
+        )  # fmt: skip
+        if solved.fallback is not None:
+            return rtn, rtn_weight, Chosen("rtn", f"rtn ({METHOD}: {solved.fallback.value})")
+        result = solved.quantized(spec)
+        g_weight = restored(result, spec, dtype, tuple(weight.shape))
+        errors = error_stats(original, g_weight)
+        result = kernels.QuantizedTensor(
+            result.q, result.scale, result.zero_point, errors, method=METHOD
+        )
+        verdict = judge(
+            _change(g_weight - weight, rtn_weight - weight, held if held is not None else fit),
+            _change(g_weight - weight, rtn_weight - weight, check),
+            self.calibration.guard,
+            self.calibration.tolerance,
+        )
+        note = describe(METHOD, verdict)
+        if verdict.keep:
+            return result, g_weight, Chosen(METHOD, note)
+        return rtn, rtn_weight, Chosen("rtn", note)
+
+
+def _change(delta: torch.Tensor, baseline: torch.Tensor, hessian: torch.Tensor | None) -> float:
+    if hessian is None:  # no check text ran (nothing to compare): no change
+        return 0.0
+    return change(gptq.output_error(delta, hessian), gptq.output_error(baseline, hessian))
+
+
+def restored(
+    result: kernels.QuantizedTensor, spec: QSpec, dtype: torch.dtype, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """The weight as a consumer reconstructs it (dequantized, in its dtype), as float32."""
+    return kernels.dequantize(
+        result.q, result.scale, result.zero_point, spec, dtype=dtype, shape=shape
+    ).float()

@@ -1,0 +1,104 @@
+"""A calibrated quantize run's data pass (engine/budget.data_passes calls it before the plan's
+other data passes): the model directory checked and built empty, the calibration windows
+split into fit and held out, the check text's windows, the block-by-block pass with the
+method's policy, its chosen codes left in the run's Spill for the writing loop, and each Linear's
+decision saying which method produced it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qtool.calibration import HELD_OUT_SHARE, Calibration
+from qtool.engine.calibrate.data import check_text, default_text, load_text, take_windows
+from qtool.engine.calibrate.run import MODEL, check_activations, check_tokens, interleaved
+from qtool.engine.calibrate.sequential import run_sequential
+from qtool.engine.decision import Calibrated, Quantize, TensorPlan
+from qtool.engine.evaluate.config import float_source, kind_of, window_length
+from qtool.engine.evaluate.hf import Tokenizer
+from qtool.engine.evaluate.models import empty_model, float_parts
+from qtool.engine.evaluate.tokens import check_vocabulary
+from qtool.engine.job import Job
+from qtool.engine.methods.gptq import GptqPolicy, Target
+from qtool.engine.plan import ModelPlan
+from qtool.engine.spill import Spill
+from qtool.errors import InputError, UsageError
+from qtool.eval_results import CAUSAL_LM
+from qtool.formats.imatrix.naming import GGUF_ARCHS
+from qtool.formats.registry import open_reader
+from qtool.io.checkpoint import ST_TO_TORCH
+from qtool.spec import QSpec
+
+
+def split(windows: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """(fit, held out): every HELD_OUT_SHARE-th window held out, at least one; UsageError for
+    fewer than two windows."""
+    if len(windows) < 2:
+        raise UsageError(None, f"{len(windows)} calibration window cannot be split into windows "
+                         "to fit and windows held out; ask for at least two windows of tokens",
+                         hint="tokens")  # fmt: skip
+    step = min(HELD_OUT_SHARE, len(windows))
+    held = [w for i, w in enumerate(windows) if i % step == step - 1]
+    fit = [w for i, w in enumerate(windows) if i % step != step - 1]
+    return fit, held
+
+
+def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
+    """The plan with each Linear of the decoder blocks the method quantized decided by it
+    (its codes in `spill`); the other tensors as planned."""
+    calibration = job.options.calibration
+    assert calibration is not None and job.kernels is not None
+    path = job.output.source.directory
+    if path is None:
+        raise UsageError(job.output.source.path, "a calibrated method runs the model: give its "
+                         "model directory (config.json, safetensors weights, tokenizer), "
+                         "not a file")  # fmt: skip
+    found, config = float_source(path, MODEL)
+    kind, architecture = kind_of(config)
+    if kind != CAUSAL_LM or str(config.get("model_type")) not in GGUF_ARCHS:
+        raise InputError(
+            path, f"a calibrated method runs the Llama family ({', '.join(GGUF_ARCHS)}), not "
+            f"{architecture} (model_type {config.get('model_type')!r})",
+        )  # fmt: skip
+    checkpoint, hf_config, tokenizer = float_parts(found, config, path, MODEL)
+    streams = _streams(calibration, tokenizer, hf_config, path)
+    model = empty_model(kind, config, hf_config, checkpoint, path).eval()
+    every = [w for ws in streams.values() for w in ws]
+    check_vocabulary(every, model.get_input_embeddings().num_embeddings, tokenizer)
+    targets = {
+        p.entry.name: Target(p.spec, ST_TO_TORCH[p.entry.dtype])
+        for p in plan.plans if isinstance(p.spec, QSpec)
+    }  # fmt: skip
+    policy = GptqPolicy(targets, calibration, spill, job.kernels.scales_in_weight_dtype)
+    reader = open_reader(found)
+    try:
+        run_sequential(model, reader, streams, policy, job.kernels.device, path)
+        reader.check_unchanged()
+    finally:
+        reader.close()
+    return plan.with_plans([_decided(p, policy) for p in plan.plans])
+
+
+def _streams(
+    calibration: Calibration, tokenizer: Tokenizer, hf_config: Any, path: Path
+) -> dict[str, list[list[int]]]:
+    """The windows of each stream: fit, held out, and as many of the check text as held out."""
+    ctx = window_length(calibration.ctx, hf_config, path, MODEL, shortest=1)
+    check_tokens(calibration.tokens, ctx)
+    texts = [load_text(p, tokenizer) for p in calibration.texts] or [default_text()]
+    fit, held = split(interleaved(take_windows(texts, tokenizer, calibration.tokens, ctx)))
+    checks = [load_text(p, tokenizer) for p in calibration.check_texts] or [check_text()]
+    check = interleaved(take_windows(checks, tokenizer, len(held) * ctx, ctx))
+    rows = (len(fit) + len(held) + len(check)) * ctx
+    check_activations(rows, int(hf_config.hidden_size))
+    return {"fit": fit, "held": held, "check": check}
+
+
+def _decided(plan: TensorPlan, policy: GptqPolicy) -> TensorPlan:
+    chosen = policy.chosen.get(plan.entry.name)
+    if chosen is None or plan.spec is None:
+        return plan
+    decision = plan.decision
+    note = f"{decision.note}; {chosen.note}" if decision.note else chosen.note
+    action = Quantize(plan.spec, note, decision.asked, decision.stored)
+    return TensorPlan(plan.entry, decision.then(action, Calibrated(chosen.method)))

@@ -195,3 +195,58 @@ def quantize_v2(
         grid_array(zps, np.int64),
         grid_array(choices, np.int64),
     )
+
+
+# ---- docs/numerics.md, "GPTQ": the textbook column loop (no blocks, no lazy updates) ----
+
+
+def gptq_codes(
+    weight: np.ndarray,
+    hessian: np.ndarray,
+    scheme: str,
+    dtype: str,
+    granularity: tuple[str, int],
+    *,
+    act_order: bool,
+    damp: float = 0.01,
+    dynamic_groups: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes int64 in original column order, scales, zero points) in float64 throughout:
+    dead columns zeroed, min-max qparams of the (zeroed) weights, H + damp * mean(diag H) I
+    inverted by numpy, its upper Cholesky factor U, then for each column t in order:
+    q = round to the column's group, err = (w_t - x_hat_t) / U[t, t], W[:, t+1:] -= err U[t, t+1:].
+    granularity ("channel", 0) or ("group", G); with `dynamic_groups` a group's qparams come from
+    its columns' current values when the first of them is reached."""
+    w = np.array(weight, dtype=np.float64)
+    h = np.array(hessian, dtype=np.float64)
+    k = w.shape[1]
+    qmin, qmax = QRANGE_V2[scheme, dtype]
+    order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    _, scales, zps, _ = quantize_v2(w.astype(np.float32), scheme, dtype, granularity)
+    scales = scales.reshape(w.shape[0], -1).astype(np.float64)
+    zps = zps.reshape(w.shape[0], -1).astype(np.float64)
+    size = granularity[1] if granularity[0] == "group" else k
+    h = h + np.eye(k) * damp * np.mean(np.diag(h))
+    u = np.linalg.cholesky(np.linalg.inv(h[np.ix_(order, order)])).T
+    w = w[:, order]
+    codes = np.zeros(w.shape, dtype=np.int64)
+    seen: set[int] = set()
+    for t in range(k):
+        c = int(order[t])
+        g = c // size
+        if dynamic_groups and size < k and g not in seen:
+            members = [
+                int(np.where(order == m)[0][0]) for m in range(g * size, min(g * size + size, k))
+            ]
+            for r in range(w.shape[0]):
+                s, z = qparams_v2(w[r, members].astype(np.float32), scheme, dtype)
+                scales[r, g], zps[r, g] = s, z
+        seen.add(g)
+        q = np.clip(np.round(w[:, t] / scales[:, g]) + zps[:, g], qmin, qmax)
+        codes[:, c] = q
+        err = (w[:, t] - (q - zps[:, g]) * scales[:, g]) / u[t, t]
+        w[:, t + 1 :] -= np.outer(err, u[t, t + 1 :])
+    return codes, scales.astype(np.float32), zps.astype(np.int64)

@@ -1,0 +1,290 @@
+"""GPTQ (docs/numerics.md, "GPTQ"): a Linear's codes chosen column by column so that the error of
+the columns already rounded is compensated in the others, with H = (2 / n) sum x x^T of its inputs.
+
+Pure torch on the tensors given; no I/O. The qparams are the integer grid's own (the range method
+of the spec, chosen from the weights before the loop, or per group at its first column with
+`dynamic_groups`), so the result is stored as any round-to-nearest tensor is: no g_idx.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from qtool.numerics.kernels import TORCH_STORAGE, QuantizedTensor, quantize_tensor
+from qtool.numerics.packing import pack_nibbles, unpack_nibbles
+from qtool.numerics.range_methods import range_method
+from qtool.numerics.views import normalize_spec
+from qtool.spec import PerChannel, PerGroup, QSpec
+
+DAMP_RAISES = 3  # dampening tried at damp, x10, x100, x1000 before rounding to nearest
+
+
+class Hessian:
+    """Running H = (2 / n) sum x x^T over the n input rows x (K columns) of one Linear.
+
+    The sum is kept unscaled (float32 by default) and scaled once when read, so adding rows
+    never rescales what was summed before.
+    """
+
+    def __init__(
+        self,
+        columns: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if columns < 1:
+            raise ValueError(f"a Hessian needs at least one column, got {columns}")
+        self.sum = torch.zeros(columns, columns, dtype=dtype, device=device)
+        self.rows = 0
+
+    @property
+    def columns(self) -> int:
+        return self.sum.shape[0]
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the rows of x (..., K): sum += x^T x, rows += x.numel() / K."""
+        if x.shape[-1:] != (self.columns,):
+            raise ValueError(f"inputs of width {self.columns} expected, got {tuple(x.shape)}")
+        rows = x.reshape(-1, self.columns).to(device=self.sum.device, dtype=self.sum.dtype)
+        self.sum.addmm_(rows.T, rows)
+        self.rows += rows.shape[0]
+
+    @property
+    def matrix(self) -> torch.Tensor:
+        """(2 / n) sum x x^T as float32 (K, K); all zeros before any row was added."""
+        if self.rows == 0:
+            return torch.zeros_like(self.sum, dtype=torch.float32)
+        return (self.sum * (2.0 / self.rows)).float()
+
+    def merge(self, other: Hessian) -> Hessian:
+        """The Hessian of both sets of rows (sums and counts added), on this one's device."""
+        if other.columns != self.columns:
+            raise ValueError(f"cannot merge Hessians of {self.columns} and {other.columns} columns")
+        merged = Hessian(self.columns, device=self.sum.device, dtype=self.sum.dtype)
+        torch.add(self.sum, other.sum.to(self.sum), out=merged.sum)
+        merged.rows = self.rows + other.rows
+        return merged
+
+
+class Fallback(str, enum.Enum):
+    """Why a Linear was rounded to nearest instead (its value is the table's wording)."""
+
+    NOT_POSITIVE_DEFINITE = "Hessian not positive definite even with the largest dampening"
+    NONFINITE = "Hessian holds NaN or Inf"
+    NO_INPUT = "Hessian is zero (no calibration input reached this Linear)"
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """Codes (out, K) unpacked in the storage dtype, original column order; scale and zero
+    point exactly as kernels.quantize_tensor gives them for the spec (scale float32 holding
+    values of the scale dtype, zero point in the storage dtype, the qparam shape)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    damp: float | None  # the dampening fraction that factorised; None when rounded to nearest
+    fallback: Fallback | None  # why it was rounded to nearest, None for GPTQ codes
+
+    def quantized(self, spec: QSpec) -> QuantizedTensor:
+        """The codes as stored (4-bit packed two per byte, an odd row padded with the code of
+        0.0), for the writer; no error figures."""
+        q = self.codes
+        if spec.dtype.packed:
+            zp = self.zero_point  # per tensor (), per channel (out,), per group (out, groups)
+            pad = zp if zp.ndim == 0 else zp.reshape(q.shape[0], -1)[:, -1:]
+            q = pack_nibbles(q, spec.dtype.signed, pad)
+        return QuantizedTensor(q=q, scale=self.scale, zero_point=self.zero_point, errors=None)
+
+
+def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
+    """tr(dW H dW^T) in float64: the squared output error of a weight change dW (out, K)
+    summed over the rows H was built from, times 2 / n."""
+    d = delta.double()
+    return float((d @ hessian.double() * d).sum())
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: QSpec,
+    *,
+    block_size: int = 128,
+    act_order: bool = True,
+    damp: float = 0.01,
+    scale_dtype: torch.dtype = torch.float32,
+    dynamic_groups: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> GPTQResult:
+    """GPTQ codes of weight (out, K) for an integer `spec` (per tensor, channel on axis 0 or
+    group), as docs/numerics.md ("GPTQ") defines them. `dynamic_groups`: each group's qparams
+    from its error-updated weights when its first column is reached (GPTQModel), instead of
+    from the weights before the loop. `compute_dtype` float64 only for tests and measurements."""
+    spec = _check(weight, hessian, spec, block_size, damp, compute_dtype)
+    h = hessian.to(compute_dtype, copy=True)
+    if not bool(torch.isfinite(h).all()):
+        return _rounded(weight, spec, scale_dtype, Fallback.NONFINITE)
+    diag = h.diagonal()
+    dead = diag == 0
+    if bool(dead.all()):
+        return _rounded(weight, spec, scale_dtype, Fallback.NO_INPUT)
+    # decreasing diag H, dead columns last, ties in column order
+    order = torch.argsort(diag, descending=True, stable=True) if act_order else None
+    diag[dead] = 1.0
+    w = weight.to(torch.float32, copy=True)
+    w[:, dead] = 0.0
+    rtn = quantize_tensor(w, spec, with_errors=False, scale_dtype=scale_dtype)
+    if order is not None:
+        h = h[order][:, order]
+    factor = _inverse_factor(h, damp)
+    if factor is None:
+        return _rounded(weight, spec, scale_dtype, Fallback.NOT_POSITIVE_DEFINITE)
+    u, used = factor
+    solver = _Solver(w, spec, rtn, order, scale_dtype, dynamic_groups, compute_dtype)
+    codes = solver.run(u, block_size)
+    zero_point = solver.zero_point.to(TORCH_STORAGE[spec.dtype]).reshape(rtn.zero_point.shape)
+    return GPTQResult(codes, solver.scale.reshape(rtn.scale.shape), zero_point, used, None)
+
+
+def _check(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: QSpec,
+    block_size: int,
+    damp: float,
+    compute_dtype: torch.dtype,
+) -> QSpec:
+    if weight.ndim != 2 or weight.numel() == 0:
+        raise ValueError(f"GPTQ quantizes a non-empty (out, K) weight, got {tuple(weight.shape)}")
+    k = weight.shape[1]
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(
+            f"the Hessian of a weight with {k} columns is ({k}, {k}), got {tuple(hessian.shape)}"
+        )
+    if not isinstance(spec, QSpec):
+        raise ValueError(f"GPTQ takes an integer grid, not {spec.describe()}")
+    spec = normalize_spec(spec, 2)
+    if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
+        raise ValueError("GPTQ quantizes per tensor, per output channel (axis 0) or per group")
+    if block_size < 1 or not damp > 0 or damp == float("inf"):
+        raise ValueError(f"block_size must be >= 1 and damp positive, got {block_size}, {damp}")
+    if compute_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"GPTQ computes in float32 or float64, not {compute_dtype}")
+    return spec
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float] | None:
+    """(U, damp used): the upper Cholesky factor of (H + lambda I)^-1, lambda = damp x mean
+    diag H, damp raised x10 up to DAMP_RAISES times while a factorisation fails; None if all do."""
+    mean = float(h.diagonal().mean())
+    for attempt in range(DAMP_RAISES + 1):
+        frac = damp * 10.0**attempt
+        damped = h.clone()
+        damped.diagonal().add_(frac * mean)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        if int(info) != 0:
+            continue
+        inverse = torch.cholesky_inverse(lower)
+        upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+        if int(info) == 0 and bool(torch.isfinite(upper).all()):
+            return upper, frac
+    return None
+
+
+def _rounded(
+    weight: torch.Tensor, spec: QSpec, scale_dtype: torch.dtype, why: Fallback
+) -> GPTQResult:
+    """Round to nearest, exactly the codes the data-free quantizer gives the same weight."""
+    rtn = quantize_tensor(weight, spec, with_errors=False, scale_dtype=scale_dtype)
+    codes = rtn.q
+    if spec.dtype.packed:
+        codes = unpack_nibbles(codes, weight.shape[1], spec.dtype.signed)
+    return GPTQResult(codes, rtn.scale, rtn.zero_point, None, why)
+
+
+def _codes(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QSpec
+) -> torch.Tensor:
+    """clamp(round(x / scale) + zero_point, qmin, qmax) as floats (a division, half to even)."""
+    return torch.div(x, scale).round_().add_(zero_point).clamp_(spec.qmin, spec.qmax)
+
+
+class _Solver:
+    """The column loop in processing order (act-order's permutation, or none): blocks of
+    `block_size` columns, updates inside a block applied column by column, those for the columns
+    after it once per block (the lazy batch update of the GPTQ paper, section 3.4)."""
+
+    def __init__(
+        self,
+        w: torch.Tensor,
+        spec: QSpec,
+        rtn: QuantizedTensor,
+        order: torch.Tensor | None,
+        scale_dtype: torch.dtype,
+        dynamic: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        out, k = w.shape
+        self.spec, self.k = spec, k
+        self.order = order if order is not None else torch.arange(k, device=w.device)
+        self.w = w[:, self.order].to(compute_dtype) if order is not None else w.to(compute_dtype)
+        # qparams as (rows or 1, groups) float grids; group of original column c: c // size
+        self.scale = rtn.scale.float().reshape(out if rtn.scale.numel() > 1 else 1, -1).clone()
+        self.zero_point = rtn.zero_point.float().reshape(self.scale.shape).clone()
+        g = spec.granularity
+        self.size = min(g.size, k) if isinstance(g, PerGroup) else k
+        self.group = (self.order // self.size).tolist()
+        self.dynamic = dynamic and isinstance(g, PerGroup) and g.size < k
+        self.ranger = range_method(spec, (out, k), scale_dtype, 1 << 21)
+        self.seen: set[int] = set()
+        self.position = torch.argsort(self.order)  # original column -> processing position
+
+    def run(self, u: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The codes (out, K) in the storage dtype, original column order."""
+        w, k = self.w, self.k
+        codes = torch.empty(w.shape, dtype=TORCH_STORAGE[self.spec.dtype], device=w.device)
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            q1 = self._block(u, i1, i2)
+            codes[:, self.order[i1:i2]] = q1.to(codes.dtype)
+            if i2 < k:
+                w[:, i2:].addmm_(self.err, u[i1:i2, i2:], alpha=-1.0)
+        return codes
+
+    def _block(self, u: torch.Tensor, i1: int, i2: int) -> torch.Tensor:
+        """Codes (as floats) of columns [i1, i2), their scaled errors kept in self.err."""
+        w1, u1 = self.w[:, i1:i2], u[i1:i2, i1:i2]
+        q1 = torch.empty_like(w1)
+        self.err = torch.empty_like(w1)
+        for i in range(i2 - i1):
+            g = self.group[i1 + i]
+            if self.dynamic and g not in self.seen:
+                self._choose_group(g, u, i1, i)
+            self.seen.add(g)
+            s, z = self.scale[:, g].to(w1.dtype), self.zero_point[:, g].to(w1.dtype)
+            col = w1[:, i]
+            q = _codes(col, s, z, self.spec)
+            q1[:, i] = q
+            e = self.err[:, i]
+            torch.sub(q, z, out=e).mul_(s)  # the column as dequantized
+            torch.sub(col, e, out=e).div_(u1[i, i])
+            if i + 1 < i2 - i1:
+                w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
+        return q1
+
+    def _choose_group(self, g: int, u: torch.Tensor, i1: int, i: int) -> None:
+        """qparams of group g from its columns' current values: those in this block are up to
+        date, those after it still owe this block's updates so far (err of columns i1..i1+i)."""
+        cols = torch.arange(g * self.size, min((g + 1) * self.size, self.k), device=u.device)
+        pos = self.position[cols]  # in original column order
+        values = self.w[:, pos].clone()
+        late = pos >= i1 + self.err.shape[1]
+        if i and bool(late.any()):
+            values[:, late] -= self.err[:, :i] @ u[i1 : i1 + i][:, pos[late]]
+        scale, zero_point, _ = self.ranger.groups(values.float().unsqueeze(1))
+        self.scale[:, g] = scale[:, 0]
+        self.zero_point[:, g] = zero_point[:, 0]

@@ -107,7 +107,8 @@ SortOpt = Annotated[
 TopOpt = Annotated[
     int | None,
     typer.Option(
-        help="Show only the first N rows (after --sort); --all overrides it.",
+        help="Show only the N worst rows (lowest SQNR), or the first N in --sort's order; --all "
+        "overrides it.",
         callback=_at_least_one,
         metavar="N",
         show_default=False,

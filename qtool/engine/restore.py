@@ -29,7 +29,7 @@ from qtool.engine.source import Source
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import detect
-from qtool.formats.registry import entry, open_reader, write_float
+from qtool.formats.registry import FormatEntry, entry, open_reader, write_float
 from qtool.io.atomic import OutputSet, resolve_output
 from qtool.numerics import select
 from qtool.results import DequantizedRow, DequantizeSummary
@@ -69,7 +69,7 @@ def dequantize(
             "model directory (qtool inspect shows what a file holds)",
         )
     source = Source(found)
-    target = _target(source, src, out)
+    target = _target(source, src, out, entry(found.format))
     reader = open_reader(found, qparams)
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
@@ -86,12 +86,15 @@ def dequantize(
     )
 
 
-def _target(source: Source, src: Path, out: Path | None) -> Target:
-    """A file for a file (`-o`, or beside it); for a directory, the directory `-o` names (or
+def _target(source: Source, src: Path, out: Path | None, fmt: FormatEntry) -> Target:
+    """A file for a file (`-o`, or beside it; a file of the input's own format where it writes
+    float ones: a GGUF's float GGUF); for a directory, the directory `-o` names (or
     `<dir>.dequantized/`), or the one file it names."""
     if source.directory is None:
         default = default_dequantized_path(src)
-        return file_target(resolve_output(out, default, DEQUANTIZED_SUFFIXES, "dequantize"))
+        own = (fmt.suffix,) if fmt.float_output is not None else ()
+        accepted = (*DEQUANTIZED_SUFFIXES, *own)
+        return file_target(resolve_output(out, default, accepted, "dequantize"))
     if out is not None and out.suffix.lower() in DEQUANTIZED_SUFFIXES and not out.is_dir():
         return file_target(out)
     return directory_target(source, out or default_directory(source, "dequantized"))
@@ -107,7 +110,7 @@ def _write(
     weight_map: dict[str, str] = {}
     with OutputSet() as outputs:
         for out, names in _per_output(reader, source, target):
-            rows += write_float(reader, out, outputs, dtype, names)
+            rows += write_float(reader, out, outputs, dtype, names, source.found.format)
             weight_map |= dict.fromkeys(names, out.name)
         total = sum(r.bytes_out for r in rows)
         files = _with_dtype(reader.restored_files(), source.found.config, dtype)

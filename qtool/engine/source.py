@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.formats.detect import Detected, already_quantized, detect
-from qtool.formats.registry import belongings
+from qtool.formats.registry import belongings, entry
 from qtool.io.index import ShardedInput
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import Header, read_header, read_header_file
@@ -111,5 +111,6 @@ def open_source(path: Path, config: Path | None = None) -> Source:
     its config.json (`config`, else the directory's); InputError when it is already quantized."""
     found = detect(path)
     if found.quantized:
-        raise already_quantized(path, found.description)
+        fmt = entry(found.format)
+        raise already_quantized(path, found.description, fmt.suffix if fmt.float_output else "")
     return Source(found, config or found.config_path, config is not None)

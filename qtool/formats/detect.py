@@ -300,10 +300,13 @@ def refuse_quantized(path: Path, metadata: dict[str, str] | None, names: Sequenc
         raise already_quantized(path, found)
 
 
-def already_quantized(path: Path, what: str) -> InputError:
+def already_quantized(path: Path, what: str, float_suffix: str = "") -> InputError:
+    """`float_suffix`: dequantize writes a float file of the input's own format when its
+    output is named so (a GGUF's float GGUF), which quantize takes again."""
+    own = f", in this format when its output ends in {float_suffix}" if float_suffix else ""
     return InputError(
         path,
         f"is {what}, not a float checkpoint: it holds already quantized data, and "
         "quantizing it again would store codes of codes; quantize the original float "
-        "checkpoint (qtool dequantize makes a float copy if the original is lost)",
+        f"checkpoint (if it is lost, qtool dequantize makes a float copy{own})",
     )

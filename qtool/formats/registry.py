@@ -42,6 +42,12 @@ Matcher = Callable[["FloatReader", Sequence[str]], Matched]
 """Given an open reader of the format and the other checkpoint's names, the reader as Matched."""
 
 
+FloatWriter = Callable[
+    ["FloatReader", Path, "OutputSet", str, Sequence[str]], list["DequantizedRow"]
+]
+"""Writes a reader's tensors `names` as a float checkpoint file (dtype: 'original' or a name)."""
+
+
 @dataclass(frozen=True)
 class FormatEntry:
     """One registered format. `output`: the writer `--format NAME` selects (None: read only);
@@ -55,6 +61,7 @@ class FormatEntry:
     error budget's default ladder for its output (None: qtool's); `matcher`: its tensors under
     another checkpoint's names (None: it names tensors as that checkpoint does);
     `dequantize_float`: dequantize converts its files even when no tensor is quantized;
+    `float_output`: dequantize writes a float file of this format (named with `suffix`);
     `stores_gguf`: its output stores llama.cpp's block types (a spec naming one, "Q4_K", is
     refused by every other output).
 
@@ -75,6 +82,7 @@ class FormatEntry:
     ladder: tuple[QSpec, ...] | None = None
     matcher: Matcher | None = None
     dequantize_float: bool = False
+    float_output: FloatWriter | None = None
     stores_gguf: bool = False
     input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
     help: str = ""
@@ -90,11 +98,6 @@ class Refusal:
     message: str
     hint: str
 
-
-FloatWriter = Callable[
-    ["FloatReader", Path, "OutputSet", str, Sequence[str]], list["DequantizedRow"]
-]
-"""Writes a reader's tensors `names` as a float checkpoint file (dtype: 'original' or a name)."""
 
 _FORMATS: dict[str, FormatEntry] = {}
 
@@ -122,11 +125,25 @@ def register_float_writer(writer: FloatWriter) -> None:
 
 
 def write_float(
-    reader: FloatReader, out: Path, outputs: OutputSet, dtype: str, names: Sequence[str]
+    reader: FloatReader,
+    out: Path,
+    outputs: OutputSet,
+    dtype: str,
+    names: Sequence[str],
+    own: str | None = None,
 ) -> list[DequantizedRow]:
-    """The float checkpoint `out` of the reader's tensors `names` (see FloatWriter)."""
+    """The float checkpoint `out` of the reader's tensors `names` (see FloatWriter): in the
+    format `own` (the input's) when it writes float files and `out` has its suffix."""
     builtins.load()
+    found = _FORMATS.get(own) if own is not None else None
+    if found is not None and found.float_output is not None and float_suffix(found, out):
+        return found.float_output(reader, out, outputs, dtype, names)
     return _FLOAT_WRITERS[0](reader, out, outputs, dtype, names)
+
+
+def float_suffix(found: FormatEntry, out: Path) -> bool:
+    """Whether `out` names a float file of the format `found` writes (a .gguf for GGUF)."""
+    return found.float_output is not None and out.suffix.lower() == found.suffix
 
 
 def entry(name: str) -> FormatEntry:

@@ -162,6 +162,24 @@ class GGUFStreamWriter:
         self._handle.write(bytes(-info.nbytes % self._layout.alignment))
         self._next += 1
 
+    def write_parts(self, parts: Iterable[Buffer]) -> None:
+        """The next tensor's raw bytes in pieces (a slab of rows at a time), which together
+        are exactly its nbytes (ValueError otherwise, after the pieces given)."""
+        if self._next >= len(self._layout.tensors):
+            raise ValueError("all tensors of the header are already written")
+        info, done = self._layout.tensors[self._next], 0
+        for data in parts:
+            view = np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else (
+                memoryview(data))  # fmt: skip
+            done += view.nbytes
+            if done > info.nbytes:
+                break
+            self._handle.write(view.cast("B"))
+        if done != info.nbytes:
+            raise ValueError(f"tensor {info.name!r}: {done} bytes given, {info.nbytes} due")
+        self._handle.write(bytes(-info.nbytes % self._layout.alignment))
+        self._next += 1
+
     def finish(self) -> None:
         """Check that every tensor was written (ValueError naming the first missing one)."""
         if self._next < len(self._layout.tensors):

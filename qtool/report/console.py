@@ -203,7 +203,10 @@ R = TypeVar("R", bound=Row)
 def arrange(rows: list[R], sort: str | None, top: int | None) -> list[R]:
     """Name in natural order (`layers.2` before `layers.10`, as inspect lists them) unless asked
     otherwise: worst first for mse/sqnr, largest first for size. Rows without error figures
-    sort after those with them."""
+    sort after those with them. `top` without a sort keeps the worst rows: the first N in
+    name order would be whatever tensors the file happens to start with."""
+    if sort is None and top is not None:
+        sort = "sqnr"
     if sort in (None, "name"):
         rows = sorted(rows, key=lambda r: natural_key(r.name))
     elif sort == "mse":

@@ -46,6 +46,20 @@ def test_all_overrides_top(invoke: Invoke, samples: Path, command: str) -> None:
     assert code == 0 and len(json.loads(stdout)["tensors"]) == 11
 
 
+def test_top_without_sort_shows_the_worst(invoke: Invoke, samples: Path, tmp_path: Path) -> None:
+    """`--top N` alone keeps the N lowest-SQNR tensors (table and JSON), not the first N names:
+    a user asking for the top rows wants the ones to look at, never a kept bias."""
+    args = ["compare", str(samples / MLP), str(tmp_path / "q.safetensors"), "--top", "3"]
+    assert invoke("quantize", args[1], "-o", args[2], "--dtype", "int4")[0] == 0
+    _, every, _ = invoke(*args[:3], "--json")
+    rows = [t for t in json.loads(every)["tensors"] if isinstance(t.get("sqnr_db"), float)]
+    worst = [t["name"] for t in sorted(rows, key=lambda t: t["sqnr_db"])[:3]]
+    code, stdout, _ = invoke(*args)
+    assert code == 0 and table_names(stdout) == worst
+    code, stdout, _ = invoke(*args, "--json")
+    assert code == 0 and [t["name"] for t in json.loads(stdout)["tensors"]] == worst
+
+
 # ---- 9: messages that say what happened -------------------------------------------------------
 
 

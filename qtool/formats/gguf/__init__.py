@@ -13,6 +13,8 @@ Torch-free at import.
   (F32/F16/BF16) quantized through the quantize loop as llama-quantize writes it (plan.py: its
   float-kept tensors, fallbacks, order and file type).
 - writer.write_quantized: the same at the library level, without the loop.
+- dequantized.write_float_gguf: `dequantize X.gguf -o Y.gguf`, a float GGUF (every metadata
+  value kept), which `quantize --format gguf` takes again: the way back from a quantized GGUF.
 - ftype: llama.cpp's file types.
 """
 
@@ -123,6 +125,7 @@ registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
         ladder=LADDER, matcher=_matcher, dequantize_float=True, stores_gguf=True,
+        float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
         input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
         help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",
         groups="GGUF types fall back as llama-quantize does",

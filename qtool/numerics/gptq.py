@@ -125,29 +125,25 @@ def gptq_quantize(
     from its error-updated weights when its first column is reached (GPTQModel), instead of
     from the weights before the loop. `compute_dtype` float64 only for tests and measurements."""
     spec = _check(weight, hessian, spec, block_size, damp, compute_dtype)
-    h = hessian.to(compute_dtype, copy=True)
-    if not bool(torch.isfinite(h).all()):
+    if not _finite(hessian):
         return _rounded(weight, spec, scale_dtype, Fallback.NONFINITE)
-    diag = h.diagonal()
-    dead = diag == 0
+    dead = hessian.diagonal() == 0
     if bool(dead.all()):
         return _rounded(weight, spec, scale_dtype, Fallback.NO_INPUT)
     # decreasing diag H, dead columns last, ties in column order
-    order = torch.argsort(diag, descending=True, stable=True) if act_order else None
-    diag[dead] = 1.0
+    order = torch.argsort(hessian.diagonal(), descending=True, stable=True) if act_order else None
     w = weight.to(torch.float32, copy=True)
     w[:, dead] = 0.0
     rtn = quantize_tensor(w, spec, with_errors=False, scale_dtype=scale_dtype)
-    if order is not None:
-        h = h[order][:, order]
-    factor = _inverse_factor(h, damp)
+    factor = _inverse_factor(hessian, order, dead, damp, compute_dtype)
     if factor is None:
         return _rounded(weight, spec, scale_dtype, Fallback.NOT_POSITIVE_DEFINITE)
     u, used = factor
     solver = _Solver(w, spec, rtn, order, scale_dtype, dynamic_groups, compute_dtype)
+    del w
     codes = solver.run(u, block_size)
-    zero_point = solver.zero_point.to(TORCH_STORAGE[spec.dtype]).reshape(rtn.zero_point.shape)
-    return GPTQResult(codes, solver.scale.reshape(rtn.scale.shape), zero_point, used, None)
+    scale, zero_point = solver.qparams(rtn)
+    return GPTQResult(codes, scale, zero_point, used, None)
 
 
 def _check(
@@ -177,22 +173,67 @@ def _check(
     return spec
 
 
-def _inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float] | None:
-    """(U, damp used): the upper Cholesky factor of (H + lambda I)^-1, lambda = damp x mean
-    diag H, damp raised x10 up to DAMP_RAISES times while a factorisation fails; None if all do."""
-    mean = float(h.diagonal().mean())
+def _inverse_factor(
+    hessian: torch.Tensor,
+    order: torch.Tensor | None,
+    dead: torch.Tensor,
+    damp: float,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, float] | None:
+    """(U, damp used): U upper triangular with U^T U = (H + lambda I)^-1 in processing order,
+    lambda = damp x mean diag H (dead columns at H_jj = 1), damp raised x10 up to DAMP_RAISES
+    times while the Cholesky factorisation fails; None if every one does.
+
+    With J the reversal, J (H + lambda I) J = L L^T gives H + lambda I = R R^T, R = J L J upper,
+    so (H + lambda I)^-1 = R^-T R^-1 and U = R^-1 = J L^-1 J (the upper Cholesky factor of the
+    inverse, positive diagonal, hence unique): one factorisation and one triangular solve, the
+    inverse never formed."""
+    k = hessian.shape[0]
+    if order is None:
+        rev = torch.arange(k - 1, -1, -1, device=hessian.device)
+        hr = hessian.flip(0, 1).to(compute_dtype)
+    else:
+        rev = order.flip(0)
+        hr = hessian[rev[:, None], rev[None, :]].to(compute_dtype)  # one (K, K) copy
+    diag = hr.diagonal()
+    diag.masked_fill_(dead[rev], 1.0)
+    base = diag.clone()
+    mean = float(base.mean())
     for attempt in range(DAMP_RAISES + 1):
         frac = damp * 10.0**attempt
-        damped = h.clone()
-        damped.diagonal().add_(frac * mean)
-        lower, info = torch.linalg.cholesky_ex(damped)
+        torch.add(base, frac * mean, out=diag)
+        lower, info = torch.linalg.cholesky_ex(hr)
         if int(info) != 0:
             continue
-        inverse = torch.cholesky_inverse(lower)
-        upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-        if int(info) == 0 and bool(torch.isfinite(upper).all()):
-            return upper, frac
+        del hr
+        inverse = torch.empty_like(lower)
+        _lower_inverse(lower, inverse)
+        del lower
+        u = inverse.flip(0, 1)
+        return (u, frac) if _finite(u) else None
     return None
+
+
+def _lower_inverse(lower: torch.Tensor, out: torch.Tensor) -> None:
+    """out = lower^-1 for a lower triangular matrix, by halves: [[A, 0], [C, D]]^-1 =
+    [[A^-1, 0], [-D^-1 C A^-1, D^-1]] (matrix products: 2.4x faster than a triangular solve
+    against the identity on one CPU thread at K = 1536)."""
+    n = lower.shape[0]
+    if n <= 128:
+        eye = torch.eye(n, dtype=lower.dtype, device=lower.device)
+        out.copy_(torch.linalg.solve_triangular(lower, eye, upper=False))
+        return
+    m = n // 2
+    _lower_inverse(lower[:m, :m], out[:m, :m])
+    _lower_inverse(lower[m:, m:], out[m:, m:])
+    out[:m, m:] = 0.0
+    out[m:, :m] = (out[m:, m:] @ (lower[m:, :m] @ out[:m, :m])).neg_()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t (two reductions that propagate NaN, no boolean temporary)."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _rounded(
@@ -216,7 +257,8 @@ def _codes(
 class _Solver:
     """The column loop in processing order (act-order's permutation, or none): blocks of
     `block_size` columns, updates inside a block applied column by column, those for the columns
-    after it once per block (the lazy batch update of the GPTQ paper, section 3.4)."""
+    after it once per block (the lazy batch update of the GPTQ paper, section 3.4). The weight
+    is held transposed, (K, out), so each column and each update is contiguous memory."""
 
     def __init__(
         self,
@@ -231,10 +273,12 @@ class _Solver:
         out, k = w.shape
         self.spec, self.k = spec, k
         self.order = order if order is not None else torch.arange(k, device=w.device)
-        self.w = w[:, self.order].to(compute_dtype) if order is not None else w.to(compute_dtype)
-        # qparams as (rows or 1, groups) float grids; group of original column c: c // size
-        self.scale = rtn.scale.float().reshape(out if rtn.scale.numel() > 1 else 1, -1).clone()
-        self.zero_point = rtn.zero_point.float().reshape(self.scale.shape).clone()
+        self.wt = (w[:, order] if order is not None else w).T.to(compute_dtype).contiguous()
+        # qparams as (groups, rows or 1) grids: group g's are row g; original column c's group
+        # is c // size
+        rows = out if rtn.scale.numel() > 1 else 1
+        self.scale = rtn.scale.reshape(rows, -1).T.to(compute_dtype).contiguous()
+        self.zero_point = rtn.zero_point.reshape(rows, -1).T.to(compute_dtype).contiguous()
         g = spec.granularity
         self.size = min(g.size, k) if isinstance(g, PerGroup) else k
         self.group = (self.order // self.size).tolist()
@@ -242,38 +286,44 @@ class _Solver:
         self.ranger = range_method(spec, (out, k), scale_dtype, 1 << 21)
         self.seen: set[int] = set()
         self.position = torch.argsort(self.order)  # original column -> processing position
+        self.err = self.wt[:0]
 
     def run(self, u: torch.Tensor, block_size: int) -> torch.Tensor:
         """The codes (out, K) in the storage dtype, original column order."""
-        w, k = self.w, self.k
-        codes = torch.empty(w.shape, dtype=TORCH_STORAGE[self.spec.dtype], device=w.device)
+        wt, k = self.wt, self.k
+        codes = torch.empty(wt.shape, dtype=TORCH_STORAGE[self.spec.dtype], device=wt.device)
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
             q1 = self._block(u, i1, i2)
-            codes[:, self.order[i1:i2]] = q1.to(codes.dtype)
+            codes[self.order[i1:i2]] = q1.to(codes.dtype)
             if i2 < k:
-                w[:, i2:].addmm_(self.err, u[i1:i2, i2:], alpha=-1.0)
-        return codes
+                wt[i2:].addmm_(u[i1:i2, i2:].T, self.err, alpha=-1.0)
+        return codes.T.contiguous()
+
+    def qparams(self, rtn: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scale and zero point in the shapes and dtypes of the round-to-nearest result."""
+        scale = self.scale.T.float().reshape(rtn.scale.shape).contiguous()
+        zero_point = self.zero_point.T.to(rtn.zero_point.dtype).reshape(rtn.zero_point.shape)
+        return scale, zero_point.contiguous()
 
     def _block(self, u: torch.Tensor, i1: int, i2: int) -> torch.Tensor:
-        """Codes (as floats) of columns [i1, i2), their scaled errors kept in self.err."""
-        w1, u1 = self.w[:, i1:i2], u[i1:i2, i1:i2]
+        """Codes (as floats, (i2 - i1, out)) of columns [i1, i2); their errors divided by
+        U's diagonal kept in self.err for the update of the columns after the block."""
+        w1, u1 = self.wt[i1:i2], u[i1:i2, i1:i2]
         q1 = torch.empty_like(w1)
         self.err = torch.empty_like(w1)
+        qmin, qmax = self.spec.qmin, self.spec.qmax
         for i in range(i2 - i1):
             g = self.group[i1 + i]
             if self.dynamic and g not in self.seen:
                 self._choose_group(g, u, i1, i)
-            self.seen.add(g)
-            s, z = self.scale[:, g].to(w1.dtype), self.zero_point[:, g].to(w1.dtype)
-            col = w1[:, i]
-            q = _codes(col, s, z, self.spec)
-            q1[:, i] = q
-            e = self.err[:, i]
+                self.seen.add(g)
+            s, z, col, q, e = self.scale[g], self.zero_point[g], w1[i], q1[i], self.err[i]
+            torch.div(col, s, out=q).round_().add_(z).clamp_(qmin, qmax)  # the codes
             torch.sub(q, z, out=e).mul_(s)  # the column as dequantized
             torch.sub(col, e, out=e).div_(u1[i, i])
             if i + 1 < i2 - i1:
-                w1[:, i + 1 :].addr_(e, u1[i, i + 1 :], alpha=-1.0)
+                w1[i + 1 :].addr_(u1[i, i + 1 :], e, alpha=-1.0)
         return q1
 
     def _choose_group(self, g: int, u: torch.Tensor, i1: int, i: int) -> None:
@@ -281,10 +331,10 @@ class _Solver:
         date, those after it still owe this block's updates so far (err of columns i1..i1+i)."""
         cols = torch.arange(g * self.size, min((g + 1) * self.size, self.k), device=u.device)
         pos = self.position[cols]  # in original column order
-        values = self.w[:, pos].clone()
-        late = pos >= i1 + self.err.shape[1]
+        values = self.wt[pos]  # (L, out)
+        late = pos >= i1 + self.err.shape[0]
         if i and bool(late.any()):
-            values[:, late] -= self.err[:, :i] @ u[i1 : i1 + i][:, pos[late]]
-        scale, zero_point, _ = self.ranger.groups(values.float().unsqueeze(1))
-        self.scale[:, g] = scale[:, 0]
-        self.zero_point[:, g] = zero_point[:, 0]
+            values[late] -= u[i1 : i1 + i][:, pos[late]].T @ self.err[:i]
+        scale, zero_point, _ = self.ranger.groups(values.T.float().contiguous().unsqueeze(1))
+        self.scale[g] = scale[:, 0]
+        self.zero_point[g] = zero_point[:, 0]

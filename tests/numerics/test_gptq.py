@@ -123,6 +123,20 @@ def test_same_codes_as_the_textbook_loop(
     np.testing.assert_array_equal(got.zero_point.numpy().astype(np.int64).reshape(zps.shape), zps)
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["in-order", "act-order"])
+def test_same_codes_as_the_textbook_loop_past_one_inverse_leaf(act_order: bool) -> None:
+    # K = 300: the triangular inverse splits (300 -> 150 -> 75) and blocks of 128 leave 44
+    x = _inputs(1200, 300, seed=17)
+    h = _hessian(x)
+    w = _weight(10, 300, seed=18)
+    spec = _spec((Scheme.ASYM, StorageDtype.INT4), PerGroup(32))
+    got = gptq_quantize(w, h, spec, act_order=act_order, compute_dtype=torch.float64)
+    codes, _, _ = reference.gptq_codes(
+        w.numpy(), h.numpy(), "asym", "int4", ("group", 32), act_order=act_order
+    )
+    np.testing.assert_array_equal(got.codes.numpy().astype(np.int64), codes)
+
+
 def test_float32_solve_agrees_with_float64() -> None:
     x = _inputs(2000, 96, seed=3)
     h = _hessian(x)

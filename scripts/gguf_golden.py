@@ -15,6 +15,11 @@ source is never copied into the repository.
 float32's extremes at random places, quantized to every type (C's scans skip NaN where numpy's
 and torch's reductions propagate it; qtool's fused kernels follow C).
 
+--imatrix writes tests/data/gguf_golden_imatrix.npz instead: rows of 512 (two super-blocks, 16
+legacy blocks) with one importance vector each (quant_weights, llama-quantize's sums / counts),
+through ggml's quantize_q4_0/q4_1/q5_0/q5_1/q2_K/q3_K/q4_K/q5_K/q6_K (the *_impl paths that
+take quant_weights; legacy ones use the whole row's mean square), called row by row.
+
 --fma-study also builds it with -march=native (GCC contracts a*b+c into FMAs, its default for
 GNU C) and with -march=native -ffp-contract=off, and prints how many rows each build changes.
 """
@@ -26,6 +31,7 @@ import ctypes
 import hashlib
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,10 @@ import numpy as np
 
 OUT = Path(__file__).parent.parent / "tests" / "data" / "gguf_golden.npz"
 NONFINITE_OUT = OUT.with_name("gguf_golden_nonfinite.npz")
+IMATRIX_OUT = OUT.with_name("gguf_golden_imatrix.npz")
+# ggml's type ids, for the ggml_row_size stub that quantize_<type>() calls
+TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # fmt: skip
 QK_K = 256
 TYPES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per block
 LEGACY = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # blocks of 32
@@ -47,7 +57,15 @@ STUBS = r"""
 void ggml_abort(const char * file, int line, const char * fmt, ...) {
     fprintf(stderr, "ggml_abort %s:%d\n", file, line); abort();
 }
-size_t ggml_row_size(int type, int64_t ne) { (void)type; (void)ne; abort(); }
+size_t ggml_row_size(int type, int64_t ne) {
+    switch (type) {  /* quantize_<type>() with quant_weights asks it; the _ref ones never do */
+        case 2: return ne / 32 * 18;  case 3: return ne / 32 * 20;  case 6: return ne / 32 * 22;
+        case 7: return ne / 32 * 24;  case 8: return ne / 32 * 34;  case 10: return ne / 256 * 84;
+        case 11: return ne / 256 * 110; case 12: return ne / 256 * 144;
+        case 13: return ne / 256 * 176; case 14: return ne / 256 * 210;
+    }
+    abort();
+}
 const char * ggml_type_name(int type) { (void)type; return "?"; }
 size_t ggml_type_size(int type) { (void)type; abort(); }
 """
@@ -74,6 +92,63 @@ def quantize(lib: ctypes.CDLL, qtype: str, x: np.ndarray) -> np.ndarray:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     fn(x.ctypes.data, out.ctypes.data, x.size)
     return out
+
+
+def quantize_weighted(lib: ctypes.CDLL, qtype: str, x: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """Raw blocks of ggml's quantize_<qtype>(row, ..., 1, n, qw[r]) for each row r of x."""
+    size = {**TYPES, **LEGACY}[qtype]
+    block = QK_K if qtype in TYPES else 32
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    qw = np.ascontiguousarray(qw, dtype=np.float32)
+    out = np.zeros((x.shape[0], x.shape[1] // block * size), dtype=np.uint8)
+    fn = getattr(lib, f"quantize_{qtype.lower().replace('_k', '_K')}")
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
+    fn.restype = ctypes.c_size_t
+    for r in range(x.shape[0]):
+        written = fn(x[r].ctypes.data, out[r].ctypes.data, 1, x.shape[1], qw[r].ctypes.data)
+        assert written == out.shape[1], (qtype, written)
+    return out
+
+
+def imatrix_inputs(seed: int = 31) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, 512) float32 rows and (rows, 512) importance vectors: golden_inputs' rows two by
+    two, each with a vector of mean squares as llama-imatrix gathers them (log-normal, bf16),
+    some with ones, zeros in places or whole sub-blocks, tiny or huge values."""
+    rng = np.random.default_rng(seed)
+    x = golden_inputs()
+    x = x[: len(x) // 2 * 2].reshape(-1, 2 * QK_K)
+    n = 2 * QK_K
+    kinds: list[Callable[[], np.ndarray]] = [
+        lambda: bf16(np.exp(rng.standard_normal(n) * 2.0) * 1e-2),
+        lambda: bf16(np.exp(rng.standard_normal(n) * 0.5)),
+        lambda: np.ones(n),
+        lambda: np.where(rng.random(n) < 0.2, 0.0, bf16(np.exp(rng.standard_normal(n)))),
+        lambda: np.where(np.arange(n) // 16 % 5 == 1, 0.0, bf16(rng.random(n))),
+        lambda: np.where(np.arange(n) < 256, 0.0, 1.0),
+        lambda: bf16(np.exp(rng.standard_normal(n)) * 1e-30),
+        lambda: bf16(np.exp(rng.standard_normal(n)) * 1e25),
+    ]
+    qw = np.stack([np.asarray(kinds[r % len(kinds)](), np.float32) for r in range(len(x))])
+    return x, qw
+
+
+def write_imatrix(lib: ctypes.CDLL, out: Path, source: bytes) -> None:
+    x, qw = imatrix_inputs()
+    qtypes = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    outputs = {t.lower(): quantize_weighted(lib, t, x, qw) for t in qtypes}
+    arrays: dict[str, Any] = {
+        "x": x, "qw": qw, **outputs,
+        "source_sha256": np.array(hashlib.sha256(source).hexdigest()),
+        "cflags": np.array(" ".join(RELEASE_FLAGS)),
+    }  # fmt: skip
+    np.savez_compressed(out, **arrays)
+    print(f"{out}: {len(x)} rows of {x.shape[1]}, {', '.join(outputs)}")
 
 
 def hostile_rows(rng: np.random.Generator, n: int) -> list[np.ndarray]:
@@ -192,12 +267,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--fma-study", action="store_true")
     parser.add_argument("--nonfinite", action="store_true", help=f"write {NONFINITE_OUT.name}")
+    parser.add_argument("--imatrix", action="store_true", help=f"write {IMATRIX_OUT.name}")
     args = parser.parse_args()
     x = golden_inputs()
     source = (args.ggml / "src" / "ggml-quants.c").read_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         if args.nonfinite:
             write_nonfinite(build(args.ggml, Path(tmp), RELEASE_FLAGS, "ref"), NONFINITE_OUT)
+            return
+        if args.imatrix:
+            write_imatrix(build(args.ggml, Path(tmp), RELEASE_FLAGS, "ref"), IMATRIX_OUT, source)
             return
         if args.fma_study:
             fma_study(args.ggml, Path(tmp), x)

@@ -32,10 +32,11 @@ def nearest_int(f: torch.Tensor) -> torch.Tensor:
 
     Past |f| > 4194303 (where ggml asserts in debug builds only) the result is what the trick
     gives, as in release builds; NaN gives 0, as x86's default NaN (mantissa 0x400000) does.
-    On CPU torch's NaNs are that default NaN already; CUDA's canonical NaN is not."""
+    torch's NaNs are not always that one: CUDA's canonical NaN and the float32 of an fp16 NaN
+    (0x7FFFFFFF on CPU, where ggml's conversion gives 0xFFC00000) are not."""
     bits = (f + _MAGIC).view(torch.int32)
     out = (bits & 0x007FFFFF) - 0x00400000
-    return out if f.device.type == "cpu" else torch.where(torch.isnan(f), 0, out)
+    return torch.where(torch.isnan(f), 0, out)
 
 
 def sqrtf(f: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,20 @@ _N_SUB = QK_K // _SUB  # 8 sub-blocks per super-block
 
 
 def make_qkx2_quants(
-    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    nmax: int,
+    rmin: float,
+    rdelta: float,
+    nstep: int,
+    mad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml's make_qkx2_quants (use_mad false) on every column of x, w: (32, S).
+    """ggml's make_qkx2_quants on every column of x, w: (n, S) (n elements per sub-block).
 
-    Returns (scale (S,), the_min (S,), L (32, S) int32 codes 0..nmax): the weighted
-    least-squares fit of x ~ scale * L - the_min over nstep + 1 candidate grids."""
+    Returns (scale (S,), the_min (S,), L (n, S) int32 codes 0..nmax): the weighted
+    least-squares fit of x ~ scale * L - the_min over nstep + 1 candidate grids, each judged
+    by its weighted squared error (`mad`: absolute error, use_mad). make_qkx3_quants with
+    weights is the same function for finite x (it tests `max <= min` for `max == min`)."""
     hi, lo = x.amax(0), x.amin(0)
     lo = torch.where(lo > 0, 0.0, lo)  # (S,) the range always holds 0
     flat = hi == lo
@@ -45,14 +53,14 @@ def make_qkx2_quants(
     scale = div(1.0, iscale, x)
     L = nearest_int(iscale * (x - lo)).clamp_(0, nmax)  # (32, S)
     diff = scale * L.to(torch.float32) + lo - x
-    best = seqsum(w * (diff * diff))
+    best = seqsum(w * _err(diff, mad))
     # C: iscale = (rmin + rdelta*is + nmax)/(max - min), the numerator in float32; `min` is the
     # best fit's so far, so each grid depends on the ones before it
     steps = np.arange(nstep + 1, dtype=np.float32)
     for numer in (np.float32(rmin) + np.float32(rdelta) * steps) + np.float32(nmax):
         iscale = div(float(numer), hi - lo, x)
         Laux = nearest_int(iscale * (x - lo)).clamp_(0, nmax)
-        this_scale, this_min, cur, ok = _fit(x, w, Laux, sum_w, sum_x)
+        this_scale, this_min, cur, ok = _fit(x, w, Laux, sum_w, sum_x, mad)
         better = ok & (cur < best)
         L = torch.where(better, Laux, L)
         best = torch.where(better, cur, best)
@@ -62,8 +70,17 @@ def make_qkx2_quants(
     return torch.where(flat, 0.0, scale), -lo, L
 
 
+def _err(diff: torch.Tensor, mad: bool) -> torch.Tensor:
+    return diff.abs() if mad else diff * diff
+
+
 def _fit(
-    x: torch.Tensor, w: torch.Tensor, Laux: torch.Tensor, sum_w: torch.Tensor, sum_x: torch.Tensor
+    x: torch.Tensor,
+    w: torch.Tensor,
+    Laux: torch.Tensor,
+    sum_w: torch.Tensor,
+    sum_x: torch.Tensor,
+    mad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The least-squares scale and min of x ~ scale * Laux + min (S,), its weighted squared
     error and whether the fit exists (D > 0), as make_qkx2_quants' loop body computes them."""
@@ -80,7 +97,7 @@ def _fit(
     this_min = torch.where(clip, 0.0, this_min)
     this_scale = torch.where(clip, sum_xl / sum_l2, this_scale)
     diff = this_scale * lf + this_min - x
-    return this_scale, this_min, seqsum(w * (diff * diff)), D > 0
+    return this_scale, this_min, seqsum(w * _err(diff, mad)), D > 0
 
 
 def _scales_and_codes(

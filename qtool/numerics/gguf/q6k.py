@@ -27,16 +27,19 @@ _NMAX = 32
 GROUP_MAX_EPS = 1e-15  # ggml-quants.c: a group below this magnitude is all zero
 
 
-def make_qx_quants(x: torch.Tensor, nmax: int = _NMAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, NULL) on every column of x: (16, S).
+def make_qx_quants(
+    x: torch.Tensor, nmax: int = _NMAX, qw: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's make_qx_quants(n, nmax, x, L, rmse_type=1, qw) on every column of x: (n, S).
 
-    Returns (scale (S,), L (16, S) int32 codes 0..2 nmax - 1): the x^2-weighted least-squares
-    scale over 19 grids, 0 and codes 0 for a column whose largest |x| is below 1e-15."""
-    amax, imax = x.abs().max(0)  # first index of the largest magnitude, as C's strict `>`
-    top = x.gather(0, imax[None])[0]  # (S,) signed
+    Returns (scale (S,), L (n, S) int32 codes 0..2 nmax - 1): the least-squares scale over 19
+    grids weighted by qw (n, S), or by x^2 without it; 0 and codes 0 for a column whose
+    largest |x| is below 1e-15."""
+    top, amax = signed_absmax(x)
     empty = amax < const(GROUP_MAX_EPS, x)
     L = _codes(div(float(-nmax), top, x), x, nmax)  # (16, S)
-    first_lx, first_l2 = _sums(x, L[:, None])
+    w = x * x if qw is None else qw
+    first_lx, first_l2 = _sums(x, L[:, None], w)
     sumlx, suml2 = first_lx[0], first_l2[0]
     scale = torch.where(suml2 != 0, div(sumlx, suml2, x), 0.0)
     best = scale * sumlx
@@ -44,7 +47,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int = _NMAX) -> tuple[torch.Tensor, to
     numer = -(np.float32(nmax) + np.float32(0.1) * steps)  # C: -(nmax + 0.1f*is), in float32
     iscales = div(torch.from_numpy(numer).to(x.device)[:, None], top, x)  # (18, S)
     Ls = _codes(iscales, x[:, None], nmax)  # (16, 18, S)
-    all_lx, all_l2 = _sums(x, Ls)
+    all_lx, all_l2 = _sums(x, Ls, w)
     for k in range(len(steps)):
         lx, l2 = all_lx[k], all_l2[k]
         better = (l2 > 0) & (lx * lx > best * l2)
@@ -54,24 +57,41 @@ def make_qx_quants(x: torch.Tensor, nmax: int = _NMAX) -> tuple[torch.Tensor, to
     return torch.where(empty, 0.0, scale), torch.where(empty, 0, L + nmax)
 
 
+def signed_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S,) the first x of largest magnitude along dim 0, signed, and that magnitude, as C's
+    `if (ax > amax) { amax = ax; max = x[i]; }` scan from 0 finds them: a NaN is never taken
+    (torch's max would propagate one, which an overflowed weight can give)."""
+    top = torch.zeros_like(x[0])
+    amax = torch.zeros_like(top)
+    for v in x:
+        ax = v.abs()
+        greater = ax > amax
+        top = torch.where(greater, v, top)
+        amax = torch.where(greater, ax, amax)
+    return top, amax
+
+
 def _codes(iscale: torch.Tensor, x: torch.Tensor, nmax: int) -> torch.Tensor:
     """clamp(nearest_int(iscale * x), -nmax, nmax - 1), signed codes."""
     return nearest_int(iscale * x).clamp_(-nmax, nmax - 1)
 
 
-def _sums(x: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, S) running sums of w*x*l and w*l*l with w = x*x, over the 16 elements in order."""
-    lf = L.to(torch.float32)  # (16, K, S)
-    w = (x * x)[:, None]
+def _sums(x: torch.Tensor, L: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, S) running sums of w*x*l and w*l*l over the n elements in order."""
+    lf = L.to(torch.float32)  # (n, K, S)
+    w = w[:, None]
     sums = seqsum(torch.stack([(w * x[:, None]) * lf, (w * lf) * lf], 2))  # (K, 2, S)
     return sums[:, 0], sums[:, 1]
 
 
-def quantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """(n, 210): ql[128], qh[64], scales[16] (int8), d; all zero for a block below 1e-15."""
+def quantize_q6_k(blocks: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, 210): ql[128], qh[64], scales[16] (int8), d; all zero for a block below 1e-15.
+    With quant_weights qw (n, 256) it is quantize_row_q6_K_impl: each sub-block's scale fitted
+    with those weights (ggml leaves its x-dependent weighting commented out)."""
     n = blocks.shape[0]
     x = blocks.reshape(n * _N_SUB, _SUB).T.contiguous()  # (16, S)
-    scales, L = make_qx_quants(x)
+    w = None if qw is None else qw.reshape(n * _N_SUB, _SUB).T.contiguous()
+    scales, L = make_qx_quants(x, _NMAX, w)
     scales = scales.view(n, _N_SUB)
     top, top_abs = _largest_scale(scales)  # (n,)
     iscale = div(-128.0, top, x)

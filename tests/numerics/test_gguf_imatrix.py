@@ -80,7 +80,8 @@ def test_types_ggml_quantizes_without_weights_ignore_them(qtype: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "qw", [torch.ones(256), torch.ones(2, 512), torch.full((512,), -1.0), torch.full((512,), torch.nan)]
+    "qw",
+    [torch.ones(256), torch.ones(2, 512), torch.full((512,), -1.0), torch.full((512,), torch.nan)],
 )
 def test_weights_of_another_shape_negative_or_not_finite_are_a_value_error(
     qw: torch.Tensor,

@@ -54,14 +54,10 @@ def dequantize(
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
     `qparams` names the sidecar of a single file that was moved away from it."""
     found = detect(src)
-    if qparams is not None and found.directory is not None:
-        inside = (
-            "a qtool-quantized directory has one sidecar per shard, found beside each shard"
-            if found.format == FormatName.QTOOL.value
-            else "a compressed-tensors model keeps its scales inside"
-        )
-        raise UsageError(qparams, f"{inside}; give no sidecar")
-    if not found.quantized and qparams is None and not entry(found.format).dequantize_float:
+    if qparams is not None and found.directory is not None and found.quantized:
+        raise UsageError(qparams, f"{_scales_inside(found.format)}; give no sidecar")
+    lone_file = qparams is None or found.directory is not None  # a sidecar makes a file quantized
+    if not found.quantized and lone_file and not entry(found.format).dequantize_float:
         raise InputError(
             src,
             f"not a quantized file: a float checkpoint ({found.description}), so there is "
@@ -84,6 +80,15 @@ def dequantize(
         rows=rows,
         notes=place.notes,
     )
+
+
+def _scales_inside(fmt: str) -> str:
+    """Where a quantized directory of the format `fmt` keeps its scales, instead of a sidecar."""
+    if fmt == FormatName.QTOOL.value:
+        return "a qtool-quantized directory has one sidecar per shard, found beside each shard"
+    if fmt == FormatName.COMPRESSED_TENSORS.value:
+        return "a compressed-tensors model keeps its scales inside"
+    return f"a {fmt} model directory keeps its scales inside"
 
 
 def _target(source: Source, src: Path, out: Path | None, fmt: FormatEntry) -> Target:

@@ -8,7 +8,7 @@ method's statistics for one block, the activations at one block boundary."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -42,7 +42,7 @@ class BlockMethod(Protocol):
 def run_sequential(
     model: Any,
     reader: FloatReader,
-    streams: dict[str, Sequence[list[int]]],
+    streams: Mapping[str, Sequence[list[int]]],
     method: BlockMethod,
     device: torch.device,
     path: Any,

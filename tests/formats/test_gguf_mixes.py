@@ -1,0 +1,114 @@
+"""llama.cpp's named mixes (formats/gguf/mixes.py): the type llama-quantize gives each tensor,
+on the tiny test llama and on the tensors of real models as llama-quantize typed them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qtool.formats.gguf.mixes import MIXES, ModelFacts, fallback, mix_types, use_more_bits
+from qtool.gguf_types import GGML_TYPES
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import GGUFTensorInfo
+from tests import gguf_models as M
+
+RECORDED = Path(__file__).parents[1] / "data" / "gguf_mixes_llama_quantize.json"
+
+
+def _info(name: str, *shape: int) -> GGUFTensorInfo:
+    return GGUFTensorInfo(name, GGML_TYPES["F32"], shape, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[GGUFTensorInfo], ModelFacts]:
+    d = tmp_path_factory.mktemp("tiny")
+    M.make_hf_llama(d)
+    with GGUFFile(M.write_float_gguf(d, d / "f32.gguf")) as f:
+        return list(f.header.tensors), ModelFacts.of(f.header.metadata)
+
+
+# the tiny llama: 2 layers, 4 heads / 2 KV heads (n_gqa 2), rows of 256 and 512, untied output.
+# Layer 1 is "more bits" (use_more_bits(1, 2): 1 >= 7 * 2 // 8), layer 0 is not.
+TINY = {
+    "Q4_K_M": {"attn_v": ("Q4_K", "Q6_K"), "ffn_down": ("Q4_K", "Q6_K"), "attn_output": "Q4_K"},
+    "Q5_K_M": {"attn_v": ("Q5_K", "Q6_K"), "ffn_down": ("Q5_K", "Q6_K"), "attn_output": "Q5_K"},
+    "Q4_K_S": {"attn_v": ("Q5_K", "Q5_K"), "ffn_down": ("Q4_K", "Q4_K"), "attn_output": "Q4_K"},
+    "Q3_K_M": {"attn_v": ("Q5_K", "Q5_K"), "ffn_down": ("Q4_K", "Q4_K"), "attn_output": "Q4_K"},
+    "Q3_K_L": {"attn_v": ("Q5_K", "Q5_K"), "ffn_down": ("Q5_K", "Q5_K"), "attn_output": "Q5_K"},
+    "Q3_K_S": {"attn_v": ("Q3_K", "Q3_K"), "ffn_down": ("Q3_K", "Q3_K"), "attn_output": "Q3_K"},
+    "Q2_K": {"attn_v": ("Q3_K", "Q3_K"), "ffn_down": ("Q3_K", "Q3_K"), "attn_output": "Q3_K"},
+    "Q6_K": {"attn_v": ("Q6_K", "Q6_K"), "ffn_down": ("Q6_K", "Q6_K"), "attn_output": "Q6_K"},
+    "Q8_0": {"attn_v": ("Q8_0", "Q8_0"), "ffn_down": ("Q8_0", "Q8_0"), "attn_output": "Q8_0"},
+}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tiny_llama_gets_llama_quantizes_types(
+    name: str, tiny: tuple[list[GGUFTensorInfo], ModelFacts]
+) -> None:
+    tensors, facts = tiny
+    mix = MIXES[name]
+    types = mix_types(mix, tensors, facts)
+    want = TINY[name]
+    output = "Q8_0" if mix.default == "Q8_0" else "Q6_K"
+    assert types.pop("output.weight") == output
+    assert types.pop("token_embd.weight") == mix.default  # untied: the default type
+    for layer in (0, 1):
+        for cat in ("attn_v", "ffn_down"):
+            assert types.pop(f"blk.{layer}.{cat}.weight") == want[cat][layer], (cat, layer)
+        assert types.pop(f"blk.{layer}.attn_output.weight") == want["attn_output"]
+    rest = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight",
+            "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "blk.1.attn_k.weight",
+            "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"}  # fmt: skip
+    assert types == dict.fromkeys(rest, mix.default)  # norms are kept: absent
+
+
+def test_tied_embeddings_get_the_output_rule() -> None:
+    """Without output.weight, token_embd is the output: Q6_K, or Q8_0 when its rows of 576
+    are not whole K blocks (SmolLM2)."""
+    facts = ModelFacts("llama", 2, 9, 3)
+    tensors = [_info("token_embd.weight", 576, 100), _info("blk.0.attn_q.weight", 576, 576)]
+    types = mix_types(MIXES["Q4_K_M"], tensors, facts)
+    assert types == {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q5_0"}
+    tensors[0] = _info("token_embd.weight", 512, 100)
+    assert mix_types(MIXES["Q4_K_M"], tensors, facts)["token_embd.weight"] == "Q6_K"
+
+
+def test_fallbacks_for_rows_that_are_not_whole_blocks() -> None:
+    assert [fallback(t, 576) for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")] == [
+        "Q4_0", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q8_0"]  # fmt: skip
+    assert fallback("Q4_K", 100) == "F16" and fallback("Q4_0", 48) == "F16"
+    assert fallback("Q4_K", 512) == "Q4_K"
+
+
+def test_more_bits_layers_of_a_32_layer_model() -> None:
+    """use_more_bits: the first and last eighth, and every third layer between."""
+    more = [i for i in range(32) if use_more_bits(i, 32)]
+    assert more == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+
+
+def test_experts_gqa_70b_and_imatrix_rules() -> None:
+    layers = 80
+    tensors = [_info(f"blk.{i}.{n}.weight", 8192, 1024) for i in range(layers)
+               for n in ("attn_v", "attn_k", "ffn_down")]  # fmt: skip
+    big = ModelFacts("llama", layers, 64, 8)  # n_gqa 8: a 70B
+    types = mix_types(MIXES["Q3_K_M"], tensors, big)
+    assert types["blk.0.attn_v.weight"] == "Q5_K"  # i < 2
+    assert types["blk.2.attn_v.weight"] == "Q5_K"  # Q4_K raised for a 70B
+    types = mix_types(MIXES["Q2_K"], tensors, big)
+    assert types["blk.5.attn_v.weight"] == "Q5_K"  # n_gqa >= 4: Q4_K, then the 70B rule
+    moe = ModelFacts("llama", layers, 32, 8, n_expert=8)
+    types = mix_types(MIXES["Q4_K_M"], tensors, moe)
+    assert types["blk.7.attn_v.weight"] == types["blk.7.attn_k.weight"] == "Q8_0"
+    plain = ModelFacts("llama", layers, 32, 32)
+    q4_0 = mix_types(MIXES["Q4_0"], tensors, plain, imatrix=True)
+    assert [q4_0[f"blk.{i}.ffn_down.weight"] for i in (0, 9, 10)] == ["Q4_1", "Q4_1", "Q4_0"]
+    assert mix_types(MIXES["Q4_0"], tensors, plain)["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+def test_file_types_are_llama_ftype_values() -> None:
+    assert {n: m.ftype for n, m in MIXES.items()} == {
+        "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
+        "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17,
+        "Q6_K": 18}  # fmt: skip

@@ -250,3 +250,41 @@ def gptq_codes(
         err = (w[:, t] - (q - zps[:, g]) * scales[:, g]) / u[t, t]
         w[:, t + 1 :] -= np.outer(err, u[t, t + 1 :])
     return codes, scales.astype(np.float32), zps.astype(np.int64)
+
+
+# ---- docs/numerics.md, "AWQ": llm-compressor's AWQModifier formulas, one element at a time ----
+
+
+def awq_weight_means(weights: list[np.ndarray], granularity: tuple[str, int]) -> np.ndarray:
+    """Mean over all rows of all weights of |w_rj| / (max |w| of (r, j)'s group + 1e-6)."""
+    k = weights[0].shape[1]
+    total = np.zeros(k, dtype=np.float64)
+    rows = 0
+    for w in weights:
+        a = np.abs(np.asarray(w, dtype=np.float32))
+        norm = np.empty_like(a)
+        kind, size = granularity
+        for r in range(a.shape[0]):
+            for j in range(k):
+                if kind == "tensor":
+                    peak = a.max()
+                elif kind == "channel":
+                    peak = a[r].max()
+                else:
+                    g0 = j // size * size
+                    peak = a[r, g0 : g0 + size].max()
+                norm[r, j] = a[r, j] / (np.float32(peak) + np.float32(1e-6))
+        total += norm.astype(np.float64).sum(axis=0)
+        rows += a.shape[0]
+    return (total / rows).astype(np.float32)
+
+
+def awq_scales(x_mean: np.ndarray, w_mean: np.ndarray, alpha: float, duo: bool) -> np.ndarray:
+    """s = clamp(x^a / (w^(1-a) + 1e-4), 1e-4) (duo) or clamp(x^a, 1e-4); s / sqrt(max s min s)."""
+    x = np.asarray(x_mean, dtype=np.float64)
+    s = x**alpha
+    if duo:
+        s = s / (np.asarray(w_mean, dtype=np.float64) ** (1 - alpha) + 1e-4)
+    s = np.maximum(s, 1e-4)
+    s = s / np.sqrt(s.max() * s.min())
+    return np.where(np.isfinite(s), s, 1.0)

@@ -16,7 +16,6 @@ from time import perf_counter
 from typing import Any
 
 import numpy as np
-import torch
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.engine.calibrate.blocks import run_blocks
@@ -26,6 +25,7 @@ from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
+from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats import stale_config
@@ -73,12 +73,17 @@ def calibrate(
     options: CalibrateOptions,
     progress: Progress | None = None,
 ) -> CalibrateSummary:
+    with using_threads(options.threads):
+        return _calibrate(model_dir, out, options, progress)
+
+
+def _calibrate(
+    model_dir: Path, out: Path, options: CalibrateOptions, progress: Progress | None
+) -> CalibrateSummary:
     if options.ctx is not None:
         check_tokens(options.tokens, options.ctx)
     check_files([out], [model_dir, *options.texts], options.force)
     device = resolve_device(options.device)
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     started = perf_counter()
     found, config = float_source(model_dir, MODEL)
     kind, architecture = kind_of(config)

@@ -18,6 +18,7 @@ from qtool.engine.evaluate.quant import QuantModel, load_quant
 from qtool.engine.evaluate.text import Text, default_text, read_text, windows
 from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary, encoder_pieces
 from qtool.engine.loop import resolve_device
+from qtool.engine.threads import using_threads
 from qtool.eval_results import CAUSAL_LM, EvalSummary
 from qtool.results import Progress
 
@@ -32,16 +33,21 @@ class EvalOptions:
     dtype: str = "float32"
     device: str = "auto"
     per_layer: bool = False
-    threads: int | None = None  # CPU threads for torch; None: torch's default
+    threads: int | None = None  # CPU threads; None: the free cores (engine/threads.py)
 
 
 def evaluate(
     float_dir: Path, quant: Path, options: EvalOptions, progress: Progress | None = None
 ) -> EvalSummary:
+    with using_threads(options.threads):
+        return _evaluate(float_dir, quant, options, progress)
+
+
+def _evaluate(
+    float_dir: Path, quant: Path, options: EvalOptions, progress: Progress | None
+) -> EvalSummary:
     text = read_text(options.text) if options.text is not None else default_text()
     device = resolve_device(options.device)
-    if options.threads is not None:
-        torch.set_num_threads(options.threads)
     started = perf_counter()
     reference = load_float(float_dir, DTYPES[options.dtype])
     ctx = window_length(options.ctx, reference.model.config, float_dir, FLOAT, shortest=2)

@@ -60,6 +60,7 @@ def _stopped(what: str, run: RunState) -> str:
 # How the command line spells what the engine's hints ask of the user.
 OPTION_HINTS = {
     "axis": "--axis N",
+    "check-text": "--check-text FILE",
     "config": "--config PATH",
     "device": "--device cpu",
     "dtype": "--dtype int8|int4",
@@ -70,6 +71,7 @@ OPTION_HINTS = {
     "keep-nonfinite": "--keep-nonfinite",
     "qparams": "--qparams PATH",
     "restore-dtype": "--to float32",
+    "tokens": "--tokens N",
 }
 
 

@@ -30,10 +30,10 @@ MethodOpt = Annotated[
     Method | None,
     typer.Option(
         "--method",
-        help="Choose the codes with the model's own activations: gptq runs MODEL (a Hugging "
-        "Face directory of the Llama family) one decoder block at a time over calibration text "
-        "[default: round to nearest, no model run].",
-        metavar=choices(Method),
+        help=f"Choose the codes with the model's own activations ({choices(Method)}): runs "
+        "INPUT, a Hugging Face directory of the Llama family, one decoder block at a time over "
+        "calibration text [default: round to nearest, no model run].",
+        metavar="METHOD",
         show_default=False,
         rich_help_panel=HOW,
     ),

@@ -82,16 +82,18 @@ def quantize(
     force: bool = False,
     progress: Progress | None = None,
     also: Sequence[Path] = (),
+    threads: int | None = None,
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, a sharded checkpoint (its index file or directory) or a
     model directory (a directory in gives a directory out, in every format); `mode` plan
     (from headers alone, torch-free for safetensors) or estimate (the figures, nothing
     written) for a dry run. `also`: files the caller writes afterwards
-    (a plot), checked with the run's outputs."""
+    (a plot), checked with the run's outputs. `threads`: torch's CPU threads for the run,
+    set once its checks passed (None: as they are)."""
     from qtool.engine.job import Mode, RunOptions
     from qtool.engine.run import quantize as run
 
-    return run(src, out, options, RunOptions(Mode(mode), device, force, progress, also))
+    return run(src, out, options, RunOptions(Mode(mode), device, force, progress, also, threads))
 
 
 def dequantize(

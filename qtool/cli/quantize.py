@@ -221,18 +221,11 @@ def _run(
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, also=also
         )
-    _set_threads(threads)
     with report.progress_bar() as progress:
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, progress=progress,
-            also=also,
+            also=also, threads=threads or os.cpu_count() or 1,
         )  # fmt: skip
-
-
-def _set_threads(threads: int | None) -> None:
-    import torch
-
-    torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
 def _notes(summary: QuantizeSummary) -> None:

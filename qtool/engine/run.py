@@ -154,6 +154,10 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:
     from qtool.engine.loop import Kernels, resolve_device
 
+    if run.threads is not None:  # here, not in the CLI: a usage error never waits for torch
+        import torch
+
+        torch.set_num_threads(run.threads)
     return Kernels(resolve_device(run.device), run.progress, fmt.scales_in_weight_dtype)
 
 

@@ -102,10 +102,11 @@ class GPTQResult:
 
 
 def output_error(delta: torch.Tensor, hessian: torch.Tensor) -> float:
-    """tr(dW H dW^T) in float64: the squared output error of a weight change dW (out, K)
-    summed over the rows H was built from, times 2 / n."""
-    d = delta.double()
-    return float((d @ hessian.double() * d).sum())
+    """tr(dW H dW^T): the squared output error of a weight change dW (out, K) summed over the
+    rows H was built from, times 2 / n. The product dW H in float32 (no float64 copy of H: 1.6 GB
+    at K = 14,336), its elementwise product with dW summed in float64."""
+    d = delta.float()
+    return float(torch.sum((d @ hessian.float()).mul_(d), dtype=torch.float64))
 
 
 def gptq_quantize(

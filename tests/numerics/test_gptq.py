@@ -318,6 +318,16 @@ def test_stored_codes_dequantize_as_any_quantized_tensor(grid: tuple[Scheme, Sto
 # ---- the Hessian ----
 
 
+def test_output_error_is_the_trace_of_dw_h_dwt() -> None:
+    x = _inputs(300, 40, seed=19)
+    h = _hessian(x)
+    d = _weight(7, 40, seed=20)
+    exact = float(torch.trace(d.double() @ h.double() @ d.double().T))
+    assert output_error(d, h) == pytest.approx(exact, rel=1e-5)
+    # n / 2 of it is the summed squared error of the Linear's outputs on those rows
+    assert output_error(d, h) * 300 / 2 == pytest.approx(float(((x @ d.T) ** 2).sum()), rel=1e-4)
+
+
 def test_hessian_is_two_over_n_sum_x_xt_in_any_chunks_and_merges() -> None:
     x = _inputs(300, 12, seed=16)
     exact = 2.0 / 300 * x.double().T @ x.double()

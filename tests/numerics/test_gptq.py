@@ -276,6 +276,23 @@ def test_falls_back_to_round_to_nearest_saying_why(h: torch.Tensor, why: Fallbac
     assert torch.equal(got.codes, _rtn_codes(w, spec))
 
 
+def test_an_indefinite_hessian_costs_four_factorisations(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[float] = []
+    real = torch.linalg.cholesky_ex
+
+    def counting(a: torch.Tensor, **kwargs: object) -> object:
+        calls.append(float(a[0, 0]))
+        return real(a, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", counting)
+    h = torch.tensor([[1.0, 100.0], [100.0, 1.0]])
+    got = gptq_quantize(
+        _weight(3, 2, seed=21), h, _spec((Scheme.SYM, StorageDtype.INT8), PerChannel(0))
+    )
+    assert got.fallback is Fallback.NOT_POSITIVE_DEFINITE
+    assert calls == pytest.approx([1.01, 1.1, 2.0, 11.0])  # lambda = 0.01, 0.1, 1, 10 x mean diag
+
+
 def test_inputs_are_left_untouched() -> None:
     h = _hessian(_inputs(100, 16, seed=12))
     h[2, :] = h[:, 2] = 0.0

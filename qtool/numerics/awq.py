@@ -63,11 +63,17 @@ class AbsMean:
 def weight_means(weights: Sequence[torch.Tensor], spec: QSpec) -> torch.Tensor:
     """w_mean (K,) float32: over every row of every weight (out_i, K), the mean of
     |W_rj| / (max |W| over the quantization group holding (r, j) + W_EPS)."""
+    g = normalize_spec(spec, 2).granularity
+    if isinstance(g, PerChannel) and g.axis != 0:
+        raise ValueError("AWQ balances Linears quantized per tensor, per output channel or group")
     total = torch.zeros(weights[0].shape[1], dtype=torch.float64, device=weights[0].device)
     rows = 0
     for w in weights:
+        if w.ndim != 2 or w.shape[1] != total.shape[0]:
+            raise ValueError(
+                f"weights of {total.shape[0]} input columns expected, got {tuple(w.shape)}"
+            )
         a = w.detach().float().abs()  # (out, K), normalised in place
-        g = normalize_spec(spec, 2).granularity
         if isinstance(g, PerTensor):
             a.div_(a.amax() + W_EPS)
         elif isinstance(g, PerChannel):

@@ -230,5 +230,9 @@ def test_widths_must_match() -> None:
         awq.fold_into_linear(v, torch.ones(32))
     with pytest.raises(ValueError, match="width 32"):
         awq.scale_inputs([v], torch.ones(16))
+    with pytest.raises(ValueError, match="16 input columns"):
+        awq.weight_means([torch.ones(4, 16), torch.ones(4, 8)], QSpec())
+    with pytest.raises(ValueError, match="output channel"):
+        awq.weight_means([torch.ones(4, 16)], QSpec(granularity=PerChannel(1)))
     with pytest.raises(ValueError, match="no 1-D weight"):
         awq.fold_into_norm(torch.nn.ReLU(), torch.ones(4))

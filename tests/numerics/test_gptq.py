@@ -206,7 +206,9 @@ def test_dead_columns_get_the_zero_code_and_change_nothing_else(act_order: bool)
     assert torch.equal(with_dead.scale, without.scale)
 
 
-def test_identity_hessian_gives_round_to_nearest() -> None:
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_identity_hessian_gives_round_to_nearest(dynamic: bool) -> None:
+    # dynamic groups too: with nothing to compensate, each group's values are the original ones
     for grid in GRIDS:
         for g in (PerTensor(), PerChannel(0), PerGroup(16), PerGroup(10)):
             for method in RangeMethod:
@@ -214,8 +216,9 @@ def test_identity_hessian_gives_round_to_nearest() -> None:
                 w = _weight(6, 40, seed=7).to(torch.bfloat16)
                 for scale_dtype in (torch.float32, torch.bfloat16):
                     got = gptq_quantize(
-                        w, torch.eye(40), spec, block_size=16, scale_dtype=scale_dtype
-                    )
+                        w, torch.eye(40), spec, block_size=16, scale_dtype=scale_dtype,
+                        dynamic_groups=dynamic,
+                    )  # fmt: skip
                     rtn = kernels.quantize_tensor(
                         w, spec, with_errors=False, scale_dtype=scale_dtype
                     )

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         Progress,
         QuantizeSummary,
     )
-    from qtool.spec import QSpec
+    from qtool.spec import Codec
 
 __all__ = [
     "EvalOptions",
@@ -241,7 +241,7 @@ def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
 
 
 def plot_tensor(
-    checkpoint: Path, tensor: str, spec: QSpec, path: Path, *, force: bool = False
+    checkpoint: Path, tensor: str, spec: Codec, path: Path, *, force: bool = False
 ) -> dict[str, object]:
     from qtool.engine import plots
 
@@ -256,7 +256,7 @@ def output_formats() -> list[tuple[str, str]]:
     return [(e.name, e.help) for e in registry.outputs()]
 
 
-def format_refuses(fmt: str, spec: QSpec) -> Refusal | None:
+def format_refuses(fmt: str, spec: Codec) -> Refusal | None:
     """Why the output format `fmt` can store no tensor at all with `spec` (compressed-tensors:
     unsigned codes, an axis other than the output channels), or None: checked before any file
     is read, so the CLI can report a usage error (the refusal's hint names what to change)."""

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from qtool.spec import FormatName, QSpec
+from qtool.spec import Codec, FormatName
 
 
 class Progress(Protocol):
@@ -107,7 +107,7 @@ def measured_as(dtypes: list[str]) -> str:
 def _restored_dtype(row: QuantizeRow) -> str:
     """The dtype a consumer restores a quantized tensor to: its own, or F32 for a GGUF type
     (ggml dequantizes to float32)."""
-    return "F32" if row.spec is not None and row.spec.gguf is not None else row.dtype
+    return row.spec.restored_dtype(row.dtype) if row.spec is not None else row.dtype
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Trial:
     """One candidate the error budget tried on a tensor: its fitted spec, the SQNR it gave and
     its bytes."""
 
-    spec: QSpec
+    spec: Codec
     sqnr_db: float
     nbytes: int
 
@@ -142,7 +142,7 @@ class DecidedBy:
 
     action: str
     origin: str
-    spec: QSpec | None = None
+    spec: Codec | None = None
     reason: str = ""
     history: tuple[DecidedBy, ...] = ()
     rule: RuleRef | None = None
@@ -192,7 +192,7 @@ class QuantizeRow:
     bytes_out: int  # the tensor in the output file (codes, or the tensor as it is)
     errors: ErrorStats | None = None
     scale_range: tuple[float, float] | None = None
-    spec: QSpec | None = None  # the spec it was quantized with
+    spec: Codec | None = None  # the spec it was quantized with
     spec_chosen: bool = False  # a recipe rule or the error budget chose `spec`
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
     decided_by: DecidedBy | None = None  # what decided it (None: a row built by hand)
@@ -246,7 +246,7 @@ class QuantizeSummary:
     inputs: list[str]
     outputs: list[str]
     rows: list[QuantizeRow]
-    spec: QSpec
+    spec: Codec
     device: str
     dry_run: bool = False
     skipped: list[str] = field(default_factory=list)  # non-tensor pickle entries

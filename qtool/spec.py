@@ -1,9 +1,10 @@
-"""The vocabulary: schemes, storage dtypes, granularities, range methods and the QSpec.
+"""The vocabulary: schemes, storage dtypes, granularities, range methods and the codecs.
 
-A QSpec is either qtool's integer grid (scheme, dtype, granularity, range method) or one of
-llama.cpp's GGUF block types (`gguf`: Q8_0, Q4_K, Q6_K, ...; label "Q4_K"), whose layout the
-type fixes (see gguf_spec). Pure Python (no torch), so the CLI can start and `inspect` can
-answer without importing torch.
+A spec is a Codec (qtool/codecs): qtool's integer grid, QSpec here (scheme, dtype, granularity,
+range method; kind "grid"), or one of llama.cpp's GGUF block types, codecs/gguf.py's GGUFSpec
+(Q8_0, Q4_K, ...; label "Q4_K"), whose type fixes the layout. Importing this module registers
+both. Pure Python (no torch), so the CLI can start and `inspect` can answer without importing
+torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
-from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES, GGMLType, fallback_type
+from qtool.codecs import base
+from qtool.codecs.base import Codec as Codec
+from qtool.codecs.base import whole_family as whole_family
+from qtool.codecs.gguf import GGUF_QUANTIZE_TYPES as GGUF_QUANTIZE_TYPES
+from qtool.codecs.gguf import GGUFSpec as GGUFSpec
+from qtool.codecs.gguf import gguf_json as gguf_json
+from qtool.codecs.gguf import gguf_nbytes as gguf_nbytes
+from qtool.codecs.gguf import gguf_quantize_spec as gguf_quantize_spec
+from qtool.codecs.gguf import gguf_spec as gguf_spec
+from qtool.codecs.gguf import gguf_stored_type as gguf_stored_type
+from qtool.codecs.gguf import is_gguf_name as is_gguf_name
 
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""
@@ -182,59 +193,65 @@ class RangeMethod(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class QSpec:
-    """One quantization recipe: scheme, storage dtype, granularity and range method; or, with
-    `gguf` set, a GGUF block type (the other fields then keep their defaults and mean nothing:
-    build one with gguf_spec; qmin, qmax, symmetric_zero_point and axis refuse it)."""
+class QSpec(Codec, kind="grid", what="an integer grid"):
+    """qtool's integer grid: scheme, storage dtype, granularity and range method."""
 
     scheme: Scheme = Scheme.SYM
     dtype: StorageDtype = StorageDtype.INT8
     granularity: Granularity = PerChannel(0)
     range_method: RangeMethod = RangeMethod.MINMAX
-    gguf: GGMLType | None = None
-
-    def __post_init__(self) -> None:
-        if self.gguf is not None:
-            _check_gguf(self)
 
     @property
     def qmin(self) -> int:
-        return _QRANGE[self.scheme, self._int_dtype()][0]
+        return _QRANGE[self.scheme, self.dtype][0]
 
     @property
     def qmax(self) -> int:
-        return _QRANGE[self.scheme, self._int_dtype()][1]
+        return _QRANGE[self.scheme, self.dtype][1]
 
     @property
     def symmetric_zero_point(self) -> int:
         """Zero point of every group under the symmetric scheme."""
-        return _SYM_ZERO_POINT[self._int_dtype()]
+        return _SYM_ZERO_POINT[self.dtype]
 
     @property
     def axis(self) -> int | None:
         """The channel axis, None per tensor; a group's rows are channels of axis 0."""
-        self._int_dtype()
         g = self.granularity
         if isinstance(g, PerTensor):
             return None
         return g.axis if isinstance(g, PerChannel) else 0
 
-    def _int_dtype(self) -> StorageDtype:
-        if self.gguf is not None:
-            raise ValueError(f"{self.gguf.name} is a GGUF block type, not an integer grid")
-        return self.dtype
+    @classmethod
+    def from_label(cls, text: str, *, writable: bool = False) -> QSpec:
+        return _parse_grid_label(text)
 
     def describe(self) -> str:
-        """Short label for tables: 'sym int8 axis 0', 'asym uint4 group 128 mse', 'Q4_K'."""
-        if self.gguf is not None:
-            return self.gguf.name
+        """Short label for tables: 'sym int8 axis 0', 'asym uint4 group 128 mse'."""
         label = f"{self.scheme.value} {self.dtype.value} {self.granularity.describe()}"
         return label if self.range_method is RangeMethod.MINMAX else f"{label} mse"
 
+    def describe_for(self, shape: tuple[int, ...]) -> str:
+        """'sym int4 group 128 (64x2 groups)': groups counted on a tensor of `shape`."""
+        if not isinstance(self.granularity, PerGroup):
+            return self.describe()
+        c, n = qparam_shape(self.granularity, shape)
+        return f"{self.describe()} ({c}x{n} groups)"
+
+    def label(self) -> str:
+        """'int4 g128 mse', 'asym int8 channel' (parse_spec_label reads it back)."""
+        g = self.granularity
+        if isinstance(g, PerGroup):
+            gran = f"g{g.size}"
+        elif isinstance(g, PerChannel):
+            gran = "channel" if g.axis == 0 else f"axis{g.axis}"
+        else:
+            gran = "tensor"
+        words = ["asym"] if self.scheme is Scheme.ASYM else []
+        words += [self.dtype.value, gran]
+        return " ".join(words + (["mse"] if self.range_method is RangeMethod.MSE else []))
+
     def to_json(self) -> dict[str, object]:
-        """The structured form reports and manifests use (a GGUF type: gguf_json)."""
-        if self.gguf is not None:
-            return gguf_json(self.gguf)
         return {
             "scheme": self.scheme.value,
             "dtype": self.dtype.value,
@@ -245,121 +262,89 @@ class QSpec:
             "qmax": self.qmax,
         }
 
+    @property
+    def tag(self) -> str:
+        return self.dtype.value
+
+    @property
+    def refusal_hint(self) -> str:
+        """Unsigned codes are the dtype's to change; anything else a format refuses of a grid
+        is its axis."""
+        return "axis" if self.dtype.signed else "dtype"
+
+    def fit(self, shape: tuple[int, ...]) -> tuple[QSpec, str]:
+        """0-d/1-D -> per tensor, a group at least as long as a row -> per channel, the axis
+        normalised. ValueError for a channel axis the tensor lacks."""
+        g, ndim = self.granularity, len(shape)
+        if ndim < 2 and not isinstance(g, PerTensor):
+            return replace(self, granularity=PerTensor()), ""
+        if isinstance(g, PerGroup):
+            _, k = matrix_shape(shape)
+            if g.size >= k:
+                note = f"group {g.size} >= row length {k}: per channel"
+                return replace(self, granularity=PerChannel(0)), note
+        if isinstance(g, PerChannel):
+            if not -ndim <= g.axis < ndim:
+                raise ValueError(
+                    f"axis {g.axis} is out of range for this {ndim}-D tensor; "
+                    f"choose an axis in [{-ndim}, {ndim - 1}]"
+                )
+            return replace(self, granularity=PerChannel(g.axis % ndim)), ""
+        return self, ""
+
+    def stored_dtype(self) -> str:
+        return self.dtype.safetensors_dtype
+
+    def code_layout(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str, int]:
+        """The tensor's own shape (4-bit: packed two per byte along the last dimension)."""
+        stored = packed_shape(shape) if self.dtype.packed else shape
+        return tuple(stored), self.dtype.safetensors_dtype, 1
+
+    def code_nbytes(self, shape: tuple[int, ...]) -> int:
+        return math.prod(packed_shape(shape) if self.dtype.packed else shape)
+
+    def qparam_groups(self, shape: tuple[int, ...]) -> int:
+        return math.prod(qparam_shape(self.granularity, shape))
+
+    def sidecar_nbytes(self, shape: tuple[int, ...]) -> int:
+        """A float32 scale and a 1-byte zero point per group, and with the mse search the
+        1-byte index of the range each group kept."""
+        per_group = 6 if self.range_method is RangeMethod.MSE else 5
+        return self.qparam_groups(shape) * per_group
+
+    @property
+    def nibbles(self) -> bool:
+        return self.dtype.packed
+
+    @property
+    def rows_alone(self) -> bool:
+        g = self.granularity
+        return isinstance(g, PerGroup) or g == PerChannel(0)
+
+    def codes_label(self, stored: str) -> str:
+        """4-bit codes, stored two to a U8 byte, as what they are: 'I4' (int4), 'U4' (uint4)."""
+        if self.dtype.packed and stored == "U8":
+            return f"{'I' if self.dtype.signed else 'U'}{self.dtype.bits}"
+        return stored
+
 
 INT8_CHANNEL = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.MINMAX)
 """Sym int8 per output channel, min-max: the error budget's all-int8 reference, and the spec a
 tensor the budget decides holds until the budget has chosen (every format stores it)."""
 
 
-# -- GGUF block types: 'Q4_K' ------------------------------------------------------------
-
-GGUF_QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-"""The GGUF types qtool quantizes to, byte-identical to llama.cpp's reference quantizers (a
-GGUF file read may hold any other; its tensors' specs name those too)."""
-_NOT_BLOCKS = (*FLOAT_TYPES, "F64", "I8", "I16", "I32", "I64")
-
-
-def gguf_spec(name: str | GGMLType) -> QSpec:
-    """The QSpec of GGUF block type `name` ('Q4_K', 'q4_k'); ValueError for a name ggml does
-    not define, or for one that is not a quantized block type (F16, I32)."""
-    if isinstance(name, GGMLType):
-        return QSpec(gguf=name)
-    found = GGML_TYPES.get(name.upper())
-    if found is None:
-        raise ValueError(
-            f"'{name}' is not a GGUF type; use one of {', '.join(GGUF_QUANTIZE_TYPES)}"
-        )
-    return QSpec(gguf=found)
+def as_grid(spec: Codec) -> QSpec:
+    """`spec` as the integer grid a grid-only format or kernel takes; TypeError for any other
+    codec (the registry refuses those for a format before any file is read)."""
+    if not isinstance(spec, QSpec):
+        raise TypeError(f"{spec.describe()} is {spec.what}, not an integer grid")
+    return spec
 
 
-def gguf_quantize_spec(name: str) -> QSpec:
-    """The spec of a GGUF type qtool quantizes to ('Q4_K', any case; GGUF_QUANTIZE_TYPES);
-    ValueError naming those for any other name."""
-    found = GGML_TYPES.get(name.upper())
-    if found is None or found.name not in GGUF_QUANTIZE_TYPES:
-        what = "a GGUF type qtool quantizes to" if found is not None else "a GGUF type"
-        raise ValueError(f"'{name}' is not {what}; use one of {', '.join(GGUF_QUANTIZE_TYPES)}")
-    return QSpec(gguf=found)
-
-
-def is_gguf_name(word: str) -> bool:
-    """Whether `word` names a quantized GGUF block type (any case)."""
-    found = GGML_TYPES.get(word.upper())
-    return found is not None and found.name not in _NOT_BLOCKS
-
-
-def _check_gguf(spec: QSpec) -> None:
-    t = spec.gguf
-    assert t is not None
-    if t.name in _NOT_BLOCKS:
-        raise ValueError(f"{t.name} is not a quantized GGUF type (a tensor of it is kept)")
-    if (spec.scheme, spec.dtype, spec.granularity, spec.range_method) != _INT_DEFAULTS:
-        raise ValueError(f"{t.name} fixes its own block layout; it takes no scheme, dtype, "
-                         "granularity or range method")  # fmt: skip
-
-
-_INT_DEFAULTS = (Scheme.SYM, StorageDtype.INT8, PerChannel(0), RangeMethod.MINMAX)
-
-
-def gguf_json(t: GGMLType) -> dict[str, object]:
-    """A GGUF spec's structured form: {"gguf_type": "Q4_K", "bits": 4.5, "block_size": 256,
-    "block_bytes": 144} (bits per weight, scales included)."""
-    return {"gguf_type": t.name, "bits": t.bits_per_weight, "block_size": t.block_size,
-            "block_bytes": t.type_size}  # fmt: skip
-
-
-def gguf_stored_type(spec: QSpec, shape: tuple[int, ...]) -> GGMLType:
-    """The type llama-quantize stores a tensor of torch `shape` as when asked for `spec`'s:
-    the type itself when rows (the last dim, ggml's ne[0]) are whole blocks, else its fallback
-    (Q4_K -> Q5_0, Q6_K -> Q8_0, ...), else F16 (gguf_types.fallback_type)."""
-    if spec.gguf is None:
-        raise ValueError(f"{spec.describe()} is not a GGUF type")
-    return fallback_type(spec.gguf, shape[-1] if shape else 1)
-
-
-def gguf_nbytes(spec: QSpec, shape: tuple[int, ...]) -> int:
-    """Bytes a tensor of torch `shape` takes stored as gguf_stored_type says."""
-    t = gguf_stored_type(spec, shape)
-    row = shape[-1] if shape else 1
-    return t.row_bytes(row) * math.prod(shape[:-1])
-
-
-def fit_spec(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
-    """The spec as it applies to a tensor of `shape`, and a note when it changed: 0-d/1-D ->
-    per tensor, a group at least as long as a row -> per channel, the axis normalised.
-    ValueError for a channel axis the tensor lacks. A GGUF type whose blocks do not fit the
-    rows of a 2+-D tensor becomes llama-quantize's fallback type (Q4_K -> Q5_0); when no block
-    type fits (llama-quantize writes F16) it is left as it is, for the GGUF format to keep."""
-    if spec.gguf is not None:
-        return _fit_gguf(spec, shape)
-    g, ndim = spec.granularity, len(shape)
-    if ndim < 2 and not isinstance(g, PerTensor):
-        return replace(spec, granularity=PerTensor()), ""
-    if isinstance(g, PerGroup):
-        _, k = matrix_shape(shape)
-        if g.size >= k:
-            note = f"group {g.size} >= row length {k}: per channel"
-            return replace(spec, granularity=PerChannel(0)), note
-    if isinstance(g, PerChannel):
-        if not -ndim <= g.axis < ndim:
-            raise ValueError(
-                f"axis {g.axis} is out of range for this {ndim}-D tensor; "
-                f"choose an axis in [{-ndim}, {ndim - 1}]"
-            )
-        return replace(spec, granularity=PerChannel(g.axis % ndim)), ""
-    return spec, ""
-
-
-def _fit_gguf(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
-    assert spec.gguf is not None
-    if len(shape) < 2:
-        return spec, ""
-    stored = gguf_stored_type(spec, shape)
-    if stored == spec.gguf or stored.name in _NOT_BLOCKS:
-        return spec, ""
-    t = spec.gguf
-    note = f"fallback: rows of {shape[-1]} are not whole {t.name} blocks"
-    return QSpec(gguf=stored), note
+def fit_spec(spec: Codec, shape: tuple[int, ...]) -> tuple[Codec, str]:
+    """The spec as it applies to a tensor of `shape`, and a note when it changed (Codec.fit:
+    a grid's granularity fitted, a GGUF type's fallback)."""
+    return spec.fit(shape)
 
 
 # -- labels: 'int4 g128 mse' ----------------------------------------------------------------
@@ -367,26 +352,27 @@ def _fit_gguf(spec: QSpec, shape: tuple[int, ...]) -> tuple[QSpec, str]:
 
 @dataclass(frozen=True)
 class SpecPatch:
-    """Some fields of a spec (a recipe rule's, a label's); None fields come from a base spec."""
+    """Some fields of a grid (a recipe rule's, a label's); None fields come from a base spec.
+    Or a whole codec (`codec`, a GGUF type: no other field), which replaces the base."""
 
     scheme: Scheme | None = None
     dtype: StorageDtype | None = None
     granularity: Granularity | None = None
     range_method: RangeMethod | None = None
-    gguf: GGMLType | None = None  # a GGUF block type: the whole spec, no other field
+    codec: Codec | None = None
 
     def __post_init__(self) -> None:
-        integer = (self.scheme, self.dtype, self.granularity, self.range_method)
-        if self.gguf is not None and any(f is not None for f in integer):
-            raise ValueError(f"{self.gguf.name} fixes its own block layout; it takes no "
+        grid = (self.scheme, self.dtype, self.granularity, self.range_method)
+        if self.codec is not None and any(f is not None for f in grid):
+            raise ValueError(f"{self.codec.describe()} fixes its own block layout; it takes no "
                              "scheme, granularity, group size or range method")  # fmt: skip
 
-    def apply(self, base: QSpec) -> QSpec:
-        """`base` with this patch's fields put over it: a GGUF type replaces it whole; integer
-        fields over a GGUF base go over QSpec's defaults (nothing of a block type carries)."""
-        if self.gguf is not None:
-            return QSpec(gguf=self.gguf)
-        if base.gguf is not None:
+    def apply(self, base: Codec) -> Codec:
+        """`base` with this patch's fields put over it: a whole codec replaces it; grid fields
+        over another codec go over QSpec's defaults (nothing of a block type carries)."""
+        if self.codec is not None:
+            return self.codec
+        if not isinstance(base, QSpec):
             if self == SpecPatch():
                 return base
             base = QSpec()
@@ -398,32 +384,21 @@ class SpecPatch:
         )
 
 
-def spec_label(spec: QSpec) -> str:
+def spec_label(spec: Codec) -> str:
     """Short label, the inverse of parse_spec_label: 'int4 g128 mse', 'asym int8 channel',
     'Q4_K'."""
-    if spec.gguf is not None:
-        return spec.gguf.name
-    g = spec.granularity
-    if isinstance(g, PerGroup):
-        gran = f"g{g.size}"
-    elif isinstance(g, PerChannel):
-        gran = "channel" if g.axis == 0 else f"axis{g.axis}"
-    else:
-        gran = "tensor"
-    words = ["asym"] if spec.scheme is Scheme.ASYM else []
-    words += [spec.dtype.value, gran]
-    return " ".join(words + (["mse"] if spec.range_method is RangeMethod.MSE else []))
+    return spec.label()
 
 
-def parse_spec_label(text: str) -> QSpec:
+def parse_spec_label(text: str, *, writable: bool = False) -> Codec:
     """'int4 g128 mse' -> sym int4, groups of 128, mse. Words in any order, each kind at most
     once: sym|asym, the dtype (required), tensor|channel|axisN|gN, minmax|mse; unnamed fields
-    are QSpec's defaults; or a GGUF type alone ('Q4_K', any case). ValueError otherwise."""
-    words = text.split()
-    if any(is_gguf_name(w) for w in words):
-        if len(words) > 1:
-            raise ValueError(f"'{text}': a GGUF type fixes its block layout; name it alone")
-        return gguf_spec(words[0])
+    are QSpec's defaults; or a GGUF type alone ('Q4_K', any case; `writable`: one qtool
+    quantizes to). ValueError otherwise."""
+    return base.parse_label(text, writable=writable)
+
+
+def _parse_grid_label(text: str) -> QSpec:
     patch = SpecPatch()
     for word in text.split():
         part = _label_word(word)
@@ -435,7 +410,9 @@ def parse_spec_label(text: str) -> QSpec:
                 patch = replace(patch, **{field.name: value})
     if patch.dtype is None:
         raise ValueError(f"'{text}' names no dtype (int8, uint8, int4 or uint4)")
-    return patch.apply(QSpec())
+    spec = patch.apply(QSpec())
+    assert isinstance(spec, QSpec)
+    return spec
 
 
 def _label_word(word: str) -> SpecPatch:

@@ -65,10 +65,10 @@ from qtool.cli.quantize_options import (
 )
 from qtool.cli.render import Shown, plot_target, print_notes, show_and_gate
 from qtool.spec import (
+    Codec,
     Device,
     FormatName,
     GroupFallback,
-    QSpec,
     RangeMethod,
     Scheme,
     StorageDtype,
@@ -171,7 +171,7 @@ def quantize(
 
 
 def _options(
-    spec: QSpec,
+    spec: Codec,
     include: list[str] | None,
     exclude: list[str] | None,
     keep_nonfinite: bool,

@@ -14,10 +14,9 @@ from qtool.cli.inputs import QUANTIZE_INPUT
 from qtool.cli.lazy import api, report
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
+    Codec,
     Device,
     GroupFallback,
-    PerChannel,
-    QSpec,
     RangeMethod,
     Scheme,
     SpecPatch,
@@ -51,8 +50,7 @@ def dtype_value(value: str) -> str:
             f"'{value}' is not one of {', '.join(_INT_DTYPES)} nor a GGUF type "
             f"({', '.join(GGUF_QUANTIZE_TYPES)})"
         ) from None
-    assert spec.gguf is not None
-    return spec.gguf.name
+    return spec.label()
 
 
 QuantizeDtypeOpt = Annotated[
@@ -75,7 +73,7 @@ def gguf_cli_spec(
     axis: int | None,
     group_size: int | None,
     range_method: RangeMethod,
-) -> QSpec:
+) -> Codec:
     """--dtype Q4_K: the GGUF type's spec; typer.BadParameter naming an option that would set
     what the block type fixes itself."""
     given = {
@@ -91,9 +89,7 @@ def gguf_cli_spec(
                 f"{dtype} is a GGUF block type, which fixes its own scales and groups; drop {flag}",
                 param_hint=flag,
             )
-    spec = gguf_quantize_spec(dtype)
-    assert spec.granularity == PerChannel(0)
-    return spec
+    return gguf_quantize_spec(dtype)
 
 
 InputArg = Annotated[Path, typer.Argument(metavar="INPUT", help=QUANTIZE_INPUT, show_default=False)]
@@ -263,11 +259,11 @@ def check_format_options(fmt: str, config: Path | None, fallback: GroupFallback)
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
-def check_format_spec(fmt: str, spec: QSpec, budget: bool) -> None:
+def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
     """A spec the output format can store for no tensor at all (compressed-tensors: unsigned
     codes, another axis) is a usage error naming the option to change; not with the error
     budget (`budget`), whose ladder chooses the specs instead."""
-    refused = None if budget and not spec.gguf else api.format_refuses(fmt, spec)
+    refused = None if budget and not spec.whole else api.format_refuses(fmt, spec)
     if refused is not None:
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 

@@ -28,6 +28,7 @@ from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import kernels, metrics
 from qtool.numerics.packing import unpack_nibbles
+from qtool.numerics.quantize import family
 from qtool.numerics.views import row_group_length
 from qtool.results import ErrorStats
 from qtool.spec import (
@@ -36,6 +37,7 @@ from qtool.spec import (
     PerTensor,
     QSpec,
     RangeMethod,
+    as_grid,
     matrix_shape,
     packed_shape,
     qparam_shape,
@@ -154,9 +156,10 @@ def layout(plan: TensorPlan) -> Layout | None:
     spec, entry = plan.spec, plan.entry
     if plan.decision.budget:  # the error budget quantized it already (engine/spill.py)
         return None
-    if spec is not None and spec.gguf is not None:  # GGUF blocks: numerics/gguf, one by one
+    if spec is None or not family(spec).stacks:  # GGUF blocks: numerics/gguf, one by one
         return None
-    if spec is None or not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:
+    assert isinstance(spec, QSpec)  # the one family that stacks: the grid's kernels
+    if not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:
         return None
     if spec.range_method is not RangeMethod.MINMAX:
         return None
@@ -211,9 +214,9 @@ def _shaped(
     """A tensor's rows of a batch result in the shapes of its own result: codes as stored,
     qparams in the granularity's shape (batched specs have no other channel axis than 0)."""
     assert plan.spec is not None
-    shape = plan.entry.shape
-    stored = packed_shape(shape) if plan.spec.dtype.packed else shape
-    qshape = qparam_shape(plan.spec.granularity, shape)
+    spec, shape = as_grid(plan.spec), plan.entry.shape
+    stored = packed_shape(shape) if spec.dtype.packed else shape
+    qshape = qparam_shape(spec.granularity, shape)
     return q.view(stored), scale.view(qshape), zero_point.view(qshape)
 
 

@@ -33,7 +33,7 @@ from qtool.formats.base import OutputFormat
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import budget, kernels
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.spec import INT8_CHANNEL, QSpec, fit_spec
+from qtool.spec import INT8_CHANNEL, Codec, fit_spec
 
 
 @contextmanager
@@ -112,7 +112,7 @@ class Measured:
         )
 
 
-def ladder_of(options: QuantizeOptions) -> tuple[QSpec, ...]:
+def ladder_of(options: QuantizeOptions) -> tuple[Codec, ...]:
     """The specs the budget tries: the recipe's ladder, else the output format's default
     (GGUF: Q4_K, Q5_K, Q6_K, Q8_0), else qtool's."""
     recipe = options.recipe
@@ -124,7 +124,7 @@ def ladder_of(options: QuantizeOptions) -> tuple[QSpec, ...]:
 def choose_plan(
     ckpt: Checkpoint,
     plan: TensorPlan,
-    ladder: Sequence[QSpec],
+    ladder: Sequence[Codec],
     target: float,
     workspace: kernels.Workspace,
     keep_nan: bool,
@@ -214,7 +214,7 @@ def budget_sizes(plans: Sequence[TensorPlan], fmt: OutputFormat) -> tuple[int, i
     return _size_if(plans, fmt, INT8_CHANNEL), _size_if(plans, fmt, None)
 
 
-def _size_if(plans: Sequence[TensorPlan], fmt: OutputFormat, spec: QSpec | None) -> int:
+def _size_if(plans: Sequence[TensorPlan], fmt: OutputFormat, spec: Codec | None) -> int:
     """The output size (codes and qparams) had every tensor the budget decided been
     quantized with `spec` (None: kept), as the format stores it."""
     total = 0

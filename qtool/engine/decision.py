@@ -21,7 +21,7 @@ from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Keep as Keep  # the decision's keep: a rule's, or any pass's
 from qtool.recipe.rules import Rule, RuleKind
 from qtool.results import DecidedBy, RuleRef, Trial
-from qtool.spec import QSpec, spec_label
+from qtool.spec import Codec, spec_label
 
 # -- actions: Keep(reason) (a recipe rule's keep is the same value), or Quantize -----------
 
@@ -33,9 +33,9 @@ class Quantize:
     format may take that one instead); `stored` is the format's storage (None: qtool's codes and
     sidecar), which does not count in comparing actions."""
 
-    spec: QSpec
+    spec: Codec
     note: str = ""
-    asked: QSpec | None = None
+    asked: Codec | None = None
     stored: Stored | None = field(default=None, compare=False)
 
 
@@ -47,7 +47,7 @@ class Step:
     """An action as reports show it, before its origin adds what decided it."""
 
     action: str
-    spec: QSpec | None
+    spec: Codec | None
     reason: str
     history: tuple[DecidedBy, ...] = ()
 
@@ -57,7 +57,7 @@ class Step:
             return cls("quantize", action.spec, action.note, history)
         return cls("keep", None, action.reason, history)
 
-    def head(self, origin: str) -> tuple[str, str, QSpec | None, str]:
+    def head(self, origin: str) -> tuple[str, str, Codec | None, str]:
         """DecidedBy's first fields: action, origin, spec, reason."""
         return self.action, origin, self.spec, self.reason
 
@@ -239,7 +239,7 @@ class Decision:
     # -- what the reports and the formats read of it (formats.base.Ruling) ----------------
 
     @property
-    def spec(self) -> QSpec | None:
+    def spec(self) -> Codec | None:
         """The spec it is quantized with (None: kept)."""
         return self.action.spec if isinstance(self.action, Quantize) else None
 
@@ -254,7 +254,7 @@ class Decision:
         return self.action.note if isinstance(self.action, Quantize) else ""
 
     @property
-    def asked(self) -> QSpec | None:
+    def asked(self) -> Codec | None:
         """The spec before it was fitted to the tensor (None: as `spec`, or kept)."""
         return self.action.asked if isinstance(self.action, Quantize) else None
 
@@ -305,7 +305,7 @@ class TensorPlan:
     decision: Decision
 
     @property
-    def spec(self) -> QSpec | None:
+    def spec(self) -> Codec | None:
         return self.decision.spec
 
     @property

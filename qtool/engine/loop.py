@@ -27,8 +27,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
-from qtool.numerics.gguf import fast as gguf_fast
-from qtool.numerics.quantize import quantize_tensor
+from qtool.numerics.quantize import expect, quantize_tensor
 from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeRow
@@ -56,19 +55,12 @@ class Kernels:
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
         """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
-        go through the torch kernels a batch at a time: numerics/select.py)."""
-        work = [
-            select.Work(p.entry.shape, p.entry.dtype in ("BF16", "F16"), p.spec)
+        go through the torch kernels a batch at a time: numerics/quantize.py)."""
+        expect(self.device, [
+            (p.entry.shape, p.entry.dtype in ("BF16", "F16"), p.spec)
             for p in plans
-            if p.spec is not None and p.spec.gguf is None and batch.layout(p) is None
-        ]
-        select.expect_work(self.device, work)
-        if self.device.type == "cpu":  # the GGUF kernels choose by the whole run's work too:
-            # one slab at a time, each call looked too small to be worth loading numba for
-            gguf_fast.expect(sum(
-                gguf_fast.torch_seconds(p.spec.gguf.name, p.entry.numel, True)
-                for p in plans if p.spec is not None and p.spec.gguf is not None
-            ))  # fmt: skip
+            if p.spec is not None and batch.layout(p) is None
+        ])  # fmt: skip
 
     def notes(self) -> list[str]:
         """What the kernel choice has to say about the run (a much faster path not taken)."""

@@ -51,13 +51,12 @@ from qtool.recipe.rules import Recipe, Rule, RuleKind, resolve, rules_from_cli
 from qtool.results import ErrorStats, QuantizeRow
 from qtool.spec import (
     INT8_CHANNEL,
+    Codec,
     FormatName,
     GroupFallback,
-    PerGroup,
     QSpec,
     SpecPatch,
     fit_spec,
-    qparam_shape,
 )
 
 
@@ -65,7 +64,7 @@ from qtool.spec import (
 class QuantizeOptions:
     """What a quantize run does to the tensors (how the run goes is engine.run.RunOptions)."""
 
-    spec: QSpec = QSpec()
+    spec: Codec = QSpec()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
@@ -142,15 +141,16 @@ def plan_headers(
             shards.append(shard)
             counts.append(len(entries))
             plans += plan_tensors(shard, entries, options, kept_tied)  # passes 1 and 2
-    _refuse_block_types(plans, fmt)
+    _refuse_whole_codecs(plans, fmt)
     return ModelPlan(tuple(shards), tuple(by_format(plans, fmt)), tuple(counts))  # pass 3
 
 
-def _refuse_block_types(plans: list[TensorPlan], fmt: OutputFormat) -> None:
-    """A recipe rule naming a GGUF type ("Q6_K") is an error unless the format stores them."""
+def _refuse_whole_codecs(plans: list[TensorPlan], fmt: OutputFormat) -> None:
+    """A recipe rule naming a whole codec (a GGUF type, "Q6_K") is an error unless the format
+    stores it (Codec.whole; a grid the format cannot store is the format's to refuse)."""
     for p in plans:
         spec = p.spec
-        if spec is None or spec.gguf is None:
+        if spec is None or not spec.whole:
             continue
         why = refuses(fmt.name, spec)
         if why is not None:
@@ -198,7 +198,7 @@ def _by_rules(
     if isinstance(found.action, Keep):
         return Decision(found.action, selection)
     by_default = found.rule is None and not found.by_rule
-    if by_default and entry.name in tied and found.action.dtype.bits == 4:
+    if by_default and entry.name in tied and found.action.nibbles:
         return Decision(Keep(TIED_KEPT), selection)
     return Decision(Quantize(found.action, found.note, found.asked), selection)
 
@@ -211,8 +211,7 @@ def tied_warnings(plans: Iterable[TensorPlan], tied: frozenset[str]) -> list[str
         f"({p.spec.describe()}), which costs the most quality of any tensor; keep it float or "
         "at 8 bits"
         for p in plans
-        if p.entry.name in tied and p.spec is not None and p.spec.dtype.bits == 4
-        and p.spec.gguf is None
+        if p.entry.name in tied and p.spec is not None and p.spec.nibbles
     ]  # fmt: skip
 
 
@@ -285,10 +284,7 @@ def _detail(plan: TensorPlan) -> str:
     if spec is None:
         detail = decision.reason if decision.budget else f"kept: {decision.reason}"
     else:
-        detail = spec.describe()
-        if isinstance(spec.granularity, PerGroup):
-            c, n = qparam_shape(spec.granularity, plan.entry.shape)
-            detail = f"{detail} ({c}x{n} groups)"
+        detail = spec.describe_for(plan.entry.shape)
         if decision.note:
             detail = f"{detail} ({decision.note})"
     rule = decision.rule_label
@@ -297,7 +293,7 @@ def _detail(plan: TensorPlan) -> str:
     return detail
 
 
-def fitted_spec(path: Path, entry: TensorEntry, spec: QSpec) -> QSpec:
+def fitted_spec(path: Path, entry: TensorEntry, spec: Codec) -> Codec:
     """The spec as it applies to this tensor (spec.fit_spec); InputError naming `path` and
     the tensor for a channel axis it lacks."""
     try:
@@ -322,11 +318,11 @@ def output_tag(options: QuantizeOptions) -> str:
     tensor; a recipe rule sets another dtype)."""
     if options.target_sqnr is not None:
         return MIXED_TAG
-    dtypes = {options.spec.dtype}
+    tags = {options.spec.tag}
     for rule in options.rules:
         if isinstance(rule.action, SpecPatch) and rule.action.dtype is not None:
-            dtypes.add(rule.action.dtype)
-    return options.spec.dtype.value if len(dtypes) == 1 else MIXED_TAG
+            tags.add(rule.action.dtype.value)
+    return options.spec.tag if len(tags) == 1 else MIXED_TAG
 
 
 def default_quantized_path(src: Path, dtype: str, suffix: str = ".safetensors") -> Path:

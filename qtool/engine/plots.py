@@ -30,7 +30,7 @@ from qtool.io.atomic import preflight, write_file
 from qtool.numerics import kernels
 from qtool.numerics.packing import unpack_nibbles
 from qtool.results import CompareSummary, QuantizeSummary, Row, natural_key
-from qtool.spec import QSpec
+from qtool.spec import Codec, QSpec, as_grid
 
 FIGURE_PX = (1400, 900)
 DPI = 100
@@ -252,17 +252,11 @@ def _requantize(
     return out
 
 
-def _roundtrip(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
+def _roundtrip(x: torch.Tensor, spec: Codec) -> torch.Tensor:
     """x_hat as restored (x's own dtype; a GGUF type as ggml dequantizes it), as float32."""
-    if spec.gguf is not None:  # a GGUF type: its blocks, dequantized as ggml does
-        from qtool.numerics import gguf
-        from qtool.numerics.quantize import quantize_tensor
+    from qtool.numerics.quantize import restored
 
-        blocks = quantize_tensor(x, spec, with_errors=False).q
-        return gguf.dequantize(blocks, spec.gguf).view(x.shape)
-    result = kernels.quantize_tensor(x, spec, with_errors=False)
-    q, scale, zp = result.q, result.scale, result.zero_point
-    return kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()
+    return restored(x, spec)
 
 
 def _refuse_quantized(path: Path) -> None:
@@ -291,7 +285,7 @@ def default_tensor_plot_path(checkpoint: Path, tensor: str) -> Path:
 
 
 def plot_tensor(
-    checkpoint: Path, tensor: str, spec: QSpec, path: Path, *, force: bool = False
+    checkpoint: Path, tensor: str, spec: Codec, path: Path, *, force: bool = False
 ) -> dict[str, object]:
     """Heatmaps and a value histogram of one tensor; returns what was drawn (for reports)."""
     protected = protected_paths([checkpoint])
@@ -315,7 +309,7 @@ def plot_tensor(
         x = x.clone()  # its own dtype: the figures measure x_hat as restored to it
     finally:
         ckpt.close()
-    spec = fitted_spec(checkpoint, entry, spec)
+    spec = as_grid(fitted_spec(checkpoint, entry, spec))  # the CLI asks for grids only
     try:
         result = kernels.quantize_tensor(x, spec)
     except ValueError as err:  # NaN/Inf, or a range beyond float32

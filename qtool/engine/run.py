@@ -123,12 +123,13 @@ def _target(
 
 
 def _label(options: QuantizeOptions) -> str:
-    """What a default output name says of the run: the dtype ('int8'), a GGUF type ('Q4_K'),
-    or 'mixed' for a GGUF run whose error budget chooses the types."""
+    """What a default output name says of the run: the dtype ('int8'), a whole codec's name
+    ('Q4_K'), or 'mixed' for a run whose error budget chooses among the codecs the format stores
+    (a GGUF run's types)."""
     spec = options.spec
-    if spec.gguf is not None:
-        return spec.gguf.name
-    if entry(options.format.value).stores_gguf:
+    if spec.whole:
+        return spec.tag
+    if spec.kind not in entry(options.format.value).codecs:
         return "mixed"
     return output_tag(options)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from qtool.dtypes import DTYPE_BITS
 from qtool.io.stformat import TensorEntry
-from qtool.spec import QSpec, RangeMethod, gguf_nbytes, packed_shape, qparam_shape
+from qtool.spec import Codec
 
 
 @dataclass(frozen=True)
@@ -19,31 +19,27 @@ class Stored:
     dtype: str
 
 
-def stored_dtype(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> str:
+def stored_dtype(entry: TensorEntry, spec: Codec | None, stored: Stored | None = None) -> str:
     """The dtype the tensor is stored as: the format's, its codes', or its own when kept."""
     if stored is not None:
         return stored.dtype
-    if spec is not None and spec.gguf is not None:
-        return spec.gguf.name
-    return spec.dtype.safetensors_dtype if spec is not None else entry.dtype
+    return spec.stored_dtype() if spec is not None else entry.dtype
 
 
-def stored_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
+def stored_nbytes(entry: TensorEntry, spec: Codec | None, stored: Stored | None = None) -> int:
     """Bytes of the tensor as stored: 4-bit codes are packed two per byte along the last
     dimension; a format that says how many bytes it stores is taken at its word."""
     if stored is not None:
         return stored.nbytes
-    if spec is not None and spec.gguf is not None:
-        return gguf_nbytes(spec, entry.shape)
-    shape = packed_shape(entry.shape) if spec is not None and spec.dtype.packed else entry.shape
-    return math.prod(shape) * DTYPE_BITS[stored_dtype(entry, spec)] // 8
+    if spec is not None:
+        return spec.code_nbytes(entry.shape)
+    return math.prod(entry.shape) * DTYPE_BITS[entry.dtype] // 8
 
 
-def qparam_nbytes(entry: TensorEntry, spec: QSpec | None, stored: Stored | None = None) -> int:
+def qparam_nbytes(entry: TensorEntry, spec: Codec | None, stored: Stored | None = None) -> int:
     """Bytes the tensor adds to the sidecar: a float32 scale and a 1-byte zero point per group,
     and with --range mse the 1-byte index of the range each group kept (0 when kept, or when the
     format counts its qparams in its stored bytes)."""
-    if spec is None or stored is not None or spec.gguf is not None:
+    if spec is None or stored is not None:
         return 0
-    per_group = 6 if spec.range_method is RangeMethod.MSE else 5
-    return math.prod(qparam_shape(spec.granularity, entry.shape)) * per_group
+    return spec.sidecar_nbytes(entry.shape)

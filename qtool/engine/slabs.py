@@ -27,11 +27,10 @@ from qtool.engine.decision import TensorPlan
 from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint
 from qtool.io.readbuffer import ReadBuffer
 from qtool.numerics import kernels
-from qtool.numerics.kernels import TORCH_STORAGE, QuantizedTensor
+from qtool.numerics.kernels import QuantizedTensor
 from qtool.numerics.quantize import quantize_tensor
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, combine
-from qtool.spec import PerChannel, PerGroup, packed_shape
 
 SLAB_BYTES = 16 << 20  # below glibc's 32 MiB mmap threshold: the kernels' slab-sized arrays
 # are recycled by malloc instead of being mapped (and faulted) afresh for every slab
@@ -58,9 +57,7 @@ def slab_rows(plan: TensorPlan, device: torch.device) -> int | None:
     spec, entry = plan.spec, plan.entry
     if spec is None or device.type != "cpu" or len(entry.shape) < 2 or entry.numel == 0:
         return None
-    g = spec.granularity
-    by_rows = spec.gguf is not None or isinstance(g, PerGroup) or g == PerChannel(0)
-    if not by_rows or entry.nbytes <= SLAB_BYTES:
+    if not spec.rows_alone or entry.nbytes <= SLAB_BYTES:
         return None
     rows = max(1, SLAB_BYTES // (entry.nbytes // entry.shape[0]))
     return rows if rows < entry.shape[0] else None
@@ -104,13 +101,9 @@ def _codes(plan: TensorPlan, out: kernels.Workspace) -> tuple[torch.Tensor, int]
     MemoryError when even the codes do not fit."""
     spec, shape = plan.spec, plan.entry.shape
     assert spec is not None
+    stored, dtype, per_row = spec.code_layout(shape)
     try:
-        if spec.gguf is not None:
-            per_row = math.prod(shape[1:-1])
-            row_bytes = spec.gguf.row_bytes(shape[-1])
-            return out.codes((shape[0] * per_row, row_bytes), torch.uint8), per_row
-        stored = packed_shape(shape) if spec.dtype.packed else shape
-        return out.codes(tuple(stored), TORCH_STORAGE[spec.dtype]), 1
+        return out.codes(stored, ST_TO_TORCH[dtype]), per_row
     except RuntimeError as err:  # torch's allocator: "can't allocate memory"
         if "can't allocate memory" not in str(err):
             raise

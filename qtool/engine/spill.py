@@ -25,7 +25,7 @@ from qtool.io.atomic import describe_os_error
 from qtool.io.checkpoint import tensor_bytes
 from qtool.numerics.kernels import QuantizedTensor
 from qtool.results import ErrorStats
-from qtool.spec import QSpec
+from qtool.spec import Codec
 
 _PARTS = ("q", "scale", "zero_point", "choice")
 
@@ -47,7 +47,7 @@ class Figures:
 
 @dataclass(frozen=True)
 class _Stored:
-    spec: QSpec
+    spec: Codec
     parts: dict[str, _Part]
     figures: Figures
     method: str | None = None
@@ -64,7 +64,7 @@ class Spill:
         self._end = 0  # where the next part goes
         self._stored: dict[str, _Stored] = {}
 
-    def put(self, name: str, spec: QSpec, result: QuantizedTensor) -> None:
+    def put(self, name: str, spec: Codec, result: QuantizedTensor) -> None:
         """Keep `result` (copied out: its codes may live in a reused workspace)."""
         parts = {}
         if self._directory is not None:
@@ -76,12 +76,12 @@ class Spill:
         figures = Figures(result.errors, scale_range)
         self._stored[name] = _Stored(spec, parts, figures, result.method)
 
-    def figures(self, name: str, spec: QSpec) -> Figures | None:
+    def figures(self, name: str, spec: Codec) -> Figures | None:
         """The figures kept for `name` if it was quantized with `spec`."""
         stored = self._stored.get(name)
         return stored.figures if stored is not None and stored.spec == spec else None
 
-    def take(self, name: str, spec: QSpec) -> QuantizedTensor | None:
+    def take(self, name: str, spec: Codec) -> QuantizedTensor | None:
         """The result kept for `name` if it was quantized with `spec` (None otherwise, e.g. a
         fused sibling aligned to another spec, which is quantized again), then forgets it."""
         stored = self._stored.pop(name, None)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
-from qtool.spec import GroupFallback, QSpec
+from qtool.spec import Codec, GroupFallback
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,7 @@ class Planned(Protocol):
     def entry(self) -> TensorEntry: ...
 
     @property
-    def spec(self) -> QSpec | None: ...
+    def spec(self) -> Codec | None: ...
 
 
 class Ruling(Protocol):
@@ -51,7 +51,7 @@ class Ruling(Protocol):
         """How the spec was adapted to this tensor ("" when it was not)."""
 
     @property
-    def asked(self) -> QSpec | None:
+    def asked(self) -> Codec | None:
         """The spec before qtool fitted it to the tensor (a group longer than a row is per
         channel for qtool; a format may refuse it instead); None: as `spec`."""
 
@@ -90,7 +90,7 @@ class ShardWriter(Protocol):
     def keep(self, entry: TensorEntry, data: memoryview) -> None:
         """A tensor stored as it is (its bytes as in the input)."""
 
-    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+    def quantized(self, entry: TensorEntry, spec: Codec, result: QuantizedTensor) -> None:
         """A quantized tensor; its codes stay valid only until this call returns."""
 
     def finish(self) -> None:
@@ -104,7 +104,7 @@ class Choice(Protocol):
     def entry(self) -> TensorEntry: ...
 
     @property
-    def spec(self) -> QSpec | None: ...
+    def spec(self) -> Codec | None: ...
 
     @property
     def reason(self) -> str:
@@ -181,11 +181,11 @@ class OutputFormat(abc.ABC):
         """What the output's config lists as kept in float; None: the format has no such list."""
         return None
 
-    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+    def supports(self, entry: TensorEntry, spec: Codec) -> str | None:
         """None when the format can store `entry` quantized with `spec`; else why not."""
         return None
 
-    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int | None:
+    def stored_nbytes(self, entry: TensorEntry, spec: Codec | None) -> int | None:
         """Bytes `entry` takes in this format's output quantized with `spec` (None: kept);
         None: qtool's count (its codes and a float32 scale and a zero point per group)."""
         return None
@@ -230,7 +230,7 @@ class FloatReader(Protocol):
     def dtype(self, name: str) -> str:
         """The logical dtype: a quantized tensor counts as its original dtype."""
 
-    def quantization(self, name: str) -> QSpec | None:
+    def quantization(self, name: str) -> Codec | None:
         """How the tensor was quantized; None when it is stored as it is."""
 
     def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

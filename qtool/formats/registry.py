@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qtool.formats import builtins
-from qtool.spec import FormatName, QSpec
+from qtool.spec import Codec, FormatName
 
 if TYPE_CHECKING:
     from qtool.formats.base import FloatReader, FormatContext, OutputFormat
@@ -62,8 +62,9 @@ class FormatEntry:
     another checkpoint's names (None: it names tensors as that checkpoint does);
     `dequantize_float`: dequantize converts its files even when no tensor is quantized;
     `float_output`: dequantize writes a float file of this format (named with `suffix`);
-    `stores_gguf`: its output stores llama.cpp's block types (a spec naming one, "Q4_K", is
-    refused by every other output).
+    `codecs`: the kinds of codec its output stores (qtool.codecs: "grid", "gguf"); a spec of
+    any other kind is refused, in the words of `foreign` when it has its own (None: the
+    registry's, naming the formats that store it).
 
     What `--format` shows and checks before any file is read: `help`, one line saying what the
     output is (the option's help lists every writable format's); `reads_config`: the output
@@ -76,14 +77,15 @@ class FormatEntry:
     inspect: Callable[[Detected], InspectSummary]
     output: Callable[[FormatContext], OutputFormat] | None = None
     belongings: Callable[[Path], list[Path]] | None = None
-    refuses: Callable[[QSpec], str | None] | None = None
+    refuses: Callable[[Codec], str | None] | None = None
     suffix: str = ".safetensors"
     own_input: bool = False
-    ladder: tuple[QSpec, ...] | None = None
+    ladder: tuple[Codec, ...] | None = None
     matcher: Matcher | None = None
     dequantize_float: bool = False
     float_output: FloatWriter | None = None
-    stores_gguf: bool = False
+    codecs: tuple[str, ...] = ("grid",)
+    foreign: Callable[[Codec], str] | None = None
     input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
     help: str = ""
     reads_config: bool = False
@@ -182,14 +184,14 @@ def option_refusal(name: str, *, config: bool, group_fallback: bool) -> Refusal 
     return None
 
 
-def spec_refusal(name: str, spec: QSpec) -> Refusal | None:
-    """`refuses`, with the hint code of what to change: the dtype for a block type (asked for,
-    or the only thing the output stores) or unsigned codes, else the axis."""
+def spec_refusal(name: str, spec: Codec) -> Refusal | None:
+    """`refuses`, with the hint code of what to change: the dtype for a codec the output does
+    not store, else what the spec says of itself (Codec.refusal_hint)."""
     refused = refuses(name, spec)
     if refused is None:
         return None
-    block_type = spec.gguf is not None or entry(name).stores_gguf
-    return Refusal(refused, "dtype" if block_type or not spec.dtype.signed else "axis")
+    stored = spec.kind in entry(name).codecs
+    return Refusal(refused, spec.refusal_hint if stored else "dtype")
 
 
 def output_format(name: str, context: FormatContext | None = None) -> OutputFormat:
@@ -203,15 +205,15 @@ def output_format(name: str, context: FormatContext | None = None) -> OutputForm
     return found.output(context or FormatContext())
 
 
-def refuses(name: str, spec: QSpec) -> str | None:
+def refuses(name: str, spec: Codec) -> str | None:
     """Why the output format `name` can store no tensor at all with `spec`, or None."""
     found = entry(name)
-    if spec.gguf is not None and not found.stores_gguf:
-        where = " or ".join(f"--format {e.name}" for e in _FORMATS.values() if e.stores_gguf)
-        return (
-            f"{spec.gguf.name} is a GGUF block type, which --format {found.name} does not "
-            f"store; use {where}"
-        )
+    if spec.kind not in found.codecs:
+        if found.foreign is not None:
+            return found.foreign(spec)
+        where = " or ".join(f"--format {e.name}" for e in outputs() if spec.kind in e.codecs)
+        what = f"{spec.describe()} is {spec.what}"
+        return f"{what}, which --format {found.name} does not store; use {where}"
     return None if found.refuses is None else found.refuses(spec)
 
 

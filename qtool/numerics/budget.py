@@ -20,16 +20,13 @@ from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.quantize import quantize_tensor
 from qtool.results import Trial
 from qtool.spec import (
-    QSpec,
+    Codec,
     fit_spec,
-    gguf_nbytes,
-    packed_shape,
     parse_spec_label,
-    qparam_shape,
     spec_label,
 )
 
-DEFAULT_LADDER: tuple[QSpec, ...] = tuple(
+DEFAULT_LADDER: tuple[Codec, ...] = tuple(
     parse_spec_label(label) for label in ("int4 g128 mse", "int4 g32 mse", "int8", "int8 g128")
 )
 """Cheapest first for every [C, K] weight: 0.5 + 5/128, 0.5 + 5/32, 1 + 5/K and 1 + 5/128
@@ -39,18 +36,15 @@ bytes per element (codes, then a float32 scale and a 1-byte zero point per group
 QPARAM_BYTES = 5  # a float32 scale and a 1-byte zero point per group
 
 
-def bytes_per_tensor(spec: QSpec, shape: tuple[int, ...]) -> int:
+def bytes_per_tensor(spec: Codec, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of `shape` writes with `spec` (fitted to it): its codes (4-bit: packed two
     per byte along the last dimension) and QPARAM_BYTES per group; a GGUF type, its blocks
     (of the fallback type where its own do not fit the rows, as the GGUF format stores it)."""
-    fitted, _ = fit_spec(spec, shape)
-    if fitted.gguf is not None:
-        return gguf_nbytes(fitted, shape)
-    codes = math.prod(packed_shape(shape) if fitted.dtype.packed else shape)
-    return codes + QPARAM_BYTES * math.prod(qparam_shape(fitted.granularity, shape))
+    fitted, _ = spec.fit(shape)
+    return fitted.code_nbytes(shape) + QPARAM_BYTES * fitted.qparam_groups(shape)
 
 
-def candidates(ladder: Sequence[QSpec], shape: tuple[int, ...]) -> tuple[QSpec, ...]:
+def candidates(ladder: Sequence[Codec], shape: tuple[int, ...]) -> tuple[Codec, ...]:
     """The ladder fitted to `shape`, without repeats, cheapest first (stable on ties)."""
     fitted = dict.fromkeys(fit_spec(spec, shape)[0] for spec in ladder)
     return tuple(sorted(fitted, key=lambda spec: bytes_per_tensor(spec, shape)))
@@ -61,7 +55,7 @@ class Choice:
     """The budget's answer for one tensor: `spec` (None: keep in float), every trial in the
     order tried, and the chosen quantization (codes, qparams and errors) to write."""
 
-    spec: QSpec | None
+    spec: Codec | None
     trials: tuple[Trial, ...]
     result: QuantizedTensor | None
     target_db: float
@@ -82,7 +76,7 @@ class Choice:
 
 def choose(
     x: torch.Tensor,
-    ladder: Sequence[QSpec],
+    ladder: Sequence[Codec],
     target_db: float,
     *,
     scale_dtype: torch.dtype = torch.float32,

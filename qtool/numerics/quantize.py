@@ -1,36 +1,106 @@
-"""One tensor quantized with any spec, what the quantize loop and the error budget call: qtool's
-integer grids through select.py (the torch or the fused kernels, as QTOOL_KERNEL says), and
-llama.cpp's GGUF block types through numerics/gguf (which choose their kernels themselves)."""
+"""The one quantize dispatch: a tensor quantized with any codec, what the quantize loop, its
+slabs, the batches of tiny tensors, the plots and the error budget call. Each codec family's
+kernels are registered here by its kind (FAMILIES), imported on first use:
+
+    grid  (spec.QSpec)      select.py chooses the torch kernels (kernels.py) or the fused
+                            ones (fused.py) as QTOOL_KERNEL says; tiny tensors of one spec may
+                            be stacked into one call (engine/batch.py)
+    gguf  (spec.GGUFSpec)   numerics/gguf/codec.py: llama.cpp's block types (which choose
+                            their kernels themselves)
+
+A new codec family writes its Kernels and adds its line to FAMILIES."""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from qtool.numerics import select
+from qtool.numerics import kernels, select
 from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.range_methods import ColumnWeights
-from qtool.spec import QSpec
+from qtool.spec import Codec, QSpec
+
+Work = tuple[tuple[int, ...], bool, Codec]
+"""One tensor a run will quantize: its shape, whether it is 16-bit (bf16/fp16), its spec."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A codec family's numerics. `quantize(x, spec, *, with_errors, scale_dtype, workspace)`:
+    codes, scales and zero points as the family stores them (and the error statistics of what
+    a consumer restores); `restored(x, spec)`: that reconstruction as float32; `expect(device,
+    work)`: told the run's work up front, to choose its kernels; `stacks`: tiny tensors of one
+    spec may be quantized stacked, in one call."""
+
+    quantize: Callable[..., QuantizedTensor]
+    restored: Callable[[torch.Tensor, Any], torch.Tensor]
+    expect: Callable[[torch.device, list[Work]], None]
+    stacks: bool = False
 
 
 def quantize_tensor(
     x: torch.Tensor,
-    spec: QSpec,
+    spec: Codec,
     *,
     with_errors: bool = True,
     scale_dtype: torch.dtype = torch.float32,
     workspace: Workspace | None = None,
-    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
-    """x quantized with `spec` (see select.quantize_tensor); a GGUF type gives its blocks
-    (numerics/gguf/tensor.py: `scale_dtype` and `workspace` mean nothing to them; `weights`
-    are refused until the GGUF kernels take an importance matrix)."""
-    if spec.gguf is not None:
-        if weights is not None:
-            raise ValueError("GGUF types do not take an importance matrix yet")
-        from qtool.numerics.gguf.tensor import quantize_tensor as quantize_blocks
+    """x quantized with `spec` by its family's kernels (see Kernels)."""
+    return family(spec).quantize(
+        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace
+    )
 
-        return quantize_blocks(x, spec, with_errors=with_errors)
-    return select.quantize_tensor(
-        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace,
-        weights=weights,
-    )  # fmt: skip
+
+def restored(x: torch.Tensor, spec: Codec) -> torch.Tensor:
+    """x quantized with `spec` and restored as a consumer does (in x's dtype for a grid, as
+    ggml dequantizes for a GGUF type), as float32."""
+    return family(spec).restored(x, spec)
+
+
+def expect(device: torch.device, work: Iterable[Work]) -> None:
+    """Tell every family what this run quantizes one tensor at a time on `device` (each
+    chooses its kernels by the whole run's work: numerics/select.py)."""
+    todo = list(work)
+    for kind in FAMILIES:
+        _load(kind).expect(device, [w for w in todo if w[2].kind == kind])
+
+
+def family(spec: Codec) -> Kernels:
+    """The kernels of `spec`'s family."""
+    return _load(spec.kind)
+
+
+# -- the grid's kernels ---------------------------------------------------------------------
+
+
+def _grid_restored(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
+    result = kernels.quantize_tensor(x, spec, with_errors=False)
+    q, scale, zp = result.q, result.scale, result.zero_point
+    return kernels.dequantize(q, scale, zp, spec, dtype=x.dtype, shape=x.shape).float()
+
+
+def _grid_expect(device: torch.device, work: Sequence[Work]) -> None:
+    grids = [
+        select.Work(shape, wide, spec) for shape, wide, spec in work if isinstance(spec, QSpec)
+    ]
+    select.expect_work(device, grids)
+
+
+GRID = Kernels(select.quantize_tensor, _grid_restored, _grid_expect, stacks=True)
+
+FAMILIES: dict[str, Kernels | str] = {
+    "grid": GRID,
+    "gguf": "qtool.numerics.gguf.codec",  # its module's KERNELS
+}
+
+
+def _load(kind: str) -> Kernels:
+    found = FAMILIES[kind]
+    if isinstance(found, str):
+        found = FAMILIES[kind] = importlib.import_module(found).KERNELS
+    assert isinstance(found, Kernels)
+    return found

@@ -37,6 +37,7 @@ from qtool.io.safeopen import read_bounded
 from qtool.recipe.rules import Keep, Recipe, Rule, RuleKind, is_wildcard
 from qtool.recipe.tomllines import TomlPath, line_of, toml_lines
 from qtool.spec import (
+    Codec,
     Granularity,
     PerChannel,
     PerGroup,
@@ -46,9 +47,8 @@ from qtool.spec import (
     Scheme,
     SpecPatch,
     StorageDtype,
-    gguf_quantize_spec,
-    is_gguf_name,
     parse_spec_label,
+    whole_family,
 )
 
 SPEC_KEYS = ("scheme", "dtype", "granularity", "axis", "group_size", "range")
@@ -143,7 +143,7 @@ class _Checker:
             action = self._patch(at, table)
         return Rule(i + 1, pattern, action, line_of(self.lines, at), RuleKind.RECIPE, self.path)
 
-    def ladder(self, value: object) -> tuple[QSpec, ...]:
+    def ladder(self, value: object) -> tuple[Codec, ...]:
         if not isinstance(value, list) or not value:
             self.fail(("ladder",), 'must be a non-empty list such as ["int4 g128 mse", "int8"]')
         if len(value) > MAX_LADDER:
@@ -152,7 +152,7 @@ class _Checker:
                 f"{len(value):,} entries, over {MAX_LADDER}: the budget tries every entry on "
                 "every tensor it decides; list the few specs worth trying",
             )
-        rungs: dict[QSpec, int] = {}
+        rungs: dict[Codec, int] = {}
         for i, item in enumerate(value):
             spec = self._rung(i, item)
             if spec in rungs:
@@ -160,13 +160,11 @@ class _Checker:
             rungs[spec] = i
         return tuple(rungs)
 
-    def _rung(self, i: int, item: object) -> QSpec:
+    def _rung(self, i: int, item: object) -> Codec:
         at: TomlPath = ("ladder", i)
         if isinstance(item, str):
             try:
-                spec = parse_spec_label(item)
-                if spec.gguf is not None:
-                    spec = gguf_quantize_spec(item.strip())
+                spec = parse_spec_label(item, writable=True)
             except ValueError as err:
                 self.fail(at, str(err))
         else:
@@ -174,7 +172,8 @@ class _Checker:
             if "dtype" not in table:
                 self.fail(at, 'a ladder entry names its dtype (dtype = "int4", ...)')
             spec = self._patch(at, table).apply(QSpec())
-        if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
+        g = spec.granularity if isinstance(spec, QSpec) else None  # a grid's fields
+        if isinstance(g, PerChannel) and g.axis != 0:
             self.fail(at, "ladder channels are along axis 0 (write channel)")
         return spec
 
@@ -210,8 +209,9 @@ class _Checker:
 
     def _patch(self, at: TomlPath, table: Mapping[str, object]) -> SpecPatch:
         dtype = table.get("dtype")
-        if isinstance(dtype, str) and is_gguf_name(dtype):
-            return self._gguf(at, table, dtype)
+        family = whole_family(dtype) if isinstance(dtype, str) else None
+        if family is not None:
+            return self._whole(at, table, str(dtype), family)
         return SpecPatch(
             self._choice(at, table, "scheme", Scheme),
             self._choice(at, table, "dtype", StorageDtype),
@@ -219,17 +219,19 @@ class _Checker:
             self._choice(at, table, "range", RangeMethod),
         )
 
-    def _gguf(self, at: TomlPath, table: Mapping[str, object], dtype: str) -> SpecPatch:
-        """dtype = "Q6_K": a GGUF block type, which fixes every other field."""
+    def _whole(
+        self, at: TomlPath, table: Mapping[str, object], dtype: str, family: type[Codec]
+    ) -> SpecPatch:
+        """dtype = "Q6_K": a whole codec (a GGUF block type), which fixes every other field."""
         others = [k for k in SPEC_KEYS if k in table and k != "dtype"]
         if others:
-            self.fail((*at, others[0]), f"{dtype} is a GGUF block type, which fixes its own "
+            self.fail((*at, others[0]), f"{dtype} is {family.what}, which fixes its own "
                       "layout; drop this key")  # fmt: skip
         try:
-            spec = gguf_quantize_spec(dtype)
+            spec = family.from_dtype(dtype)
         except ValueError as err:
             self.fail((*at, "dtype"), str(err))
-        return SpecPatch(gguf=spec.gguf)
+        return SpecPatch(codec=spec)
 
     def _choice(
         self, at: TomlPath, table: Mapping[str, object], key: str, enum_type: type[_E]

@@ -33,7 +33,7 @@ from typing import Protocol, TypeVar
 from qtool import patterns
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.errors import InputError, RecipeError
-from qtool.spec import QSpec, SpecPatch, fit_spec
+from qtool.spec import Codec, SpecPatch, fit_spec
 
 
 class Entry(Protocol):
@@ -116,7 +116,7 @@ class Recipe:
 
     path: str
     rules: tuple[Rule, ...]
-    ladder: tuple[QSpec, ...] | None = None
+    ladder: tuple[Codec, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,17 +125,17 @@ class Resolution:
     applies to this tensor, or Keep; `note` says how the spec was fitted to the tensor."""
 
     rule: Rule | None
-    action: QSpec | Keep
+    action: Codec | Keep
     note: str = ""
-    asked: QSpec | None = None
+    asked: Codec | None = None
     """The spec as the rule (or the command line) gave it, before it was fitted to the tensor."""
     by_rule: bool = False
     """The rule's own decision (its keep or its spec; --include matching nothing counts), not
     the default selection nor a tensor the rule could not quantize (1-D, integer)."""
 
     @property
-    def spec(self) -> QSpec | None:
-        return self.action if isinstance(self.action, QSpec) else None
+    def spec(self) -> Codec | None:
+        return self.action if isinstance(self.action, Codec) else None
 
     @property
     def from_command_line(self) -> bool:
@@ -160,7 +160,7 @@ def rules_from_cli(
 
 
 def resolve(
-    rules: tuple[Rule, ...], entry: Entry, base: QSpec, *, checkpoint: Path | str | None = None
+    rules: tuple[Rule, ...], entry: Entry, base: Codec, *, checkpoint: Path | str | None = None
 ) -> Resolution:
     """What happens to `entry` (first matching rule wins; see the module docstring).
     RecipeError / InputError (naming `checkpoint`) for an axis the tensor lacks."""

@@ -47,7 +47,7 @@ from qtool.results import (
     Row,
     natural_key,
 )
-from qtool.spec import FormatName, QSpec
+from qtool.spec import Codec, FormatName
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -318,8 +318,8 @@ def _dtype_cell(r: Row) -> str:
     'F32→U4' (uint4)."""
     a, b = r.dtypes
     spec = getattr(r, "spec", None)
-    if isinstance(spec, QSpec) and spec.gguf is None and spec.dtype.packed and b == "U8":
-        b = f"{'I' if spec.dtype.signed else 'U'}{spec.dtype.bits}"
+    if isinstance(spec, Codec):
+        b = spec.codes_label(b)
     return f"{a}→{b}" if a != b else a
 
 

@@ -23,7 +23,7 @@ from qtool.results import (
     QuantizeRow,
     QuantizeSummary,
 )
-from qtool.spec import QSpec
+from qtool.spec import Codec
 
 SCHEMA_VERSION = 2
 JsonNumber = float | str
@@ -103,13 +103,13 @@ def error_json(stats: ErrorStats | None) -> dict[str, JsonNumber | None]:
     }
 
 
-def spec_json(spec: QSpec) -> dict[str, Any]:
+def spec_json(spec: Codec) -> dict[str, Any]:
     """The run's quantization spec, field by field, with its table label."""
     return {"label": spec.describe(), **spec.to_json()}
 
 
 def decided_json(
-    d: DecidedBy, label: Callable[[QSpec], str] = QSpec.describe, history: bool = True
+    d: DecidedBy, label: Callable[[Codec], str] = Codec.describe, history: bool = True
 ) -> dict[str, Any]:
     """A tensor's decision: its action, origin and the origin's facts, then (`history`) the
     decisions it superseded, oldest first; `label` names a spec."""
@@ -146,10 +146,10 @@ def quantize_json(
     rows: list[QuantizeRow] | None = None,
     gate: GateResult | None = None,
 ) -> dict[str, Any]:
-    specs: dict[QSpec, dict[str, Any]] = {}
-    labels: dict[QSpec, str] = {}
+    specs: dict[Codec, dict[str, Any]] = {}
+    labels: dict[Codec, str] = {}
 
-    def label(spec: QSpec) -> str:
+    def label(spec: Codec) -> str:
         return labels.get(spec) or labels.setdefault(spec, spec.describe())
 
     tensors = []

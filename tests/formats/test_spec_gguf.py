@@ -1,4 +1,5 @@
-"""QSpecs that name GGUF block types: labels, JSON and byte counts; existing specs unchanged."""
+"""GGUFSpecs, the codec of GGUF block types: labels, JSON and byte counts; existing integer grids
+(QSpec) unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from qtool.spec import (
     PerGroup,
     QSpec,
     StorageDtype,
+    as_grid,
     fit_spec,
     gguf_nbytes,
     gguf_spec,
@@ -42,9 +44,8 @@ def test_existing_specs_keep_their_labels_json_and_equality(label: str) -> None:
     spec = parse_spec_label(label)
     assert spec_label(spec) == label
     assert spec.to_json() == BEFORE[label]
-    assert spec.gguf is None
+    assert isinstance(spec, QSpec) and spec.kind == "grid"
     assert spec == replace(spec) and hash(spec) == hash(replace(spec))
-    assert QSpec() == QSpec(gguf=None)
 
 
 def test_the_default_ladder_is_unchanged() -> None:
@@ -86,13 +87,15 @@ def test_what_is_not_a_gguf_block_type_is_refused() -> None:
 
 def test_a_gguf_spec_has_no_integer_grid() -> None:
     spec = gguf_spec("Q6_K")
-    with pytest.raises(ValueError, match="fixes its own block layout"):
-        replace(spec, granularity=PerGroup(32))
-    with pytest.raises(ValueError, match="fixes its own block layout"):
-        QSpec(dtype=StorageDtype.INT4, gguf=GGML_TYPES["Q4_K"])
-    for prop in ("qmin", "qmax", "symmetric_zero_point", "axis"):
-        with pytest.raises(ValueError, match="Q6_K is a GGUF block type, not an integer grid"):
-            getattr(spec, prop)
+    with pytest.raises(TypeError):
+        replace(spec, granularity=PerGroup(32))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        QSpec(dtype=StorageDtype.INT4, gguf=GGML_TYPES["Q4_K"])  # type: ignore[call-arg]
+    for prop in ("qmin", "qmax", "symmetric_zero_point", "axis", "granularity", "dtype"):
+        assert not hasattr(spec, prop)
+    with pytest.raises(TypeError, match="Q6_K is a GGUF block type, not an integer grid"):
+        as_grid(spec)
+    assert spec.kind == "gguf" and spec != QSpec()
     assert fit_spec(spec, (64,)) == (spec, "")
     assert fit_spec(spec, ()) == (spec, "")
 
@@ -120,6 +123,16 @@ def test_bytes_per_shape_follow_llama_quantize_fallbacks(
     assert gguf_nbytes(spec, shape) == math.prod(shape) * bits / 8
 
 
-def test_stored_type_of_an_integer_spec_is_refused() -> None:
-    with pytest.raises(ValueError, match="sym int8 axis 0 is not a GGUF type"):
-        gguf_stored_type(QSpec(), (4, 32))
+def test_each_codec_counts_its_bytes_as_it_lays_them_out() -> None:
+    """code_nbytes (what sizes and the budget count) and code_layout (what slabs and the qtool
+    writer allocate) agree for every family, packed 4-bit codes and fallback blocks included."""
+    specs = [parse_spec_label(s) for s in ("int8", "asym uint4 g32", "int4 tensor")]
+    specs += [gguf_spec(t) for t in ("Q8_0", "Q4_K", "Q6_K")]
+    for spec in specs:
+        for shape in ((64, 256), (3, 256), (2, 4, 512), (5, 96), (5, 7)):
+            fitted, _ = spec.fit(shape)
+            if fitted.stored_dtype() in ("Q8_0", "Q4_K", "Q6_K") and shape[-1] % 32:
+                continue  # no block fits: the GGUF format keeps the tensor as it is
+            stored, dtype, _ = fitted.code_layout(shape)
+            assert dtype in ("I8", "U8")  # one byte per element of the layout
+            assert math.prod(stored) == fitted.code_nbytes(shape), (spec, shape)

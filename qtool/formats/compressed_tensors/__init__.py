@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from qtool.errors import InputError
 from qtool.formats import detect, registry
-from qtool.spec import FormatName, QSpec
+from qtool.spec import Codec, FormatName, as_grid
 
 if TYPE_CHECKING:
     from qtool.formats.base import FloatReader, FormatContext, OutputFormat
@@ -69,11 +69,11 @@ detect.register("compressed-tensors-file", registry.lazy(_FOUND, "shard_file"))
 detect.register_header(registry.lazy(_FOUND, "header"))
 
 
-def _refuses(spec: QSpec) -> str | None:
+def _refuses(spec: Codec) -> str | None:
     from qtool.formats.compressed_tensors.selection import check_spec
 
     try:
-        check_spec(spec)
+        check_spec(as_grid(spec))  # the registry asks only of the codecs it stores
     except ValueError as err:
         return str(err)
     return None

@@ -27,6 +27,7 @@ from qtool.spec import (
     QSpec,
     Scheme,
     StorageDtype,
+    as_grid,
 )
 
 FORMAT = FormatName.COMPRESSED_TENSORS.value
@@ -175,6 +176,7 @@ def _select_one(planned: Ruled, config: Mapping[str, object], linears: Linears |
         return Selection(entry, kind.module, None, reason)
     if kind.fixed or (kind.reason and not ruling.by_name):
         return Selection(entry, kind.module, None, kind.reason)
+    spec = as_grid(spec)  # the registry lets only grids reach this format
     try:
         check_spec(spec)
     except ValueError as err:

@@ -30,7 +30,7 @@ from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.numerics.kernels import QuantizedTensor
 from qtool.numerics.range_methods import search_candidates
-from qtool.spec import PerGroup, QSpec
+from qtool.spec import Codec, PerGroup, as_grid
 
 
 def read_model_config(path: Path | None, within: InputDir | None = None) -> dict[str, object]:
@@ -118,16 +118,17 @@ class CompressedTensorsFormat(OutputFormat):
         """The export's view of one planned tensor: its Linear module (None: not a Linear)."""
         entry = planned.entry
         if planned.spec is not None:
-            return ct.Selection(entry, entry.name[: -len(".weight")], planned.spec)
+            return ct.Selection(entry, entry.name[: -len(".weight")], as_grid(planned.spec))
         return ct.Selection(entry, ct.classify(entry, self.config, self._linears).module, None)
 
     def _selections(self, planned: Sequence[Planned]) -> list[ct.Selection]:
         self.linears(planned)
         return [self._selection(p) for p in planned]
 
-    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+    def supports(self, entry: TensorEntry, spec: Codec) -> str | None:
         """Why `entry` cannot be stored with `spec` (unsigned codes, another axis, groups that
         do not divide its rows), or None."""
+        spec = as_grid(spec)  # the registry lets only grids reach this format
         try:
             ct.check_spec(spec)
         except ValueError as err:
@@ -157,8 +158,9 @@ class CompressedTensorsFormat(OutputFormat):
     def fused_key(self, name: str) -> str | None:
         return ct.fused_key(name.removesuffix(".weight"))
 
-    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
-        return ct.output_nbytes(ct.Selection(entry, entry.name.removesuffix(".weight"), spec))
+    def stored_nbytes(self, entry: TensorEntry, spec: Codec | None) -> int:
+        grid = None if spec is None else as_grid(spec)
+        return ct.output_nbytes(ct.Selection(entry, entry.name.removesuffix(".weight"), grid))
 
     def ignore(self, planned: Sequence[Planned]) -> list[str]:
         """Every Linear kept in float, by exact module name (those with no weight included)."""
@@ -176,7 +178,7 @@ class CompressedTensorsFormat(OutputFormat):
         candidates = {
             p.entry.name: list(c)
             for p in planned
-            if p.spec is not None and (c := search_candidates(p.spec, p.entry.shape)) is not None
+            if p.spec is not None and (c := search_candidates(as_grid(p.spec), p.entry.shape))
         }
         qconfig = ct_config.quantization_config(
             selections,
@@ -259,11 +261,11 @@ class CtShardWriter:
     def keep(self, entry: TensorEntry, data: memoryview) -> None:
         self._tensor(entry.name, data)
 
-    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+    def quantized(self, entry: TensorEntry, spec: Codec, result: QuantizedTensor) -> None:
         module = self._modules[entry.name]
         assert module is not None
         n, k = entry.shape
-        tensors = encode_result(result, spec, (n, k), ST_TO_TORCH[entry.dtype])
+        tensors = encode_result(result, as_grid(spec), (n, k), ST_TO_TORCH[entry.dtype])
         for local, t in tensors.items():
             self._tensor(f"{module}.{local}", tensor_bytes(t))
         warning = fp16_underflow_warning(entry.name, tensors["weight_scale"])

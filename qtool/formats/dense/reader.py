@@ -11,7 +11,7 @@ import torch
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import Detected
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
-from qtool.spec import QSpec
+from qtool.spec import Codec
 
 
 class DenseReader:
@@ -30,7 +30,7 @@ class DenseReader:
     def metadata(self) -> dict[str, str] | None:
         return self.ckpt.metadata
 
-    def quantization(self, name: str) -> QSpec | None:
+    def quantization(self, name: str) -> Codec | None:
         return None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -102,7 +102,7 @@ class ShardedReader:
     def metadata(self) -> dict[str, str] | None:
         return self.parts[0].metadata if self.parts else None
 
-    def quantization(self, name: str) -> QSpec | None:
+    def quantization(self, name: str) -> Codec | None:
         return self._by_name[name].quantization(name)
 
     def shape(self, name: str) -> tuple[int, ...]:

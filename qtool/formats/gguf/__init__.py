@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from qtool.errors import InputError, UsageError
 from qtool.formats import detect, registry
 from qtool.formats.detect import Detected, Probe
-from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, gguf_spec
+from qtool.spec import GGUF_QUANTIZE_TYPES, Codec, FormatName, GGUFSpec, gguf_spec
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 NAME = FormatName.GGUF.value
 MAGIC = b"GGUF"
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
-LADDER: tuple[QSpec, ...] = tuple(gguf_spec(t) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"))
+LADDER: tuple[Codec, ...] = tuple(gguf_spec(t) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"))
 """The error budget's default ladder for --format gguf: llama.cpp's K-types, then Q8_0."""
 
 
@@ -90,10 +90,13 @@ def _output(context: FormatContext) -> OutputFormat:
     return output_format(context.inputs)
 
 
-def _refuses(spec: QSpec) -> str | None:
-    if spec.gguf is None:
-        return (f"--format gguf stores llama.cpp's block types, not {spec.describe()}: give one "
-                f"of {', '.join(GGUF_QUANTIZE_TYPES)}")  # fmt: skip
+def _foreign(spec: Codec) -> str:
+    return (f"--format gguf stores llama.cpp's block types, not {spec.describe()}: give one "
+            f"of {', '.join(GGUF_QUANTIZE_TYPES)}")  # fmt: skip
+
+
+def _refuses(spec: Codec) -> str | None:
+    assert isinstance(spec, GGUFSpec)  # the registry asks only of the codecs it stores
     if spec.gguf.name not in GGUF_QUANTIZE_TYPES:
         types = ", ".join(GGUF_QUANTIZE_TYPES)
         return f"qtool cannot quantize to {spec.gguf.name}; use one of {types}"
@@ -124,7 +127,8 @@ detect.register("gguf", _gguf)
 registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
-        ladder=LADDER, matcher=_matcher, dequantize_float=True, stores_gguf=True,
+        ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf",),
+        foreign=_foreign,
         float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
         input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
         help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",

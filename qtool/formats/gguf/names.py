@@ -29,7 +29,7 @@ from qtool.formats.gguf.reader import INSTALL_GGUF, GGUFFloatReader
 from qtool.formats.gguf.summary import ARCH_KEY
 from qtool.formats.registry import Matched
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
-from qtool.spec import QSpec
+from qtool.spec import Codec
 
 # architectures whose converter permutes attn_q/attn_k rows from the Hugging Face layout with
 # LlamaModel.permute (conversion/llama.py and its subclasses, deepseek.py, llada.py)
@@ -251,7 +251,7 @@ class HFView:
     def dtype(self, name: str) -> str:
         return self.reader.dtype(self._gguf[name])
 
-    def quantization(self, name: str) -> QSpec | None:
+    def quantization(self, name: str) -> Codec | None:
         return self.reader.quantization(self._gguf[name])
 
     def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

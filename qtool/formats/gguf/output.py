@@ -28,14 +28,14 @@ from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import align
 from qtool.io.stformat import TensorEntry
-from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName, QSpec, fit_spec, gguf_nbytes
+from qtool.spec import GGUF_QUANTIZE_TYPES, Codec, FormatName, GGUFSpec, gguf_nbytes
 
 if TYPE_CHECKING:
     from qtool.io.atomic import OutputSet
 
 NAME = FormatName.GGUF.value
 SUFFIX = ".gguf"
-_Q8_0 = QSpec(gguf=GGML_TYPES["Q8_0"])
+_Q8_0 = GGUFSpec(GGML_TYPES["Q8_0"])
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class GGUFChoice:
     """The format's decision for one tensor (formats.base.Choice)."""
 
     entry: TensorEntry
-    spec: QSpec | None
+    spec: Codec | None
     reason: str = ""
     note: str = ""
     nbytes: int = 0
@@ -73,7 +73,7 @@ class GGUFFormat(OutputFormat):
         if spec is None:
             nbytes = self._padded(entry.nbytes)
             return GGUFChoice(entry, None, planned.decision.reason, "", nbytes, entry.dtype)
-        if spec.gguf is None:
+        if not isinstance(spec, GGUFSpec):
             decision = planned.decision
             if decision.budget:  # the budget holds it (int8 per channel) until it has chosen
                 nbytes = self.stored_nbytes(entry, spec)
@@ -88,10 +88,10 @@ class GGUFFormat(OutputFormat):
         nbytes = self._padded(gguf_nbytes(spec, entry.shape))
         return GGUFChoice(entry, spec, "", planned.decision.note, nbytes, spec.gguf.name)
 
-    def supports(self, entry: TensorEntry, spec: QSpec) -> str | None:
+    def supports(self, entry: TensorEntry, spec: Codec) -> str | None:
         """None when llama.cpp takes `entry` quantized with `spec` (fitted: its fallback type
         already), else why it is kept as it is."""
-        if spec.gguf is None:
+        if not isinstance(spec, GGUFSpec):
             return _not_gguf(spec)
         why = kept_by_llama(entry.name, tuple(reversed(entry.shape)), self.arch)
         if why is not None:
@@ -106,13 +106,13 @@ class GGUFFormat(OutputFormat):
                     "kept as it is (llama-quantize writes F16)")  # fmt: skip
         return None
 
-    def stored_nbytes(self, entry: TensorEntry, spec: QSpec | None) -> int:
+    def stored_nbytes(self, entry: TensorEntry, spec: Codec | None) -> int:
         """Bytes in the output, the padding to the file's alignment after it included; an
         integer spec (the budget's all-int8 reference) counts as Q8_0, GGUF's 8-bit type."""
         if spec is None:
             return self._padded(entry.nbytes)
-        gguf = spec if spec.gguf is not None else _Q8_0
-        fitted, _ = fit_spec(gguf, entry.shape)
+        gguf = spec if isinstance(spec, GGUFSpec) else _Q8_0
+        fitted, _ = gguf.fit(entry.shape)
         if self.supports(entry, fitted) is not None:
             return self._padded(entry.nbytes)
         return self._padded(gguf_nbytes(fitted, entry.shape))
@@ -139,7 +139,7 @@ class GGUFFormat(OutputFormat):
         return GGUFShardWriter(self.header, planned, out, outputs)
 
 
-def _not_gguf(spec: QSpec) -> str:
+def _not_gguf(spec: Codec) -> str:
     return (f"{spec.describe()} is not a GGUF type; --format gguf stores llama.cpp's block "
             f"types ({', '.join(GGUF_QUANTIZE_TYPES)})")  # fmt: skip
 

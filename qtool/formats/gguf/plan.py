@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from qtool.formats.gguf.ftype import guess_ftype
 from qtool.gguf_types import FLOAT_TYPES, GGMLType
 from qtool.io.gguf_layout import GGUFTensorInfo
-from qtool.spec import QSpec, gguf_stored_type
+from qtool.spec import Codec, GGUFSpec, gguf_stored_type
 
 # name fragments llama-quantize never quantizes (tensor_allows_quantization), with why
 _KEPT_FRAGMENTS: tuple[tuple[str, str], ...] = (
@@ -93,7 +93,7 @@ class TensorChoice:
 
     info: GGUFTensorInfo
     stored: GGMLType
-    spec: QSpec | None
+    spec: Codec | None
     reason: str = ""
     note: str = ""
 
@@ -104,7 +104,7 @@ class TensorChoice:
 
 def choose(
     tensors: Sequence[GGUFTensorInfo],
-    asked: Mapping[str, QSpec | None] | Callable[[GGUFTensorInfo], QSpec | None],
+    asked: Mapping[str, Codec | None] | Callable[[GGUFTensorInfo], Codec | None],
     arch: str,
 ) -> list[TensorChoice]:
     """Each tensor's type in llama-quantize's order, given the GGUF spec asked for each (None or
@@ -115,10 +115,10 @@ def choose(
     return [_choice(by_name[n], ask(by_name[n]), arch) for n in llama_order(list(by_name))]
 
 
-def _choice(info: GGUFTensorInfo, spec: QSpec | None, arch: str) -> TensorChoice:
+def _choice(info: GGUFTensorInfo, spec: Codec | None, arch: str) -> TensorChoice:
     if spec is None:
         return TensorChoice(info, info.type, None, "not asked to be quantized")
-    if spec.gguf is None:
+    if not isinstance(spec, GGUFSpec):
         raise ValueError(f"{info.name}: {spec.describe()} is not a GGUF type")
     why = kept_by_llama(info.name, info.shape, arch)
     if why is not None:

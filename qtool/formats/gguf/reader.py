@@ -5,7 +5,7 @@ through gguf.quants when gguf is installed.
 
     with GGUFFloatReader(path) as r:
         r.shape("blk.0.attn_q.weight")        (576, 576)
-        r.quantization(...)                   QSpec naming Q4_K (None: stored as it is)
+        r.quantization(...)                   GGUFSpec Q4_K (None: stored as it is)
         r.values(...)                         torch.float32 (576, 576)
 """
 
@@ -29,7 +29,7 @@ from qtool.gguf_types import GGMLType
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.numerics import gguf as kernels
-from qtool.spec import QSpec, gguf_spec, is_gguf_name
+from qtool.spec import Codec, gguf_spec, is_gguf_name
 
 # GGUF types stored as plain numbers -> (their dtype name, the torch dtype they read as)
 PLAIN: dict[str, torch.dtype] = {
@@ -77,7 +77,7 @@ class GGUFFloatReader:
         t = self._infos[name].type.name
         return t if t in PLAIN else "F32"
 
-    def quantization(self, name: str) -> QSpec | None:
+    def quantization(self, name: str) -> Codec | None:
         t = self._infos[name].type
         return gguf_spec(t) if is_gguf_name(t.name) else None
 

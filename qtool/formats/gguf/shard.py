@@ -23,7 +23,7 @@ from qtool.io.atomic import describe_os_error
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
 from qtool.io.stformat import TensorEntry
-from qtool.spec import QSpec
+from qtool.spec import Codec, GGUFSpec
 
 if TYPE_CHECKING:
     from qtool.io.atomic import OutputSet
@@ -54,7 +54,7 @@ class GGUFShardWriter:
     def keep(self, entry: TensorEntry, data: memoryview) -> None:
         self._guard(lambda: self._stream.write(data))
 
-    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+    def quantized(self, entry: TensorEntry, spec: Codec, result: QuantizedTensor) -> None:
         codes = result.q.cpu().contiguous().numpy()
         self._guard(lambda: self._stream.write(codes))
 
@@ -69,9 +69,9 @@ class GGUFShardWriter:
             raise OutputError(self._out, f"cannot write: {describe_os_error(err)}") from None
 
 
-def _stored(spec: QSpec | None, own: GGMLType) -> GGMLType:
+def _stored(spec: Codec | None, own: GGMLType) -> GGMLType:
     """The tensor's type in the output: the (fitted) spec's, or its own when kept."""
-    return spec.gguf if spec is not None and spec.gguf is not None else own
+    return spec.gguf if isinstance(spec, GGUFSpec) else own
 
 
 def _int(value: object) -> int | None:

@@ -32,7 +32,7 @@ from qtool.io.atomic import OutputSet
 from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.io.writer import StreamingWriter
-from qtool.spec import FormatName, QSpec, packed_shape
+from qtool.spec import Codec, FormatName, as_grid
 
 if TYPE_CHECKING:
     import torch
@@ -42,12 +42,12 @@ if TYPE_CHECKING:
 _PLACEHOLDER_DIGEST = "0" * 64
 
 
-def stored_dtype_shape(entry: TensorEntry, spec: QSpec | None) -> tuple[str, tuple[int, ...]]:
+def stored_dtype_shape(entry: TensorEntry, spec: Codec | None) -> tuple[str, tuple[int, ...]]:
     """How a tensor is stored in the quantized file: as it is, or its (packed) codes."""
     if spec is None:
         return entry.dtype, entry.shape
-    shape = packed_shape(entry.shape) if spec.dtype.packed else entry.shape
-    return spec.dtype.safetensors_dtype, shape
+    shape, dtype, _ = spec.code_layout(entry.shape)
+    return dtype, shape
 
 
 def _patch_digests(header_bytes: bytes, digests: dict[str, str]) -> bytes:
@@ -138,7 +138,7 @@ class QtoolShardWriter:
     def keep(self, entry: TensorEntry, data: memoryview) -> None:
         self._writer.write(entry.name, data)
 
-    def quantized(self, entry: TensorEntry, spec: QSpec, result: QuantizedTensor) -> None:
+    def quantized(self, entry: TensorEntry, spec: Codec, result: QuantizedTensor) -> None:
         from qtool.io.checkpoint import tensor_bytes
 
         self._writer.write(entry.name, tensor_bytes(result.q.cpu()))
@@ -182,8 +182,8 @@ class QtoolShardWriter:
         from qtool.numerics.range_methods import search_candidates
 
         planned = self._planned[name]
-        spec = planned.spec
-        assert spec is not None
+        assert planned.spec is not None
+        spec = as_grid(planned.spec)  # the registry lets only grids reach this format
         candidates = search_candidates(spec, planned.entry.shape)
         method = self._methods.get(name)
         return Record(spec, planned.entry.dtype, planned.entry.shape, candidates, method)

@@ -1,5 +1,5 @@
 """One tensor quantized to a GGUF block type as the quantize loop and the error budget take it
-(numerics.quantize.quantize_tensor hands a spec naming a GGUF type here):
+(numerics/quantize.py dispatches a GGUFSpec here, through codec.py):
 
     quantize_tensor(x, gguf_spec("Q4_K"))  QuantizedTensor: q the raw ggml blocks of x's rows
                                            (uint8 (rows, row_bytes)), scale each block's scale
@@ -20,14 +20,15 @@ from qtool.numerics import gguf, metrics
 from qtool.numerics.gguf import fast
 from qtool.numerics.kernels import QuantizedTensor
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.spec import QSpec
+from qtool.spec import GGUFSpec
 
 
-def quantize_tensor(x: torch.Tensor, spec: QSpec, *, with_errors: bool = True) -> QuantizedTensor:
+def quantize_tensor(
+    x: torch.Tensor, spec: GGUFSpec, *, with_errors: bool = True
+) -> QuantizedTensor:
     """x's rows as `spec`'s GGUF blocks, with the error of their dequantization (ValueError for
     rows that are not whole blocks or a type qtool cannot quantize to)."""
     t = spec.gguf
-    assert t is not None
     if x.ndim == 0 or x.shape[-1] % t.block_size:
         row = x.shape[-1] if x.ndim else 1
         raise ValueError(f"rows of {row} are not whole {t.name} blocks of {t.block_size}")

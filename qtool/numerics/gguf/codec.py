@@ -1,0 +1,52 @@
+"""GGUFSpec's kernels as numerics/quantize.py dispatches to them: quantize a tensor to its
+blocks, restore it as ggml does, and tell the kernel choice a run's work up front."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from qtool.numerics import gguf
+from qtool.numerics.gguf import fast
+from qtool.numerics.gguf.tensor import quantize_tensor
+from qtool.numerics.kernels import QuantizedTensor, Workspace
+from qtool.numerics.quantize import Kernels, Work
+from qtool.spec import GGUFSpec
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: GGUFSpec,
+    *,
+    with_errors: bool,
+    scale_dtype: torch.dtype,
+    workspace: Workspace | None,
+    weights: object = None,
+) -> QuantizedTensor:
+    """x's rows as `spec`'s blocks (tensor.py; the scale dtype and workspace mean nothing to
+    them: the block's own fp16 scales are stored; `weights`, an importance matrix, are refused
+    until the GGUF kernels take one)."""
+    if weights is not None:
+        raise ValueError("GGUF types do not take an importance matrix yet")
+    return quantize_tensor(x, spec, with_errors=with_errors)
+
+
+def restored(x: torch.Tensor, spec: GGUFSpec) -> torch.Tensor:
+    """x's blocks dequantized as ggml does (float32)."""
+    blocks = quantize_tensor(x, spec, with_errors=False).q
+    return gguf.dequantize(blocks, spec.gguf).view(x.shape)
+
+
+def expect(device: torch.device, work: Sequence[Work]) -> None:
+    """The GGUF kernels choose by the whole run's work too (on the CPU): one slab at a time,
+    each call would look too small to be worth loading numba for."""
+    if device.type == "cpu":
+        specs = [(shape, s) for shape, _, s in work if isinstance(s, GGUFSpec)]
+        fast.expect(
+            sum(fast.torch_seconds(s.gguf.name, math.prod(shape), True) for shape, s in specs)
+        )
+
+
+KERNELS = Kernels(quantize, restored, expect)

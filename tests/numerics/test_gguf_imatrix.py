@@ -88,3 +88,26 @@ def test_weights_of_another_shape_negative_or_not_finite_are_a_value_error(
 ) -> None:
     with pytest.raises(ValueError, match="quant_weights must be"):
         G.quantize(torch.zeros(2, 512), "Q4_K", quant_weights=qw)
+
+
+@pytest.mark.parametrize("qtype", WEIGHTED)
+def test_the_fused_kernels_give_the_c_bytes(qtype: str) -> None:
+    pytest.importorskip("numba")
+    x, qw = torch.from_numpy(X), torch.from_numpy(QW)
+    ours = np.stack(
+        [G.quantize(x[r], qtype, quant_weights=qw[r], kernel=Kernel.FUSED).numpy()
+         for r in range(len(X))]
+    )  # fmt: skip
+    bad = np.nonzero((ours != GOLDEN[qtype.lower()]).any(axis=1))[0]
+    assert bad.tolist() == []
+
+
+@pytest.mark.parametrize("qtype", WEIGHTED)
+def test_fused_and_torch_kernels_agree_on_other_rows_and_weights(qtype: str) -> None:
+    """Rows of 768 (3 super-blocks, 24 legacy blocks) with weights of every magnitude."""
+    pytest.importorskip("numba")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 768, generator=g) * torch.logspace(-3, 2, 16)[:, None]
+    for qw in (torch.rand(768, generator=g) ** 4, torch.exp(torch.randn(768, generator=g) * 3)):
+        fused = G.quantize(x, qtype, quant_weights=qw, kernel=Kernel.FUSED)
+        assert torch.equal(fused, G.quantize(x, qtype, quant_weights=qw, kernel=Kernel.TORCH))

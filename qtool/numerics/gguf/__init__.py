@@ -163,6 +163,9 @@ def _weighted(
     n = x.shape[-1]
     rows = x.reshape(-1, n).to(torch.float32)
     per_row = n // t.block_size
+    if fast.chosen_weighted(t.name, rows.device, rows.numel(), kernel):
+        out = fast.quantize_weighted(rows, qw, t.name, per_row * t.type_size)
+        return out.view(*x.shape[:-1], per_row * t.type_size)
     out = torch.empty(rows.shape[0], per_row * t.type_size, dtype=torch.uint8, device=x.device)
     legacy_fn, chunk = WEIGHTED_ROW.get(t.name, (None, 0))
     k_fn, chunk = WEIGHTED.get(t.name, (None, chunk))

@@ -46,7 +46,7 @@ class _Loader:
             try:
                 self.modules = {
                     name: importlib.import_module(f"qtool.numerics.gguf.{name}")
-                    for name in ("jit", "jit_k", "jit_q6k", "jit_deq_k")
+                    for name in ("jit", "jit_k", "jit_q6k", "jit_deq_k", "jit_w")
                 }
             except Exception as err:  # a broken numba leaves the torch kernels in charge
                 self.error = err
@@ -102,6 +102,37 @@ def chosen(
     if _LOADER.modules is None and not _LOADER.tried:
         expect(torch_seconds(qtype, n_floats, quantize))
     return _LOADER.modules is not None
+
+
+WEIGHTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+"""The types the fused kernels quantize with quant_weights (jit_w.py): all that take them."""
+
+
+def chosen_weighted(
+    qtype: str, device: torch.device, n_floats: int, kernel: select.Kernel | None = None
+) -> bool:
+    """Whether quantize with quant_weights runs the fused kernels (as `chosen`; the torch
+    kernels' rate is the K-quants')."""
+    kernel = kernel or select.requested()
+    if kernel is select.Kernel.TORCH or device.type != "cpu" or qtype not in WEIGHTED_TYPES:
+        return False
+    if kernel is select.Kernel.FUSED:
+        return _LOADER.now() is not None
+    if _LOADER.modules is None and not _LOADER.tried:
+        expect(4 * n_floats / TORCH_RATE["K"])
+    return _LOADER.modules is not None
+
+
+def quantize_weighted(rows: torch.Tensor, qw: torch.Tensor, qtype: str, width: int) -> torch.Tensor:
+    """(r, width) uint8 of float32 CPU rows (r, n) with quant_weights qw (n,), by jit_w."""
+    jit = _LOADER.now()
+    _threads()
+    x = np.ascontiguousarray(rows.detach().numpy())
+    w = np.ascontiguousarray(qw.detach().numpy())
+    out = np.empty((x.shape[0], width), dtype=np.uint8)
+    if x.shape[0]:
+        jit["jit_w"].quantize_weighted(x, w, out, jit["jit_w"].KINDS[qtype])
+    return torch.from_numpy(out)
 
 
 def _threads() -> None:

@@ -154,7 +154,7 @@ def quantize(
         plot = plot_target(plot, src, "quantize")
         summary = _run(src, out, options, api.Mode(mode), device, threads, force, plot)
         run.written = [] if summary.dry_run else list(summary.outputs)
-        _notes(summary)
+        _notes(summary, as_json)
         if plot is not None:
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
@@ -228,8 +228,9 @@ def _run(
         )  # fmt: skip
 
 
-def _notes(summary: QuantizeSummary) -> None:
-    """The run's notes; the Linear layers a compressed-tensors export kept in float, if any."""
+def _notes(summary: QuantizeSummary, as_json: bool) -> None:
+    """The run's notes; the Linear layers a compressed-tensors export kept in float, if any
+    (summarised; not under --json, whose `ignore` lists them)."""
     print_notes(summary.notes)
     methods = [r.decided_by.method for r in summary.rows if r.decided_by is not None]
     chosen = [m for m in methods if m is not None]
@@ -239,8 +240,8 @@ def _notes(summary: QuantizeSummary) -> None:
         report.print_note(f"{name} kept for {len(kept)} of {len(chosen)} Linear layers of the "
                           "decoder blocks; the others rounded to nearest (the table says "
                           "why)")  # fmt: skip
-    if summary.ignore:
-        report.print_note(f"ignore (Linear layers kept in float): {', '.join(summary.ignore)}")
+    if summary.ignore and not as_json:
+        report.print_note(report.ignore_note(summary.ignore))
 
 
 def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:

@@ -146,6 +146,21 @@ def print_line(message: str) -> None:
     emit(sys.stdout, _plain(layout.phrases([safe(message)], width_of(sys.stdout))))
 
 
+IGNORE_SHOWN = 4
+"""Module names the ignore line shows; the JSON's `ignore` lists them all."""
+
+
+def ignore_note(names: Sequence[str]) -> str:
+    """The Linear layers an export keeps in float, in one short line: every name when there
+    are few, else their count and the first IGNORE_SHOWN (a model of 211 names a screenful)."""
+    head = "ignore (Linear layers kept in float): "
+    if len(names) <= IGNORE_SHOWN:
+        return head + ", ".join(names)
+    first = ", ".join(names[:IGNORE_SHOWN])
+    more = len(names) - IGNORE_SHOWN
+    return f"{head}{len(names):,} layers: {first} and {more:,} more (--json lists them all)"
+
+
 def print_note(message: str) -> None:
     """One informational line on stderr (stdout stays the report or the JSON)."""
     console(sys.stderr).print(Text.assemble("qtool: ", safe(message)), soft_wrap=True)

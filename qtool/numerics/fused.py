@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from qtool.numerics import fused_jit as jit
+from qtool.numerics import numba_pool
 from qtool.numerics.fused_sums import key_value
 from qtool.numerics.kernels import QuantizedTensor
 from qtool.numerics.metrics import CHUNK, chunk_count, exact_sum, unit_elems
@@ -62,6 +63,7 @@ class Fused:
 
 def set_threads(n: int) -> None:
     """Run the parallel kernels on n threads (as many as torch uses; numba's pool is the cap)."""
+    numba_pool.start()
     n = max(1, min(n, vars(numba.config)["NUMBA_NUM_THREADS"]))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
@@ -70,6 +72,7 @@ def set_threads(n: int) -> None:
 def warm_up() -> None:
     """Load the machine code of the common kernels (fp32 and bf16 rows, 8-bit codes) and start
     numba's thread pool, so that the first real tensor pays only its own time."""
+    numba_pool.start()
     for dtype in (torch.float32, torch.bfloat16):
         quantize_tensor(torch.zeros(2, 2, dtype=dtype), QSpec())
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from qtool.errors import UsageError
-from qtool.numerics import metrics, select
+from qtool.numerics import metrics, numba_pool, select
 from qtool.results import ErrorStats
 
 LEGACY = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4}
@@ -138,6 +138,7 @@ def quantize_weighted(rows: torch.Tensor, qw: torch.Tensor, qtype: str, width: i
 def _threads() -> None:
     import numba
 
+    numba_pool.start()
     n = max(1, min(torch.get_num_threads(), vars(numba.config)["NUMBA_NUM_THREADS"]))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)

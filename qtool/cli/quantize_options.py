@@ -12,6 +12,7 @@ import typer
 from qtool.cli.help import HOW, OUTPUT, RUN, SELECT, choices
 from qtool.cli.inputs import QUANTIZE_INPUT
 from qtool.cli.lazy import api, report
+from qtool.codecs.gguf import GGUF_MIXES, gguf_mix
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
     Codec,
@@ -41,6 +42,8 @@ def dtype_value(value: str) -> str:
     """--dtype: an integer code type (int8, ...) or a GGUF block type (Q4_K, any case)."""
     if value.lower() in _INT_DTYPES:
         return value.lower()
+    if value.upper() in GGUF_MIXES:  # llama.cpp's Q4_K_M, ...
+        return value.upper()
     try:
         spec = gguf_quantize_spec(value)
     except ValueError as err:
@@ -89,7 +92,7 @@ def gguf_cli_spec(
                 f"{dtype} is a GGUF block type, which fixes its own scales and groups; drop {flag}",
                 param_hint=flag,
             )
-    return gguf_quantize_spec(dtype)
+    return gguf_mix(dtype) if dtype in GGUF_MIXES else gguf_quantize_spec(dtype)
 
 
 InputArg = Annotated[Path, typer.Argument(metavar="INPUT", help=QUANTIZE_INPUT, show_default=False)]

@@ -12,9 +12,16 @@ from dataclasses import dataclass
 from qtool.codecs.base import Codec
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES, GGMLType, fallback_type
 
-GGUF_QUANTIZE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_QUANTIZE_TYPES = (
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
 """The GGUF types qtool quantizes to, byte-identical to llama.cpp's reference quantizers (a
 GGUF file read may hold any other; its tensors' specs name those too)."""
+GGUF_MIXES = {"Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K",
+              "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K"}  # fmt: skip
+"""llama.cpp's named mixes (`llama-quantize in.gguf out.gguf Q4_K_M`) qtool writes, with the
+type of the tensors no rule of the mix changes; the GGUF format gives each tensor its type
+(formats/gguf/mixes.py). A type's own name stays that type alone (llama-quantize --pure)."""
 _NOT_BLOCKS = (*FLOAT_TYPES, "F64", "I8", "I16", "I32", "I64")
 
 
@@ -23,48 +30,56 @@ class GGUFSpec(Codec, kind="gguf", what="a GGUF block type"):
     """A GGUF block type ('Q4_K'); build one with gguf_spec. Its label is the type's name."""
 
     gguf: GGMLType
+    mix: str = ""  # a named mix (GGUF_MIXES): gguf is its default type until the format decides
     whole = True
 
     def __post_init__(self) -> None:
         if self.gguf.name in _NOT_BLOCKS:
             raise ValueError(f"{self.gguf.name} is not a quantized GGUF type (a tensor of it "
                              "is kept)")  # fmt: skip
+        if self.mix and GGUF_MIXES.get(self.mix) != self.gguf.name:
+            raise ValueError(f"{self.mix} is not a llama.cpp mix of {self.gguf.name}")
 
     @classmethod
     def from_label(cls, text: str, *, writable: bool = False) -> GGUFSpec | None:
         words = text.split()
-        if not any(is_gguf_name(w) for w in words):
+        if not any(is_gguf_name(w) or w.upper() in GGUF_MIXES for w in words):
             return None
         if len(words) > 1:
             raise ValueError(f"'{text}': a GGUF type fixes its block layout; name it alone")
+        if words[0].upper() in GGUF_MIXES:
+            return gguf_mix(words[0])
         return gguf_quantize_spec(words[0]) if writable else gguf_spec(words[0])
 
     @classmethod
     def names(cls, word: str) -> bool:
-        return is_gguf_name(word)
+        return is_gguf_name(word) or word.upper() in GGUF_MIXES
 
     @classmethod
     def from_dtype(cls, word: str) -> GGUFSpec | None:
+        if word.upper() in GGUF_MIXES:
+            return gguf_mix(word)
         return gguf_quantize_spec(word) if is_gguf_name(word) else None
 
     def describe(self) -> str:
-        return self.gguf.name
+        return self.mix or self.gguf.name
 
     def label(self) -> str:
-        return self.gguf.name
+        return self.mix or self.gguf.name
 
     def to_json(self) -> dict[str, object]:
-        return gguf_json(self.gguf)
+        return {**gguf_json(self.gguf), "mix": self.mix} if self.mix else gguf_json(self.gguf)
 
     @property
     def tag(self) -> str:
-        return self.gguf.name
+        return self.mix or self.gguf.name
 
     def fit(self, shape: tuple[int, ...]) -> tuple[GGUFSpec, str]:
         """A type whose blocks do not fit the rows of a 2+-D tensor becomes llama-quantize's
         fallback type (Q4_K -> Q5_0); when no block type fits (llama-quantize writes F16) it
-        is left as it is, for the GGUF format to keep."""
-        if len(shape) < 2:
+        is left as it is, for the GGUF format to keep. A mix is left as it is: the GGUF format
+        gives each tensor its type (and that type's fallback) over the whole model."""
+        if len(shape) < 2 or self.mix:
             return self, ""
         stored = gguf_stored_type(self, shape)
         if stored == self.gguf or stored.name in _NOT_BLOCKS:
@@ -102,6 +117,14 @@ def gguf_spec(name: str | GGMLType) -> GGUFSpec:
             f"'{name}' is not a GGUF type; use one of {', '.join(GGUF_QUANTIZE_TYPES)}"
         )
     return GGUFSpec(found)
+
+
+def gguf_mix(name: str) -> GGUFSpec:
+    """The spec of llama.cpp's mix `name` ('Q4_K_M', any case; GGUF_MIXES); ValueError else."""
+    mix = name.upper()
+    if mix not in GGUF_MIXES:
+        raise ValueError(f"'{name}' is not a llama.cpp mix; use one of {', '.join(GGUF_MIXES)}")
+    return GGUFSpec(GGML_TYPES[GGUF_MIXES[mix]], mix)
 
 
 def gguf_quantize_spec(name: str) -> GGUFSpec:

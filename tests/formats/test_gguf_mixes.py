@@ -112,3 +112,23 @@ def test_file_types_are_llama_ftype_values() -> None:
         "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11,
         "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17,
         "Q6_K": 18}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["Q4_K_M", "Q3_K_S", "Q5_K_M"])
+def test_dtype_names_a_mix_on_the_command_line(
+    name: str, tiny: tuple[list[GGUFTensorInfo], ModelFacts], tmp_path: Path, invoke: Invoke
+) -> None:
+    """`quantize --format gguf --dtype Q4_K_M` writes each tensor in the mix's type and
+    general.file_type as llama-quantize does (15 for Q4_K_M)."""
+    tensors, facts = tiny
+    d = tmp_path / "hf"
+    M.make_hf_llama(d)
+    src = M.write_float_gguf(d, d / "f32.gguf")
+    out = tmp_path / f"out.{name}.gguf"
+    code, _, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", name.lower(),
+                          "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    with GGUFFile(out) as f:
+        written = {t.name: t.type.name for t in f.header.tensors if t.type.name != "F32"}
+        assert f.header.metadata["general.file_type"].value == MIXES[name].ftype
+    assert written == mix_types(MIXES[name], tensors, facts)

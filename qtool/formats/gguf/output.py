@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, OutputFormat, Planned, Ruled, ShardWriter
+from qtool.formats.gguf.mixes import MIXES, ModelFacts, mix_types
 from qtool.formats.gguf.plan import kept_by_llama
 from qtool.formats.gguf.summary import ARCH_KEY, refuse_split
 from qtool.gguf_types import FLOAT_TYPES, GGML_TYPES
@@ -64,12 +65,40 @@ class GGUFFormat(OutputFormat):
         self.source = source
         arch = self.header.metadata.get(ARCH_KEY)
         self.arch = arch.value if arch is not None and isinstance(arch.value, str) else ""
+        self._mixes: dict[str, dict[str, str]] = {}
+        self.file_type: int | None = None  # a mix's general.file_type, once select has run
 
     def select(self, planned: Sequence[Ruled]) -> list[Choice]:
-        return [self._choice(p) for p in planned]
+        choices: list[Choice] = [self._choice(p) for p in planned]
+        mixes = {p.spec.mix for p in planned if isinstance(p.spec, GGUFSpec) and p.spec.mix}
+        # llama-quantize writes its file type whatever --tensor-type overrides
+        self.file_type = MIXES[next(iter(mixes))].ftype if len(mixes) == 1 else None
+        return choices
+
+    def _unmixed(self, entry: TensorEntry, spec: GGUFSpec) -> tuple[GGUFSpec, str]:
+        """The type llama-quantize gives `entry` in `spec`'s mix (mixes.py, over the whole
+        model), with a note when a rule of the mix changed it; a tensor the mix leaves out
+        (llama-quantize keeps it) gets the mix's default type, which supports() then keeps."""
+        if spec.mix not in self._mixes:
+            try:
+                facts = ModelFacts.of(self.header.metadata)
+                self._mixes[spec.mix] = mix_types(MIXES[spec.mix], self.header.tensors, facts)
+            except ValueError as err:
+                raise InputError(
+                    self.source, f"{spec.mix} needs the model's shape: {err}"
+                ) from None
+        found = self._mixes[spec.mix].get(entry.name)
+        if found is None or found in FLOAT_TYPES:  # kept, or F16: supports() says why
+            return GGUFSpec(spec.gguf), ""
+        asked = spec.mix if found == spec.gguf.name else f"{spec.mix}: {found}"
+        fitted, note = GGUFSpec(GGML_TYPES[found]).fit(entry.shape)
+        return fitted, f"{asked}, {note}" if note else asked
 
     def _choice(self, planned: Ruled) -> GGUFChoice:
         entry, spec = planned.entry, planned.spec
+        mix_note = ""
+        if isinstance(spec, GGUFSpec) and spec.mix:
+            spec, mix_note = self._unmixed(entry, spec)
         if spec is None:
             nbytes = self._padded(entry.nbytes)
             return GGUFChoice(entry, None, planned.decision.reason, "", nbytes, entry.dtype)
@@ -86,7 +115,8 @@ class GGUFFormat(OutputFormat):
         if why is not None:
             return GGUFChoice(entry, None, why, "", self._padded(entry.nbytes), entry.dtype)
         nbytes = self._padded(gguf_nbytes(spec, entry.shape))
-        return GGUFChoice(entry, spec, "", planned.decision.note, nbytes, spec.gguf.name)
+        note = "; ".join(n for n in (planned.decision.note, mix_note) if n)
+        return GGUFChoice(entry, spec, "", note, nbytes, spec.gguf.name)
 
     def supports(self, entry: TensorEntry, spec: Codec) -> str | None:
         """None when llama.cpp takes `entry` quantized with `spec` (fitted: its fallback type
@@ -136,7 +166,7 @@ class GGUFFormat(OutputFormat):
     ) -> ShardWriter:
         from qtool.formats.gguf.shard import GGUFShardWriter
 
-        return GGUFShardWriter(self.header, planned, out, outputs)
+        return GGUFShardWriter(self.header, planned, out, outputs, self.file_type)
 
 
 def _not_gguf(spec: Codec) -> str:

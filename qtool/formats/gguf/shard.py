@@ -36,8 +36,15 @@ class GGUFShardWriter:
     """Receives the run's tensors in llama-quantize's order and streams them into `out`."""
 
     def __init__(
-        self, header: GGUFHeader, planned: Sequence[Planned], out: Path, outputs: OutputSet
+        self,
+        header: GGUFHeader,
+        planned: Sequence[Planned],
+        out: Path,
+        outputs: OutputSet,
+        file_type: int | None = None,
     ) -> None:
+        """`file_type`: general.file_type to write (a llama.cpp mix's); else llama.cpp's guess
+        from the types written."""
         self._out = out
         infos = header.by_name()
         by_name = {p.entry.name: p for p in planned}
@@ -46,7 +53,8 @@ class GGUFShardWriter:
         types = {n: _stored(by_name[n].spec, infos[n].type) for n in names}
         quantized = [types[n].name for n in names if by_name[n].spec is not None]
         before = header.metadata.get(FILE_TYPE_KEY)
-        file_type = guess_ftype(quantized) if quantized else _int(before)
+        if file_type is None:
+            file_type = guess_ftype(quantized) if quantized else _int(before)
         specs = [(n, types[n], infos[n].shape) for n in names]
         raw, layout = build_header(output_metadata(header, file_type), specs)
         self._stream = self._guard(lambda: GGUFStreamWriter(outputs.create(out), raw, layout))

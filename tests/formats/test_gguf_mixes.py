@@ -12,6 +12,7 @@ from qtool.gguf_types import GGML_TYPES
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFTensorInfo
 from tests import gguf_models as M
+from tests.conftest import Invoke
 
 RECORDED = Path(__file__).parents[1] / "data" / "gguf_mixes_llama_quantize.json"
 

@@ -1,0 +1,259 @@
+"""`quantize --imatrix FILE`: an importance matrix matched to the tensors a run quantizes.
+
+The file (llama-imatrix's GGUF or legacy .dat, or qtool calibrate's GGUF) is keyed by
+llama.cpp's names (`blk.0.attn_q.weight`) or by the checkpoint's own: an entry whose name the
+checkpoint holds is taken as it is; the others are mapped to the checkpoint's Hugging Face names
+with gguf-py's map (formats/imatrix.hf_names_of: the architecture from config.json's
+model_type, the block count from num_hidden_layers). For each quantized tensor of shape
+[out, in] (or stacked experts [E, out, in]) its entry's h = sums / counts per input column
+becomes the ColumnWeights the range search takes (numerics/range_methods.py). A tensor with no
+entry is quantized without one (one note for them all); an entry whose input width or matrix
+count does not fit the tensor is refused naming both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qtool.calibrate_results import DatasetInfo
+from qtool.errors import InputError
+from qtool.io.safeopen import open_regular
+from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
+from qtool.results import WeightedError
+from qtool.spec import PerChannel, PerGroup
+
+if TYPE_CHECKING:
+    from qtool.engine.decision import TensorPlan
+    from qtool.io.checkpoint import Checkpoint
+    from qtool.numerics.kernels import QuantizedTensor
+    from qtool.numerics.range_methods import ColumnWeights
+
+HASH_BLOCK = 1 << 20  # bytes read at a time for the file's SHA-256
+ERROR_SLAB_ELEMS = 1 << 20  # values per slab of the weighted error (float64 temporaries: 8 MiB)
+_BLOCK_NUMBER = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What an output quantized with an imatrix records of it (llama-quantize's
+    quantize.imatrix.* keys hold the same): the file, its SHA-256, its datasets (with qtool's
+    SHA-256 and token counts where the file holds them), entries, chunks and chunk size."""
+
+    file: str
+    sha256: str
+    datasets: tuple[DatasetInfo, ...]
+    entries: int
+    chunk_count: int
+    chunk_size: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "file": self.file,
+            "sha256": self.sha256,
+            "datasets": [
+                {"name": d.name, "sha256": d.sha256, "tokens": d.tokens} for d in self.datasets
+            ],
+            "entries_count": self.entries,
+            "chunks_count": self.chunk_count,
+            "chunk_size": self.chunk_size,
+        }
+
+
+@dataclass(frozen=True)
+class Importance:
+    """An importance matrix by checkpoint tensor name, with its provenance."""
+
+    path: Path
+    stats: Mapping[str, MatrixStats]
+    provenance: Provenance
+
+    def weights(self, name: str, shape: tuple[int, ...]) -> ColumnWeights | None:
+        """The column weights of tensor `name` of `shape` (None: the file has no entry for it),
+        as llama-quantize derives its quant_weights (numerics/imatrix.quant_weights)."""
+        import torch
+
+        from qtool.numerics.range_methods import ColumnWeights
+
+        stats = self.stats.get(name)
+        if stats is None:
+            return None
+        h = quant_weights(stats, *_width_and_matrices(shape))
+        return ColumnWeights(torch.from_numpy(h))
+
+    def refuses(self, plans: Iterable[TensorPlan]) -> bool:
+        """Whether a tensor is to be quantized to other than an integer grid (a GGUF type, whose
+        kernels do not take an importance matrix yet)."""
+        return any(p.spec is not None and not integer_grid(p.spec) for p in plans)
+
+    def check(self, plans: Iterable[TensorPlan]) -> list[str]:
+        """InputError for an entry that does not fit its quantized tensor; the run's note on
+        the quantized tensors without an entry (none when every one has one)."""
+        missing: list[str] = []
+        quantized = 0
+        for plan in plans:
+            if plan.spec is None:
+                continue
+            quantized += 1
+            stats = self.stats.get(plan.entry.name)
+            if stats is None:
+                missing.append(plan.entry.name)
+                continue
+            problem = _misfit(stats, plan.entry.shape)
+            if problem is not None:
+                raise InputError(self.path, problem, plan.entry.name)
+        if not missing:
+            return []
+        return [
+            f"{len(missing)} of {quantized} quantized tensors have no entry in {self.path.name} "
+            f"and were quantized without it (e.g. {missing[0]})"
+        ]
+
+
+def read_importance(path: Path) -> tuple[ImportanceMatrix, Provenance]:
+    """The imatrix at `path` and its provenance (InputError for a file that is not one)."""
+    from qtool.formats.imatrix import read_imatrix
+
+    imatrix = read_imatrix(path)
+    provenance = Provenance(
+        str(path),
+        _sha256(path),
+        _datasets(path, imatrix),
+        len(imatrix.entries),
+        imatrix.chunk_count,
+        imatrix.chunk_size,
+    )
+    return imatrix, provenance
+
+
+def match_importance(
+    path: Path,
+    read: tuple[ImportanceMatrix, Provenance],
+    names: list[str],
+    config: Mapping[str, object] | None,
+) -> Importance:
+    """The imatrix `read` from `path` keyed by the checkpoint's tensor `names` (see the module
+    doc); InputError when it names none of them."""
+    imatrix, provenance = read
+    stats = _by_checkpoint_name(imatrix, names, config)
+    if not stats:
+        raise InputError(
+            path, f"names none of the input's tensors (its first entry: "
+            f"{next(iter(imatrix.entries))}); give the imatrix computed on this model",
+        )  # fmt: skip
+    return Importance(path, stats, provenance)
+
+
+def _by_checkpoint_name(
+    imatrix: ImportanceMatrix,
+    names: list[str],
+    config: Mapping[str, object] | None,
+) -> dict[str, MatrixStats]:
+    held = set(names)
+    found = {n: s for n, s in imatrix.entries.items() if n in held}
+    others = [n for n in imatrix.entries if n not in held]
+    if not others:
+        return found
+    from qtool.formats.imatrix import hf_names_of
+    from qtool.formats.imatrix.naming import GGUF_ARCHS
+
+    model_type = str((config or {}).get("model_type"))
+    arch = GGUF_ARCHS.get(model_type, model_type)
+    blocks = _block_count(config, names)
+    try:
+        mapped = hf_names_of(imatrix, arch, blocks, names)
+    except (ValueError, KeyError):
+        return found  # no name map for this architecture: exact names only
+    for gguf_name, hf_name in mapped.items():
+        if gguf_name in others and hf_name not in found:
+            found[hf_name] = imatrix.entries[gguf_name]
+    return found
+
+
+def _block_count(config: Mapping[str, object] | None, names: list[str]) -> int:
+    """num_hidden_layers from config.json, else one more than the largest block number."""
+    value = (config or {}).get("num_hidden_layers")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    numbers = [int(m.group(1)) for n in names if (m := _BLOCK_NUMBER.search(n))]
+    return max(numbers, default=-1) + 1
+
+
+def integer_grid(spec: object) -> bool:
+    """Whether a plan's spec is qtool's integer grid (not a GGUF block type)."""
+    from qtool.spec import QSpec
+
+    return isinstance(spec, QSpec) and getattr(spec, "gguf", None) is None
+
+
+def _width_and_matrices(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(input width, matrices) of a weight: [out, in] is one matrix, [E, out, in] E."""
+    return (shape[-1] if shape else 1), (shape[0] if len(shape) == 3 else 1)
+
+
+def _misfit(stats: MatrixStats, shape: tuple[int, ...]) -> str | None:
+    """Why an entry does not fit a tensor of `shape`, or None."""
+    width, matrices = _width_and_matrices(shape)
+    if stats.sums.size == width * matrices:
+        return None
+    mats = f" x {matrices} matrices" if matrices > 1 else ""
+    held = f" x {stats.n_mat} matrices" if stats.n_mat > 1 else ""
+    return (
+        f"its entry has statistics for {stats.k} input columns{held}, but the tensor "
+        f"{list(shape)} takes {width}{mats}; give the imatrix computed on this model"
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open_regular(path) as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _datasets(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
+    """The file's datasets with qtool's SHA-256 and token counts where a GGUF holds them."""
+    with open_regular(path) as f:
+        gguf = f.read(4) == b"GGUF"
+    if not gguf:
+        return tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
+    from qtool.engine.calibrate.run import dataset_infos
+
+    return dataset_infos(path, imatrix)
+
+
+def weighted_error(
+    ckpt: Checkpoint, plan: TensorPlan, result: QuantizedTensor, weights: ColumnWeights
+) -> WeightedError:
+    """sum h_j w_ij^2 and sum h_j (w_ij - w^_ij)^2 of a quantized tensor, w^ restored from its
+    codes in the input's dtype (as the error figures measure it), a slab of rows at a time
+    (the whole tensor where its qparams are not per row)."""
+    from qtool.numerics import select
+
+    entry, spec = plan.entry, plan.spec
+    assert spec is not None and entry.shape
+    shape = entry.shape
+    g = spec.granularity
+    row_elems = max(1, entry.numel // shape[0])
+    by_rows = isinstance(g, PerGroup) or g == PerChannel(0)
+    step = max(1, ERROR_SLAB_ELEMS // row_elems) if by_rows else shape[0]
+    signal = error = 0.0
+    for a in range(0, shape[0], step):
+        b = min(a + step, shape[0])
+        x = ckpt.rows(entry, a, b).to(result.q.device)
+        q, scale, zp = (
+            (result.q[a:b], result.scale[a:b], result.zero_point[a:b])
+            if by_rows
+            else (result.q, result.scale, result.zero_point)
+        )
+        x_hat = select.dequantize(q, scale, zp, spec, x.dtype, tuple(x.shape)).double()
+        h = weights.rows(a, b).full(tuple(x.shape)).double()
+        xd = x.double()
+        signal += float((xd.square() * h).sum())
+        error += float((xd.sub_(x_hat).square_().mul_(h)).sum())
+    return WeightedError(signal, error)

@@ -111,3 +111,21 @@ def test_fused_and_torch_kernels_agree_on_other_rows_and_weights(qtype: str) -> 
     for qw in (torch.rand(768, generator=g) ** 4, torch.exp(torch.randn(768, generator=g) * 3)):
         fused = G.quantize(x, qtype, quant_weights=qw, kernel=Kernel.FUSED)
         assert torch.equal(fused, G.quantize(x, qtype, quant_weights=qw, kernel=Kernel.TORCH))
+
+
+def test_quantize_tensor_gives_each_expert_its_own_weights() -> None:
+    """A 3-D weight of stacked experts: matrix e's rows take row e of the weights, as
+    llama-quantize's imatrix + (row / nrows_per_expert) * n_per_row."""
+    from qtool.numerics.gguf.tensor import quantize_tensor
+    from qtool.spec import gguf_spec
+
+    x = torch.from_numpy(X[20:32]).reshape(2, 6, 512)
+    qw = torch.from_numpy(QW[40:42])
+    got = quantize_tensor(x, gguf_spec("Q4_K"), quant_weights=qw, with_errors=False).q
+    for e in range(2):
+        want = G.quantize(x[e], "Q4_K", quant_weights=qw[e])
+        assert torch.equal(got[6 * e : 6 * e + 6], want)
+    flat = quantize_tensor(x[0], gguf_spec("Q4_K"), quant_weights=qw[0], with_errors=False).q
+    assert torch.equal(flat, got[:6])
+    with pytest.raises(ValueError, match="do not split"):
+        quantize_tensor(x[0, :5], gguf_spec("Q4_K"), quant_weights=qw)

@@ -24,23 +24,46 @@ from qtool.spec import GGUFSpec
 
 
 def quantize_tensor(
-    x: torch.Tensor, spec: GGUFSpec, *, with_errors: bool = True
+    x: torch.Tensor,
+    spec: GGUFSpec,
+    *,
+    with_errors: bool = True,
+    quant_weights: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """x's rows as `spec`'s GGUF blocks, with the error of their dequantization (ValueError for
-    rows that are not whole blocks or a type qtool cannot quantize to)."""
+    rows that are not whole blocks or a type qtool cannot quantize to). `quant_weights`: an
+    importance matrix's weights (imatrix.quant_weights: (k,) or (n_mat, k), row e for the rows
+    of matrix e of a 3-D weight of stacked experts), as llama-quantize --imatrix hands them to
+    ggml's quantizers."""
     t = spec.gguf
     if x.ndim == 0 or x.shape[-1] % t.block_size:
         row = x.shape[-1] if x.ndim else 1
         raise ValueError(f"rows of {row} are not whole {t.name} blocks of {t.block_size}")
     _refuse_nonfinite(x)
     x32 = x.to(torch.float32).contiguous()
-    codes = gguf.quantize(x32.reshape(-1, x.shape[-1]), t)
+    codes = _codes(x32.reshape(-1, x.shape[-1]), t, quant_weights)
     errors = None
     if with_errors:
         x_hat = gguf.dequantize(codes, t).view(x.shape)
         errors = fast.error_stats(x32, x_hat) if x32.is_cpu else metrics.error_stats(x32, x_hat)
     empty = torch.zeros(0, dtype=torch.uint8, device=x.device)
     return QuantizedTensor(codes, block_scales(codes, t), empty, errors)
+
+
+def _codes(rows: torch.Tensor, t: GGMLType, quant_weights: torch.Tensor | None) -> torch.Tensor:
+    """The blocks of rows (r, k); with weights (n_mat, k), r / n_mat rows per matrix."""
+    if quant_weights is None:
+        return gguf.quantize(rows, t)
+    k = rows.shape[-1]
+    if quant_weights.numel() == 0 or quant_weights.numel() % k:
+        raise ValueError(f"quant_weights of {tuple(quant_weights.shape)} are not rows of {k}")
+    w = quant_weights.reshape(-1, k)
+    if rows.shape[0] % w.shape[0]:
+        raise ValueError(f"{rows.shape[0]} rows do not split into {w.shape[0]} matrices")
+    per = rows.shape[0] // w.shape[0]
+    parts = [gguf.quantize(rows[e * per : (e + 1) * per], t, quant_weights=w[e])
+             for e in range(w.shape[0])]  # fmt: skip
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def block_scales(codes: torch.Tensor, t: GGMLType) -> torch.Tensor:

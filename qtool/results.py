@@ -255,6 +255,7 @@ class QuantizeSummary:
     notes: list[str] = field(default_factory=list)  # files not copied along, and why
     # --target-sqnr: the output size with the budget's tensors all int8 / all float
     budget_sizes: tuple[int, int] | None = None
+    budget_reference: str = "int8"  # what the budget's all-8-bit reference stores as ("Q8_0")
     format: str = FormatName.QTOOL.value
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
 

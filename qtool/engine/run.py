@@ -212,6 +212,7 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
             *(job.kernels.notes() if job.kernels else []),
         ],
         budget_sizes=_budget_sizes(job, plans),
+        budget_reference=entry(job.fmt.name).budget_reference,
         format=job.fmt.name,
         ignore=job.fmt.ignore(plans),
     )

@@ -64,7 +64,10 @@ class FormatEntry:
     `float_output`: dequantize writes a float file of this format (named with `suffix`);
     `codecs`: the kinds of codec its output stores (qtool.codecs: "grid", "gguf"); a spec of
     any other kind is refused, in the words of `foreign` when it has its own (None: the
-    registry's, naming the formats that store it).
+    registry's, naming the formats that store it); `budget_reference`: what the error budget's
+    all-8-bit reference is stored as, in the totals line ("Q8_0" for GGUF);
+    `transformers_loads`: eval has transformers load its model directories (their
+    quantization_config says how) instead of dequantizing them through its reader.
 
     What `--format` shows and checks before any file is read: `help`, one line saying what the
     output is (the option's help lists every writable format's); `reads_config`: the output
@@ -86,6 +89,8 @@ class FormatEntry:
     float_output: FloatWriter | None = None
     codecs: tuple[str, ...] = ("grid",)
     foreign: Callable[[Codec], str] | None = None
+    budget_reference: str = "int8"
+    transformers_loads: bool = False
     input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
     help: str = ""
     reads_config: bool = False

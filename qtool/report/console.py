@@ -47,7 +47,7 @@ from qtool.results import (
     Row,
     natural_key,
 )
-from qtool.spec import Codec, FormatName
+from qtool.spec import Codec
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -398,7 +398,7 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
     if summary.budget_sizes is not None:
         int8, flt = summary.budget_sizes
-        eight = "all-Q8_0" if summary.format == FormatName.GGUF.value else "all-int8"
+        eight = f"all-{summary.budget_reference}"
         parts.append(
             f"budget: {_fmt_bytes(summary.bytes_out)} vs {eight} {_fmt_bytes(int8)}, "
             f"all-float {_fmt_bytes(flt)}"

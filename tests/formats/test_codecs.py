@@ -39,6 +39,21 @@ def test_no_module_outside_a_codecs_own_asks_whether_a_spec_is_a_gguf_type() -> 
     assert not found, "\n".join(found)
 
 
+def test_reports_and_eval_ask_the_registry_not_a_format_name() -> None:
+    """What differs between formats (the budget's 8-bit reference, who loads a directory) is a
+    FormatEntry field; a name compared in the report or eval is one more place a new format
+    would have to find (issue 29 item 4)."""
+    naming = re.compile(r"FormatName\.[A-Z_]+|== \"(qtool|gguf|compressed-tensors)\"")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for where in ("report", "engine/evaluate")
+        for path in sorted((ROOT / where).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if naming.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_every_family_is_a_registered_frozen_value_type() -> None:
     assert CODECS["grid"] is QSpec and CODECS["gguf"] is GGUFSpec
     for kind, family in CODECS.items():

@@ -32,7 +32,7 @@ from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.formats.detect import Detected, detect
-from qtool.spec import FormatName
+from qtool.formats.registry import entry
 
 # config keys that say nothing about the architecture (or are checked another way)
 CONFIG_NOISE = frozenset(
@@ -69,7 +69,8 @@ def load_quant(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantMo
 
 
 def _is_ct(found: Detected) -> bool:
-    return found.format == FormatName.COMPRESSED_TENSORS.value and found.directory is not None
+    """A model directory transformers loads itself (registry: FormatEntry.transformers_loads)."""
+    return entry(found.format).transformers_loads and found.directory is not None
 
 
 def _load_ct(found: Detected, reference: FloatModel, dtype: torch.dtype) -> QuantModel:

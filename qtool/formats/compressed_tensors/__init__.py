@@ -82,6 +82,7 @@ def _refuses(spec: Codec) -> str | None:
 registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, reads_config=True,
+        transformers_loads=True,
         help="a model directory (pack-quantized, int8/int4) that transformers and vLLM load; "
         "needs -o DIR.",
     )

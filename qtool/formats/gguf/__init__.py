@@ -128,7 +128,7 @@ registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
         ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf",),
-        foreign=_foreign,
+        foreign=_foreign, budget_reference="Q8_0",
         float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
         input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
         help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",

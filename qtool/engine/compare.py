@@ -22,21 +22,27 @@ from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import Detected, detect
 from qtool.formats.registry import entry, matched, open_reader
+from qtool.numerics import select
 from qtool.numerics.metrics import count_nonfinite, error_stats
-from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary
+from qtool.results import POOL_ALL, POOL_QUANTIZED, CompareRow, CompareSummary, ErrorStats, Progress
+
+CPU = torch.device("cpu")
 
 
-def compare_files(a: Path, b: Path, pool: str = POOL_QUANTIZED) -> CompareSummary:
+def compare_files(
+    a: Path, b: Path, pool: str = POOL_QUANTIZED, progress: Progress | None = None
+) -> CompareSummary:
     """One row per tensor name of A, then those only in B; `pool`: what the overall figures
     pool (results.CompareSummary.pooled_over). InputError when no tensor of the two could be
     compared (unrelated files). A side whose format names tensors its own way (GGUF) against
-    one that does not is read under the other's names (registry.matched)."""
+    one that does not is read under the other's names (registry.matched). `progress` gets the
+    bytes of both sides, tensor by tensor."""
     if pool not in (POOL_QUANTIZED, POOL_ALL):
         raise ValueError(f"pool must be {POOL_QUANTIZED!r} or {POOL_ALL!r}, not {pool!r}")
     left, right, unplaced = open_pair(a, b)
     try:
         inputs = [str(left.path), str(right.path)]
-        rows = _compare_readers(left, right, unplaced)
+        rows = _compare_readers(left, right, unplaced, progress)
         summary = CompareSummary(inputs=inputs, rows=rows, pool=pool)
     finally:
         left.close()
@@ -96,14 +102,44 @@ def _matching(
 
 
 def _compare_readers(
-    left: FloatReader, right: FloatReader, unplaced: dict[str, str] | None = None
+    left: FloatReader,
+    right: FloatReader,
+    unplaced: dict[str, str] | None = None,
+    progress: Progress | None = None,
 ) -> list[CompareRow]:
     """Rows for every tensor of the two, in A's order, then those only in B; `unplaced` says
     why a name has no counterpart (a name mapping could not place it)."""
     in_left, in_right = set(left.names), set(right.names)
     order = left.names + [n for n in right.names if n not in in_left]
     why = unplaced or {}
-    return [_compare_one(left, right, n, in_left, in_right, why.get(n)) for n in order]
+    sizes = {n: _bytes(left, n, in_left) + _bytes(right, n, in_right) for n in order}
+    select.expect(CPU, sum(sizes.values()))  # loads the fused kernels when worth it
+    if progress is not None:
+        progress.start(sum(sizes.values()))
+    rows = []
+    for name in order:
+        if progress is not None:
+            progress.advance(name, 0)
+        rows.append(_compare_one(left, right, name, in_left, in_right, why.get(name)))
+        if progress is not None:
+            progress.advance(name, sizes[name])
+    return rows
+
+
+def _bytes(reader: FloatReader, name: str, names: set[str]) -> int:
+    return reader.nbytes(name) if name in names else 0
+
+
+def _error_stats(x: torch.Tensor, y: torch.Tensor) -> ErrorStats:
+    """metrics.error_stats, through the fused kernels when they are loaded (the same figures:
+    one pass instead of the float64 copies and folds); the torch path for what they leave."""
+    if x.device.type == "cpu" and y.device.type == "cpu" and select.fused_loaded(CPU):
+        from qtool.numerics import fused_compare
+
+        stats = fused_compare.error_stats(x, y)
+        if stats is not None:
+            return stats
+    return error_stats(x, y)
 
 
 def _compare_one(
@@ -131,7 +167,7 @@ def _compare_one(
         same = x.dtype == y.dtype and torch.equal(x, y)
         detail = "identical" if same else "values differ"
         return sides.row(detail, mismatch=not same, compared=True)
-    stats = error_stats(x, y)
+    stats = _error_stats(x, y)
     if not stats.finite:  # only NaN/Inf inputs get here: finite ones give finite figures
         detail = f"NaN/Inf values: {count_nonfinite(x)} in A, {count_nonfinite(y)} in B"
         return sides.row(detail, mismatch=True, compared=True)

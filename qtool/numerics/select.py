@@ -257,6 +257,15 @@ def notes() -> list[str]:
     ]
 
 
+def fused_loaded(device: torch.device) -> bool:
+    """Whether the fused kernels take this run's work on `device`: asked for (QTOOL_KERNEL=fused:
+    loaded now, or the usage error), or loaded because expect() found the run worth it."""
+    kernel = requested()
+    if kernel is Kernel.TORCH or device.type != "cpu":
+        return False
+    return _LOADER.now() is not None if kernel is Kernel.FUSED else _LOADER.module is not None
+
+
 def _fused_for(device: torch.device, ndim: int, spec: QSpec) -> ModuleType | None:
     """The fused module when it should take this tensor, else None (torch kernels)."""
     kernel = requested()

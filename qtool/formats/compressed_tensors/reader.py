@@ -5,6 +5,7 @@ name (`P.weight`), whoever wrote it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ class ModelReader:
             raise InputError(config_file, str(err)) from None
         self._modules: dict[str, CtModule] = {n: m for n, m in plan if m is not None}
         self._names = [n for n, _ in plan]
-        self._stored = stored
+        self._stored = _by_module(stored, self._modules.values())
         self._shapes: dict[str, tuple[int, ...]] = {}
 
     @property
@@ -65,7 +66,8 @@ class ModelReader:
         return self._ckpts[0].metadata if self._ckpts else None
 
     def _components(self, name: str) -> dict[str, str]:
-        local = self._modules[name].tensor_names(self._stored)
+        module = self._modules[name]
+        local = module.tensor_names(self._stored.get(module.module, ()))
         return {k: v for k, v in local.items() if k in COMPONENTS}
 
     def _entry(self, stored: str) -> TensorEntry:
@@ -111,7 +113,8 @@ class ModelReader:
             t = self._read(name)
         else:
             try:
-                t = dequantize_named(self._modules[name], self._read, self._stored)
+                module = self._modules[name]
+                t = dequantize_named(module, self._read, self._stored.get(module.module, ()))
             except ValueError as err:
                 raise InputError(self.path, str(err), name) from None
         return t if dtype is None else t.to(dtype)
@@ -159,3 +162,15 @@ class ModelReader:
     def close(self) -> None:
         for ckpt in self._ckpts:
             ckpt.close()
+
+
+def _by_module(stored: list[str], modules: Iterable[CtModule]) -> dict[str, list[str]]:
+    """The stored names of each quantized module, by module name, found in one pass: looking
+    them up among every name per module made a read of N modules cost N^2 (issue 33)."""
+    wanted = {m.module for m in modules}
+    own: dict[str, list[str]] = {}
+    for name in stored:
+        head = name.rpartition(".")[0]
+        if head in wanted:
+            own.setdefault(head, []).append(name)
+    return own

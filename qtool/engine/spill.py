@@ -64,6 +64,11 @@ class Spill:
         self._end = 0  # where the next part goes
         self._stored: dict[str, _Stored] = {}
 
+    @property
+    def directory(self) -> Path | None:
+        """Where its temporary file goes (None: a dry run's, which keeps the figures alone)."""
+        return self._directory
+
     def put(self, name: str, spec: Codec, result: QuantizedTensor) -> None:
         """Keep `result` (copied out: its codes may live in a reused workspace)."""
         parts = {}

@@ -91,7 +91,9 @@ def test_block_b_sees_block_b_minus_1s_quantized_outputs(
     seen: dict[str, list[torch.Tensor]] = {}
     run = method_run.run_sequential
 
-    def spy_run(model_: Any, reader: Any, streams_: Any, policy: Any, *args: Any) -> None:
+    def spy_run(
+        model_: Any, reader: Any, streams_: Any, policy: Any, *args: Any, **kw: Any
+    ) -> None:
         streams.append(streams_)
         probe = policy.probe
 
@@ -115,7 +117,7 @@ def test_block_b_sees_block_b_minus_1s_quantized_outputs(
         handles: list[Any] = []
         monkeypatch.setattr(policy, "probe", spy_probe)
         monkeypatch.setattr(policy, "quantize", spy_quantize)
-        run(model_, reader, streams_, policy, *args)
+        run(model_, reader, streams_, policy, *args, **kw)
 
     monkeypatch.setattr(method_run, "run_sequential", spy_run)
     out = tmp_path / "out"
@@ -259,7 +261,7 @@ def test_one_block_is_real_at_a_time_and_the_codes_wait_on_file(
     whole: list[Any] = []
     run = sequential.run_sequential
 
-    def spy_run(model_: Any, *args: Any) -> None:
+    def spy_run(model_: Any, *args: Any, **kw: Any) -> None:
         whole.append(model_)
         policy = args[2]
         probe = policy.probe
@@ -269,7 +271,7 @@ def test_one_block_is_real_at_a_time_and_the_codes_wait_on_file(
             return probe(block, prefix)
 
         monkeypatch.setattr(policy, "probe", spy_probe)
-        run(model_, *args)
+        run(model_, *args, **kw)
 
     put, take = Spill.put, Spill.take
     held: list[int] = []
@@ -297,3 +299,26 @@ def test_one_block_is_real_at_a_time_and_the_codes_wait_on_file(
         assert blocks == {str(index)}
     assert len(held) == 14 and not any(held)
     assert len(taken) == 14
+
+
+def test_activations_past_the_bound_wait_in_a_file_with_the_same_result(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a bound of 0 bytes the activations at every block boundary live in a mapped
+    temporary file (every window's tensor a view of one numpy memmap) and the output is the
+    in-memory run's, weight for weight."""
+    _quantize(model, tmp_path / "memory", _options(model))
+    in_memory = _restored(tmp_path / "memory", tmp_path)
+    kept: list[Any] = []
+    spilled = sequential.spilled
+
+    def spy(*args: Any) -> Any:
+        kept.append(spilled(*args))
+        return kept[-1]
+
+    monkeypatch.setattr(sequential, "ACTIVATIONS_IN_MEMORY", 0)
+    monkeypatch.setattr(sequential, "spilled", spy)
+    _quantize(model, tmp_path / "file", _options(model))
+    on_file = _restored(tmp_path / "file", tmp_path)
+    assert len(kept) == 1 and kept[0] is not None and len(kept[0]) == 9  # 7 fit, 1 held, 1 check
+    assert {n for n, t in on_file.items() if not torch.equal(t, in_memory[n])} == set()

@@ -52,16 +52,24 @@ class _Recorder(torch.nn.Module):
         if self.index not in self.pass_.kwargs:
             self.pass_.kwargs[self.index] = kwargs
         if self.index == 0:
-            self.pass_.hidden.append(hidden.detach().float())
+            self.pass_.keep(hidden.detach())
         if self.last:
             raise _Stop
         return hidden
 
 
 class _Capture:
-    def __init__(self) -> None:
+    def __init__(self, into: list[torch.Tensor] | None) -> None:
         self.kwargs: dict[int, dict[str, Any]] = {}
         self.hidden: list[torch.Tensor] = []
+        self.into = into
+
+    def keep(self, hidden: torch.Tensor) -> None:
+        """A float32 copy of the first block's input, or copied into the next of `into`."""
+        if self.into is None:
+            self.hidden.append(hidden.float())
+        else:
+            self.hidden.append(self.into[len(self.hidden)].copy_(hidden))
 
 
 def block_list(model: Any, path: Any) -> tuple[Any, torch.nn.ModuleList, str]:
@@ -119,12 +127,17 @@ def prepare_base(
 
 
 def capture(
-    base: Any, layers: torch.nn.ModuleList, windows: list[list[int]], device: torch.device
+    base: Any,
+    layers: torch.nn.ModuleList,
+    windows: list[list[int]],
+    device: torch.device,
+    into: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], dict[int, dict[str, Any]]]:
-    """The hidden states entering the first block, per window, and each block's keyword
+    """The hidden states entering the first block, per window (copied into `into`'s tensors
+    when given: one (1, ctx, hidden) float32 tensor per window), and each block's keyword
     arguments, from the base model's own forward."""
     blocks = list(layers)
-    captured = _Capture()
+    captured = _Capture(into)
     for i, block in enumerate(blocks):
         layers[i] = _Recorder(block, i, i == len(blocks) - 1, captured)
     try:

@@ -4,14 +4,18 @@ the checkpoint, run on each stream with the method's probe (pass 1: statistics),
 the method (the block's weights replaced by what a consumer will reconstruct), run again on
 each stream (pass 2: its QUANTIZED outputs become the next block's inputs, so the error of
 every block before propagates), and freed. Peak memory: one block's weights (float32), the
-method's statistics for one block, the activations at one block boundary."""
+method's statistics for one block, the activations at one block boundary (in a temporary file,
+mapped, past ACTIVATIONS_IN_MEMORY)."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from qtool.engine.calibrate.blocks import (
@@ -21,8 +25,14 @@ from qtool.engine.calibrate.blocks import (
     prepare_base,
     return_freed_memory,
 )
+from qtool.errors import OutputError
 from qtool.formats.base import FloatReader
+from qtool.io.atomic import describe_os_error
 from qtool.results import Progress
+
+ACTIVATIONS_IN_MEMORY = 2 << 30
+"""The activations at a block boundary (windows x ctx x hidden float32) held in memory on the
+CPU; past it they are spilled to a temporary file beside the output (spilled())."""
 
 
 class Probe(AbstractContextManager[Any], Protocol):
@@ -47,13 +57,19 @@ def run_sequential(
     device: torch.device,
     path: Any,
     progress: Progress | None = None,
+    bound: int | None = None,
+    directory: Path | None = None,
 ) -> None:
     """Every decoder block of `model`, in order, through `method` on the windows of each stream
-    (name -> windows of token ids, all of one length)."""
+    (name -> windows of token ids, all of one length); activations over `bound` bytes (None:
+    ACTIVATIONS_IN_MEMORY) on the CPU spilled to a temporary file in `directory` (spilled())."""
     base, layers, layers_name = block_list(model, path)
     prepare_base(base, layers_name, reader, device, path)
     windows = [w for ws in streams.values() for w in ws]
-    hidden, kwargs = capture(base, layers, windows, device)
+    width = int(model.config.hidden_size)
+    limit = ACTIVATIONS_IN_MEMORY if bound is None else bound
+    into = spilled(len(windows), len(windows[0]), width, device, limit, directory)
+    hidden, kwargs = capture(base, layers, windows, device, into)
     for _, child in base.named_children():  # the embeddings are done with
         if not isinstance(child, torch.nn.ModuleList):
             child.to_empty(device="meta")
@@ -79,6 +95,27 @@ def run_sequential(
                     _advance(progress, f"block {i}", x)
         block.to_empty(device="meta")
         return_freed_memory()
+
+
+def spilled(
+    windows: int, ctx: int, width: int, device: torch.device, bound: int, directory: Path | None
+) -> list[torch.Tensor] | None:
+    """Where the activations at a block boundary live when they exceed `bound` bytes on the
+    CPU: one (1, ctx, width) float32 tensor per window, mapped from an anonymous temporary file
+    in `directory` (unlinked at once: a killed run leaves nothing), so that the kernel pages
+    them in and out as the windows run; None: in memory. On a GPU they stay in its memory (the
+    caller bounds them)."""
+    nbytes = windows * ctx * width * 4
+    if nbytes <= bound or device.type != "cpu":
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".qtool-activations-") as f:
+            f.truncate(nbytes)  # the map keeps its own descriptor: the file lives while it does
+            mapped = np.memmap(f, dtype=np.float32, mode="r+", shape=(windows, 1, ctx, width))
+    except OSError as err:
+        raise OutputError(directory, "cannot keep the activations of the calibration windows: "
+                          f"{describe_os_error(err)}") from None  # fmt: skip
+    return list(torch.from_numpy(mapped))
 
 
 def _advance(progress: Progress | None, what: str, x: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ Run by hand (not in CI): for each float GGUF and each mix, `llama-quantize --dry
 the type it would give every tensor; this compares them with mixes.mix_types and, with
 --record, writes the tensors (names, shapes) and llama-quantize's types to
 tests/data/gguf_mixes_llama_quantize.json, which tests/formats/test_gguf_mixes.py checks
-mix_types against without the binary.
+mix_types against without the binary. Exits 1 when a type differs.
 
     python scripts/gguf_mixes_check.py /tmp/llama-build/.../build/bin/llama-quantize \\
         tiny-f32.gguf smol-f16.gguf --record
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help=f"write {OUT.name}")
     args = parser.parse_args()
     record = []
+    differing = 0
     for model in args.models:
         with GGUFFile(model) as f:
             tensors = list(f.header.tensors)
@@ -68,13 +69,16 @@ def main() -> None:
             ours = mix_types(MIXES[mix], tensors, facts)
             floats = {n: t for n, t in theirs.items() if n not in ours}
             differ = {n: (ours.get(n), theirs.get(n)) for n in ours if ours[n] != theirs.get(n)}
+            differing += len(differ)
             print(f"{model.name} {mix}: {len(ours)} tensors, {len(differ)} differ {differ}"
                   f"{'' if not floats else f', kept by both: {len(floats)}'}")  # fmt: skip
-            entry["types"][mix] = {n: theirs[n] for n in ours if n in theirs}  # type: ignore[index]
+            entry["types"][mix] = {n: theirs[n] for n in ours if n in theirs}
         record.append(entry)
     if args.record:
         OUT.write_text(json.dumps(record, indent=None, sort_keys=True) + "\n")
         print(f"wrote {OUT}")
+    if differing:
+        raise SystemExit(f"{differing} tensor types differ from llama-quantize's")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@ on the tiny test llama and on the tensors of real models as llama-quantize typed
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +137,20 @@ def test_dtype_names_a_mix_on_the_command_line(
         written = {t.name: t.type.name for t in f.header.tensors if t.type.name != "F32"}
         assert f.header.metadata["general.file_type"].value == MIXES[name].ftype
     assert written == mix_types(MIXES[name], tensors, facts)
+
+
+def _llama_quantize() -> str | None:
+    return os.environ.get("QTOOL_LLAMA_QUANTIZE") or shutil.which("llama-quantize")
+
+
+@pytest.mark.skipif(_llama_quantize() is None, reason="llama-quantize not found (optional)")
+def test_llama_quantize_itself_gives_the_same_types(tmp_path: Path) -> None:
+    """llama-quantize --dry-run (QTOOL_LLAMA_QUANTIZE or on PATH) on the tiny llama, every
+    mix: scripts/gguf_mixes_check.py exits 1 when one tensor's type differs."""
+    d = tmp_path / "hf"
+    M.make_hf_llama(d)
+    src = M.write_float_gguf(d, d / "f32.gguf")
+    script = Path(__file__).parents[2] / "scripts" / "gguf_mixes_check.py"
+    run = subprocess.run([sys.executable, str(script), str(_llama_quantize()), str(src)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -302,7 +302,7 @@ def quantize_columns(
         return lambda r: (fmt(r.errors) if r.errors else "", "")
 
     columns = [
-        column("tensor", lambda r: (safe(r.name), ""), fold=12 if fold_names else 0),
+        column("tensor", lambda r: (safe(r.name), ""), fold=12 if fold_names else 0, names=True),
         column("shape", lambda r: (_shape(r.shape), ""), hide=1),
         column(headers[0], lambda r: (_dtype_cell(r), "")),
         column(headers[1], lambda r: (safe(r.detail), "dim" if r.dimmed else ""), fold=16),
@@ -487,7 +487,12 @@ def print_inspect(summary: InspectSummary) -> None:
     title = f"{safe(summary.path)} ({kind})"
     rows = summary.rows
     columns = [
-        Column("tensor", [(safe(r.name), "") for r in rows], fold=12 if sys.stdout.isatty() else 0),
+        Column(
+            "tensor",
+            [(safe(r.name), "") for r in rows],
+            fold=12 if sys.stdout.isatty() else 0,
+            names=True,
+        ),
         Column("dtype", [(r.dtype, "") for r in rows]),
         Column("shape", [(_shape(r.shape), "") for r in rows], fold=8),
         Column("elements", [(f"{r.numel:,}", "") for r in rows], right=True, hide=1),

@@ -3,8 +3,9 @@
 Each table is laid out once: the widths come from one pass over the cells. When it is wider
 than the width, its columns close up (two spaces between them instead of three), then its
 optional columns are hidden in their order (the caller says which were and notes it), and then
-its foldable columns (names, descriptions) are folded onto more lines: at spaces where there
-are some, else anywhere. Summary lines are wrapped at their phrase
+its foldable columns are folded onto more lines: descriptions at spaces, names after a `.` or
+`_` (a word cut only when it is longer than the column), the names or the descriptions first,
+whichever leaves fewer lines (the names whole on a tie). Summary lines are wrapped at their phrase
 boundaries (` · `, `, `), continued two spaces in. No rich here: console.py prints the lines,
 with their styles on a terminal and as plain text elsewhere.
 """
@@ -48,6 +49,7 @@ class Column:
     hide: int = 0
     fold: int = 0
     label: str = ""  # the name a note gives it when hidden (else the header)
+    names: bool = False  # tensor names: folded between their words
 
     @property
     def name(self) -> str:
@@ -74,8 +76,8 @@ def table(columns: Sequence[Column], width: int | None) -> Table:
             break
         shown.remove(c)
         hidden.append(c.name)
-    if width is not None:
-        _fold(shown, widths, _total(shown, widths, gap) - width)
+    if width is not None and _total(shown, widths, gap) > width:
+        widths = _fewest_lines(shown, widths, _total(shown, widths, gap) - width)
     sizes = [widths[id(c)] for c in shown]
     lines: list[Line] = [[]]
     lines.append(_joined([(c.header, "bold") for c in shown], shown, sizes, gap))
@@ -95,9 +97,42 @@ def _total(shown: Sequence[Column], widths: dict[int, int], gap: str) -> int:
     return len(EDGE) + sum(widths[id(c)] for c in shown) + len(gap) * (len(shown) - 1)
 
 
-def _fold(shown: Sequence[Column], widths: dict[int, int], excess: int) -> None:
-    """Take `excess` cells from the foldable columns, widest first, none below its minimum."""
-    for c in sorted((c for c in shown if c.fold), key=lambda c: -widths[id(c)]):
+def _fewest_lines(shown: Sequence[Column], widths: dict[int, int], excess: int) -> dict[int, int]:
+    """The widths after folding `excess` cells away: the descriptions first (names whole) or
+    the names first, whichever leaves the table fewer lines (one folded description can double
+    every row, one folded name only the rows of long names); names whole on a tie."""
+    best: tuple[int, dict[int, int]] | None = None
+    for names_first in (False, True):
+        trial = dict(widths)
+        _fold(shown, trial, excess, names_first)
+        height = _height(shown, trial)
+        if best is None or height < best[0]:
+            best = (height, trial)
+    assert best is not None
+    return best[1]
+
+
+def _height(shown: Sequence[Column], widths: dict[int, int]) -> int:
+    """The lines the rows take at `widths`."""
+    rows = len(shown[0].cells) if shown else 0
+    total = 0
+    for r in range(rows):
+        total += max(len(_pieces(c.cells[r][0], c, widths[id(c)])) if c.fold else 1 for c in shown)
+    return total
+
+
+def _pieces(text: str, c: Column, size: int) -> list[str]:
+    if cell_width(text) <= size:
+        return [text]
+    return _name_folded(text, size) if c.names else _folded(text, size)
+
+
+def _fold(shown: Sequence[Column], widths: dict[int, int], excess: int, names_first: bool) -> None:
+    """Take `excess` cells from the foldable columns, none below its minimum: the names
+    first or last (`names_first`), widest first among the others."""
+    for c in sorted(
+        (c for c in shown if c.fold), key=lambda c: (c.names != names_first, -widths[id(c)])
+    ):
         if excess <= 0:
             return
         least = max(c.fold, cell_width(c.header))
@@ -111,8 +146,7 @@ def _row(
 ) -> list[Line]:
     """One row, over as many lines as its tallest folded cell needs."""
     pieces = [
-        _folded(text, size) if cell_width(text) > size else [text]
-        for (text, _), size in zip(cells, sizes, strict=True)
+        _pieces(text, c, size) for (text, _), c, size in zip(cells, shown, sizes, strict=True)
     ]
     height = max(len(p) for p in pieces)
     out = []
@@ -151,6 +185,29 @@ def _folded(text: str, size: int) -> list[str]:
             current = ""
         current += ch
     return [*out, current]
+
+
+def _name_folded(text: str, size: int) -> list[str]:
+    """A name over lines of at most `size` cells, each line ending after a `.` or `_` where
+    one fits (`model.layers.0.post_attention_` / `layernorm.weight`), else cut."""
+    out: list[str] = []
+    while cell_width(text) > size:
+        fits = _fitting(text, size)
+        cut = max(text.rfind(".", 0, fits), text.rfind("_", 0, fits)) + 1
+        cut = cut if cut > 0 else fits
+        out.append(text[:cut])
+        text = text[cut:]
+    return [*out, text]
+
+
+def _fitting(text: str, size: int) -> int:
+    """How many leading characters of `text` fit in `size` cells (at least one)."""
+    width = 0
+    for i, ch in enumerate(text):
+        width += cell_width(ch)
+        if width > size:
+            return max(1, i)
+    return len(text)
 
 
 def phrases(parts: Sequence[str], width: int | None, sep: str = " · ") -> list[str]:

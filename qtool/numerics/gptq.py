@@ -126,6 +126,7 @@ def gptq_quantize(
     from its error-updated weights when its first column is reached (GPTQModel), instead of
     from the weights before the loop. `compute_dtype` float64 only for tests and measurements."""
     spec = _check(weight, hessian, spec, block_size, damp, compute_dtype)
+    hessian = hessian.to(weight.device)  # the solve runs where the weight is
     if not _finite(hessian):
         return _rounded(weight, spec, scale_dtype, Fallback.NONFINITE)
     dead = hessian.diagonal() == 0

@@ -103,21 +103,26 @@ def dequantize(
     qparams: Path | None = None,
     dtype: str = "original",
     force: bool = False,
+    progress: Progress | None = None,
 ) -> DequantizeSummary:
     """Dequantize a qtool-quantized file (a file out), or a directory of them or a
     compressed-tensors model directory (a float model directory out, or one file when `out`
     names a .safetensors/.pt file)."""
     from qtool.engine import restore
 
-    return restore.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
+    return restore.dequantize(
+        src, out, qparams=qparams, dtype=dtype, force=force, progress=progress
+    )
 
 
-def compare(a: Path, b: Path, pool: str = "quantized") -> CompareSummary:
+def compare(
+    a: Path, b: Path, pool: str = "quantized", progress: Progress | None = None
+) -> CompareSummary:
     """Per-tensor error of B against the reference A (quantized sides dequantized on the fly);
     `pool`: what the overall figures pool, "quantized" (as quantize does) or "all"."""
     from qtool.engine.compare import compare_files
 
-    return compare_files(a, b, pool)
+    return compare_files(a, b, pool, progress)
 
 
 def evaluate(

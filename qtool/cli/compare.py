@@ -24,7 +24,7 @@ from qtool.cli.options import (
     SortOpt,
     TopOpt,
 )
-from qtool.cli.render import Shown, plot_target, show_and_gate
+from qtool.cli.render import Shown, plot_target, show_and_gate, shown_progress
 
 ReferenceArg = Annotated[Path, typer.Argument(metavar="A", help=COMPARE_A, show_default=False)]
 ComparedArg = Annotated[Path, typer.Argument(metavar="B", help=COMPARE_B, show_default=False)]
@@ -65,7 +65,8 @@ def compare(
         plot = plot_target(plot, a, "compare")
         if plot is not None:
             api.check_outputs([plot], [a, b], force)
-        summary = api.compare(a, b, pool.value)
+        with shown_progress(as_json) as progress:
+            summary = api.compare(a, b, pool.value, progress)
         if plot is not None:
             api.plot_compare(summary, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")

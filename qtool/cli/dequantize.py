@@ -13,7 +13,7 @@ from qtool.cli.help import DEBUG_ENV, INPUT, KERNEL_ENV, OUTPUT, Command, epilog
 from qtool.cli.inputs import DEQUANTIZE_INPUT
 from qtool.cli.lazy import api, documents, report
 from qtool.cli.options import ForceOpt, JsonOpt, OutDtype
-from qtool.cli.render import print_notes
+from qtool.cli.render import print_notes, shown_progress
 
 QuantizedArg = Annotated[
     Path, typer.Argument(metavar="QUANTIZED", help=DEQUANTIZE_INPUT, show_default=False)
@@ -77,7 +77,10 @@ def dequantize(
     """Turn a quantized checkpoint back into a float one with the original names and dtypes."""
     dtype = _restore_dtype(to, old_dtype)
     with user_errors(as_json):
-        summary = api.dequantize(src, out, qparams=qparams, dtype=dtype, force=force)
+        with shown_progress(as_json) as progress:
+            summary = api.dequantize(
+                src, out, qparams=qparams, dtype=dtype, force=force, progress=progress
+            )
         print_notes(summary.notes)
     if as_json:
         report.print_json(documents.dequantize_json(summary))

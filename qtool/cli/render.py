@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -15,7 +16,7 @@ from qtool.cli.lazy import api, report
 
 if TYPE_CHECKING:
     from qtool.gates import GateResult
-    from qtool.results import Row
+    from qtool.results import Progress, Row
 
 GATE_FAILED = 3
 
@@ -65,3 +66,14 @@ def plot_target(plot: Path | None, src: Path, command: str) -> Path | None:
 def print_notes(notes: list[str]) -> None:
     for note in notes:
         report.print_warning(note)
+
+
+@contextmanager
+def shown_progress(as_json: bool) -> Iterator[Progress | None]:
+    """quantize's progress bar (bytes, the tensor, time left) on stderr while it is a terminal;
+    None, nothing shown, on a pipe or under --json."""
+    if as_json:
+        yield None
+        return
+    with report.progress_bar() as bar:
+        yield bar

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -32,7 +33,7 @@ from qtool.formats.detect import detect
 from qtool.formats.registry import FormatEntry, entry, open_reader, write_float
 from qtool.io.atomic import OutputSet, resolve_output
 from qtool.numerics import select
-from qtool.results import DequantizedRow, DequantizeSummary
+from qtool.results import DequantizedRow, DequantizeSummary, Progress
 from qtool.spec import FormatName
 
 DEQUANTIZED_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -50,9 +51,11 @@ def dequantize(
     qparams: Path | None = None,
     dtype: str = "original",
     force: bool = False,
+    progress: Progress | None = None,
 ) -> DequantizeSummary:
     """Rebuild float checkpoints: original names, shapes, dtypes; pass-throughs byte-identical.
-    `qparams` names the sidecar of a single file that was moved away from it."""
+    `qparams` names the sidecar of a single file that was moved away from it. `progress` gets
+    the input's bytes, tensor by tensor as each is read."""
     found = detect(src)
     if qparams is not None and found.directory is not None and found.quantized:
         raise UsageError(qparams, f"{_scales_inside(found.format)}; give no sidecar")
@@ -70,7 +73,7 @@ def dequantize(
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
         with prepared(source, target, lambda o: [o], force, protect=reader.sidecars) as place:
-            rows = _write(reader, source, place, dtype)
+            rows = _write(_reported(reader, progress), source, place, dtype)
     finally:
         reader.close()
     return DequantizeSummary(
@@ -103,6 +106,37 @@ def _target(source: Source, src: Path, out: Path | None, fmt: FormatEntry) -> Ta
     if out is not None and out.suffix.lower() in DEQUANTIZED_SUFFIXES and not out.is_dir():
         return file_target(out)
     return directory_target(source, out or default_directory(source, "dequantized"))
+
+
+def _reported(reader: FloatReader, progress: Progress | None) -> FloatReader:
+    if progress is None:
+        return reader
+    progress.start(sum(reader.nbytes(n) for n in reader.names))
+    return cast(FloatReader, _Reported(reader, progress))
+
+
+class _Reported:
+    """A FloatReader whose reads move a progress bar: a tensor's stored bytes once it is read
+    (dequantized or copied), the costly part of writing it."""
+
+    def __init__(self, reader: FloatReader, progress: Progress) -> None:
+        self._reader = reader
+        self._progress = progress
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._reader, attr)
+
+    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self._progress.advance(name, 0)
+        found = self._reader.values(name, dtype)
+        self._progress.advance(name, self._reader.nbytes(name))
+        return found
+
+    def raw(self, name: str) -> memoryview:
+        self._progress.advance(name, 0)
+        found = self._reader.raw(name)
+        self._progress.advance(name, self._reader.nbytes(name))
+        return found
 
 
 def _write(

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.report import layout
+from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
 from qtool.report.eval_console import TokensPerSecond
 from qtool.report.layout import Line
@@ -79,6 +80,6 @@ def calibrate_progress() -> Iterator[_CalibrateProgress | None]:
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TokensPerSecond())  # fmt: skip
+               TokensPerSecond(), SteadyTimeLeft())  # fmt: skip
     with Progress(*columns, console=err, transient=True) as progress:
         yield _CalibrateProgress(progress)

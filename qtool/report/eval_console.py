@@ -16,6 +16,7 @@ from rich.text import Text
 
 from qtool.eval_results import EvalSummary, EvalViolation, LayerRow
 from qtool.report import layout
+from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
 from qtool.report.layout import Column, Line
 
@@ -173,6 +174,6 @@ def eval_progress() -> Iterator[_EvalProgress | None]:
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TokensPerSecond())  # fmt: skip
+               TokensPerSecond(), SteadyTimeLeft())  # fmt: skip
     with Progress(*columns, console=err, transient=True) as progress:
         yield _EvalProgress(progress)

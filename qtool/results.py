@@ -52,6 +52,20 @@ class ErrorStats:
         return all(math.isfinite(v) for v in (self.sq_error, self.sq_signal, self.max_abs))
 
 
+@dataclass(frozen=True)
+class WeightedError:
+    """A tensor's error weighted by an importance matrix (docs/numerics.md): sums of
+    h_j w_ij^2 and h_j (w_ij - w^_ij)^2 over its values, so that tensors pool exactly."""
+
+    sq_signal: float
+    sq_error: float
+
+    @property
+    def sqnr_db(self) -> float:
+        """The weighted SQNR: an estimate of the output SQNR with uncorrelated inputs."""
+        return sqnr_db(self.sq_signal, self.sq_error)
+
+
 def sqnr_db(sq_signal: float, sq_error: float) -> float:
     """+inf: exact; -inf: all error, no signal (x is all zeros and x_hat is not)."""
     if math.isnan(sq_signal) or math.isnan(sq_error):
@@ -196,6 +210,7 @@ class QuantizeRow:
     spec_chosen: bool = False  # a recipe rule or the error budget chose `spec`
     bytes_qparams: int = 0  # its scales and zero points (in the sidecar)
     decided_by: DecidedBy | None = None  # what decided it (None: a row built by hand)
+    weighted: WeightedError | None = None  # --imatrix: the activation-weighted error
 
     @property
     def dtypes(self) -> tuple[str, str]:
@@ -258,6 +273,15 @@ class QuantizeSummary:
     budget_reference: str = "int8"  # what the budget's all-8-bit reference stores as ("Q8_0")
     format: str = FormatName.QTOOL.value
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
+    imatrix: dict[str, object] | None = None  # --imatrix: its provenance (engine/importance.py)
+
+    @property
+    def weighted_overall(self) -> WeightedError | None:
+        """The weighted error pooled over the tensors that have one (None: no --imatrix)."""
+        parts = [r.weighted for r in self.rows if r.weighted is not None]
+        if not parts:
+            return None
+        return WeightedError(sum(p.sq_signal for p in parts), sum(p.sq_error for p in parts))
 
     @property
     def quantized(self) -> list[QuantizeRow]:

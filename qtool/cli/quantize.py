@@ -49,6 +49,7 @@ from qtool.cli.quantize_options import (
     ExcludeOpt,
     FormatOpt,
     GroupFallbackOpt,
+    ImatrixOpt,
     IncludeOpt,
     InputArg,
     KeepNonfiniteOpt,
@@ -59,6 +60,7 @@ from qtool.cli.quantize_options import (
     ThreadsOpt,
     check_format_options,
     check_format_spec,
+    check_imatrix,
     gguf_cli_spec,
     quantize_mode,
     warn_budget_overrides,
@@ -73,6 +75,8 @@ from qtool.spec import (
     Scheme,
     StorageDtype,
 )
+
+_GRID_DTYPES = {d.value for d in StorageDtype}
 
 if TYPE_CHECKING:
     from qtool.api import Mode, QuantizeOptions
@@ -108,6 +112,7 @@ def quantize(
     group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
     device: DeviceOpt = Device.AUTO,
     keep_nonfinite: KeepNonfiniteOpt = False,
+    imatrix: ImatrixOpt = None,
     method: MethodOpt = None,
     text: CalibTextOpt = None,
     tokens: CalibTokensOpt = None,
@@ -145,9 +150,10 @@ def quantize(
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
+    check_imatrix(imatrix, dtype in _GRID_DTYPES, target_sqnr is not None)
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
-                           recipe, target_sqnr)  # fmt: skip
+                           recipe, target_sqnr, imatrix)  # fmt: skip
         options = dataclasses.replace(options, calibration=calibrated)
         if target_sqnr is not None:
             warn_budget_overrides(ctx, options)
@@ -180,6 +186,7 @@ def _options(
     group_fallback: GroupFallback,
     recipe: Path | None,
     target_sqnr: float | None,
+    imatrix: Path | None = None,
 ) -> QuantizeOptions:
     """The options value the engine takes (the recipe read and checked: RecipeError, exit 2)."""
     return api.QuantizeOptions(
@@ -192,6 +199,7 @@ def _options(
         group_fallback=group_fallback,
         recipe=api.load_recipe(recipe) if recipe is not None else None,
         target_sqnr=target_sqnr,
+        imatrix=imatrix,
     )
 
 

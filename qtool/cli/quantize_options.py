@@ -152,6 +152,18 @@ TargetSqnrOpt = Annotated[
         rich_help_panel=SELECT,
     ),
 ]
+ImatrixOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--imatrix",
+        help="Importance matrix (llama-imatrix's GGUF or .dat, or qtool calibrate's): "
+        "--range mse minimises the error weighted by each input column's mean square, and "
+        "the table adds the weighted SQNR.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=HOW,
+    ),
+]
 KeepNonfiniteOpt = Annotated[
     bool,
     typer.Option(
@@ -269,6 +281,20 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
     refused = None if budget and not spec.whole else api.format_refuses(fmt, spec)
     if refused is not None:
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
+
+
+def check_imatrix(imatrix: Path | None, integer_grid: bool, budget: bool) -> None:
+    """--imatrix weighs the integer grids' range search: refused with a GGUF type (its kernels
+    do not take one yet) and with the error budget (which does not use it yet)."""
+    if imatrix is None:
+        return
+    if not integer_grid:
+        why = "GGUF types do not take an importance matrix yet; quantize to GGUF without it"
+    elif budget:
+        why = "the error budget (--target-sqnr) does not weigh its trials by one yet"
+    else:
+        return
+    raise typer.BadParameter(why, param_hint="--imatrix")
 
 
 _SPEC_FLAGS = {

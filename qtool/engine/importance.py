@@ -25,7 +25,7 @@ from qtool.errors import InputError
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
-from qtool.spec import PerChannel, PerGroup
+from qtool.spec import PerChannel, PerGroup, as_grid
 
 if TYPE_CHECKING:
     from qtool.engine.decision import TensorPlan
@@ -235,8 +235,9 @@ def weighted_error(
     (the whole tensor where its qparams are not per row)."""
     from qtool.numerics import select
 
-    entry, spec = plan.entry, plan.spec
-    assert spec is not None and entry.shape
+    entry = plan.entry
+    assert plan.spec is not None and entry.shape
+    spec = as_grid(plan.spec)
     shape = entry.shape
     g = spec.granularity
     row_elems = max(1, entry.numel // shape[0])

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from qtool.engine import batch
 from qtool.engine.decision import TensorPlan
+from qtool.engine.importance import Importance, weighted_error
 from qtool.engine.plan import planned_row
 from qtool.engine.slabs import Reader, quantize_by_slabs, slab_rows
 from qtool.engine.spill import Figures, Spill
@@ -28,9 +29,9 @@ from qtool.io.checkpoint import Checkpoint
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
 from qtool.numerics.quantize import expect, quantize_tensor
-from qtool.numerics.range_methods import GridOverflow
+from qtool.numerics.range_methods import ColumnWeights, GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
-from qtool.results import Progress, QuantizeRow
+from qtool.results import Progress, QuantizeRow, WeightedError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,6 +53,8 @@ class Kernels:
     device: torch.device
     progress: Progress | None = None
     scales_in_weight_dtype: bool = False
+    importance: Importance | None = None  # --imatrix: weighs the range search and the figures
+    importance_notes: tuple[str, ...] = ()  # what matching it to the tensors has to say
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
         """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
@@ -64,7 +67,13 @@ class Kernels:
 
     def notes(self) -> list[str]:
         """What the kernel choice has to say about the run (a much faster path not taken)."""
-        return select.notes()
+        return [*self.importance_notes, *select.notes()]
+
+    def weights(self, plan: TensorPlan) -> ColumnWeights | None:
+        """The importance matrix's column weights for a quantized tensor (None: none)."""
+        if self.importance is None or plan.spec is None:
+            return None
+        return self.importance.weights(plan.entry.name, plan.entry.shape)
 
 
 def write_shard(
@@ -80,14 +89,14 @@ def write_shard(
     rows: dict[str, QuantizeRow] = {}
     order = [by_name[entry.name] for entry in writer.order]
     with BackgroundWriter(ckpt.release) as background:
-        for plan, done in _results(ckpt, order, run, spill=spill):
+        for plan, done, weighted in _results(ckpt, order, run, spill=spill):
             entry = plan.entry
             if done is None:
                 background.submit(entry, writer.keep, entry, ckpt.raw(entry))
                 rows[entry.name] = planned_row(plan)
             else:
                 background.submit(entry, writer.quantized, entry, plan.spec, done.result)
-                rows[entry.name] = measured_row(plan, done.figures)
+                rows[entry.name] = replace(measured_row(plan, done.figures), weighted=weighted)
     ckpt.check_unchanged()
     writer.finish()
     return [rows[p.entry.name] for p in plans]
@@ -105,11 +114,12 @@ def estimate_rows(
             if found is not None:
                 known[p.entry.name] = found
     rows = []
-    for plan, done in _results(ckpt, plans, run, skip=known.keys()):
+    for plan, done, weighted in _results(ckpt, plans, run, skip=known.keys()):
         if plan.entry.name in known:
             rows.append(measured_row(plan, known[plan.entry.name]))
         else:
-            rows.append(planned_row(plan) if done is None else measured_row(plan, done.figures))
+            row = planned_row(plan) if done is None else measured_row(plan, done.figures)
+            rows.append(replace(row, weighted=weighted))
             ckpt.release(plan.entry)
     return rows
 
@@ -125,8 +135,9 @@ def _results(
     *,
     spill: Spill | None = None,
     skip: Collection[str] = (),
-) -> Iterator[tuple[TensorPlan, batch.Quantized | None]]:
-    """Each plan in `order` with its result (None: kept as it is, or named in `skip`). A tensor
+) -> Iterator[tuple[TensorPlan, batch.Quantized | None, WeightedError | None]]:
+    """Each plan in `order` with its result (None: kept as it is, or named in `skip`) and, with
+    an importance matrix that has its entry, its activation-weighted error. A tensor
     the error budget already quantized comes from `spill`; tiny tensors are quantized a batch
     at a time (engine/batch.py), the others one by one in two alternating workspaces, so the
     codes being written are never the ones being computed."""
@@ -138,20 +149,26 @@ def _results(
         reader.advance(name, 0)  # the tensor now being processed
         if plan.spec is None or name in skip:
             reader.advance(name, nbytes)
-            yield plan, None
+            yield plan, None, None
             continue
         result = spill.take(name, plan.spec) if spill is not None else None
         done = tiny.take(k) if result is None else None
+        weights = run.weights(plan)
         if done is None:
             if result is None:
                 weight_dtype = run.scales_in_weight_dtype
-                result = quantize_one(ckpt, plan, workspaces[k % 2], weight_dtype, reader)
+                result = quantize_one(
+                    ckpt, plan, workspaces[k % 2], weight_dtype, reader, weights=weights
+                )
             else:
                 reader.advance(name, nbytes)
             done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
         else:
             reader.advance(name, nbytes)
-        yield plan, done
+        weighted = None
+        if weights is not None:
+            weighted = weighted_error(ckpt, plan, done.result, weights)
+        yield plan, done, weighted
 
 
 def quantize_one(
@@ -160,19 +177,22 @@ def quantize_one(
     workspace: kernels.Workspace,
     weight_dtype: bool = False,
     reader: Reader | None = None,
+    *,
+    weights: ColumnWeights | None = None,
 ) -> kernels.QuantizedTensor:
     """One tensor quantized as planned; NumericError naming the file and the tensor when its
     values cannot be (NaN/Inf, beyond float32, a grid that would overflow). With a `reader`,
     it is read into the reader's reused buffer (a large one a slab at a time, engine/slabs.py)
-    and its bytes reported to the reader's progress as they are done."""
+    and its bytes reported to the reader's progress as they are done. `weights`: an importance
+    matrix's, for the range search."""
     assert plan.spec is not None
     try:
         if reader is None:
-            return _quantize_whole(ckpt, plan, workspace, weight_dtype, None)
+            return _quantize_whole(ckpt, plan, workspace, weight_dtype, None, weights)
         rows = slab_rows(plan, workspace.device)
         if rows is not None:
-            return quantize_by_slabs(ckpt, plan, rows, reader, workspace, weight_dtype)
-        result = _quantize_whole(ckpt, plan, workspace, weight_dtype, reader)
+            return quantize_by_slabs(ckpt, plan, rows, reader, workspace, weight_dtype, weights)
+        result = _quantize_whole(ckpt, plan, workspace, weight_dtype, reader, weights)
         reader.advance(plan.entry.name, plan.entry.nbytes)
         return result
     except NonFiniteInput as err:
@@ -217,10 +237,13 @@ def _quantize_whole(
     workspace: kernels.Workspace,
     weight_dtype: bool,
     reader: Reader | None,
+    weights: ColumnWeights | None = None,
 ) -> kernels.QuantizedTensor:
     """The tensor read whole (into the reader's buffer when there is one) and quantized."""
     assert plan.spec is not None
     x = ckpt.tensor(plan.entry, reader.buffer if reader is not None else None)
     x = x.to(workspace.device)
     scale_dtype = x.dtype if weight_dtype else torch.float32
-    return quantize_tensor(x, plan.spec, workspace=workspace, scale_dtype=scale_dtype)
+    return quantize_tensor(
+        x, plan.spec, workspace=workspace, scale_dtype=scale_dtype, weights=weights
+    )

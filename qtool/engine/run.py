@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qtool.engine.decision import TensorPlan
+from qtool.engine.importance import Provenance, match_importance, read_importance
 from qtool.engine.job import Done, Job, Mode, Output, RunOptions
 from qtool.engine.layout import (
     Target,
@@ -45,6 +47,7 @@ from qtool.formats.base import FormatContext, OutputFormat
 from qtool.formats.registry import entry, input_refusal, output_format
 from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry
+from qtool.numerics.imatrix import ImportanceMatrix
 from qtool.results import QuantizeRow, QuantizeSummary
 
 if TYPE_CHECKING:
@@ -63,7 +66,8 @@ def quantize(
             hint="estimate",
         )
     source = open_source(src, options.config)
-    fmt = _format(options, source)
+    imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
+    fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
     output = Output(source, _target(source, src, out, options, fmt))
     kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt)
     shards = Shards(output.source, header_only=kernels is None)
@@ -72,6 +76,8 @@ def quantize(
         headers = list(shards.headers())
         tied = _tied(output.source, headers)
         plan = plan_headers(headers, options, fmt, tied)
+        if imatrix is not None:
+            job = _with_importance(job, imatrix, headers, plan)
         if run.mode is Mode.WRITE:
             from qtool.engine.write import write
 
@@ -86,10 +92,12 @@ def quantize(
         shards.close()
 
 
-def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
-    """The output format, set up with the model's config.json (read through the directory)
-    and the files it reads; UsageError for an input the format does not quantize (GGUF in,
-    GGUF out)."""
+def _format(
+    options: QuantizeOptions, source: Source, imatrix: dict[str, object] | None = None
+) -> OutputFormat:
+    """The output format, set up with the model's config.json (read through the directory),
+    the files it reads and the provenance of an importance matrix; UsageError for an input the
+    format does not quantize (GGUF in, GGUF out)."""
     refused = input_refusal(options.format.value, source.found)
     if refused is not None:
         raise UsageError(source.path, refused, hint="format")
@@ -99,6 +107,7 @@ def _format(options: QuantizeOptions, source: Source) -> OutputFormat:
         source.config_dir,
         source.within,
         tuple(source.shards),
+        imatrix,
     )
     fmt = output_format(options.format, context)
     if fmt.model_directory and not all(s.name.endswith(".safetensors") for s in source.shards):
@@ -183,11 +192,40 @@ def _tied(
     """The input embeddings that are also the output head (engine/tied.py), by the tensor
     names of every shard and the model's config.json when there is one."""
     names = [e.name for _, entries in headers for e in entries]
-    config = None
+    return tied_embeddings(names, _model_config(source))
+
+
+def _model_config(source: Source) -> dict[str, object] | None:
+    """The model's config.json when there is one."""
     path, within = source.config, source.config_dir
     if path is not None and (within is None or within.exists(path.name)):
-        config = read_json_object(path, within=within, what="model config")
-    return tied_embeddings(names, config)
+        return read_json_object(path, within=within, what="model config")
+    return None
+
+
+def _with_importance(
+    job: Job,
+    imatrix: tuple[ImportanceMatrix, Provenance],
+    headers: Sequence[tuple[Path, tuple[TensorEntry, ...]]],
+    plan: ModelPlan,
+) -> Job:
+    """The job with its importance matrix matched to the tensors (engine/importance.py):
+    refused for GGUF types, whose kernels do not take one yet; an entry that does not fit its
+    tensor is refused naming both."""
+    options = job.options
+    assert options.imatrix is not None
+    names = [e.name for _, entries in headers for e in entries]
+    importance = match_importance(options.imatrix, imatrix, names, _model_config(job.output.source))
+    if importance.refuses(plan.plans):
+        raise UsageError(
+            options.imatrix, "GGUF types do not take an importance matrix yet; quantize to "
+            "GGUF without it, or use it with an integer grid's mse range search",
+        )  # fmt: skip
+    notes = tuple(importance.check(plan.plans))
+    if job.kernels is None:
+        return job
+    kernels = replace(job.kernels, importance=importance, importance_notes=notes)
+    return replace(job, kernels=kernels)
 
 
 def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> QuantizeSummary:
@@ -215,7 +253,15 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
         budget_reference=entry(job.fmt.name).budget_reference,
         format=job.fmt.name,
         ignore=job.fmt.ignore(plans),
+        imatrix=_provenance(job),
     )
+
+
+def _provenance(job: Job) -> dict[str, object] | None:
+    kernels = job.kernels
+    if kernels is None or kernels.importance is None:
+        return None
+    return kernels.importance.provenance.as_dict()
 
 
 def _budget_sizes(job: Job, plans: Sequence[TensorPlan]) -> tuple[int, int] | None:

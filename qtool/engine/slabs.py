@@ -29,6 +29,7 @@ from qtool.io.readbuffer import ReadBuffer
 from qtool.numerics import kernels
 from qtool.numerics.kernels import QuantizedTensor
 from qtool.numerics.quantize import quantize_tensor
+from qtool.numerics.range_methods import ColumnWeights
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, combine
 
@@ -70,9 +71,11 @@ def quantize_by_slabs(
     reader: Reader,
     out: kernels.Workspace,
     weight_dtype: bool,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
     """The tensor quantized `rows` rows at a time (see the module doc); its codes live in
-    `out` (valid until the next call with it)."""
+    `out` (valid until the next call with it). `weights`: an importance matrix's, for the
+    range search (a slab takes its rows' own)."""
     spec, entry = plan.spec, plan.entry
     assert spec is not None
     dtype = ST_TO_TORCH[entry.dtype]
@@ -84,8 +87,9 @@ def quantize_by_slabs(
         x = ckpt.rows(entry, start, stop, reader.buffer)
         try:
             part = quantize_tensor(
-                x, spec, workspace=reader.slab_workspace, scale_dtype=scale_dtype
-            )
+                x, spec, workspace=reader.slab_workspace, scale_dtype=scale_dtype,
+                weights=weights.rows(start, stop) if weights is not None else None,
+            )  # fmt: skip
         except NonFiniteInput as err:
             raise NonFiniteInput(err.count and _nonfinite(ckpt, plan, reader)) from None
         codes[start * per_row : stop * per_row].copy_(part.q)

@@ -13,7 +13,7 @@ computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warn
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -135,6 +135,7 @@ class FormatContext:
     config_dir: InputDir | None = None
     directory: InputDir | None = None
     inputs: tuple[Path, ...] = ()  # the checkpoint files the run reads (GGUF: its header)
+    imatrix: Mapping[str, object] | None = None  # --imatrix: its provenance, for the metadata
 
 
 class OutputFormat(abc.ABC):

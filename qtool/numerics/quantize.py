@@ -21,6 +21,7 @@ import torch
 
 from qtool.numerics import kernels, select
 from qtool.numerics.kernels import QuantizedTensor, Workspace
+from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import Codec, QSpec
 
 Work = tuple[tuple[int, ...], bool, Codec]
@@ -48,10 +49,13 @@ def quantize_tensor(
     with_errors: bool = True,
     scale_dtype: torch.dtype = torch.float32,
     workspace: Workspace | None = None,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
-    """x quantized with `spec` by its family's kernels (see Kernels)."""
+    """x quantized with `spec` by its family's kernels (see Kernels); `weights` (an importance
+    matrix's h per input column) weigh a range search's errors where the family takes them."""
+    extra = {} if weights is None else {"weights": weights}
     return family(spec).quantize(
-        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace
+        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace, **extra
     )
 
 

@@ -45,6 +45,7 @@ from qtool.results import (
     QuantizeRow,
     QuantizeSummary,
     Row,
+    WeightedError,
     natural_key,
 )
 from qtool.spec import Codec
@@ -313,6 +314,8 @@ def quantize_columns(
             column("max err", figure(lambda e: f"{e.max_abs:.3g}"), right=True, hide=2),
             column("SQNR dB", figure(lambda e: _fmt_sqnr(e.sqnr_db)), right=True),
         ]
+        if any(getattr(r, "weighted", None) is not None for r in rows):  # quantize --imatrix
+            columns.append(column("wSQNR", _weighted_cell, right=True))
         if any(r.errors is not None and r.errors.mse_gain is not None for r in rows):
             columns.append(column("vs minmax", lambda r: (_fmt_gain(r.errors), ""), right=True,
                                   hide=5))  # fmt: skip
@@ -320,6 +323,12 @@ def quantize_columns(
     if failed is not None:
         columns.append(column("gate", lambda r: _gate_cell(r, failed)))
     return columns
+
+
+def _weighted_cell(r: Row) -> tuple[str, str]:
+    """The activation-weighted SQNR (docs/numerics.md), blank for a tensor without one."""
+    weighted: WeightedError | None = getattr(r, "weighted", None)
+    return (_fmt_sqnr(weighted.sqnr_db) if weighted is not None else "", "")
 
 
 def _fmt_gain(stats: ErrorStats | None) -> str:
@@ -396,6 +405,9 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
         parts.append(f"overall SQNR {_fmt_db(overall.sqnr_db)} ({_pooled(summary.pooled_over)})")
     if overall is not None and overall.mse_gain is not None:
         parts.append(f"mse range search: {_fmt_gain(overall)} squared error vs minmax")
+    weighted = summary.weighted_overall
+    if weighted is not None:
+        parts.append(f"weighted SQNR {_fmt_db(weighted.sqnr_db)} (wSQNR: by the imatrix)")
     if summary.budget_sizes is not None:
         int8, flt = summary.budget_sizes
         eight = f"all-{summary.budget_reference}"

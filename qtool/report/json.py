@@ -171,6 +171,8 @@ def quantize_json(
             item["scale_min"], item["scale_max"] = r.scale_range
         if r.decided_by is not None:
             item["decided_by"] = decided_json(r.decided_by, label)
+        if r.weighted is not None:  # --imatrix
+            item["weighted_sqnr_db"] = json_number(r.weighted.sqnr_db)
         tensors.append(item)
     quantized = summary.quantized
     return {
@@ -197,14 +199,22 @@ def quantize_json(
             **error_json(summary.overall),
             "pooled_over": summary.pooled_over,
             **_budget_json(summary),
+            **_weighted_json(summary),
         },
         "measured": summary.measured,
         "skipped_non_tensors": summary.skipped,
         "gate": gate_json(gate),
         "format": summary.format,
         **({"ignore": summary.ignore} if summary.ignore is not None else {}),
+        **({"imatrix": summary.imatrix} if summary.imatrix is not None else {}),
         "warnings": summary.notes,
     }
+
+
+def _weighted_json(summary: QuantizeSummary) -> dict[str, JsonNumber]:
+    """With --imatrix: the activation-weighted SQNR pooled over the tensors it weighed."""
+    pooled = summary.weighted_overall
+    return {} if pooled is None else {"weighted_sqnr_db": json_number(pooled.sqnr_db)}
 
 
 def compare_json(

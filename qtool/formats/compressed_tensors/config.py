@@ -238,12 +238,14 @@ def quantization_config(
     *,
     absent: Sequence[str] = (),
     dequantize: bool = False,
+    imatrix: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """The `quantization_config` of config.json; `candidates` (name -> multipliers) records
     the mse search's candidate lists under the `qtool` key, which loaders ignore; `absent`: the
     Linears the checkpoint holds no weight for (ignored too); `dequantize` writes
     `"dequantize": true`, which makes transformers dequantize at load time
-    (loaders.dequantize_at_load says when)."""
+    (loaders.dequantize_at_load says when); `imatrix`: the provenance of the importance matrix
+    the range search was weighted by, recorded under the `qtool` key too."""
     specs = [s.spec for s in selections if s.spec is not None]
     methods = sorted({s.range_method.value for s in specs})
     record: dict[str, object] = {
@@ -254,6 +256,8 @@ def quantization_config(
     if RangeMethod.MSE.value in methods:
         record["mse_algorithm"] = MSE_ALGORITHM
         record["mse_candidates"] = {k: list(v) for k, v in (candidates or {}).items()}
+    if imatrix is not None:
+        record["imatrix"] = dict(imatrix)
     q: dict[str, object] = {
         "quant_method": FORMAT,
         "format": PACK_QUANTIZED,

@@ -186,6 +186,7 @@ class CompressedTensorsFormat(OutputFormat):
             candidates,
             absent=self.linears(planned).absent,
             dequantize=self._dequantize_at_load(selections),
+            imatrix=self.context.imatrix,
         )
         assert self.config_path is not None
         doc = ct_config.with_quantization_config(self.config, qconfig, self.config_path)

@@ -8,7 +8,8 @@ format without loading torch."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry, build_header
 from qtool.io.writer import StreamingWriter
 from qtool.spec import Codec, FormatName, as_grid
+
+IMATRIX_KEY = "qtool.imatrix"  # the sidecar's record of --imatrix (engine/importance.py)
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +109,7 @@ class QtoolFormat(OutputFormat):
         out: Path,
         outputs: OutputSet,
     ) -> QtoolShardWriter:
-        return QtoolShardWriter(planned, metadata, out, outputs)
+        return QtoolShardWriter(planned, metadata, out, outputs, self._context.imatrix)
 
 
 class QtoolShardWriter:
@@ -119,8 +122,10 @@ class QtoolShardWriter:
         metadata: dict[str, str] | None,
         out: Path,
         outputs: OutputSet,
+        imatrix: Mapping[str, object] | None = None,
     ) -> None:
         self._out, self._outputs = out, outputs
+        self._imatrix = imatrix  # --imatrix's provenance, kept in the sidecar (IMATRIX_KEY)
         self._side = sidecar_path(out)
         self._metadata = carried_metadata(metadata) | {SIDECAR_KEY: self._side.name}
         self._specs = [(p.entry.name, *stored_dtype_shape(p.entry, p.spec)) for p in planned]
@@ -164,6 +169,8 @@ class QtoolShardWriter:
         records = {name: self._record(name) for name in sorted(self._qparams)}
         tensors = {key: t for parts in self._qparams.values() for key, t in parts.items()}
         metadata = manifest_metadata(Manifest(self._out.name, records))
+        if self._imatrix is not None:
+            metadata[IMATRIX_KEY] = json.dumps(dict(self._imatrix), sort_keys=True)
         specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
         header_bytes, header = build_header(specs, metadata)
         side = self._side

@@ -175,7 +175,7 @@ def _select_one(planned: Ruled, config: Mapping[str, object], linears: Linears |
         reason = ruling.reason if ruling.by_name else kind.reason or ruling.reason
         return Selection(entry, kind.module, None, reason)
     if kind.fixed or (kind.reason and not ruling.by_name):
-        return Selection(entry, kind.module, None, kind.reason)
+        return Selection(entry, kind.module, None, _why_kept(kind, ruling.by_name))
     spec = as_grid(spec)  # the registry lets only grids reach this format
     try:
         check_spec(spec)
@@ -185,6 +185,14 @@ def _select_one(planned: Ruled, config: Mapping[str, object], linears: Linears |
         where = f"{ruling.rule_origin}{ruling.rule_label}"
         raise RuleUnstorable(f"{where} (for {entry.name}): {err}") from None
     return Selection(entry, kind.module, spec, note=note)
+
+
+def _why_kept(kind: Kind, asked: bool) -> str:
+    """Why a tensor stays float; when a rule asked a spec for it, why the format cannot store
+    one (a recipe's int8 rule for BERT's word_embeddings became "kept: embedding", silently)."""
+    if not asked or kind.module is not None or "nn.Linear" in kind.reason:
+        return kind.reason
+    return f"{kind.reason}: compressed-tensors quantizes nn.Linear weights only"
 
 
 class RuleUnstorable(ValueError):

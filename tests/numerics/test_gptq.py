@@ -206,31 +206,32 @@ def test_dead_columns_get_the_zero_code_and_change_nothing_else(act_order: bool)
     assert torch.equal(with_dead.scale, without.scale)
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_identity_hessian_gives_round_to_nearest(dynamic: bool) -> None:
-    # dynamic groups too: with nothing to compensate, each group's values are the original ones
-    for grid in GRIDS:
-        for g in (PerTensor(), PerChannel(0), PerGroup(16), PerGroup(10)):
-            for method in RangeMethod:
-                spec = _spec(grid, g, method)
-                w = _weight(6, 40, seed=7).to(torch.bfloat16)
-                for scale_dtype in (torch.float32, torch.bfloat16):
-                    got = gptq_quantize(
-                        w, torch.eye(40), spec, block_size=16, scale_dtype=scale_dtype,
-                        dynamic_groups=dynamic,
-                    )  # fmt: skip
-                    rtn = kernels.quantize_tensor(
-                        w, spec, with_errors=False, scale_dtype=scale_dtype
-                    )
-                    assert got.fallback is None
-                    assert torch.equal(got.quantized(spec).q, rtn.q), spec.describe()
-                    assert torch.equal(got.scale, rtn.scale) and torch.equal(
-                        got.zero_point, rtn.zero_point
-                    )
-                    assert (
-                        got.scale.shape == rtn.scale.shape
-                        and got.zero_point.dtype == rtn.zero_point.dtype
-                    )
+# every grid and granularity with min-max; the mse search, bf16 scales and dynamic groups on
+# groups (they change nothing per channel or per tensor)
+IDENTITY_CASES = [
+    *[(grid, g, RangeMethod.MINMAX, torch.float32, False) for grid in GRIDS
+      for g in (PerTensor(), PerChannel(0), PerGroup(16), PerGroup(10))],
+    *[(grid, PerGroup(16), RangeMethod.MSE, torch.bfloat16, True) for grid in GRIDS],
+    ((Scheme.ASYM, StorageDtype.UINT8), PerChannel(0), RangeMethod.MSE, torch.float32, False),
+    ((Scheme.SYM, StorageDtype.INT4), PerGroup(10), RangeMethod.MINMAX, torch.bfloat16, True),
+]  # fmt: skip
+
+
+def test_identity_hessian_gives_round_to_nearest() -> None:
+    # with nothing to compensate, GPTQ's codes are rounding's (dynamic groups: each group's
+    # values are the original ones when it is reached)
+    w = _weight(6, 40, seed=7).to(torch.bfloat16)
+    for grid, g, method, scale_dtype, dynamic in IDENTITY_CASES:
+        spec = _spec(grid, g, method)
+        got = gptq_quantize(
+            w, torch.eye(40), spec, block_size=16, scale_dtype=scale_dtype, dynamic_groups=dynamic
+        )
+        rtn = kernels.quantize_tensor(w, spec, with_errors=False, scale_dtype=scale_dtype)
+        assert got.fallback is None
+        assert torch.equal(got.quantized(spec).q, rtn.q), spec.describe()
+        assert torch.equal(got.scale, rtn.scale) and got.scale.shape == rtn.scale.shape
+        assert torch.equal(got.zero_point, rtn.zero_point)
+        assert got.zero_point.dtype == rtn.zero_point.dtype
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -12,6 +12,7 @@ energy of A - B. Streams tensor by tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def _compare_readers(
     order = left.names + [n for n in right.names if n not in in_left]
     why = unplaced or {}
     sizes = {n: _bytes(left, n, in_left) + _bytes(right, n, in_right) for n in order}
-    select.expect(CPU, sum(sizes.values()))  # loads the fused kernels when worth it
+    pairs = [n for n in order if n in in_left and n in in_right]
+    select.expect(CPU, sum(math.prod(left.shape(n)) for n in pairs), "compare")
     if progress is not None:
         progress.start(sum(sizes.values()))
     rows = []

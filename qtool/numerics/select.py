@@ -52,6 +52,7 @@ COSTS = {
     "groups": (6.0, 1.8),
     "mse": (60.0, 4.0),
     "restore": (0.8, 0.25),  # dequantize, per byte of input
+    "compare": (15.0, 4.0),  # compare's error figures, per element of a pair (1 thread, load 12)
 }
 WIDE_INPUT = 1.3  # bf16/fp16 cost the torch kernels an exact upcast pass more
 MIN_MEASURED = 0.1  # seconds of torch calls before their speed is trusted,
@@ -206,10 +207,11 @@ def _cost(spec: QSpec, shape: tuple[int, ...], numel: int, wide: bool) -> tuple[
     return numel * slow * 1e-9, numel * (slow - fast) * 1e-9
 
 
-def expect(device: torch.device, nbytes: int) -> None:
+def expect(device: torch.device, nbytes: int, kind: str = "restore") -> None:
     """Told at the start of a run how many bytes of tensors it will restore (dequantize) on
-    `device`: checks QTOOL_KERNEL, and loads the fused kernels when they will be used."""
-    slow, fast = COSTS["restore"]
+    `device` (kind "compare": how many elements it will measure): checks QTOOL_KERNEL, and
+    loads the fused kernels when they will be used."""
+    slow, fast = COSTS[kind]
     _expect(device, nbytes * slow * 1e-9, nbytes * (slow - fast) * 1e-9)
 
 

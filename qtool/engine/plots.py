@@ -1,7 +1,8 @@
 """Pictures for hunting the bad layer (matplotlib, the optional `plot` extra).
 
 - plot_quantize / plot_compare: per-layer SQNR bars (outliers highlighted) above the error
-  histograms of the worst layers, recomputed for those few tensors only.
+  histograms of the worst layers, recomputed for those few tensors only; past MAX_BARS
+  tensors, one bar per layer type at its worst tensor's SQNR (bar_groups).
 - plot_tensor: one tensor's original, codes, reconstruction and error as heatmaps, with a
   histogram of its values and the representable range of the quantization grid marked.
 Every PNG is FIGURE_PX pixels, passes the same output checks as any output (atomic.preflight:
@@ -102,18 +103,40 @@ def short_label(name: str, width: int = 36) -> str:
     return name[:head] + "…" + name[len(name) - (width - 1 - head) :]
 
 
+MAX_BARS = 64  # more measured tensors than this: one bar per layer type (SmolLM2: 211 -> 9)
+
+
+def bar_groups(measured: Sequence[Row]) -> list[tuple[str, list[Row]]]:
+    """The chart's bars, each a label and its tensors: one per tensor, or, past MAX_BARS, one
+    per layer type (the name with its numbers as `*`: `model.layers.*.mlp.up_proj.weight`),
+    unless even those are more than MAX_BARS."""
+    if len(measured) <= MAX_BARS:
+        return [(r.name, [r]) for r in measured]
+    groups: dict[str, list[Row]] = {}
+    for r in measured:
+        groups.setdefault(re.sub(r"\d+", "*", r.name), []).append(r)
+    if len(groups) > MAX_BARS:
+        return [(r.name, [r]) for r in measured]
+    return [(f"{k} ×{len(v)}" if len(v) > 1 else v[0].name, v) for k, v in groups.items()]
+
+
 def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None) -> None:
-    """One bar per measured tensor at its SQNR; exact (+inf) and all-wrong (-inf) tensors get
-    markers instead of a bar of made-up height; the gate's bound is a dashed line."""
+    """One bar per measured tensor at its SQNR, or per layer type at its worst tensor's
+    (bar_groups); exact (+inf) and all-wrong (-inf) tensors get markers instead of a bar of
+    made-up height; the gate's bound is a dashed line."""
     measured = sorted((r for r in rows if r.errors is not None), key=lambda r: natural_key(r.name))
-    sqnr = [r.errors.sqnr_db if r.errors else math.nan for r in measured]
-    worst = {r.name for r in _outliers(measured)}
+    groups = bar_groups(measured)
+    if len(groups) < len(measured):
+        title += f" (worst of each layer type: {len(measured)} tensors, {len(groups)} bars)"
+    sqnr = [min(r.errors.sqnr_db if r.errors else math.nan for r in g) for _, g in groups]
+    outliers = {r.name for r in _outliers(measured)}
+    worst = {label for label, g in groups if any(r.name in outliers for r in g)}
     finite = [v for v in sqnr if math.isfinite(v)]
     top = max([*finite, *([min_sqnr] if min_sqnr is not None else []), 0.0]) + 5
     bottom = min([*finite, 0.0])
-    xs = range(len(measured))
+    xs = range(len(groups))
     heights = [v if math.isfinite(v) else 0.0 for v in sqnr]
-    colors = [_WORST_COLOR if r.name in worst else _BAR_COLOR for r in measured]
+    colors = [_WORST_COLOR if label in worst else _BAR_COLOR for label, _ in groups]
     ax.bar(xs, heights, color=colors)
     handles = [_patch(_BAR_COLOR, "SQNR")]
     if worst:
@@ -134,7 +157,7 @@ def _sqnr_bars(ax: Any, rows: Sequence[Row], title: str, min_sqnr: float | None)
     ax.set_ylabel("SQNR (dB), higher is better")
     ax.legend(handles=handles, fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0),
               ncol=len(handles), frameon=False)  # fmt: skip
-    _bar_labels(ax, [r.name for r in measured])
+    _bar_labels(ax, [label for label, _ in groups])
 
 
 _BAR_COLOR, _WORST_COLOR = "#1f77b4", "#d62728"
@@ -151,7 +174,8 @@ def _bar_labels(ax: Any, names: list[str]) -> None:
     step = max(1, math.ceil(len(names) / MAX_LABELS))
     ticks = list(range(0, len(names), step))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([short_label(names[i]) for i in ticks], rotation=90,
+    width = 56 if len(ticks) <= 20 else 36  # few bars (layer types): room for whole names
+    ax.set_xticklabels([short_label(names[i], width) for i in ticks], rotation=90,
                        fontsize=7 if len(ticks) <= 60 else 5)  # fmt: skip
     ax.set_xlim(-0.6, len(names) - 0.4)
 

@@ -3,6 +3,7 @@ on the tiny test llama and on the tensors of real models as llama-quantize typed
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from qtool.formats.gguf.mixes import MIXES, ModelFacts, fallback, mix_types, use_more_bits
-from qtool.gguf_types import GGML_TYPES
+from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.gguf_file import GGUFFile
-from qtool.io.gguf_layout import GGUFTensorInfo
+from qtool.io.gguf_layout import GGUFTensorInfo, GGUFValue
 from tests import gguf_models as M
 from tests.conftest import Invoke
 
@@ -154,3 +155,27 @@ def test_llama_quantize_itself_gives_the_same_types(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(script), str(_llama_quantize()), str(src)],
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _recorded() -> list[dict[str, object]]:
+    return json.loads(RECORDED.read_text())  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("model", [m["model"] for m in _recorded()])
+def test_every_mix_as_llama_quantize_typed_real_tensor_lists(model: str) -> None:
+    """llama-quantize --dry-run's types (scripts/gguf_mixes_check.py --record, llama.cpp
+    0.3.36's tree): the tiny llama untied and tied, the 64-wide sample (every K-type falls
+    back) and SmolLM2-135M (30 layers, 9/3 heads, tied, rows of 576), all 14 mixes."""
+    entry = next(m for m in _recorded() if m["model"] == model)
+    meta = entry["metadata"]
+    assert isinstance(meta, dict)
+    values = {
+        k: GGUFValue(ValueType.STRING if isinstance(v, str) else ValueType.UINT32, v)
+        for k, v in meta.items()
+    }
+    facts = ModelFacts.of(values)
+    tensors = [_info(n, *shape) for n, shape in entry["tensors"]]  # type: ignore[attr-defined]
+    types = entry["types"]
+    assert isinstance(types, dict) and set(types) == set(MIXES)
+    for name, theirs in types.items():
+        assert mix_types(MIXES[name], tensors, facts) == theirs, name

@@ -76,8 +76,6 @@ from qtool.spec import (
     StorageDtype,
 )
 
-_GRID_DTYPES = {d.value for d in StorageDtype}
-
 if TYPE_CHECKING:
     from qtool.api import Mode, QuantizeOptions
     from qtool.gates import Gate
@@ -150,7 +148,7 @@ def quantize(
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
-    check_imatrix(imatrix, dtype in _GRID_DTYPES, target_sqnr is not None)
+    check_imatrix(imatrix, target_sqnr is not None)
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip

@@ -283,18 +283,14 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
-def check_imatrix(imatrix: Path | None, integer_grid: bool, budget: bool) -> None:
-    """--imatrix weighs the integer grids' range search: refused with a GGUF type (its kernels
-    do not take one yet) and with the error budget (which does not use it yet)."""
-    if imatrix is None:
-        return
-    if not integer_grid:
-        why = "GGUF types do not take an importance matrix yet; quantize to GGUF without it"
-    elif budget:
-        why = "the error budget (--target-sqnr) does not weigh its trials by one yet"
-    else:
-        return
-    raise typer.BadParameter(why, param_hint="--imatrix")
+def check_imatrix(imatrix: Path | None, budget: bool) -> None:
+    """--imatrix weighs the range search and ggml's quantizers: refused with the error budget,
+    whose trials it does not weigh yet."""
+    if imatrix is not None and budget:
+        raise typer.BadParameter(
+            "the error budget (--target-sqnr) does not weigh its trials by one yet",
+            param_hint="--imatrix",
+        )
 
 
 _SPEC_FLAGS = {

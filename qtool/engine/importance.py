@@ -14,6 +14,7 @@ count does not fit the tensor is refused naming both.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,9 +26,11 @@ from qtool.errors import InputError
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
-from qtool.spec import PerChannel, PerGroup, as_grid
+from qtool.spec import Codec, GGUFSpec, PerChannel, PerGroup, QSpec, as_grid
 
 if TYPE_CHECKING:
+    import torch
+
     from qtool.engine.decision import TensorPlan
     from qtool.io.checkpoint import Checkpoint
     from qtool.numerics.kernels import QuantizedTensor
@@ -84,11 +87,6 @@ class Importance:
             return None
         h = quant_weights(stats, *_width_and_matrices(shape))
         return ColumnWeights(torch.from_numpy(h))
-
-    def refuses(self, plans: Iterable[TensorPlan]) -> bool:
-        """Whether a tensor is to be quantized to other than an integer grid (a GGUF type, whose
-        kernels do not take an importance matrix yet)."""
-        return any(p.spec is not None and not integer_grid(p.spec) for p in plans)
 
     def check(self, plans: Iterable[TensorPlan]) -> list[str]:
         """InputError for an entry that does not fit its quantized tensor; the run's note on
@@ -183,13 +181,6 @@ def _block_count(config: Mapping[str, object] | None, names: list[str]) -> int:
     return max(numbers, default=-1) + 1
 
 
-def integer_grid(spec: object) -> bool:
-    """Whether a plan's spec is qtool's integer grid (not a GGUF block type)."""
-    from qtool.spec import QSpec
-
-    return isinstance(spec, QSpec) and getattr(spec, "gguf", None) is None
-
-
 def _width_and_matrices(shape: tuple[int, ...]) -> tuple[int, int]:
     """(input width, matrices) of a weight: [out, in] is one matrix, [E, out, in] E."""
     return (shape[-1] if shape else 1), (shape[0] if len(shape) == 3 else 1)
@@ -233,28 +224,43 @@ def weighted_error(
     """sum h_j w_ij^2 and sum h_j (w_ij - w^_ij)^2 of a quantized tensor, w^ restored from its
     codes in the input's dtype (as the error figures measure it), a slab of rows at a time
     (the whole tensor where its qparams are not per row)."""
-    from qtool.numerics import select
-
-    entry = plan.entry
-    assert plan.spec is not None and entry.shape
-    spec = as_grid(plan.spec)
+    entry, spec = plan.entry, plan.spec
+    assert spec is not None and entry.shape
     shape = entry.shape
-    g = spec.granularity
     row_elems = max(1, entry.numel // shape[0])
-    by_rows = isinstance(g, PerGroup) or g == PerChannel(0)
+    by_rows = not isinstance(spec, QSpec) or (
+        isinstance(spec.granularity, PerGroup) or spec.granularity == PerChannel(0)
+    )
     step = max(1, ERROR_SLAB_ELEMS // row_elems) if by_rows else shape[0]
     signal = error = 0.0
     for a in range(0, shape[0], step):
         b = min(a + step, shape[0])
         x = ckpt.rows(entry, a, b).to(result.q.device)
-        q, scale, zp = (
-            (result.q[a:b], result.scale[a:b], result.zero_point[a:b])
-            if by_rows
-            else (result.q, result.scale, result.zero_point)
-        )
-        x_hat = select.dequantize(q, scale, zp, spec, x.dtype, tuple(x.shape)).double()
+        x_hat = _restored(result, spec, a, b, x).double()
         h = weights.rows(a, b).full(tuple(x.shape)).double()
         xd = x.double()
         signal += float((xd.square() * h).sum())
         error += float((xd.sub_(x_hat).square_().mul_(h)).sum())
     return WeightedError(signal, error)
+
+
+def _restored(
+    result: QuantizedTensor, spec: Codec, a: int, b: int, x: torch.Tensor
+) -> torch.Tensor:
+    """Rows a:b (of the first dim) of the tensor as its codes restore it: a grid's in x's dtype
+    (as the error figures measure it; the whole tensor when its qparams are not per row), a GGUF
+    type's as ggml dequantizes its blocks (float32)."""
+    from qtool.numerics import select
+
+    shape = tuple(x.shape)
+    if isinstance(spec, GGUFSpec):
+        from qtool.numerics import gguf
+
+        per_row = math.prod(shape[1:-1])
+        return gguf.dequantize(result.q[a * per_row : b * per_row], spec.gguf).view(shape)
+    grid = as_grid(spec)
+    if isinstance(grid.granularity, PerGroup) or grid.granularity == PerChannel(0):
+        q, scale, zp = result.q[a:b], result.scale[a:b], result.zero_point[a:b]
+    else:
+        q, scale, zp = result.q, result.scale, result.zero_point
+    return select.dequantize(q, scale, zp, grid, x.dtype, shape)

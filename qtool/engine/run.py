@@ -209,18 +209,12 @@ def _with_importance(
     headers: Sequence[tuple[Path, tuple[TensorEntry, ...]]],
     plan: ModelPlan,
 ) -> Job:
-    """The job with its importance matrix matched to the tensors (engine/importance.py):
-    refused for GGUF types, whose kernels do not take one yet; an entry that does not fit its
-    tensor is refused naming both."""
+    """The job with its importance matrix matched to the tensors (engine/importance.py); an
+    entry that does not fit its tensor is refused naming both."""
     options = job.options
     assert options.imatrix is not None
     names = [e.name for _, entries in headers for e in entries]
     importance = match_importance(options.imatrix, imatrix, names, _model_config(job.output.source))
-    if importance.refuses(plan.plans):
-        raise UsageError(
-            options.imatrix, "GGUF types do not take an importance matrix yet; quantize to "
-            "GGUF without it, or use it with an integer grid's mse range search",
-        )  # fmt: skip
     notes = tuple(importance.check(plan.plans))
     if job.kernels is None:
         return job

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from qtool import api
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError
 from qtool.formats.imatrix import write_imatrix
 from qtool.formats.imatrix.naming import llama_names
 from qtool.numerics import kernels
@@ -172,15 +172,55 @@ def test_provenance_in_the_outputs_metadata(tmp_path: Path) -> None:
     assert json.loads(meta["qtool.imatrix"])["sha256"] == sha
 
 
-def test_gguf_types_refuse_an_imatrix(tmp_path: Path) -> None:
-    """Until the GGUF kernels take quant_weights, a GGUF output refuses it (not ignored)."""
+def _gguf_tensor(path: Path, name: str) -> tuple[np.ndarray, str]:
+    import gguf
+
+    found = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    return np.array(found.data), found.tensor_type.name
+
+
+def test_gguf_blocks_are_ggmls_with_quant_weights_and_keys_as_llama_quantize(
+    tmp_path: Path,
+) -> None:
+    """A GGUF output: each tensor's blocks are ggml's quantizer's given the entry's h as
+    quant_weights (numerics/gguf, byte-identical to ggml's C code), and the file carries
+    llama-quantize's quantize.imatrix.* keys, last, with its types."""
+    from qtool.io.gguf_file import GGUFFile
+    from qtool.numerics.gguf.tensor import quantize_tensor
     from qtool.spec import gguf_quantize_spec
 
     imatrix = _imatrix(tmp_path / "m.gguf")
     src = TINY_LM.parent / "tiny-llama.gguf"
-    options = api.QuantizeOptions(
-        gguf_quantize_spec("Q8_0"), format=FormatName.GGUF, imatrix=imatrix
-    )
-    with pytest.raises(UsageError, match="GGUF types do not take an importance matrix yet"):
-        api.quantize(src, tmp_path / "o.gguf", options)
-    assert not (tmp_path / "o.gguf").exists()
+    spec = gguf_quantize_spec("Q4_0")
+    runs = {}
+    for out, given in (("w.gguf", imatrix), ("p.gguf", None)):
+        options = api.QuantizeOptions(spec, format=FormatName.GGUF, imatrix=given)
+        runs[out] = api.quantize(src, tmp_path / out, options)
+    raw, _ = _gguf_tensor(src, "blk.0.attn_q.weight")
+    x = torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(64, 64)
+    h = _h(imatrix, Q_PROJ)
+    want = quantize_tensor(x, spec, quant_weights=h).q.numpy().reshape(-1)
+    got, kind = _gguf_tensor(tmp_path / "w.gguf", "blk.0.attn_q.weight")
+    assert kind == "Q4_0" and np.array_equal(got.reshape(-1), want)
+    plain, _ = _gguf_tensor(tmp_path / "p.gguf", "blk.0.attn_q.weight")
+    assert not np.array_equal(plain.reshape(-1), want)  # the weights mattered
+    rows = {
+        out: next(r for r in d.rows if r.name == "blk.0.attn_q.weight") for out, d in runs.items()
+    }
+    weighted = rows["w.gguf"].weighted  # measured on the blocks as ggml restores them
+    assert weighted is not None and np.isfinite(weighted.sqnr_db)
+    assert rows["p.gguf"].weighted is None
+    with GGUFFile(tmp_path / "w.gguf") as f:
+        meta = f.header.metadata
+    keys = list(meta)
+    assert keys[-4:] == [
+        "quantize.imatrix.file",
+        "quantize.imatrix.dataset",
+        "quantize.imatrix.entries_count",
+        "quantize.imatrix.chunks_count",
+    ]
+    assert meta["quantize.imatrix.file"].value == str(imatrix)
+    assert meta["quantize.imatrix.dataset"].value == "some.txt"
+    assert meta["quantize.imatrix.entries_count"].type.name == "UINT32"
+    assert meta["quantize.imatrix.entries_count"].value == 14
+    assert meta["quantize.imatrix.chunks_count"].value == 1

@@ -87,7 +87,7 @@ def _inspect(found: Detected) -> InspectSummary:
 def _output(context: FormatContext) -> OutputFormat:
     from qtool.formats.gguf.output import output_format
 
-    return output_format(context.inputs)
+    return output_format(context.inputs, context.imatrix)
 
 
 def _foreign(spec: Codec) -> str:

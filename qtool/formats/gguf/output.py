@@ -15,7 +15,7 @@ budget holds until it has chosen passes through.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,7 +58,10 @@ class GGUFFormat(OutputFormat):
 
     name = NAME
 
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, imatrix: Mapping[str, object] | None = None) -> None:
+        """`imatrix`: the provenance of an importance matrix the run quantizes with, written as
+        llama-quantize's quantize.imatrix.* keys."""
+        self.imatrix = imatrix
         with GGUFFile(source) as f:
             self.header = f.header
         refuse_split(source, self.header)
@@ -165,8 +168,11 @@ class GGUFFormat(OutputFormat):
         outputs: OutputSet,
     ) -> ShardWriter:
         from qtool.formats.gguf.shard import GGUFShardWriter
+        from qtool.formats.gguf.writer import imatrix_metadata
 
-        return GGUFShardWriter(self.header, planned, out, outputs, self.file_type)
+        return GGUFShardWriter(
+            self.header, planned, out, outputs, self.file_type, imatrix_metadata(self.imatrix)
+        )
 
 
 def _not_gguf(spec: Codec) -> str:
@@ -174,8 +180,11 @@ def _not_gguf(spec: Codec) -> str:
             f"types ({', '.join(GGUF_QUANTIZE_TYPES)})")  # fmt: skip
 
 
-def output_format(inputs: Sequence[Path]) -> GGUFFormat:
-    """The GGUF output of a run reading `inputs` (one float GGUF file)."""
+def output_format(
+    inputs: Sequence[Path], imatrix: Mapping[str, object] | None = None
+) -> GGUFFormat:
+    """The GGUF output of a run reading `inputs` (one float GGUF file), quantized with the
+    importance matrix whose provenance is `imatrix` (if any)."""
     if len(inputs) != 1:
         raise InputError(None, "--format gguf quantizes one float GGUF file")
-    return GGUFFormat(inputs[0])
+    return GGUFFormat(inputs[0], imatrix)

@@ -9,7 +9,7 @@ first; the file is a temporary one of the run's OutputSet, renamed only when all
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -20,7 +20,7 @@ from qtool.formats.gguf.plan import llama_order
 from qtool.formats.gguf.writer import output_metadata
 from qtool.gguf_types import GGMLType
 from qtool.io.atomic import describe_os_error
-from qtool.io.gguf_layout import GGUFHeader
+from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
 from qtool.io.stformat import TensorEntry
 from qtool.spec import Codec, GGUFSpec
@@ -42,9 +42,10 @@ class GGUFShardWriter:
         out: Path,
         outputs: OutputSet,
         file_type: int | None = None,
+        extra: Mapping[str, GGUFValue] | None = None,
     ) -> None:
         """`file_type`: general.file_type to write (a llama.cpp mix's); else llama.cpp's guess
-        from the types written."""
+        from the types written. `extra`: keys written last (quantize.imatrix.*)."""
         self._out = out
         infos = header.by_name()
         by_name = {p.entry.name: p for p in planned}
@@ -56,7 +57,7 @@ class GGUFShardWriter:
         if file_type is None:
             file_type = guess_ftype(quantized) if quantized else _int(before)
         specs = [(n, types[n], infos[n].shape) for n in names]
-        raw, layout = build_header(output_metadata(header, file_type), specs)
+        raw, layout = build_header(output_metadata(header, file_type, extra), specs)
         self._stream = self._guard(lambda: GGUFStreamWriter(outputs.create(out), raw, layout))
 
     def keep(self, entry: TensorEntry, data: memoryview) -> None:

@@ -15,7 +15,7 @@ is an error naming it, or, with keep_nonfinite, kept as it is, which changes its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,15 +55,53 @@ class WrittenTensor:
         return self.choice.info.name
 
 
-def output_metadata(header: GGUFHeader, file_type: int | None) -> dict[str, GGUFValue]:
+IMATRIX_FILE_KEY = "quantize.imatrix.file"
+IMATRIX_DATASET_KEY = "quantize.imatrix.dataset"
+IMATRIX_ENTRIES_KEY = "quantize.imatrix.entries_count"
+IMATRIX_CHUNKS_KEY = "quantize.imatrix.chunks_count"
+KV_STRING_BYTES = 127  # llama-quantize copies its string overrides into char[128] (strncpy)
+
+
+def imatrix_metadata(imatrix: Mapping[str, object] | None) -> dict[str, GGUFValue]:
+    """llama-quantize's record of --imatrix (tools/quantize/quantize.cpp, as kv overrides:
+    written last, strings cut to 127 bytes, integers as UINT32): the file as named, the first
+    dataset, the entries the file holds, and the chunk count when it is above 0. `imatrix` is
+    engine/importance.py's provenance; None gives no keys."""
+    if imatrix is None:
+        return {}
+    out = {IMATRIX_FILE_KEY: GGUFValue(ValueType.STRING, _kv_string(str(imatrix["file"])))}
+    datasets = imatrix.get("datasets")
+    if isinstance(datasets, list) and datasets:
+        name = str(datasets[0]["name"])
+        out[IMATRIX_DATASET_KEY] = GGUFValue(ValueType.STRING, _kv_string(name))
+    entries, chunks = imatrix["entries_count"], imatrix["chunks_count"]
+    assert isinstance(entries, int) and isinstance(chunks, int)
+    out[IMATRIX_ENTRIES_KEY] = GGUFValue(ValueType.UINT32, entries)
+    if chunks > 0:
+        out[IMATRIX_CHUNKS_KEY] = GGUFValue(ValueType.UINT32, chunks)
+    return out
+
+
+def _kv_string(text: str) -> str:
+    """`text` cut to llama-quantize's 127 bytes (a UTF-8 character cut in two is dropped)."""
+    return text.encode()[:KV_STRING_BYTES].decode(errors="ignore")
+
+
+def output_metadata(
+    header: GGUFHeader, file_type: int | None, extra: Mapping[str, GGUFValue] | None = None
+) -> dict[str, GGUFValue]:
     """The input's metadata as llama-quantize writes it: general.quantization_version and
-    general.file_type (when known) set and moved last, split keys dropped."""
+    general.file_type (when known) set and moved last, split keys dropped, then `extra` (its
+    kv overrides: quantize.imatrix.*) set and moved after them."""
     meta = {k: v for k, v in header.metadata.items() if k not in SPLIT_KEYS}
     meta.pop(QUANTIZATION_VERSION_KEY, None)
     meta[QUANTIZATION_VERSION_KEY] = GGUFValue(ValueType.UINT32, GGML_QNT_VERSION)
     if file_type is not None:
         meta.pop(FILE_TYPE_KEY, None)
         meta[FILE_TYPE_KEY] = GGUFValue(ValueType.UINT32, file_type)
+    for key, value in (extra or {}).items():
+        meta.pop(key, None)
+        meta[key] = value
     return meta
 
 

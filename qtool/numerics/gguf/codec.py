@@ -13,6 +13,7 @@ from qtool.numerics.gguf import fast
 from qtool.numerics.gguf.tensor import quantize_tensor
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.quantize import Kernels, Work
+from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import GGUFSpec
 
 
@@ -23,14 +24,14 @@ def quantize(
     with_errors: bool,
     scale_dtype: torch.dtype,
     workspace: Workspace | None,
-    weights: object = None,
+    weights: ColumnWeights | None = None,
 ) -> QuantizedTensor:
     """x's rows as `spec`'s blocks (tensor.py; the scale dtype and workspace mean nothing to
-    them: the block's own fp16 scales are stored; `weights`, an importance matrix, are refused
-    until the GGUF kernels take one)."""
-    if weights is not None:
-        raise ValueError("GGUF types do not take an importance matrix yet")
-    return quantize_tensor(x, spec, with_errors=with_errors)
+    them: the block's own fp16 scales are stored); `weights`, an importance matrix's h per
+    input column (one row per expert of [E, out, in]), go to ggml's quantizers as their
+    quant_weights, as llama-quantize --imatrix hands them."""
+    qw = None if weights is None else weights.h.to(x.device)
+    return quantize_tensor(x, spec, with_errors=with_errors, quant_weights=qw)
 
 
 def restored(x: torch.Tensor, spec: GGUFSpec) -> torch.Tensor:

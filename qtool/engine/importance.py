@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from qtool.calibrate_results import DatasetInfo
 from qtool.errors import InputError
+from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from qtool.numerics.kernels import QuantizedTensor
     from qtool.numerics.range_methods import ColumnWeights
 
+SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"  # calibrate's keys
 HASH_BLOCK = 1 << 20  # bytes read at a time for the file's SHA-256
 ERROR_SLAB_ELEMS = 1 << 20  # values per slab of the weighted error (float64 temporaries: 8 MiB)
 _BLOCK_NUMBER = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
@@ -208,14 +212,34 @@ def _sha256(path: Path) -> str:
 
 
 def _datasets(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
-    """The file's datasets with qtool's SHA-256 and token counts where a GGUF holds them."""
+    """The file's datasets, with the SHA-256 and token count of each where a GGUF holds qtool
+    calibrate's keys for every one of them (else names only, as llama-imatrix records them)."""
+    names = imatrix.datasets
     with open_regular(path) as f:
         gguf = f.read(4) == b"GGUF"
-    if not gguf:
-        return tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
-    from qtool.engine.calibrate.run import dataset_infos
+    shas: list[object] = []
+    tokens: list[object] = []
+    if gguf:
+        from qtool.io.gguf_file import GGUFFile
 
-    return dataset_infos(path, imatrix)
+        with GGUFFile(path) as g:
+            meta = g.header.metadata
+            shas, tokens = _items(meta.get(SHA_KEY)), _items(meta.get(TOKENS_KEY))
+    whole = len(shas) == len(tokens) == len(names) and all(
+        isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shas
+    )
+    if not whole:
+        return tuple(DatasetInfo(d, None, None) for d in names)
+    return tuple(
+        DatasetInfo(d, str(s), int(str(t))) for d, s, t in zip(names, shas, tokens, strict=True)
+    )
+
+
+def _items(value: GGUFValue | None) -> list[object]:
+    items = value.value if value is not None else None
+    if isinstance(items, np.ndarray):
+        return list(items.tolist())
+    return list(items) if isinstance(items, tuple) else []
 
 
 def weighted_error(

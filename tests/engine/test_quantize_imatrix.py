@@ -224,3 +224,25 @@ def test_gguf_blocks_are_ggmls_with_quant_weights_and_keys_as_llama_quantize(
     assert meta["quantize.imatrix.entries_count"].type.name == "UINT32"
     assert meta["quantize.imatrix.entries_count"].value == 14
     assert meta["quantize.imatrix.chunks_count"].value == 1
+
+
+def test_provenance_keeps_qtool_calibrates_dataset_keys(tmp_path: Path) -> None:
+    """A file from qtool calibrate records each text's SHA-256 and token count: the output's
+    provenance keeps them (llama-imatrix's files: names only, as above)."""
+    from qtool.engine.importance import SHA_KEY, TOKENS_KEY
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_layout import GGUFValue
+
+    plain = _imatrix(tmp_path / "plain.gguf")
+    from qtool.formats.imatrix import read_imatrix
+
+    sha = "ab" * 32
+    extra = {
+        SHA_KEY: GGUFValue(ValueType.ARRAY, (sha,), ValueType.STRING),
+        TOKENS_KEY: GGUFValue(ValueType.ARRAY, np.array([4096], np.uint64), ValueType.UINT64),
+    }
+    path = tmp_path / "qtool.gguf"
+    write_imatrix(path, read_imatrix(plain), extra)
+    done = _quantize(tmp_path, "w", imatrix=path)
+    assert done.imatrix is not None
+    assert done.imatrix["datasets"] == [{"name": "some.txt", "sha256": sha, "tokens": 4096}]

@@ -161,9 +161,10 @@ def quantized_scaled(
 ) -> torch.Tensor:
     """Q(W diag(s)) diag(s)^-1 in float32 (out, K): the weight a Linear acts with once its
     input columns are scaled by s, quantized with `spec`, and s is divided out of its input."""
-    scaled = weight.float() * scales.float()
+    s = scales.to(device=weight.device, dtype=torch.float32)
+    scaled = weight.float() * s
     q = quantize_tensor(scaled, spec, with_errors=False, scale_dtype=scale_dtype)
-    return dequantize(q.q, q.scale, q.zero_point, spec, shape=tuple(scaled.shape)).div_(scales)
+    return dequantize(q.q, q.scale, q.zero_point, spec, shape=tuple(scaled.shape)).div_(s)
 
 
 @torch.no_grad()

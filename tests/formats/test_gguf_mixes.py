@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qtool.formats.gguf.mixes import MIXES, ModelFacts, fallback, mix_types, use_more_bits
@@ -179,3 +180,33 @@ def test_every_mix_as_llama_quantize_typed_real_tensor_lists(model: str) -> None
     assert isinstance(types, dict) and set(types) == set(MIXES)
     for name, theirs in types.items():
         assert mix_types(MIXES[name], tensors, facts) == theirs, name
+
+
+@pytest.mark.skipif(_llama_quantize() is None, reason="llama-quantize not found (optional)")
+@pytest.mark.parametrize("name", ["Q4_K_M", "Q3_K_M", "Q2_K"])
+def test_the_written_tensors_are_llama_quantizes_bytes(
+    name: str, tmp_path: Path, invoke: Invoke
+) -> None:
+    """llama-quantize's file and qtool's of the same mix hold the same bytes in every tensor
+    (ggml-quants.c is in ggml-base, built without -march, as the goldens'). Q2_K: qtool's
+    --dtype Q2_K is the pure type, llama-quantize's --pure."""
+    d = tmp_path / "hf"
+    M.make_hf_llama(d)
+    src = M.write_float_gguf(d, d / "f32.gguf")
+    theirs, ours = tmp_path / "theirs.gguf", tmp_path / "ours.gguf"
+    pure = ["--pure"] if name == "Q2_K" else []
+    subprocess.run([str(_llama_quantize()), *pure, str(src), str(theirs), name],
+                   capture_output=True, check=True, timeout=600)  # fmt: skip
+    code, _, err = invoke(
+        "quantize", str(src), "--format", "gguf", "--dtype", name, "-o", str(ours)
+    )
+    assert code == 0, err
+    with GGUFFile(theirs) as a, GGUFFile(ours) as b:
+        ta, tb = a.header.by_name(), b.header.by_name()
+        assert set(ta) == set(tb)
+        for n, info in ta.items():
+            assert info.type == tb[n].type, n
+            x, y = np.empty(info.nbytes, np.uint8), np.empty(tb[n].nbytes, np.uint8)
+            a.read_into(info, x)
+            b.read_into(tb[n], y)
+            assert np.array_equal(x, y), n

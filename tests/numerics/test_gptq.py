@@ -152,22 +152,28 @@ def test_float32_solve_agrees_with_float64() -> None:
 # ---- what it is for: a smaller output error than rounding ----
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     grid=st.sampled_from(GRIDS),
     group=st.sampled_from([0, 16, 32]),
     act_order=st.booleans(),
+    dynamic=st.booleans(),
     mix=st.floats(1.0, 4.0),
 )
 def test_output_error_at_most_rounding_on_correlated_inputs(
-    seed: int, grid: tuple[Scheme, StorageDtype], group: int, act_order: bool, mix: float
+    seed: int,
+    grid: tuple[Scheme, StorageDtype],
+    group: int,
+    act_order: bool,
+    dynamic: bool,
+    mix: float,
 ) -> None:
     x = _inputs(512, 64, seed=seed, mix=mix)
     h = _hessian(x)
     w = _weight(16, 64, seed=seed)
     spec = _spec(grid, PerGroup(group) if group else PerChannel(0))
-    got = gptq_quantize(w, h, spec, block_size=32, act_order=act_order)
+    got = gptq_quantize(w, h, spec, block_size=32, act_order=act_order, dynamic_groups=dynamic)
     rtn = kernels.quantize_tensor(w, spec, with_errors=False)
     rtn_w = kernels.dequantize(rtn.q, rtn.scale, rtn.zero_point, spec, shape=tuple(w.shape))
     gptq_w = kernels.dequantize(

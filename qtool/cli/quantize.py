@@ -148,7 +148,7 @@ def quantize(
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
-    check_imatrix(imatrix, target_sqnr is not None)
+    check_imatrix(imatrix, target_sqnr is not None, method is not None)
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip

@@ -283,14 +283,19 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
-def check_imatrix(imatrix: Path | None, budget: bool) -> None:
+def check_imatrix(imatrix: Path | None, budget: bool, method: bool) -> None:
     """--imatrix weighs the range search and ggml's quantizers: refused with the error budget,
-    whose trials it does not weigh yet."""
-    if imatrix is not None and budget:
-        raise typer.BadParameter(
-            "the error budget (--target-sqnr) does not weigh its trials by one yet",
-            param_hint="--imatrix",
-        )
+    whose trials it does not weigh yet, and with a calibrated --method, whose codes come from
+    its own statistics (the imatrix would weigh nothing but the figures)."""
+    if imatrix is None:
+        return
+    if budget:
+        why = "the error budget (--target-sqnr) does not weigh its trials by one yet"
+    elif method:
+        why = "a calibrated --method chooses its codes from its own statistics; give one of them"
+    else:
+        return
+    raise typer.BadParameter(why, param_hint="--imatrix")
 
 
 _SPEC_FLAGS = {

@@ -88,7 +88,10 @@ def test_json_has_the_weighted_sqnr_and_the_provenance(tmp_path: Path, invoke: I
 
 def test_refused_combinations_exit_2_before_reading(tmp_path: Path, invoke: Invoke) -> None:
     missing = tmp_path / "absent.gguf"  # never read: the usage error comes first
-    for extra, words in [(["--target-sqnr", "30"], "error budget")]:
+    for extra, words in [
+        (["--target-sqnr", "30"], "error budget"),
+        (["--method", "gptq"], "--method chooses its codes"),
+    ]:
         code, out, err = invoke(
             "quantize", str(SAMPLES / "tiny-llama.gguf"), "-o", str(tmp_path / "o"), *extra,
             "--imatrix", str(missing),

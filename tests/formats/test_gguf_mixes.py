@@ -210,3 +210,54 @@ def test_the_written_tensors_are_llama_quantizes_bytes(
             a.read_into(info, x)
             b.read_into(tb[n], y)
             assert np.array_equal(x, y), n
+
+
+@pytest.mark.skipif(_llama_quantize() is None, reason="llama-quantize not found (optional)")
+@pytest.mark.parametrize("name", ["Q4_K_M", "Q3_K_S", "Q2_K", "Q4_1", "Q5_0"])
+def test_with_an_importance_matrix_the_tensors_are_llama_quantizes_bytes(
+    name: str, tmp_path: Path
+) -> None:
+    """llama-quantize --imatrix on the tiny llama with a random importance matrix, against
+    numerics.gguf.quantize(..., quant_weights=imatrix.quant_weights(...)) tensor by tensor:
+    the ggml *_impl paths and what llama-quantize derives from the file."""
+    from qtool.formats.gguf.reader import PLAIN
+    from qtool.formats.imatrix.ggufimatrix import write_gguf_imatrix
+    from qtool.numerics import gguf as G
+    from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
+
+    d = tmp_path / "hf"
+    M.make_hf_llama(d)
+    src = M.write_float_gguf(d, d / "f32.gguf")
+    rng = np.random.default_rng(5)
+    with GGUFFile(src) as f:
+        weights = [t for t in f.header.tensors if len(t.shape) == 2]
+    entries = {
+        t.name: MatrixStats((rng.random((1, t.shape[0])) ** 3 * 50).astype(np.float32),
+                            np.array([int(rng.integers(1, 900))], dtype=np.int64))
+        for t in weights if t.name != "token_embd.weight"
+    }  # fmt: skip
+    imatrix = tmp_path / "imatrix.gguf"
+    write_gguf_imatrix(imatrix, ImportanceMatrix(entries, 512, 1, ("random",)))
+    out = tmp_path / "theirs.gguf"
+    pure = ["--pure"] if name == "Q2_K" else []
+    subprocess.run([str(_llama_quantize()), *pure, "--imatrix", str(imatrix), str(src), str(out),
+                    name], capture_output=True, check=True, timeout=600)  # fmt: skip
+    import torch
+
+    checked = 0
+    with GGUFFile(src) as a, GGUFFile(out) as b:
+        for info in b.header.tensors:
+            own = a.header.by_name()[info.name]
+            if info.type == own.type:
+                continue
+            raw = np.empty(own.nbytes, np.uint8)
+            a.read_into(own, raw)
+            x = torch.from_numpy(raw).view(PLAIN[own.type.name]).reshape(own.torch_shape)
+            stats = entries.get(info.name)
+            qw = None if stats is None else torch.from_numpy(quant_weights(stats, own.shape[0])[0])
+            ours = G.quantize(x.float(), info.type.name, quant_weights=qw).numpy().reshape(-1)
+            theirs = np.empty(info.nbytes, np.uint8)
+            b.read_into(info, theirs)
+            assert np.array_equal(ours, theirs), (info.name, info.type.name)
+            checked += 1
+    assert checked == 16

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from qtool.dtypes import FLOAT_DTYPES
+from qtool.engine.threads import using_threads
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import Detected, detect
@@ -43,7 +44,8 @@ def compare_files(
     left, right, unplaced = open_pair(a, b)
     try:
         inputs = [str(left.path), str(right.path)]
-        rows = _compare_readers(left, right, unplaced, progress)
+        with using_threads(None):  # the idle cores: more threads than that stall each other
+            rows = _compare_readers(left, right, unplaced, progress)
         summary = CompareSummary(inputs=inputs, rows=rows, pool=pool)
     finally:
         left.close()

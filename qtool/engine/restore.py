@@ -27,6 +27,7 @@ from qtool.engine.layout import (
     prepared,
 )
 from qtool.engine.source import Source
+from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FloatReader
 from qtool.formats.detect import detect
@@ -72,7 +73,10 @@ def dequantize(
     reader = open_reader(found, qparams)
     try:
         select.expect(torch.device("cpu"), sum(shard.stat().st_size for shard in source.shards))
-        with prepared(source, target, lambda o: [o], force, protect=reader.sidecars) as place:
+        with (
+            prepared(source, target, lambda o: [o], force, protect=reader.sidecars) as place,
+            using_threads(None),  # the idle cores (engine/threads.py)
+        ):
             rows = _write(_reported(reader, progress), source, place, dtype)
     finally:
         reader.close()

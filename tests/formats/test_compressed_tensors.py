@@ -268,7 +268,10 @@ def test_globs_override_defaults_but_never_make_a_non_linear_quantized() -> None
     )
     got = fates(sel)
     assert got["lm_head.weight"] == "q"
-    assert got["model.embed_tokens.weight"] == "embedding"
+    # --include named it: the reason says why the format keeps it all the same
+    assert got["model.embed_tokens.weight"] == (
+        "embedding: compressed-tensors quantizes nn.Linear weights only"
+    )
     assert (
         got["model.layers.0.mlp.down_proj.weight"] == "excluded by --exclude '*.down_proj.weight'"
     )

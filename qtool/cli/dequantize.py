@@ -23,7 +23,8 @@ OutOpt = Annotated[
     typer.Option(
         "--out",
         "-o",
-        help="Output .safetensors, or .pt/.pth/.bin (torch.save), or an existing directory "
+        help="Output .safetensors, or .pt/.pth/.bin (torch.save), or for a GGUF a float .gguf "
+        "(which quantize --format gguf takes), or an existing directory "
         "[default: QUANTIZED-STEM.dequantized.safetensors].",
         metavar="PATH",
         show_default=False,

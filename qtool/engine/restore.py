@@ -11,9 +11,9 @@ weight file, the config without its quantization_config, the companions, the ind
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -113,34 +113,37 @@ def _target(source: Source, src: Path, out: Path | None, fmt: FormatEntry) -> Ta
 
 
 def _reported(reader: FloatReader, progress: Progress | None) -> FloatReader:
+    """`reader`, whose reads now move `progress`: a tensor's stored bytes once it is read
+    (dequantized or copied), the costly part of writing it. Its own methods are wrapped on the
+    instance (this run opened it and closes it), so a writer that needs the reader's own class
+    (a float GGUF) still gets it."""
     if progress is None:
         return reader
     progress.start(sum(reader.nbytes(n) for n in reader.names))
-    return cast(FloatReader, _Reported(reader, progress))
+    for method in ("values", "raw"):
+        setattr(reader, method, _reporting(getattr(reader, method), reader, progress))
+    if hasattr(reader, "slabs"):  # a GGUF reader's tensors a slab at a time (float GGUF output)
+        reader.slabs = _reporting_slabs(reader.slabs, reader, progress)
+    return reader
 
 
-class _Reported:
-    """A FloatReader whose reads move a progress bar: a tensor's stored bytes once it is read
-    (dequantized or copied), the costly part of writing it."""
-
-    def __init__(self, reader: FloatReader, progress: Progress) -> None:
-        self._reader = reader
-        self._progress = progress
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._reader, attr)
-
-    def values(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self._progress.advance(name, 0)
-        found = self._reader.values(name, dtype)
-        self._progress.advance(name, self._reader.nbytes(name))
+def _reporting(read: Callable[..., Any], reader: FloatReader, progress: Progress) -> Any:
+    def reported(name: str, *args: Any, **kwargs: Any) -> Any:
+        progress.advance(name, 0)
+        found = read(name, *args, **kwargs)
+        progress.advance(name, reader.nbytes(name))
         return found
 
-    def raw(self, name: str) -> memoryview:
-        self._progress.advance(name, 0)
-        found = self._reader.raw(name)
-        self._progress.advance(name, self._reader.nbytes(name))
-        return found
+    return reported
+
+
+def _reporting_slabs(read: Callable[..., Any], reader: FloatReader, progress: Progress) -> Any:
+    def reported(name: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        progress.advance(name, 0)
+        yield from read(name, *args, **kwargs)
+        progress.advance(name, reader.nbytes(name))
+
+    return reported
 
 
 def _write(

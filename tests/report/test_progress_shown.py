@@ -94,3 +94,26 @@ def test_token_bars_show_the_time_left(terminal: None, bar: Any) -> None:
         assert progress is not None
         columns = progress._progress.columns
     assert any(isinstance(c, console._SteadyTimeLeft) for c in columns)
+
+
+def test_dequantize_to_a_float_gguf_with_progress(tmp_path: Path) -> None:
+    """The float GGUF writer needs the GGUF reader itself: progress must not hide its class."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from qtool.formats.gguf import plan
+    from qtool.formats.gguf.writer import write_quantized
+    from qtool.io.atomic import OutputSet
+    from qtool.io.gguf_file import GGUFFile
+    from qtool.spec import gguf_spec
+    from tests import gguf_models
+
+    d = gguf_models.make_hf_llama(tmp_path / "tiny")
+    src = gguf_models.write_float_gguf(d, d / "f32.gguf", "F32")
+    with GGUFFile(src) as f, OutputSet() as outputs:
+        asked = {t.name: gguf_spec("Q8_0") for t in f.header.tensors}
+        write_quantized(f, plan.choose(f.header.tensors, asked, "llama"), d / "q8.gguf", outputs)
+        outputs.commit()
+    progress = Recorder()
+    summary = api.dequantize(d / "q8.gguf", tmp_path / "back.gguf", progress=progress)
+    assert progress.names == {r.name for r in summary.rows}
+    assert progress.done == progress.total

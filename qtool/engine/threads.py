@@ -1,5 +1,5 @@
-"""How many CPU threads the forward passes of eval and calibrate run on, set once for torch and
-for numba's kernels together.
+"""How many CPU threads eval, calibrate, compare and dequantize run torch on, set once for torch
+and for numba's kernels together (quantize keeps its own: `--threads`, else every core).
 
 A thread count above the cores that are free costs far more than one below: every torch
 operation ends in a barrier, and a thread that shares its core with another process stalls the
@@ -8,9 +8,9 @@ threads, 11-15 s with 1). So the default is the cores this process may run on, l
 ones by the last minute's load average (rounded to the nearest, at least 1): all of them on an
 idle machine, one on a busy one. A user's `--threads N` is taken as given.
 
-numba's parallel kernels (the fused quantize/dequantize kernels that load a GGUF or unpack a
-compressed-tensors export) follow the same count: numerics.fused.set_threads caps its pool at
-torch's count each time it runs."""
+numba's parallel kernels (that dequantize a GGUF, or measure compare's errors) follow the same
+count: numerics.fused.set_threads and gguf/fast.py cap numba's count at torch's before each
+kernel, and numerics/numba_pool.py keeps numba's pool from resetting torch's."""
 
 from __future__ import annotations
 

@@ -52,6 +52,7 @@ __all__ = [
     "format_refuses",
     "output_formats",
     "quantize",
+    "quantized_gguf",
 ]
 
 
@@ -83,17 +84,28 @@ def quantize(
     progress: Progress | None = None,
     also: Sequence[Path] = (),
     threads: int | None = None,
+    allow_requantize: bool = False,
 ) -> QuantizeSummary:
     """Quantize a checkpoint file, a sharded checkpoint (its index file or directory) or a
     model directory (a directory in gives a directory out, in every format); `mode` plan
     (from headers alone, torch-free for safetensors) or estimate (the figures, nothing
     written) for a dry run. `also`: files the caller writes afterwards
     (a plot), checked with the run's outputs. `threads`: torch's CPU threads for the run,
-    set once its checks passed (None: as they are)."""
+    set once its checks passed (None: as they are). `allow_requantize`: an already quantized
+    GGUF is quantized again (engine/requantize.py) instead of refused."""
     from qtool.engine.job import Mode, RunOptions
+    from qtool.engine.requantize import requantize
     from qtool.engine.run import quantize as run
 
-    return run(src, out, options, RunOptions(Mode(mode), device, force, progress, also, threads))
+    go = requantize if allow_requantize else run
+    return go(src, out, options, RunOptions(Mode(mode), device, force, progress, also, threads))
+
+
+def quantized_gguf(src: Path) -> str | None:
+    """What `src` is when it is an already quantized GGUF (None: anything else)."""
+    from qtool.engine.requantize import quantized_gguf as found
+
+    return found(src)
 
 
 def dequantize(

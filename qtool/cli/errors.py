@@ -59,6 +59,7 @@ def _stopped(what: str, run: RunState) -> str:
 
 # How the command line spells what the engine's hints ask of the user.
 OPTION_HINTS = {
+    "allow-requantize": "or pass --allow-requantize to quantize it again",
     "axis": "--axis N",
     "check-text": "--check-text FILE",
     "config": "--config PATH",

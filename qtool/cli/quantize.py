@@ -42,6 +42,7 @@ from qtool.cli.options import (
     build_spec,
 )
 from qtool.cli.quantize_options import (
+    AllowRequantizeOpt,
     ConfigOpt,
     DeviceOpt,
     DryRunOpt,
@@ -108,6 +109,7 @@ def quantize(
     fmt: FormatOpt = FormatName.QTOOL,
     config: ConfigOpt = None,
     group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
+    allow_requantize: AllowRequantizeOpt = False,
     device: DeviceOpt = Device.AUTO,
     keep_nonfinite: KeepNonfiniteOpt = False,
     imatrix: ImatrixOpt = None,
@@ -147,6 +149,9 @@ def quantize(
     check_method(calibrated, fmt, integer_grid, target_sqnr, dry_run, estimate)
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
+    if allow_requantize and fmt != FormatName.GGUF.value:
+        raise typer.BadParameter("quantizes a GGUF into a GGUF: add --format gguf",
+                                 param_hint="--allow-requantize")  # fmt: skip
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
     check_imatrix(imatrix, target_sqnr is not None, method is not None)
     with user_errors(as_json) as run:
@@ -156,7 +161,10 @@ def quantize(
         if target_sqnr is not None:
             warn_budget_overrides(ctx, options)
         plot = plot_target(plot, src, "quantize")
-        summary = _run(src, out, options, api.Mode(mode), device, threads, force, plot)
+        if allow_requantize:
+            _warn_requantize(src)
+        summary = _run(src, out, options, api.Mode(mode), device, threads, force, plot,
+                       allow_requantize)  # fmt: skip
         run.written = [] if summary.dry_run else list(summary.outputs)
         _notes(summary, as_json)
         if plot is not None:
@@ -221,17 +229,29 @@ def _run(
     threads: int | None,
     force: bool,
     plot: Path | None,
+    allow_requantize: bool = False,
 ) -> QuantizeSummary:
     also = [plot] if plot is not None else []
-    if mode is api.Mode.PLAN:  # headers only: no kernels, no progress to show
+    if mode is api.Mode.PLAN and not allow_requantize:  # headers only: no progress to show
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, also=also
         )
     with report.progress_bar() as progress:
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, progress=progress,
-            also=also, threads=threads or os.cpu_count() or 1,
+            also=also, threads=threads or os.cpu_count() or 1, allow_requantize=allow_requantize,
         )  # fmt: skip
+
+
+def _warn_requantize(src: Path) -> None:
+    """--allow-requantize: one warning line when INPUT is an already quantized GGUF (a float
+    one is quantized as usual)."""
+    what = api.quantized_gguf(src)
+    if what is not None:
+        report.print_warning(
+            f"{src}: {what}, quantized again: its codes' error is kept and the new codes add "
+            "their own (quality is lost twice; quantize the float original where you have it)"
+        )
 
 
 def _notes(summary: QuantizeSummary, as_json: bool) -> None:

@@ -207,6 +207,15 @@ GroupFallbackOpt = Annotated[
         rich_help_panel=OUTPUT,
     ),
 ]
+AllowRequantizeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-requantize",
+        help="With --format gguf: quantize an already quantized GGUF again (dequantized to "
+        "F32 in a scratch directory beside the output first; quality is lost twice).",
+        rich_help_panel=OUTPUT,
+    ),
+]
 DryRunOpt = Annotated[
     bool,
     typer.Option(

@@ -112,5 +112,8 @@ def open_source(path: Path, config: Path | None = None) -> Source:
     found = detect(path)
     if found.quantized:
         fmt = entry(found.format)
-        raise already_quantized(path, found.description, fmt.suffix if fmt.float_output else "")
+        err = already_quantized(path, found.description, fmt.suffix if fmt.float_output else "")
+        if fmt.float_output:  # GGUF: llama-quantize's way too, quantizing again on request
+            err.hints = ("allow-requantize",)
+        raise err
     return Source(found, config or found.config_path, config is not None)

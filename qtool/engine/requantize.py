@@ -1,0 +1,107 @@
+"""`quantize --allow-requantize`: an already quantized GGUF quantized again, as llama-quantize's
+`--allow-requantize` does. The input is dequantized to a float GGUF (F32, ggml's compute type,
+so the codes are restored exactly) in a scratch directory beside the output, and that file is
+quantized as any float GGUF is; the scratch directory is removed on exit, and by the next run
+in that directory after a kill (it is named and locked as a temp directory, io/tempdirs.py).
+
+Quality is lost twice (the first codes' error, then the second's): the caller warns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from qtool.engine.job import RunOptions
+from qtool.engine.plan import QuantizeOptions, quantized_output
+from qtool.engine.run import _label
+from qtool.engine.run import quantize as quantize_float
+from qtool.errors import OutputError, QtoolError, UsageError
+from qtool.formats.detect import detect
+from qtool.formats.registry import entry
+from qtool.io import tempdirs
+from qtool.io.atomic import describe_os_error, remove_stale_temps
+from qtool.results import QuantizeSummary
+from qtool.spec import FormatName
+
+_FLOAT_NAME = "requantize.F32.gguf"
+
+
+def quantized_gguf(src: Path) -> str | None:
+    """What `src` is when it is an already quantized GGUF file (e.g. 'a GGUF file (Q4_1)'),
+    else None (a float GGUF, or any other checkpoint: quantized as usual)."""
+    found = detect(src)
+    if found.format != FormatName.GGUF or not found.quantized:
+        return None
+    return found.description
+
+
+def requantize(
+    src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
+) -> QuantizeSummary:
+    """Quantize `src` as `engine.run.quantize` does; an already quantized GGUF is dequantized
+    into a scratch directory beside the output first (UsageError for an output that is the
+    input, or for another output format than GGUF)."""
+    if quantized_gguf(src) is None:
+        return quantize_float(src, out, options, run)
+    if options.format != FormatName.GGUF:
+        raise UsageError(
+            src, "a quantized GGUF is quantized again only into a GGUF", hint="format-gguf"
+        )
+    target = quantized_output(src, out, _label(options), entry(options.format).suffix)
+    if _same_file(target, src):
+        raise UsageError(target, "is the input: write the requantized GGUF to another file")
+    from qtool.engine.restore import dequantize  # torch
+
+    with scratch_beside(target) as scratch:
+        float_gguf = scratch / _FLOAT_NAME
+        try:
+            dequantize(src, float_gguf, progress=run.progress)
+            summary = quantize_float(float_gguf, target, options, run)
+        except QtoolError as err:
+            raise _named_as_input(err, float_gguf, src) from None
+    return replace(summary, inputs=[str(src)])
+
+
+def _same_file(out: Path, src: Path) -> bool:
+    if out.resolve() == src.resolve():
+        return True
+    with contextlib.suppress(OSError):
+        return out.samefile(src)
+    return False
+
+
+def _named_as_input(err: QtoolError, scratch_file: Path, src: Path) -> QtoolError:
+    """The error as the user's input names it, not the scratch file it was found in."""
+    if err.path == str(scratch_file):
+        err.path = str(src)
+    return err
+
+
+@contextlib.contextmanager
+def scratch_beside(out: Path) -> Iterator[Path]:
+    """A new directory `.<OUT>.qtool-tmp-<pid>-<random>/` beside `out` (0700), locked for its
+    life and removed on exit; a killed run's is removed by the next run that writes there
+    (atomic.remove_stale_temps: its lock is free). OutputError when none can be made."""
+    parent = out.parent
+    remove_stale_temps(parent)
+    scratch = parent / f".{out.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(scratch, 0o700)
+    except OSError as err:
+        raise OutputError(out, f"cannot make a scratch directory beside it: "
+                          f"{describe_os_error(err)}") from None  # fmt: skip
+    fd = -1
+    try:
+        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        tempdirs.lock_dir(fd)  # where flock fails, cleanups use the age rule instead
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)

@@ -12,6 +12,7 @@ class Method(str, enum.Enum):
     """A calibrated method (round to nearest, the default, runs no model and is not one)."""
 
     GPTQ = "gptq"
+    AWQ = "awq"
 
 
 class Guard(str, enum.Enum):

@@ -128,7 +128,7 @@ def calibration(
     if method is None:
         flag = next((f for f, v in given.items() if v is not None), None)
         if flag is not None:
-            raise typer.BadParameter("goes only with --method gptq", param_hint=flag)
+            raise typer.BadParameter("goes only with --method", param_hint=flag)
         return None
     if tolerance is not None and guard not in (None, Guard.BOTH):
         raise typer.BadParameter(f"means nothing with --guard {guard.value}",

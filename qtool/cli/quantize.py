@@ -258,7 +258,9 @@ def _notes(summary: QuantizeSummary, as_json: bool) -> None:
     """The run's notes; the Linear layers a compressed-tensors export kept in float, if any
     (summarised; not under --json, whose `ignore` lists them)."""
     print_notes(summary.notes)
-    methods = [r.decided_by.method for r in summary.rows if r.decided_by is not None]
+    methods = [
+        r.decided_by.method for r in summary.rows if r.decided_by is not None and r.quantized
+    ]
     chosen = [m for m in methods if m is not None]
     if chosen:
         kept = [m for m in chosen if m != "rtn"]

@@ -25,7 +25,7 @@ from qtool.engine.slabs import Reader, quantize_by_slabs, slab_rows
 from qtool.engine.spill import Figures, Spill
 from qtool.errors import DeviceError, InputError, NumericError
 from qtool.formats.base import ShardWriter
-from qtool.io.checkpoint import Checkpoint
+from qtool.io.checkpoint import Checkpoint, tensor_bytes
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import kernels, select
 from qtool.numerics.quantize import expect, quantize_tensor
@@ -92,7 +92,9 @@ def write_shard(
         for plan, done, weighted in _results(ckpt, order, run, spill=spill):
             entry = plan.entry
             if done is None:
-                background.submit(entry, writer.keep, entry, ckpt.raw(entry))
+                changed = spill.take_float(entry.name) if spill is not None else None
+                data = ckpt.raw(entry) if changed is None else tensor_bytes(changed)
+                background.submit(entry, writer.keep, entry, data)
                 rows[entry.name] = planned_row(plan)
             else:
                 background.submit(entry, writer.quantized, entry, plan.spec, done.result)

@@ -63,6 +63,7 @@ class Spill:
         self._file: BinaryIO | None = None
         self._end = 0  # where the next part goes
         self._stored: dict[str, _Stored] = {}
+        self._floats: dict[str, _Part] = {}
 
     @property
     def directory(self) -> Path | None:
@@ -80,6 +81,17 @@ class Spill:
         scale_range = (float(result.scale.min()), float(result.scale.max()))
         figures = Figures(result.errors, scale_range)
         self._stored[name] = _Stored(spec, parts, figures, result.method)
+
+    def put_float(self, name: str, values: torch.Tensor) -> None:
+        """Keep new values of a tensor the output stores float (a calibrated method changed
+        them: AWQ's scales folded into a norm), in the temporary file like the codes."""
+        if self._directory is not None:
+            self._floats[name] = self._append(values.detach().cpu().contiguous())
+
+    def take_float(self, name: str) -> torch.Tensor | None:
+        """The new values kept for `name` (None: the input's stand), then forgets them."""
+        part = self._floats.pop(name, None)
+        return self._read(part) if part is not None else None
 
     def figures(self, name: str, spec: Codec) -> Figures | None:
         """The figures kept for `name` if it was quantized with `spec`."""
@@ -104,6 +116,7 @@ class Spill:
                 self._file.close()
             self._file = None
         self._stored.clear()
+        self._floats.clear()
 
     def _append(self, t: torch.Tensor) -> _Part:
         fd, offset = self._open().fileno(), self._end

@@ -11,16 +11,18 @@ from typing import Any
 
 import torch
 
-from qtool.calibration import HELD_OUT_SHARE, Calibration
+from qtool.calibration import HELD_OUT_SHARE, Calibration, Method
 from qtool.engine.calibrate.data import check_text, default_text, load_text, take_windows
 from qtool.engine.calibrate.run import MODEL, check_activations, check_tokens, interleaved
-from qtool.engine.calibrate.sequential import run_sequential
-from qtool.engine.decision import Calibrated, Quantize, TensorPlan
+from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, run_sequential, spilled
+from qtool.engine.decision import Calibrated, Keep, Quantize, TensorPlan
 from qtool.engine.evaluate.config import float_source, kind_of, window_length
 from qtool.engine.evaluate.hf import Tokenizer
 from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.job import Job
+from qtool.engine.methods.awq import METHOD as AWQ
+from qtool.engine.methods.awq import AwqPolicy, output_buffers
 from qtool.engine.methods.gptq import GptqPolicy, Target
 from qtool.engine.plan import ModelPlan
 from qtool.engine.spill import Spill
@@ -72,7 +74,7 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
         p.entry.name: Target(p.spec, ST_TO_TORCH[p.entry.dtype])
         for p in plan.plans if isinstance(p.spec, QSpec)
     }  # fmt: skip
-    policy = GptqPolicy(targets, calibration, spill, job.kernels.scales_in_weight_dtype)
+    policy = _policy(plan, targets, calibration, spill, job, streams, hf_config, device)
     reader = open_reader(found)
     try:
         run_sequential(model, reader, streams, policy, device, path, directory=spill.directory)
@@ -80,6 +82,29 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
     finally:
         reader.close()
     return plan.with_plans([_decided(p, policy) for p in plan.plans])
+
+
+def _policy(
+    plan: ModelPlan,
+    targets: dict[str, Target],
+    calibration: Calibration,
+    spill: Spill,
+    job: Job,
+    streams: dict[str, list[list[int]]],
+    hf_config: Any,
+    device: torch.device,
+) -> GptqPolicy | AwqPolicy:
+    assert job.kernels is not None
+    in_weight_dtype = job.kernels.scales_in_weight_dtype
+    if calibration.method is not Method.AWQ:
+        return GptqPolicy(targets, calibration, spill, in_weight_dtype)
+    kept = {p.entry.name: ST_TO_TORCH[p.entry.dtype] for p in plan.plans if p.spec is None}
+    windows = sum(len(ws) for ws in streams.values())
+    ctx, width = len(streams["fit"][0]), int(hf_config.hidden_size)
+    # the float block's outputs, as many bytes as the activations: mapped past the same bound
+    mapped = spilled(windows, ctx, width, device, ACTIVATIONS_IN_MEMORY, spill.directory)
+    outputs = output_buffers(windows, ctx, width, device, mapped)
+    return AwqPolicy(targets, kept, calibration, spill, in_weight_dtype, outputs)
 
 
 def _streams(
@@ -97,8 +122,13 @@ def _streams(
     return {"fit": fit, "held": held, "check": check}
 
 
-def _decided(plan: TensorPlan, policy: GptqPolicy) -> TensorPlan:
+def _decided(plan: TensorPlan, policy: GptqPolicy | AwqPolicy) -> TensorPlan:
     chosen = policy.chosen.get(plan.entry.name)
+    changed = policy.changed.get(plan.entry.name) if isinstance(policy, AwqPolicy) else None
+    action = plan.decision.action
+    if changed is not None and isinstance(action, Keep):  # float, with the method's values
+        keep = Keep(f"{action.reason}; {changed}")
+        return TensorPlan(plan.entry, plan.decision.then(keep, Calibrated(AWQ)))
     if chosen is None or plan.spec is None:
         return plan
     decision = plan.decision

@@ -230,3 +230,19 @@ def test_what_awq_cannot_do_is_refused(
     assert (rc, stdout) == (code, ""), err
     assert words in err.strip().splitlines()[-1] and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_identity_scales_are_round_to_nearest_whatever_the_guard(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the search's best is s = 1, nothing is folded and no Linear claims AWQ's codes,
+    even under --guard none (which keeps whatever the method chose)."""
+
+    def identity(loss: Any, x_mean: torch.Tensor, *args: Any) -> Any:
+        return awq.AwqChoice(torch.ones_like(x_mean), 0.0, False, 0.0, 0.0, (0.0,))
+
+    monkeypatch.setattr(awq, "search", identity)
+    summary = api.quantize(model, tmp_path / "o", _options(model, guard=Guard.NONE), device="cpu")
+    linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
+    assert {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
+    assert not [r for r in summary.rows if "scaled by awq" in r.detail]

@@ -252,6 +252,8 @@ class AwqPolicy:
         except awq.NonFiniteLoss:
             return f"rtn ({METHOD}: every candidate's output error was NaN or infinite)", set()
         ones = torch.ones_like(choice.scales)
+        if torch.equal(choice.scales, ones):  # the identity won on the fit windows
+            return f"rtn ({METHOD}: round to nearest had the least output error)", set()
         held = change(error("held", choice.scales), error("held", ones))
         check = change(error("check", choice.scales), error("check", ones))
         verdict = judge(held, check, self.calibration.guard, self.calibration.tolerance)

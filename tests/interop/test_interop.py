@@ -412,8 +412,9 @@ def test_readme_loads_the_sample_export_in_three_lines(
 def test_transformers_loads_mixed_spec_exports(
     how: str, models: dict[str, Model], tmp_path: Path
 ) -> None:
-    """A recipe (int8 attention, int4 g128 mse MLP), and a recipe (int8 MLP) with an error budget
-    for the rest (int4 g32 mse at 20 dB) give exports with one config group per spec:
+    """examples/llm.toml (int4: down_proj g32, the other Linears g64), and a recipe (int8 MLP)
+    with an error budget for the rest (int4 g32 mse at 20 dB) give exports with one config
+    group per spec:
     transformers loads them (default path) to exactly qtool's values, and compressed-tensors
     decompresses each module as qtool reads it."""
     model, out = models["llama"], tmp_path / how
@@ -432,7 +433,7 @@ def test_transformers_loads_mixed_spec_exports(
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     specs = {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in groups.values()}
     assert len(specs) == len(groups)  # one group per distinct spec
-    assert specs == ({(8, None), (4, 128)} if how == "llm-recipe" else {(8, None), (4, 32)})
+    assert specs == ({(4, 32), (4, 64)} if how == "llm-recipe" else {(8, None), (4, 32)})
     ours = qtool_read(out)
     for name, w in ct_decompress(out).items():
         assert torch.equal(w, ours[name]), name

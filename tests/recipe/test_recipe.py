@@ -442,16 +442,17 @@ def _fate(recipe: Recipe, name: str) -> QSpec | Keep:
 def test_llm_example_recipe() -> None:
     recipe = load_recipe(ROOT / "examples" / "llm.toml")
     assert unmatched(recipe.rules, LLAMA_NAMES) == []
-    int4 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(128), RangeMethod.MSE)
+    int4 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(64), RangeMethod.MINMAX)
+    int4_g32 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32), RangeMethod.MINMAX)
     expected = {
         "model.embed_tokens.weight": Keep,
         "lm_head.weight": Keep,
         "model.norm.weight": Keep,
         "model.layers.1.input_layernorm.weight": Keep,
-        "model.layers.0.self_attn.k_proj.weight": QSpec(),
-        "model.layers.1.self_attn.o_proj.weight": QSpec(),
+        "model.layers.0.self_attn.k_proj.weight": int4,
+        "model.layers.1.self_attn.o_proj.weight": int4,
         "model.layers.0.mlp.gate_proj.weight": int4,
-        "model.layers.1.mlp.down_proj.weight": int4,
+        "model.layers.1.mlp.down_proj.weight": int4_g32,
     }
     for name, want in expected.items():
         got = _fate(recipe, name)
@@ -459,7 +460,7 @@ def test_llm_example_recipe() -> None:
     # the command-line spec does not leak into the recipe's choices
     base = QSpec(Scheme.ASYM, StorageDtype.UINT8, PerTensor())
     attn = entry("model.layers.0.self_attn.q_proj.weight")
-    assert resolve(recipe.rules, attn, base).action == QSpec()
+    assert resolve(recipe.rules, attn, base).action == int4
 
 
 def test_encoder_example_recipe() -> None:

@@ -73,11 +73,50 @@ def json_rows(stdout: str) -> dict[str, dict[str, object]]:
     return {row["name"]: row for row in json.loads(stdout)["tensors"]}
 
 
-def test_llm_recipe_writes_one_config_group_per_spec(
+MIXED = """
+[[rule]]
+match = "*embed_tokens*"
+keep = "embeddings stay float"
+
+[[rule]]
+match = "lm_head.*"
+keep = "output head stays float"
+
+[[rule]]
+match = 're:.*\\.self_attn\\.[qkvo]_proj\\.weight'
+scheme = "sym"
+dtype = "int8"
+granularity = "channel"
+
+[[rule]]
+match = 're:.*\\.mlp\\.(gate|up|down)_proj\\.weight'
+scheme = "sym"
+dtype = "int4"
+group_size = 128
+range = "mse"
+"""
+
+
+def test_llm_example_recipe_needs_no_fallback(invoke: Invoke, llama: Path, tmp_path: Path) -> None:
+    """examples/llm.toml's groups (32 for down_proj, 64 for the others) divide every row: one
+    config group per spec, no --group-fallback."""
+    out = tmp_path / "llm"
+    code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(EXAMPLES / "llm.toml"),
+                          "-o", str(out))  # fmt: skip
+    assert code == 0, err
+    q = qconfig(out)
+    groups = list(q["config_groups"].values())  # type: ignore[union-attr]
+    assert [g["weights"]["group_size"] for g in groups] == [32, 64]
+    assert sorted(groups[0]["targets"]) == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    assert groups[-1]["targets"] == ["Linear"] and q["ignore"] == ["lm_head"]
+    assert set(module_bits(out).values()) == {(4, "group")}
+
+
+def test_mixed_recipe_writes_one_config_group_per_spec(
     invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "mixed"
-    recipe = str(EXAMPLES / "llm.toml")
+    recipe = str(write_recipe(tmp_path, MIXED))
     code, _, err = invoke("quantize", str(llama), *CT, "--recipe", recipe, "-o", str(out))
     assert code == 1  # its MLP rule's groups of 128 are longer than the sample's rows of 64
     assert "model.layers.0.mlp.gate_proj.weight (K=64, G=128)" in err
@@ -109,7 +148,7 @@ def test_recipe_specs_round_trip_through_dequantize(
     invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
     out, restored = tmp_path / "mixed", tmp_path / "restored.safetensors"
-    recipe = EXAMPLES / "llm.toml"
+    recipe = write_recipe(tmp_path, MIXED)
     code, _, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
                           "--group-fallback", "channel", "-o", str(out))  # fmt: skip
     assert code == 0, err

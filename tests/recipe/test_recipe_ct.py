@@ -105,7 +105,9 @@ def test_llm_example_recipe_needs_no_fallback(invoke: Invoke, llama: Path, tmp_p
                           "-o", str(out))  # fmt: skip
     assert code == 0, err
     q = qconfig(out)
-    groups = list(q["config_groups"].values())  # type: ignore[union-attr]
+    config_groups = q["config_groups"]
+    assert isinstance(config_groups, dict)
+    groups = list(config_groups.values())
     assert [g["weights"]["group_size"] for g in groups] == [32, 64]
     assert sorted(groups[0]["targets"]) == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
     assert groups[-1]["targets"] == ["Linear"] and q["ignore"] == ["lm_head"]

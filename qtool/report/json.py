@@ -109,7 +109,7 @@ def spec_json(spec: Codec) -> dict[str, Any]:
 
 
 def decided_json(
-    d: DecidedBy, label: Callable[[Codec], str] = Codec.describe, history: bool = True
+    d: DecidedBy, label: Callable[[Codec], str] = lambda spec: spec.describe(), history: bool = True
 ) -> dict[str, Any]:
     """A tensor's decision: its action, origin and the origin's facts, then (`history`) the
     decisions it superseded, oldest first; `label` names a spec."""

@@ -14,7 +14,6 @@ count does not fit the tensor is refused naming both.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
-from qtool.spec import Codec, GGUFSpec, PerChannel, PerGroup, QSpec, as_grid
+from qtool.spec import Codec, PerChannel, PerGroup, QSpec
 
 if TYPE_CHECKING:
     import torch
@@ -274,17 +273,6 @@ def _restored(
     """Rows a:b (of the first dim) of the tensor as its codes restore it: a grid's in x's dtype
     (as the error figures measure it; the whole tensor when its qparams are not per row), a GGUF
     type's as ggml dequantizes its blocks (float32)."""
-    from qtool.numerics import select
+    from qtool.numerics.quantize import restored_rows
 
-    shape = tuple(x.shape)
-    if isinstance(spec, GGUFSpec):
-        from qtool.numerics import gguf
-
-        per_row = math.prod(shape[1:-1])
-        return gguf.dequantize(result.q[a * per_row : b * per_row], spec.gguf).view(shape)
-    grid = as_grid(spec)
-    if isinstance(grid.granularity, PerGroup) or grid.granularity == PerChannel(0):
-        q, scale, zp = result.q[a:b], result.scale[a:b], result.zero_point[a:b]
-    else:
-        q, scale, zp = result.q, result.scale, result.zero_point
-    return select.dequantize(q, scale, zp, grid, x.dtype, shape)
+    return restored_rows(result, spec, a, b, x)

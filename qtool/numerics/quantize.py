@@ -22,7 +22,7 @@ import torch
 from qtool.numerics import kernels, select
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.range_methods import ColumnWeights
-from qtool.spec import Codec, QSpec
+from qtool.spec import Codec, PerChannel, PerGroup, QSpec
 
 Work = tuple[tuple[int, ...], bool, Codec]
 """One tensor a run will quantize: its shape, whether it is 16-bit (bf16/fp16), its spec."""
@@ -39,6 +39,7 @@ class Kernels:
     quantize: Callable[..., QuantizedTensor]
     restored: Callable[[torch.Tensor, Any], torch.Tensor]
     expect: Callable[[torch.device, list[Work]], None]
+    restore_rows: Callable[[QuantizedTensor, Any, int, int, torch.Tensor], torch.Tensor]
     stacks: bool = False
 
 
@@ -73,6 +74,15 @@ def expect(device: torch.device, work: Iterable[Work]) -> None:
         _load(kind).expect(device, [w for w in todo if w[2].kind == kind])
 
 
+def restored_rows(
+    result: QuantizedTensor, spec: Codec, a: int, b: int, x: torch.Tensor
+) -> torch.Tensor:
+    """Rows a:b (of the first dim) of a tensor as its codes in `result` restore it (`x`: those
+    rows, for their shape and dtype): a grid's in x's dtype (the whole tensor when its qparams
+    are not per row), a GGUF type's as ggml dequantizes its blocks (float32)."""
+    return family(spec).restore_rows(result, spec, a, b, x)
+
+
 def family(spec: Codec) -> Kernels:
     """The kernels of `spec`'s family."""
     return _load(spec.kind)
@@ -94,7 +104,20 @@ def _grid_expect(device: torch.device, work: Sequence[Work]) -> None:
     select.expect_work(device, grids)
 
 
-GRID = Kernels(select.quantize_tensor, _grid_restored, _grid_expect, stacks=True)
+def _grid_restore_rows(
+    result: QuantizedTensor, spec: QSpec, a: int, b: int, x: torch.Tensor
+) -> torch.Tensor:
+    shape = tuple(x.shape)
+    if isinstance(spec.granularity, PerGroup) or spec.granularity == PerChannel(0):
+        q, scale, zp = result.q[a:b], result.scale[a:b], result.zero_point[a:b]
+    else:
+        q, scale, zp = result.q, result.scale, result.zero_point
+    return select.dequantize(q, scale, zp, spec, x.dtype, shape)
+
+
+GRID = Kernels(
+    select.quantize_tensor, _grid_restored, _grid_expect, _grid_restore_rows, stacks=True
+)
 
 FAMILIES: dict[str, Kernels | str] = {
     "grid": GRID,

@@ -50,4 +50,13 @@ def expect(device: torch.device, work: Sequence[Work]) -> None:
         )
 
 
-KERNELS = Kernels(quantize, restored, expect)
+def restore_rows(
+    result: QuantizedTensor, spec: GGUFSpec, a: int, b: int, x: torch.Tensor
+) -> torch.Tensor:
+    """Rows a:b of the tensor's blocks in `result`, dequantized as ggml does (float32)."""
+    shape = tuple(x.shape)
+    per_row = math.prod(shape[1:-1])
+    return gguf.dequantize(result.q[a * per_row : b * per_row], spec.gguf).view(shape)
+
+
+KERNELS = Kernels(quantize, restored, expect, restore_rows)

@@ -26,7 +26,7 @@ from qtool.engine.methods import awq as method  # noqa: E402
 from qtool.engine.plan import QuantizeOptions  # noqa: E402
 from qtool.engine.spill import Spill  # noqa: E402
 from qtool.numerics import awq  # noqa: E402
-from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
+from qtool.spec import PerChannel, PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
 from tests.conftest import Invoke  # noqa: E402
 from tests.eval_models import build  # noqa: E402
 
@@ -246,3 +246,15 @@ def test_identity_scales_are_round_to_nearest_whatever_the_guard(
     linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
     assert {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
     assert not [r for r in summary.rows if "scaled by awq" in r.detail]
+
+
+def test_a_grid_across_output_rows_is_rounded_to_nearest(model: Path, tmp_path: Path) -> None:
+    """Scales per input column cannot be balanced against qparams per input column (channels on
+    axis 1): each group is rounded to nearest and says why, instead of the run failing."""
+    spec = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(1))
+    options = dataclasses.replace(_options(model), spec=spec)
+    summary = api.quantize(model, tmp_path / "o", options, device="cpu")
+    linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
+    assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
+    assert all("rtn (awq: AWQ balances Linears quantized per tensor" in r.detail for r in linears
+               if "o_proj" not in r.name)  # fmt: skip

@@ -246,7 +246,10 @@ class AwqPolicy:
                     m.weight.copy_(w)
 
         x_mean = probe.means[group.previous].mean
-        w_mean = awq.weight_means(originals, spec)
+        try:
+            w_mean = awq.weight_means(originals, spec)
+        except ValueError as err:  # a grid across output rows (channels on axis 1)
+            return f"rtn ({METHOD}: {err})", set()
         try:
             choice = awq.search(lambda s: error("fit", s), x_mean, w_mean)
         except awq.NonFiniteLoss:

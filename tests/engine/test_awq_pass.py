@@ -258,3 +258,36 @@ def test_a_grid_across_output_rows_is_rounded_to_nearest(model: Path, tmp_path: 
     assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
     assert all("rtn (awq: AWQ balances Linears quantized per tensor" in r.detail for r in linears
                if "o_proj" not in r.name)  # fmt: skip
+
+
+def test_a_fold_needs_somewhere_to_write_the_module_before(tmp_path: Path) -> None:
+    """A group is balanced only where every tensor its fold changes is written with the
+    method's values: a norm the output keeps float, a Linear before whose codes the method
+    writes; a norm the plan quantizes otherwise (a recipe's), or a bias it quantizes, is not."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=262, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+    )  # fmt: skip
+    block = transformers.LlamaForCausalLM(cfg).model.layers[0]
+    modules = dict(block.named_modules())
+    probe = method.AwqProbe(block, method.groups(block), [])
+    probe.means = {g.previous: awq.AbsMean(64) for g in probe.groups}
+    target = method.Target(SPEC, torch.bfloat16)
+    linears = {f"{n}.weight": target for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    floats = {f"{n}.{p}": torch.bfloat16 for n, m in modules.items() for p in ("weight", "bias")
+              if not isinstance(m, torch.nn.Linear) or p == "bias"}  # fmt: skip
+
+    def why(targets: dict[str, Any], kept: dict[str, Any]) -> list[str | None]:
+        calibration = Calibration(Method.AWQ)
+        policy = method.AwqPolicy(targets, kept, calibration, Spill(None), False, [])
+        return [policy._unbalanced("", g, modules, probe) for g in probe.groups]
+
+    assert why(linears, floats) == [None, None, None, None]
+    norm = {**linears, "input_layernorm.weight": target}
+    kept = {k: v for k, v in floats.items() if k != "input_layernorm.weight"}
+    assert why(norm, kept)[0] == "input_layernorm.weight is quantized otherwise"
+    bias = {k: v for k, v in floats.items() if k != "self_attn.v_proj.bias"}
+    assert why({**linears, "self_attn.v_proj.bias": target}, bias)[1] == (
+        "self_attn.v_proj.bias is quantized otherwise"
+    )

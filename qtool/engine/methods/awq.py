@@ -213,9 +213,11 @@ class AwqPolicy:
             return "its group's Linears have different specs"
         if group.previous not in probe.means:
             return "no calibration input"
+        before = modules[group.previous]
         for name in self._folded(prefix, group, modules):
-            if name not in self.targets and name not in self.kept:
-                return f"{name} is quantized otherwise"
+            codes = isinstance(before, torch.nn.Linear) and name.endswith(".weight")
+            if name not in self.kept and not (codes and name in self.targets):
+                return f"{name} is quantized otherwise"  # its folded values would be lost
         return None
 
     def _folded(self, prefix: str, group: Group, modules: dict[str, Any]) -> list[str]:

@@ -93,7 +93,9 @@ def _layer_lines(s: EvalSummary, layers: list[LayerRow], order: str, width: int)
     title = f"Per quantized Linear ({first.get(order, 'model order')}; output on FLOAT's inputs)"
     columns = [
         Column(
-            "layer", [(safe(r.name), "") for r in layers], fold=12 if sys.stdout.isatty() else 0,
+            "layer",
+            [(safe(r.name), "") for r in layers],
+            fold=12 if sys.stdout.isatty() else 0,
             names=True,
         ),
         Column("shape", [("[" + ", ".join(map(str, r.shape)) + "]", "") for r in layers], hide=1),

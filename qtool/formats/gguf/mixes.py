@@ -47,6 +47,7 @@ MIXES: dict[str, Mix] = {
 
 # tensor_type_fallback: the 32-block type llama-quantize takes when rows are not whole blocks
 _FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_BLK = re.compile(r"blk\.(\d+)\.")
 # model types with LLM_TYPE_70B: architecture -> its layer count (llama: and GQA)
 _SEVENTY_B = {"llama": 80, "deci": 80, "olmo": 80, "qwen2": 80, "jais2": 68}
 
@@ -70,12 +71,25 @@ class ModelFacts:
         if not isinstance(arch, str) or not arch:
             raise ValueError("general.architecture is missing")
         n_layer = _int(metadata, f"{arch}.block_count")
-        if n_layer is None or n_layer < 1:
+        if n_layer is None:
             raise ValueError(f"{arch}.block_count is missing")
+        if n_layer < 1:
+            raise ValueError(f"{arch}.block_count is {n_layer}; a model has at least one block")
         n_head = _int(metadata, f"{arch}.attention.head_count") or 0
         n_head_kv = _int(metadata, f"{arch}.attention.head_count_kv")
         n_expert = _int(metadata, f"{arch}.expert_count") or 0
         return cls(arch, n_layer, n_head, n_head if n_head_kv is None else n_head_kv, n_expert)
+
+    def check_blocks(self, tensors: Sequence[GGUFTensorInfo]) -> None:
+        """ValueError unless the tensors' blocks (the highest blk.N + 1) are n_layer: the rules
+        count layers against it (llama-quantize asserts the same of its attn_v count)."""
+        blocks = max((int(m[1]) + 1 for t in tensors if (m := _BLK.match(t.name))), default=0)
+        if blocks != self.n_layer:
+            named = f"blocks 0 to {blocks - 1}" if blocks else "no block (no blk.N tensor)"
+            raise ValueError(
+                f"{self.arch}.block_count is {self.n_layer}, but its tensors name {named} "
+                f"({blocks}); the header does not match its tensors (is the file intact?)"
+            )
 
     @property
     def n_gqa(self) -> int:

@@ -85,6 +85,7 @@ class GGUFFormat(OutputFormat):
         if spec.mix not in self._mixes:
             try:
                 facts = ModelFacts.of(self.header.metadata)
+                facts.check_blocks(self.header.tensors)
                 self._mixes[spec.mix] = mix_types(MIXES[spec.mix], self.header.tensors, facts)
             except ValueError as err:
                 raise InputError(

@@ -34,13 +34,30 @@ def json_text(doc: object, indent: int | None = None) -> str:
     """JSON, UTF-8 safe: lone surrogates (undecodable bytes of a file name) become \\uDCxx
     escapes, which Python's json reads back to the same name, instead of failing to encode.
     With `indent`, a document's `tensors` rows are one line each (see _indented)."""
-    if indent is None:
-        text = json.dumps(doc, ensure_ascii=False, allow_nan=False)
-    else:
-        text = _indented(doc, indent)
+    try:
+        text = _dumped(doc, indent)
+    except ValueError:  # a float a builder left raw: the contract's strings, not a crash
+        text = _dumped(_finite(doc), indent)
     if text.isascii():  # O(1) for a str: no surrogate can be in it
         return text
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _dumped(doc: object, indent: int | None) -> str:
+    if indent is None:
+        return json.dumps(doc, ensure_ascii=False, allow_nan=False)
+    return _indented(doc, indent)
+
+
+def _finite(doc: object) -> object:
+    """`doc` with every non-finite float as json_number's string (lists and dicts walked)."""
+    if isinstance(doc, float):
+        return json_number(doc)
+    if isinstance(doc, dict):
+        return {k: _finite(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_finite(v) for v in doc]
+    return doc
 
 
 def _indented(doc: object, indent: int) -> str:
@@ -74,21 +91,25 @@ def gate_json(result: GateResult | None) -> dict[str, Any] | None:
     return {
         "passed": result.passed,
         "bounds": {
-            "max_mse": g.max_mse,
-            "min_sqnr_db": g.min_sqnr,
-            "min_overall_sqnr_db": g.min_overall_sqnr,
+            "max_mse": _maybe(g.max_mse),
+            "min_sqnr_db": _maybe(g.min_sqnr),
+            "min_overall_sqnr_db": _maybe(g.min_overall_sqnr),
         },
         "violations": [
             {
                 "tensor": v.tensor,
                 "metric": v.metric,
                 "value": None if v.value is None else json_number(v.value),
-                "bound": v.bound,
+                "bound": _maybe(v.bound),
                 "detail": v.detail,
             }
             for v in result.violations
         ],
     }
+
+
+def _maybe(value: float | None) -> JsonNumber | None:
+    return None if value is None else json_number(value)
 
 
 def error_json(stats: ErrorStats | None) -> dict[str, JsonNumber | None]:
@@ -168,7 +189,7 @@ def quantize_json(
         if r.spec is not None:  # one document per spec, shared by its rows (50,000 of them)
             item["spec"] = specs.get(r.spec) or specs.setdefault(r.spec, spec_json(r.spec))
         if r.scale_range is not None:
-            item["scale_min"], item["scale_max"] = r.scale_range
+            item["scale_min"], item["scale_max"] = map(json_number, r.scale_range)
         if r.decided_by is not None:
             item["decided_by"] = decided_json(r.decided_by, label)
         if r.weighted is not None:  # --imatrix
@@ -291,8 +312,8 @@ def plot_json(checkpoint: str, target: str, info: dict[str, Any]) -> dict[str, A
         "outputs": [target],
         "tensor": info["tensor"],
         "spec": spec_json(info["qspec"]),
-        "mse": info["mse"],
-        "max_abs_error": info["max_abs_error"],
+        "mse": json_number(float(info["mse"])),
+        "max_abs_error": json_number(float(info["max_abs_error"])),
         "sqnr_db": json_number(float(info["sqnr_db"])),
     }
 

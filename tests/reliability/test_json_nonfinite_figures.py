@@ -86,3 +86,12 @@ def test_nonfinite_figures_print_as_the_contract_strings(build: Any, indent: int
     if doc["command"] == "quantize":
         first = doc["tensors"][0]
         assert (first["scale_min"], first["scale_max"]) == ("NaN", "Infinity")
+
+
+def test_a_raw_nonfinite_float_anywhere_in_a_document_is_spelled_not_raised() -> None:
+    """The printer's net for a builder that forgot json_number: rows and skeleton alike."""
+    doc = {"a": INF, "totals": {"x": [NAN, -INF, 1.5]}, "tensors": [{"v": NAN}, {"v": 2.0}]}
+    for indent in (None, 2):
+        got = _strict(json_text(doc, indent=indent))
+        assert got == {"a": "Infinity", "totals": {"x": ["NaN", "-Infinity", 1.5]},
+                       "tensors": [{"v": "NaN"}, {"v": 2.0}]}  # fmt: skip

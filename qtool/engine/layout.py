@@ -134,9 +134,11 @@ def check_outputs(
     force: bool,
     also: Sequence[Path] = (),
     needed_bytes: int = 0,
+    *,
+    protect: Sequence[Path] = (),
 ) -> None:
     """Every check `prepared` makes before it writes (what a dry run checks), writing nothing."""
-    _checked(source, target, layout, force, also, needed_bytes, ())
+    _checked(source, target, layout, force, also, needed_bytes, protect)
 
 
 def _checked(

@@ -88,6 +88,14 @@ class QuantizeOptions:
         recipe_rules = self.recipe.rules if self.recipe is not None else ()
         return rules_from_cli(self.include, self.exclude, recipe_rules)
 
+    @property
+    def input_files(self) -> tuple[Path, ...]:
+        """The files the run reads besides the checkpoint (the imatrix, a method's calibration
+        and check texts): inputs no output may replace, like the checkpoint's own."""
+        cal = self.calibration
+        texts = (*cal.texts, *cal.check_texts) if cal is not None else ()
+        return (*((self.imatrix,) if self.imatrix is not None else ()), *texts)
+
 
 @dataclass(frozen=True)
 class ModelPlan:

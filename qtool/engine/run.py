@@ -158,7 +158,10 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
         needed = needed_bytes(plan.plans, job.options)
     else:
         needed = sum(p.out_nbytes for p in plan.plans)
-    check_outputs(output.source, output.target, job.fmt.layout, run.force, run.also, needed)
+    check_outputs(
+        output.source, output.target, job.fmt.layout, run.force, run.also, needed,
+        protect=job.options.input_files,
+    )  # fmt: skip
 
 
 def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:

@@ -25,8 +25,8 @@ def write(job: Job, plan: ModelPlan) -> Done:
     passes, the shards, and (a directory output) the format's files, the companions and the
     index with the names the format stores each tensor under."""
     source, target, fmt, run = job.output.source, job.output.target, job.fmt, job.run
-    needed = needed_bytes(plan.plans, job.options)
-    with prepared(source, target, fmt.layout, run.force, run.also, needed) as place:
+    needed, keep = needed_bytes(plan.plans, job.options), job.options.input_files
+    with prepared(source, target, fmt.layout, run.force, run.also, needed, protect=keep) as place:
         placed = place.target
         with data_passes(job, plan, place.scratch) as (final, spill):
 

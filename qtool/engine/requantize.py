@@ -23,11 +23,15 @@ from qtool.engine.run import _label
 from qtool.engine.run import quantize as quantize_float
 from qtool.errors import OutputError, QtoolError, UsageError
 from qtool.formats.detect import detect
+from qtool.formats.gguf import PLAIN_TYPES
 from qtool.formats.registry import entry
+from qtool.gguf_types import GGML_TYPES
 from qtool.io import tempdirs
-from qtool.io.atomic import describe_os_error, remove_stale_temps
+from qtool.io.atomic import describe_os_error, preflight, remove_stale_temps
+from qtool.io.gguf_file import GGUFFile
+from qtool.io.gguf_layout import tensor_nbytes
 from qtool.results import QuantizeSummary
-from qtool.spec import FormatName
+from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName
 
 _FLOAT_NAME = "requantize.F32.gguf"
 
@@ -54,8 +58,11 @@ def requantize(
             src, "a quantized GGUF is quantized again only into a GGUF", hint="format-gguf"
         )
     target = quantized_output(src, out, _label(options), entry(options.format).suffix)
-    if _same_file(target, src):
-        raise UsageError(target, "is the input: write the requantized GGUF to another file")
+    if _same_file(target, src):  # as atomic.preflight says it, for a path it cannot compare
+        raise OutputError(target, f"would overwrite the input {src}; choose another output path")
+    # Every check the second run makes on its output, before the long dequantize: a refusal
+    # there would come after the F32 copy was written (or after it filled the disk).
+    preflight([target, *run.also], [src], force=run.force, needed_bytes=_needed_bytes(src))
     from qtool.engine.restore import dequantize  # torch
 
     with scratch_beside(target) as scratch:
@@ -64,7 +71,7 @@ def requantize(
             dequantize(src, float_gguf, progress=run.progress)
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:
-            raise _named_as_input(err, float_gguf, src) from None
+            raise _named_for_user(err, float_gguf, src) from None
     return replace(summary, inputs=[str(src)])
 
 
@@ -76,9 +83,33 @@ def _same_file(out: Path, src: Path) -> bool:
     return False
 
 
-def _named_as_input(err: QtoolError, scratch_file: Path, src: Path) -> QtoolError:
-    """The error as the user's input names it, not the scratch file it was found in."""
-    if err.path == str(scratch_file):
+def _needed_bytes(src: Path) -> int:
+    """At least the free space the run takes beside its output: the F32 copy's tensors (a
+    quantized one as F32, a plain one as it is) and the output's at the fewest bits per weight
+    of any type qtool writes (the output's own plan needs the copy's headers; the second run
+    checks it again, exactly, with the copy written)."""
+    f32 = GGML_TYPES["F32"]
+    fewest = min(GGML_TYPES[t].bits_per_weight for t in GGUF_QUANTIZE_TYPES)
+    with GGUFFile(src) as f:
+        tensors = f.header.tensors
+    copy = out = 0
+    for info in tensors:
+        plain = info.type.name in PLAIN_TYPES
+        copy += info.nbytes if plain else tensor_nbytes(f32, info.shape)
+        out += info.nbytes if plain and len(info.shape) < 2 else int(info.numel * fewest) // 8
+    return copy + out
+
+
+def _named_for_user(err: QtoolError, scratch_file: Path, src: Path) -> QtoolError:
+    """The error as the user's files name it, not the scratch file: a problem found reading
+    the copy is the input's; one writing it names the directory it was written in, as
+    qtool's temporary copy (an error about the output names the output already)."""
+    if err.path != str(scratch_file):
+        return err
+    if isinstance(err, OutputError):
+        err.path = os.path.abspath(scratch_file.parent.parent)
+        err.message = f"writing qtool's temporary F32 copy of the input here: {err.message}"
+    else:
         err.path = str(src)
     return err
 

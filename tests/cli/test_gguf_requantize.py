@@ -87,7 +87,7 @@ def test_refusals_leave_nothing_behind(invoke: Invoke, q8: Path, tmp_path: Path)
     before = q8.read_bytes()
     # the input as its own output, even with --force
     code, _, err = _quantize(invoke, q8, "-o", str(q8), "--allow-requantize", "--force")
-    assert code == 2 and "is the input" in err and q8.read_bytes() == before
+    assert code == 1 and "would overwrite the input" in err and q8.read_bytes() == before
     # another output format
     code, _, err = invoke("quantize", str(q8), "--dtype", "int8", "--allow-requantize")
     assert code == 2 and "--format gguf" in err
@@ -99,6 +99,30 @@ def test_refusals_leave_nothing_behind(invoke: Invoke, q8: Path, tmp_path: Path)
     assert existing.read_bytes() == b"mine"
     assert _listing(tmp_path) == ["taken.gguf"] and _listing(q8.parent) == [q8.name]
     assert "requantize.F32" not in err  # errors name the user's files, not the scratch copy
+
+
+def test_an_output_that_is_the_input_is_refused_as_every_command_refuses_it(
+    invoke: Invoke, q8: Path, tmp_path: Path
+) -> None:
+    """The same exit status (1: an output error) and the same words as quantize and
+    dequantize, whatever the spelling of the path (a symlink to the input included)."""
+    d = M.make_hf_llama(tmp_path / "hf")
+    f32 = M.write_float_gguf(d, tmp_path / "f32.gguf", "F32")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(q8)
+
+    def refusal(code: int, out: str, err: str) -> tuple[int, str, str]:
+        line = err.strip().splitlines()[-1]
+        return code, out, line[line.index(": would overwrite") :]
+
+    plain = refusal(*_quantize(invoke, f32, "-o", str(f32), "--force"))
+    restored = refusal(*invoke("dequantize", str(f32), "-o", str(f32), "--force"))
+    assert plain == (1, "", f": would overwrite the input {f32}; choose another output path")
+    assert restored == plain
+    for out in (q8, link):
+        code, out_, err = _quantize(invoke, q8, "-o", str(out), "--allow-requantize", "--force")
+        assert refusal(code, out_, err) == (1, "", plain[2].replace(str(f32), str(q8))), err
+    assert os.listdir(q8.parent) == [q8.name]
 
 
 def test_scratch_is_a_locked_temp_directory_the_next_run_takes_once_dead(tmp_path: Path) -> None:

@@ -77,6 +77,7 @@ class Importance:
     path: Path
     stats: Mapping[str, MatrixStats]
     provenance: Provenance
+    unused: tuple[str, ...] = ()  # entries naming no tensor of the input (another model's blocks)
 
     def weights(self, name: str, shape: tuple[int, ...]) -> ColumnWeights | None:
         """The column weights of tensor `name` of `shape` (None: the file has no entry for it),
@@ -107,12 +108,19 @@ class Importance:
             problem = _misfit(stats, plan.entry.shape)
             if problem is not None:
                 raise InputError(self.path, problem, plan.entry.name)
-        if not missing:
-            return []
-        return [
-            f"{len(missing)} of {quantized} quantized tensors have no entry in {self.path.name} "
-            f"and were quantized without it (e.g. {missing[0]})"
-        ]
+        notes = []
+        if missing:
+            notes.append(
+                f"{len(missing)} of {quantized} quantized tensors have no entry in "
+                f"{self.path.name} and were quantized without it (e.g. {missing[0]})"
+            )
+        if self.unused:
+            notes.append(
+                f"{len(self.unused)} of {self.provenance.entries} entries of {self.path.name} "
+                "name no tensor of the input "
+                f"and were not used (e.g. {self.unused[0]}); check it was computed on this model"
+            )
+        return notes
 
 
 def read_importance(path: Path) -> tuple[ImportanceMatrix, Provenance]:
@@ -140,39 +148,59 @@ def match_importance(
     """The imatrix `read` from `path` keyed by the checkpoint's tensor `names` (see the module
     doc); InputError when it names none of them."""
     imatrix, provenance = read
-    stats = _by_checkpoint_name(imatrix, names, config)
+    stats, used = _by_checkpoint_name(path, imatrix, names, config)
     if not stats:
+        first = next(iter(imatrix.entries))
+        model_type = (config or {}).get("model_type")
+        why = "give the imatrix computed on this model"
+        if not isinstance(model_type, str):  # llama.cpp's names are mapped through config.json
+            why = (
+                "llama.cpp's names are matched through the model's config.json (model_type), "
+                "which this input has none of: quantize the model's directory"
+            )
         raise InputError(
-            path, f"names none of the input's tensors (its first entry: "
-            f"{next(iter(imatrix.entries))}); give the imatrix computed on this model",
-        )  # fmt: skip
-    return Importance(path, stats, provenance)
+            path, f"names none of the input's tensors (its first entry: {first}); {why}"
+        )
+    unused = tuple(n for n in imatrix.entries if n not in used)
+    return Importance(path, stats, provenance, unused)
 
 
 def _by_checkpoint_name(
+    path: Path,
     imatrix: ImportanceMatrix,
     names: list[str],
     config: Mapping[str, object] | None,
-) -> dict[str, MatrixStats]:
+) -> tuple[dict[str, MatrixStats], set[str]]:
+    """The entries by checkpoint name, and the imatrix names used; an entry under both its
+    llama.cpp name and the checkpoint's is refused naming both (which one holds the statistics
+    is not for qtool to guess)."""
     held = set(names)
     found = {n: s for n, s in imatrix.entries.items() if n in held}
     others = [n for n in imatrix.entries if n not in held]
-    if not others:
-        return found
+    model_type = (config or {}).get("model_type")
+    if not others or not isinstance(model_type, str):
+        return found, set(found)  # no config.json: exact names only
     from qtool.formats.imatrix import hf_names_of
     from qtool.formats.imatrix.naming import GGUF_ARCHS
 
-    model_type = str((config or {}).get("model_type"))
     arch = GGUF_ARCHS.get(model_type, model_type)
-    blocks = _block_count(config, names)
     try:
-        mapped = hf_names_of(imatrix, arch, blocks, names)
-    except (ValueError, KeyError):
-        return found  # no name map for this architecture: exact names only
+        mapped = hf_names_of(imatrix, arch, _block_count(config, names), names)
+    except (ValueError, KeyError, InputError):
+        return found, set(found)  # no name map for this architecture: exact names only
+    used = set(found)
     for gguf_name, hf_name in mapped.items():
-        if gguf_name in others and hf_name not in found:
-            found[hf_name] = imatrix.entries[gguf_name]
-    return found
+        if gguf_name not in others:
+            continue
+        if hf_name in found:
+            raise InputError(
+                path, f"holds entries {gguf_name} and {hf_name}, one tensor under llama.cpp's "
+                "name and the checkpoint's: keep one (re-create it with llama-imatrix or qtool "
+                "calibrate)", hf_name,
+            )  # fmt: skip
+        found[hf_name] = imatrix.entries[gguf_name]
+        used.add(gguf_name)
+    return found, used
 
 
 def _block_count(config: Mapping[str, object] | None, names: list[str]) -> int:

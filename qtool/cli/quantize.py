@@ -265,9 +265,9 @@ def _notes(summary: QuantizeSummary, as_json: bool) -> None:
     if chosen:
         kept = [m for m in chosen if m != "rtn"]
         name = kept[0] if kept else "the calibrated method"
+        others = "; the others rounded to nearest (the table says why)"
         report.print_note(f"{name} kept for {len(kept)} of {len(chosen)} Linear layers of the "
-                          "decoder blocks; the others rounded to nearest (the table says "
-                          "why)")  # fmt: skip
+                          f"decoder blocks{others if len(kept) < len(chosen) else ''}")  # fmt: skip
     if summary.ignore and not as_json:
         report.print_note(report.ignore_note(summary.ignore))
 

@@ -30,6 +30,9 @@ from qtool.spec import Codec
 _PARTS = ("q", "scale", "zero_point", "choice")
 
 
+_WHAT = "the calibrated method's codes or the budget's choices until they are written"
+
+
 @dataclass(frozen=True)
 class _Part:
     offset: int
@@ -126,9 +129,7 @@ class Spill:
             while done < len(data):
                 done += os.pwrite(fd, data[done:], offset + done)
         except OSError as err:
-            raise OutputError(
-                self._directory, f"cannot keep the budget's choices: {describe_os_error(err)}"
-            ) from None
+            raise self._error(err) from None
         self._end += len(data)
         return _Part(offset, t.dtype, tuple(t.shape))
 
@@ -139,7 +140,7 @@ class Spill:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], part.offset + done)
             if n == 0:
-                raise OutputError(self._directory, "the budget's temporary file was cut short")
+                raise OutputError(self._where(), f"the temporary file of {_WHAT} was cut short")
             done += n
         return out
 
@@ -152,7 +153,13 @@ class Spill:
                     buffering=0, dir=self._directory, prefix=".qtool-spill-"
                 )
             except OSError as err:
-                raise OutputError(
-                    self._directory, f"cannot keep the budget's choices: {describe_os_error(err)}"
-                ) from None
+                raise self._error(err) from None
         return self._file
+
+    def _where(self) -> Path:
+        """The output's directory, absolute (a relative -o's is '.', which says nothing)."""
+        assert self._directory is not None
+        return self._directory.absolute()
+
+    def _error(self, err: OSError) -> OutputError:
+        return OutputError(self._where(), f"cannot keep {_WHAT}: {describe_os_error(err)}")

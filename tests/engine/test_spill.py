@@ -59,7 +59,7 @@ def test_a_full_disk_is_one_output_error_and_close_still_works(
     monkeypatch.setattr(spill_module.os, "pwrite", full)
     spill = Spill(tmp_path)
     result = quantize_tensor(torch.randn(8, 8), SPECS[0])
-    with pytest.raises(OutputError, match="cannot keep the budget's choices"):
+    with pytest.raises(OutputError, match="the calibrated method.s codes or the budget.s"):
         spill.put("w", SPECS[0], result)
     spill.close()
     spill.close()  # twice: the run's finally may come after an error

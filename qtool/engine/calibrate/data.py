@@ -80,9 +80,9 @@ def _docstrings(node: ast.AST) -> list[str]:
     return found
 
 
-def load_text(path: Path, tokenizer: Tokenizer) -> Text:
+def load_text(path: Path, tokenizer: Tokenizer, purpose: str = "calibrate on") -> Text:
     """A text file, or a JSONL file (by its suffix) rendered to text."""
-    text = read_text(path)
+    text = read_text(path, purpose)
     if path.suffix.lower() not in JSONL_SUFFIXES:
         return text
     return Text(_render_jsonl(path, text.content, tokenizer), text.source)

@@ -40,8 +40,9 @@ def default_text() -> Text:
     return Text(content, f"pydoc_data topics (CPython {version})")
 
 
-def read_text(path: Path) -> Text:
-    """A UTF-8 text file (a regular file, at most MAX_TEXT_BYTES; a BOM is dropped)."""
+def read_text(path: Path, purpose: str = "evaluate on") -> Text:
+    """A UTF-8 text file (a regular file, at most MAX_TEXT_BYTES; a BOM is dropped); `purpose`
+    ends the refusal of an empty one ("give some text to PURPOSE")."""
     data = read_bounded(path, MAX_TEXT_BYTES, "the text file")
     try:
         content = data.decode("utf-8-sig")
@@ -51,7 +52,7 @@ def read_text(path: Path) -> Text:
             "give a UTF-8 text file",
         ) from None  # fmt: skip
     if not content.strip():
-        raise InputError(path, "the text file is empty; give some text to evaluate on")
+        raise InputError(path, f"the text file is empty; give some text to {purpose}")
     return Text(content, str(path))
 
 

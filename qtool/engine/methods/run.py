@@ -19,6 +19,7 @@ from qtool.engine.decision import Calibrated, Keep, Quantize, TensorPlan
 from qtool.engine.evaluate.config import float_source, kind_of, window_length
 from qtool.engine.evaluate.hf import Tokenizer
 from qtool.engine.evaluate.models import empty_model, float_parts
+from qtool.engine.evaluate.text import Text
 from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.job import Job
 from qtool.engine.methods.awq import METHOD as AWQ
@@ -115,11 +116,25 @@ def _streams(
     check_tokens(calibration.tokens, ctx)
     texts = [load_text(p, tokenizer) for p in calibration.texts] or [default_text()]
     fit, held = split(interleaved(take_windows(texts, tokenizer, calibration.tokens, ctx)))
-    checks = [load_text(p, tokenizer) for p in calibration.check_texts] or [check_text()]
+    checks = [load_text(p, tokenizer, "check the method on") for p in calibration.check_texts]
+    checks = checks or [check_text()]
+    _distinct(texts, checks)
     check = interleaved(take_windows(checks, tokenizer, len(held) * ctx, ctx))
     if device.type != "cpu":  # on the CPU they are spilled past a bound (sequential.py)
         check_activations((len(fit) + len(held) + len(check)) * ctx, int(hf_config.hidden_size))
     return {"fit": fit, "held": held, "check": check}
+
+
+def _distinct(texts: list[Text], checks: list[Text]) -> None:
+    """UsageError where a check text is a calibration text (by content): the guard would check
+    the method on what it was fitted to, and keep it wherever it fits the text."""
+    fitted = {t.info.sha256: t.source for t in texts}
+    same = next((c for c in checks if c.info.sha256 in fitted), None)
+    if same is not None:
+        raise UsageError(same.source, f"the check text is the calibration text "
+                         f"{fitted[same.info.sha256]} (the same content), which makes the guard "
+                         "meaningless; give a check text of another domain",
+                         hint="check-text")  # fmt: skip
 
 
 def _decided(plan: TensorPlan, policy: GptqPolicy | AwqPolicy) -> TensorPlan:

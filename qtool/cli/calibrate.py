@@ -141,6 +141,9 @@ def calibrate(
     llama.cpp's GGUF importance matrix (llama-quantize --imatrix), named as llama.cpp names the
     model's tensors. With --merge, add importance matrices together instead."""
     with user_errors(as_json):
+        if out.suffix.lower() == ".dat":  # the bytes would be GGUF under a legacy .dat name
+            raise UsageError(out, "qtool writes the GGUF imatrix, not llama.cpp's legacy .dat; "
+                             "name it .gguf (llama-quantize --imatrix reads it)")  # fmt: skip
         if merge:
             summary = api.merge_imatrices(inputs, out, force)
         else:

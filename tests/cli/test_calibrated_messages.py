@@ -87,3 +87,17 @@ def test_a_check_text_that_is_the_calibration_text_is_refused(
     assert (rc, stdout) == (2, ""), err
     assert "is the calibration text" in err.strip().splitlines()[-1], err
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["calibrate", "merge"])
+def test_a_dat_output_name_is_refused(
+    tmp_path: Path, text: Path, invoke: Invoke, merge: bool
+) -> None:
+    """qtool writes the GGUF imatrix only: under a .dat name its bytes would be mistaken for
+    llama.cpp's legacy format."""
+    out = tmp_path / "tl.imatrix.DAT"
+    source = [str(tmp_path / "in.imatrix.gguf"), "--merge"] if merge else [str(TINY_LM)]
+    rc, stdout, err = invoke("calibrate", *source, "--text", str(text), "-o", str(out))
+    assert (rc, stdout) == (2, ""), err
+    assert "name it .gguf" in err.strip().splitlines()[-1], err
+    assert not out.exists()

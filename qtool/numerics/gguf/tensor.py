@@ -19,6 +19,7 @@ from qtool.gguf_types import GGMLType
 from qtool.numerics import gguf, metrics
 from qtool.numerics.gguf import fast
 from qtool.numerics.kernels import QuantizedTensor
+from qtool.numerics.range_methods import GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.spec import GGUFSpec
 
@@ -42,6 +43,8 @@ def quantize_tensor(
     _refuse_nonfinite(x)
     x32 = x.to(torch.float32).contiguous()
     codes = _codes(x32.reshape(-1, x.shape[-1]), t, quant_weights)
+    if _overflowed(codes, t):
+        raise _overflow(x32, t, quant_weights)
     errors = None
     if with_errors:
         x_hat = gguf.dequantize(codes, t).view(x.shape)
@@ -72,6 +75,45 @@ def block_scales(codes: torch.Tensor, t: GGMLType) -> torch.Tensor:
     at = t.type_size - 2 if t.name == "Q6_K" else 0
     blocks = codes.reshape(-1, t.type_size)[:, at : at + 2].contiguous()
     return blocks.view(torch.float16).to(torch.float32).reshape(codes.shape[0], -1)
+
+
+# where ggml's block structs hold their fp16 scale d and min (m, dmin), by type
+_HALVES = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+           "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+           "Q6_K": (208,)}  # fmt: skip
+_FP16_MAX = 65504.0
+
+
+class ScaleOverflow(GridOverflow):
+    """A block's fp16 scale or min came out Inf/NaN from finite values: the file would hold
+    blocks ggml (and qtool's reader) restore as Inf/NaN."""
+
+
+def _overflowed(codes: torch.Tensor, t: GGMLType) -> bool:
+    """Any block's fp16 d or min Inf/NaN: its exponent bits (0x7C of the high byte) all set.
+    One byte per half per block, no dequantization."""
+    blocks = codes.reshape(-1, t.type_size)
+    return any(bool(((blocks[:, at + 1] & 0x7C) == 0x7C).any()) for at in _HALVES.get(t.name, ()))
+
+
+def _overflow(x32: torch.Tensor, t: GGMLType, quant_weights: torch.Tensor | None) -> ScaleOverflow:
+    """Why the scales overflowed: the importance matrix's weights (the blocks fit without them;
+    ggml does not rescale them either), or values too large for any fp16 scale of `t`."""
+    if quant_weights is not None and not _overflowed(
+        _codes(x32.reshape(-1, x32.shape[-1]), t, None), t
+    ):
+        return ScaleOverflow(
+            f"the importance matrix's weights for it (largest {float(quant_weights.max()):.3g}) "
+            f"make its {t.name} blocks' fp16 scales overflow, which they do not without them; "
+            "recompute the importance matrix, or keep this tensor as it is"
+        )
+    largest = float(x32.abs().max())
+    q8 = _FP16_MAX * 127  # Q8_0's scale is largest / 127
+    other = f", or give it Q8_0 (it holds magnitudes up to {q8:.3g})" if largest <= q8 else ""
+    return ScaleOverflow(
+        f"its largest magnitude {largest:.3g} overflows {t.name}'s fp16 block scales (at most "
+        f"{_FP16_MAX:g}); keep this tensor as it is (F32){'' if t.name == 'Q8_0' else other}"
+    )
 
 
 def _refuse_nonfinite(x: torch.Tensor) -> None:

@@ -1,0 +1,69 @@
+"""Finite weights whose GGUF block scales overflow fp16 (a weight of 1e6 in Q4_0: 1e6 / 8 >
+65504; an importance matrix's huge weights) are refused before anything is written, naming
+the file and tensor: the file would hold Inf/NaN scales that ggml restores as Inf/NaN, and
+--json would have crashed on the NaN figures after writing it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qtool.gguf_types import GGML_TYPES, ValueType
+from qtool.io.gguf_layout import GGUFValue
+from qtool.io.gguf_write import write_gguf
+from qtool.numerics.gguf.tensor import ScaleOverflow, quantize_tensor
+from qtool.spec import GGUFSpec
+from tests.conftest import Invoke
+
+
+def _big(value: float) -> torch.Tensor:
+    x = torch.linspace(-1, 1, 4 * 256).reshape(4, 256)
+    x[1, 3] = value
+    return x
+
+
+@pytest.mark.parametrize(
+    "name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_a_block_scale_beyond_fp16_is_refused_by_the_kernel(name: str) -> None:
+    spec = GGUFSpec(GGML_TYPES[name])
+    quantize_tensor(_big(6e4), spec)  # fits every type's fp16 scale
+    with pytest.raises(ScaleOverflow, match=f"overflows {name}'s fp16 block scales"):
+        quantize_tensor(_big(1e10), spec)
+
+
+def test_an_importance_matrix_that_overflows_the_scales_is_named() -> None:
+    spec = GGUFSpec(GGML_TYPES["Q4_0"])
+    x = _big(0.5)
+    quantize_tensor(x, spec, quant_weights=torch.ones(256))
+    with pytest.raises(ScaleOverflow, match="importance matrix's weights"):
+        quantize_tensor(x, spec, quant_weights=torch.full((256,), 3e38))
+
+
+def _bigw(path: Path) -> None:
+    meta = {"general.architecture": GGUFValue(ValueType.STRING, "llama")}
+    weight = _big(1e6).numpy().astype(np.float32)
+    write_gguf(path, meta, [("blk.0.attn_q.weight", "F32", (256, 4))], [weight.tobytes()])
+
+
+@pytest.mark.parametrize(
+    "extra", [(), ("--json",), ("--dry-run", "--estimate"), ("--min-sqnr", "10")]
+)
+def test_a_gguf_whose_scales_overflow_is_refused_before_writing(
+    tmp_path: Path, invoke: Invoke, extra: tuple[str, ...]
+) -> None:
+    src, out = tmp_path / "bigw.gguf", tmp_path / "out.gguf"
+    _bigw(src)
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "Q4_0",
+                               "-o", str(out), *extra)  # fmt: skip
+    assert code == 1 and stdout == "" and not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bigw.gguf"]  # no temporary left either
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and "internal error" not in err, err
+    message = json.loads(lines[0])["error"]["message"] if "--json" in extra else lines[0]
+    assert src.name in message and "blk.0.attn_q.weight" in message
+    assert "fp16 block scales" in message and "Q8_0" in message

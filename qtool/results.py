@@ -62,8 +62,9 @@ class WeightedError:
 
     @property
     def sqnr_db(self) -> float:
-        """The weighted SQNR: an estimate of the output SQNR with uncorrelated inputs."""
-        return sqnr_db(self.sq_signal, self.sq_error)
+        """The weighted SQNR: an estimate of the output SQNR with uncorrelated inputs; NaN
+        (undefined, never exact) where the weights give the values no energy at all."""
+        return math.nan if self.sq_signal == 0.0 else sqnr_db(self.sq_signal, self.sq_error)
 
 
 def sqnr_db(sq_signal: float, sq_error: float) -> float:

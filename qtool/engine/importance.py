@@ -93,8 +93,8 @@ class Importance:
         return ColumnWeights(torch.from_numpy(h))
 
     def check(self, plans: Iterable[TensorPlan]) -> list[str]:
-        """InputError for an entry that does not fit its quantized tensor; the run's note on
-        the quantized tensors without an entry (none when every one has one)."""
+        """InputError for an entry that does not fit its quantized tensor or weighs it all 0;
+        the run's notes on the quantized tensors without an entry and the entries unused."""
         missing: list[str] = []
         quantized = 0
         for plan in plans:
@@ -108,6 +108,7 @@ class Importance:
             problem = _misfit(stats, plan.entry.shape)
             if problem is not None:
                 raise InputError(self.path, problem, plan.entry.name)
+            _refuse_weightless(self.path, plan.entry.name, stats)
         notes = []
         if missing:
             notes.append(
@@ -163,6 +164,22 @@ def match_importance(
         )
     unused = tuple(n for n in imatrix.entries if n not in used)
     return Importance(path, stats, provenance, unused)
+
+
+def _refuse_weightless(path: Path, name: str, stats: MatrixStats) -> None:
+    """InputError for an entry one of whose matrices weighs every column 0 (sums all 0 over
+    rows, or so small that the float32 mean underflows): ggml's quantizers would round that
+    matrix to all zeros, and its weighted error would read as exact."""
+    h = stats.mean_squares()
+    empty = [e for e in range(h.shape[0]) if not np.any(h[e] > 0)]
+    if not empty:
+        return
+    which = f"matrix {empty[0]} of {h.shape[0]}" if h.shape[0] > 1 else "every column"
+    raise InputError(
+        path, f"its entry weighs {which} 0 (sums 0, or too small for float32, over rows "
+        "counted): the tensor would be rounded to zeros; re-create it with llama-imatrix or "
+        "qtool calibrate on text that reaches this layer", name,
+    )  # fmt: skip
 
 
 def _by_checkpoint_name(

@@ -328,7 +328,10 @@ def quantize_columns(
 def _weighted_cell(r: Row) -> tuple[str, str]:
     """The activation-weighted SQNR (docs/numerics.md), blank for a tensor without one."""
     weighted: WeightedError | None = getattr(r, "weighted", None)
-    return (_fmt_sqnr(weighted.sqnr_db) if weighted is not None else "", "")
+    if weighted is None:
+        return ("", "")
+    value = weighted.sqnr_db
+    return ("n/a" if math.isnan(value) else _fmt_sqnr(value), "")
 
 
 def _fmt_gain(stats: ErrorStats | None) -> str:

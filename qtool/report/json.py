@@ -22,6 +22,7 @@ from qtool.results import (
     InspectSummary,
     QuantizeRow,
     QuantizeSummary,
+    WeightedError,
 )
 from qtool.spec import Codec
 
@@ -82,6 +83,12 @@ def json_number(value: float) -> JsonNumber:
     if math.isfinite(value):
         return value
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def _wsqnr(weighted: WeightedError) -> JsonNumber | None:
+    """The weighted SQNR; null where it is undefined (weights with no energy: NaN)."""
+    value = weighted.sqnr_db
+    return None if math.isnan(value) else json_number(value)
 
 
 def gate_json(result: GateResult | None) -> dict[str, Any] | None:
@@ -193,7 +200,7 @@ def quantize_json(
         if r.decided_by is not None:
             item["decided_by"] = decided_json(r.decided_by, label)
         if r.weighted is not None:  # --imatrix
-            item["weighted_sqnr_db"] = json_number(r.weighted.sqnr_db)
+            item["weighted_sqnr_db"] = _wsqnr(r.weighted)
         tensors.append(item)
     quantized = summary.quantized
     return {
@@ -232,10 +239,10 @@ def quantize_json(
     }
 
 
-def _weighted_json(summary: QuantizeSummary) -> dict[str, JsonNumber]:
+def _weighted_json(summary: QuantizeSummary) -> dict[str, JsonNumber | None]:
     """With --imatrix: the activation-weighted SQNR pooled over the tensors it weighed."""
     pooled = summary.weighted_overall
-    return {} if pooled is None else {"weighted_sqnr_db": json_number(pooled.sqnr_db)}
+    return {} if pooled is None else {"weighted_sqnr_db": _wsqnr(pooled)}
 
 
 def compare_json(

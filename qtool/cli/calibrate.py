@@ -159,6 +159,11 @@ def calibrate(
         else:
             calibrate_report.print_merge(summary)
         return
+    asked = tokens // result.ctx * result.ctx
+    if result.tokens < asked:  # the JSON's tokens and windows say what ran
+        report.print_warning(f"the calibration text gave {result.tokens:,} tokens of the "
+                             f"{asked:,} asked for: {result.windows} windows of "
+                             f"{result.ctx}")  # fmt: skip
     if as_json:
         report.print_json(calibrate_json.calibrate_json(result))
     else:

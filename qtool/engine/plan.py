@@ -104,6 +104,7 @@ class ModelPlan:
     shards: tuple[Path, ...]
     plans: tuple[TensorPlan, ...]
     counts: tuple[int, ...]  # how many of the plans each shard holds
+    notes: tuple[str, ...] = ()  # what a data pass has to say (a calibration text too short)
 
     def per_shard(self) -> Iterator[tuple[Path, list[TensorPlan]]]:
         start = 0
@@ -118,7 +119,7 @@ class ModelPlan:
         """The same shards with new plans, in the same order."""
         new = tuple(plans)
         assert [p.entry for p in new] == [p.entry for p in self.plans]
-        return ModelPlan(self.shards, new, self.counts)
+        return ModelPlan(self.shards, new, self.counts, self.notes)
 
 
 class DataPasses(Protocol):

@@ -241,6 +241,7 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
         stale_temps_removed=done.stale_temps_removed,
         seconds=time.perf_counter() - started,
         notes=[
+            *done.plan.notes,
             *done.notes,
             *warnings,
             *job.fmt.warnings(plans),

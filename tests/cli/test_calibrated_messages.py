@@ -7,6 +7,7 @@ calibration text is refused (the guard would check the method on what it was fit
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -101,3 +102,33 @@ def test_a_dat_output_name_is_refused(
     assert (rc, stdout) == (2, ""), err
     assert "name it .gguf" in err.strip().splitlines()[-1], err
     assert not out.exists()
+
+
+def test_fewer_tokens_than_asked_are_said_with_the_windows_used(
+    tmp_path: Path, text: Path, invoke: Invoke
+) -> None:
+    """--tokens far beyond the text ran silently on what the text gave."""
+    args = _gptq(text, "-o", str(tmp_path / "w"), "--json")
+    args[args.index("--tokens") + 1] = str(10**12)
+    rc, stdout, err = invoke(*args)
+    assert rc == 0, err
+    (note,) = [w for w in json.loads(stdout)["warnings"] if "asked for" in w]
+    assert "of the 1,000,000,000,000 asked for" in note and "held out" in note, note
+    assert note in err
+    rc, stdout, err = invoke(*_gptq(text, "-o", str(tmp_path / "w2"), "--json"))
+    assert rc == 0, err
+    assert not [w for w in json.loads(stdout)["warnings"] if "asked for" in w]
+
+
+def test_calibrate_says_when_the_text_gave_fewer_tokens(
+    tmp_path: Path, text: Path, invoke: Invoke
+) -> None:
+    out = tmp_path / "x.imatrix.gguf"
+    args = ["calibrate", str(TINY_LM), "--text", str(text), "--ctx", "32", "-o", str(out)]
+    rc, stdout, err = invoke(*args, "--tokens", "99999", "--json")
+    assert rc == 0, err
+    used = json.loads(stdout)["tokens"]
+    assert f"gave {used:,} tokens of the 99,968 asked for" in err, err
+    rc, stdout, err = invoke(*args, "--tokens", "64", "--force")
+    assert rc == 0, err
+    assert "asked for" not in err, err

@@ -6,6 +6,7 @@ decision saying which method produced it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
         reader.check_unchanged()
     finally:
         reader.close()
-    return plan.with_plans([_decided(p, policy) for p in plan.plans])
+    decided = plan.with_plans([_decided(p, policy) for p in plan.plans])
+    return replace(decided, notes=(*plan.notes, *_short(calibration, streams)))
 
 
 def _policy(
@@ -123,6 +125,17 @@ def _streams(
     if device.type != "cpu":  # on the CPU they are spilled past a bound (sequential.py)
         check_activations((len(fit) + len(held) + len(check)) * ctx, int(hf_config.hidden_size))
     return {"fit": fit, "held": held, "check": check}
+
+
+def _short(calibration: Calibration, streams: dict[str, list[list[int]]]) -> list[str]:
+    """A note where the texts gave fewer tokens than asked for (the run goes on with them)."""
+    fit, held, check = (len(streams[s]) for s in ("fit", "held", "check"))
+    ctx = len(streams["fit"][0])
+    if (fit + held) * ctx >= calibration.tokens // ctx * ctx and check >= held:
+        return []
+    return [f"the calibration text gave {(fit + held) * ctx:,} tokens of the "
+            f"{calibration.tokens:,} asked for: {fit} windows of {ctx} to fit, {held} held out, "
+            f"{check} of the check text"]  # fmt: skip
 
 
 def _distinct(texts: list[Text], checks: list[Text]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.quantize import quantize_tensor
+from qtool.numerics.range_methods import GridOverflow
 from qtool.results import Trial
 from qtool.spec import (
     Codec,
@@ -91,7 +92,11 @@ def choose(
     shape = tuple(x.shape)
     trials: list[Trial] = []
     for spec in candidates(ladder, shape):
-        result = quantize_tensor(x, spec, scale_dtype=scale_dtype, workspace=workspace)
+        try:
+            result = quantize_tensor(x, spec, scale_dtype=scale_dtype, workspace=workspace)
+        except GridOverflow:  # its scales overflow (a GGUF type's fp16 ones): it reaches nothing
+            trials.append(Trial(spec, -math.inf, bytes_per_tensor(spec, shape)))
+            continue
         assert result.errors is not None
         trials.append(Trial(spec, result.errors.sqnr_db, bytes_per_tensor(spec, shape)))
         if result.errors.sqnr_db >= target_db:

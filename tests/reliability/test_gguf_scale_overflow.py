@@ -44,9 +44,9 @@ def test_an_importance_matrix_that_overflows_the_scales_is_named() -> None:
         quantize_tensor(x, spec, quant_weights=torch.full((256,), 3e38))
 
 
-def _bigw(path: Path) -> None:
+def _bigw(path: Path, value: float = 1e6) -> None:
     meta = {"general.architecture": GGUFValue(ValueType.STRING, "llama")}
-    weight = _big(1e6).numpy().astype(np.float32)
+    weight = _big(value).numpy().astype(np.float32)
     write_gguf(path, meta, [("blk.0.attn_q.weight", "F32", (256, 4))], [weight.tobytes()])
 
 
@@ -67,3 +67,18 @@ def test_a_gguf_whose_scales_overflow_is_refused_before_writing(
     message = json.loads(lines[0])["error"]["message"] if "--json" in extra else lines[0]
     assert src.name in message and "blk.0.attn_q.weight" in message
     assert "fp16 block scales" in message and "Q8_0" in message
+
+
+def test_the_error_budget_passes_over_a_type_whose_scales_overflow(
+    tmp_path: Path, invoke: Invoke
+) -> None:
+    """1e8: Q4_K's super-block scale (1e8 / 15 / 63) overflows fp16, Q5_K's fits: the budget
+    records Q4_K as reaching nothing and takes Q5_K, instead of an internal error."""
+    src, out = tmp_path / "big.gguf", tmp_path / "out.gguf"
+    _bigw(src, 1e8)
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--target-sqnr", "20",
+                               "-o", str(out), "--json")  # fmt: skip
+    assert code == 0, err
+    row = json.loads(stdout)["tensors"][0]
+    assert row["out_dtype"] == "Q5_K"
+    assert row["decided_by"]["trials"][0] == {"spec": "Q4_K", "sqnr_db": "-Infinity", "bytes": 576}

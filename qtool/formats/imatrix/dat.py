@@ -27,6 +27,8 @@ from qtool.numerics.imatrix import MAX_CHUNK_SIZE, ImportanceMatrix, MatrixStats
 DAT_CHUNK_SIZE = 512  # llama-imatrix's default context (n_ctx / n_parallel): tokens per chunk
 MAX_DATASET_BYTES = 1 << 16
 _MIN_ENTRY = 4 + 1 + 4 + 4 + 4  # name length, a 1-byte name, ncall, nval, one value
+REDO = "re-create it with llama-imatrix or qtool calibrate"
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class _Cursor:
@@ -80,7 +82,7 @@ def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
     entries: dict[str, MatrixStats] = {}
     for name, ncall, values in raw:
         if name in entries:
-            raise InputError(path, "appears twice", name)
+            raise InputError(path, f"appears twice; {REDO}", name)
         entries[name] = _stats(path, name, ncall, values, chunk_size)
     chunk_count = max(ncall for _, ncall, _ in raw)
     try:
@@ -97,7 +99,7 @@ def _entry(cur: _Cursor, i: int) -> tuple[str, int, np.ndarray]:
     name = _text(cur, cur.take(length, f"the name of entry {i}"), f"the name of entry {i}")
     ncall, nval = cur.i32(f"the chunk count of {name!r}"), cur.i32(f"the size of {name!r}")
     if ncall < 0:
-        raise InputError(cur.path, f"a chunk count of {ncall}", name)
+        raise InputError(cur.path, f"a chunk count of {ncall}, never negative; {REDO}", name)
     if nval < 1:
         raise InputError(cur.path, f"declares {nval} values; an entry holds at least one", name)
     if 4 * nval > cur.left():
@@ -115,7 +117,8 @@ def _trailer(cur: _Cursor) -> tuple[str, ...]:
         return ()
     length = cur.i32("the dataset name's length")
     if not 0 <= length <= min(cur.left(), MAX_DATASET_BYTES):
-        raise InputError(cur.path, f"a dataset name of {length} bytes, with {cur.left()} left")
+        raise InputError(cur.path, f"a dataset name of {length} bytes, with {cur.left()} left; "
+                         f"is it an importance matrix? {REDO}")  # fmt: skip
     name = _text(cur, cur.take(length, "the dataset name"), "the dataset name")
     if cur.left():
         raise InputError(cur.path, f"{cur.left()} bytes after the dataset name; is it an "
@@ -137,8 +140,12 @@ def _stats(path: Path, name: str, ncall: int, values: np.ndarray, chunk_size: in
     if not (np.isfinite(values) & (values >= 0)).all():
         raise InputError(path, "holds negative, NaN or infinite values (means of squares are "
                          "never any of these)", name)  # fmt: skip
-    with np.errstate(over="ignore"):
-        sums = values.astype(np.float32) * np.float32(chunk_size)  # llama.cpp: tmp[i] * chunk_size
+    wide = values.astype(np.float64) * chunk_size  # llama.cpp: tmp[i] * chunk_size
+    if wide.max(initial=0.0) > _F32_MAX:  # the value is finite; its sum is not, in float32
+        raise InputError(path, f"holds a mean square of {float(values.max()):.3g}: over "
+                         f"{chunk_size}-token chunks its sum exceeds float32, which an imatrix "
+                         f"holds; {REDO}", name)  # fmt: skip
+    sums = wide.astype(np.float32)
     counts = np.array([ncall * chunk_size], dtype=np.int64)
     try:
         return MatrixStats(sums.reshape(1, -1), counts)

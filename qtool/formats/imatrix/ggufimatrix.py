@@ -57,10 +57,22 @@ def _metadata(header: GGUFHeader, path: Path) -> tuple[int, int, tuple[str, ...]
     return _u32(header, CHUNK_SIZE, path), _u32(header, CHUNK_COUNT, path), names
 
 
+_INTEGERS = frozenset(ValueType[t] for t in (
+    "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64",
+))  # fmt: skip
+
+
 def _u32(header: GGUFHeader, key: str, path: Path) -> int:
+    """The integer at `key`: llama-imatrix writes a UINT32, any integer type is read (its range
+    is ImportanceMatrix's to check)."""
     found = header.metadata.get(key)
-    if found is None or found.type is not ValueType.UINT32:
-        raise InputError(path, f"no {key} (a UINT32, which llama-imatrix writes)")
+    if found is None:
+        raise InputError(path, f"no {key} (a UINT32, which llama-imatrix writes); re-create "
+                         "it with llama-imatrix or qtool calibrate")  # fmt: skip
+    if found.type not in _INTEGERS:
+        raise InputError(path, f"{key} is a {found.type.name}, not an integer (llama-imatrix "
+                         "writes a UINT32); re-create it with llama-imatrix or qtool "
+                         "calibrate")  # fmt: skip
     return int(found.value)  # type: ignore[arg-type]
 
 

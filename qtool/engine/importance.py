@@ -13,7 +13,6 @@ count does not fit the tensor is refused naming both.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ import numpy as np
 from qtool.calibrate_results import DatasetInfo
 from qtool.errors import InputError
 from qtool.io.gguf_layout import GGUFValue
-from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
 from qtool.spec import Codec, PerChannel, PerGroup, QSpec
@@ -39,7 +37,6 @@ if TYPE_CHECKING:
     from qtool.numerics.range_methods import ColumnWeights
 
 SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"  # calibrate's keys
-HASH_BLOCK = 1 << 20  # bytes read at a time for the file's SHA-256
 ERROR_SLAB_ELEMS = 1 << 20  # values per slab of the weighted error (float64 temporaries: 8 MiB)
 _BLOCK_NUMBER = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
 
@@ -90,7 +87,7 @@ class Importance:
         if stats is None:
             return None
         h = quant_weights(stats, *_width_and_matrices(shape))
-        return ColumnWeights(torch.from_numpy(h))
+        return ColumnWeights(torch.from_numpy(h), self.path.name)
 
     def check(self, plans: Iterable[TensorPlan]) -> list[str]:
         """InputError for an entry that does not fit its quantized tensor or weighs it all 0;
@@ -125,14 +122,16 @@ class Importance:
 
 
 def read_importance(path: Path) -> tuple[ImportanceMatrix, Provenance]:
-    """The imatrix at `path` and its provenance (InputError for a file that is not one)."""
-    from qtool.formats.imatrix import read_imatrix
+    """The imatrix at `path` and its provenance (InputError for a file that is not one), read
+    through one descriptor: the SHA-256 is of the bytes parsed."""
+    from qtool.formats.imatrix import read_imatrix_file
 
-    imatrix = read_imatrix(path)
+    read = read_imatrix_file(path)
+    imatrix = read.imatrix
     provenance = Provenance(
         str(path),
-        _sha256(path),
-        _datasets(path, imatrix),
+        read.sha256,
+        _datasets(read.metadata, imatrix),
         len(imatrix.entries),
         imatrix.chunk_count,
         imatrix.chunk_size,
@@ -247,28 +246,12 @@ def _misfit(stats: MatrixStats, shape: tuple[int, ...]) -> str | None:
     )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open_regular(path) as f:
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _datasets(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
-    """The file's datasets, with the SHA-256 and token count of each where a GGUF holds qtool
-    calibrate's keys for every one of them (else names only, as llama-imatrix records them)."""
+def _datasets(meta: Mapping[str, GGUFValue], imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
+    """The file's datasets, with the SHA-256 and token count of each where a GGUF's metadata
+    holds qtool calibrate's keys for every one of them (else names only, as llama-imatrix
+    records them)."""
     names = imatrix.datasets
-    with open_regular(path) as f:
-        gguf = f.read(4) == b"GGUF"
-    shas: list[object] = []
-    tokens: list[object] = []
-    if gguf:
-        from qtool.io.gguf_file import GGUFFile
-
-        with GGUFFile(path) as g:
-            meta = g.header.metadata
-            shas, tokens = _items(meta.get(SHA_KEY)), _items(meta.get(TOKENS_KEY))
+    shas, tokens = _items(meta.get(SHA_KEY)), _items(meta.get(TOKENS_KEY))
     whole = len(shas) == len(tokens) == len(names) and all(
         isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shas
     )

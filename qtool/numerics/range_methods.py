@@ -70,6 +70,7 @@ class ColumnWeights:
     Linear [out, in]: [1, in]; stacked experts [E, out, in] (matrix rows are experts): [E, in]."""
 
     h: torch.Tensor
+    source: str = ""  # the importance matrix's file name, for messages
 
     def __post_init__(self) -> None:
         if self.h.ndim != 2 or self.h.dtype != torch.float32 or 0 in self.h.shape:
@@ -84,10 +85,10 @@ class ColumnWeights:
 
     def rows(self, r0: int, r1: int) -> ColumnWeights:
         """The weights of rows r0:r1 of the matrix view (a slab of the tensor's first dim)."""
-        return self if self.h.shape[0] == 1 else ColumnWeights(self.h[r0:r1])
+        return self if self.h.shape[0] == 1 else ColumnWeights(self.h[r0:r1], self.source)
 
     def to(self, device: torch.device) -> ColumnWeights:
-        return ColumnWeights(self.h.to(device))
+        return ColumnWeights(self.h.to(device), self.source)
 
     def block(self, r0: int, r1: int, a: int, b: int) -> torch.Tensor:
         """Weights of rows r0:r1, columns a:b of the matrix view: [r1 - r0 or 1, b - a]."""

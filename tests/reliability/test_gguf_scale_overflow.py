@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from qtool.formats.imatrix import write_imatrix
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.gguf_layout import GGUFValue
 from qtool.io.gguf_write import write_gguf
 from qtool.numerics.gguf.tensor import ScaleOverflow, quantize_tensor
+from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
 from qtool.spec import GGUFSpec
 from tests.conftest import Invoke
 
@@ -82,3 +84,21 @@ def test_the_error_budget_passes_over_a_type_whose_scales_overflow(
     row = json.loads(stdout)["tensors"][0]
     assert row["out_dtype"] == "Q5_K"
     assert row["decided_by"]["trials"][0] == {"spec": "Q4_K", "sqnr_db": "-Infinity", "bytes": 576}
+
+
+def test_an_importance_matrix_that_overflows_the_scales_is_refused_naming_it(
+    tmp_path: Path, invoke: Invoke
+) -> None:
+    """Weights of 3e38 (finite, valid as an imatrix) overflow ggml's weighted Q4_0 scale
+    search; ggml does not rescale them, so the run refuses naming the imatrix file."""
+    src, q = tmp_path / "m.gguf", "blk.0.attn_q.weight"
+    _bigw(src, 0.5)
+    stats = MatrixStats(np.full((1, 256), 3e38, np.float32), np.array([1], np.int64))
+    imatrix = tmp_path / "huge.imatrix.gguf"
+    write_imatrix(imatrix, ImportanceMatrix({q: stats}, 1, 1, ("c.txt",)))
+    out = tmp_path / "out.gguf"
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "Q4_0",
+                               "--imatrix", str(imatrix), "-o", str(out))  # fmt: skip
+    assert code == 1 and stdout == "" and err.count("\n") == 1, err
+    assert f"tensor {q!r}" in err and "importance matrix huge.imatrix.gguf's weights" in err
+    assert not out.exists()

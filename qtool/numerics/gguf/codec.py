@@ -10,7 +10,7 @@ import torch
 
 from qtool.numerics import gguf
 from qtool.numerics.gguf import fast
-from qtool.numerics.gguf.tensor import quantize_tensor
+from qtool.numerics.gguf.tensor import ImportanceOverflow, quantize_tensor
 from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.quantize import Kernels, Work
 from qtool.numerics.range_methods import ColumnWeights
@@ -31,7 +31,12 @@ def quantize(
     input column (one row per expert of [E, out, in]), go to ggml's quantizers as their
     quant_weights, as llama-quantize --imatrix hands them."""
     qw = None if weights is None else weights.h.to(x.device)
-    return quantize_tensor(x, spec, with_errors=with_errors, quant_weights=qw)
+    try:
+        return quantize_tensor(x, spec, with_errors=with_errors, quant_weights=qw)
+    except ImportanceOverflow as err:
+        if weights is None or not weights.source:
+            raise
+        raise ImportanceOverflow(err.type_name, err.largest, weights.source) from None
 
 
 def restored(x: torch.Tensor, spec: GGUFSpec) -> torch.Tensor:

@@ -89,6 +89,19 @@ class ScaleOverflow(GridOverflow):
     blocks ggml (and qtool's reader) restore as Inf/NaN."""
 
 
+class ImportanceOverflow(ScaleOverflow):
+    """The scales overflow only with the importance matrix's weights (`source`: its file)."""
+
+    def __init__(self, type_name: str, largest: float, source: str = "") -> None:
+        self.type_name, self.largest = type_name, largest
+        imatrix = f"the importance matrix {source}" if source else "the importance matrix"
+        super().__init__(
+            f"{imatrix}'s weights for it (largest {largest:.3g}) make its {type_name} blocks' "
+            "fp16 scales overflow, which they do not without them (ggml does not rescale "
+            "them); recompute the importance matrix, or keep this tensor as it is"
+        )
+
+
 def _overflowed(codes: torch.Tensor, t: GGMLType) -> bool:
     """Any block's fp16 d or min Inf/NaN: its exponent bits (0x7C of the high byte) all set.
     One byte per half per block, no dequantization."""
@@ -102,11 +115,7 @@ def _overflow(x32: torch.Tensor, t: GGMLType, quant_weights: torch.Tensor | None
     if quant_weights is not None and not _overflowed(
         _codes(x32.reshape(-1, x32.shape[-1]), t, None), t
     ):
-        return ScaleOverflow(
-            f"the importance matrix's weights for it (largest {float(quant_weights.max()):.3g}) "
-            f"make its {t.name} blocks' fp16 scales overflow, which they do not without them; "
-            "recompute the importance matrix, or keep this tensor as it is"
-        )
+        return ImportanceOverflow(t.name, float(quant_weights.max()))
     largest = float(x32.abs().max())
     q8 = _FP16_MAX * 127  # Q8_0's scale is largest / 127
     other = f", or give it Q8_0 (it holds magnitudes up to {q8:.3g})" if largest <= q8 else ""

@@ -20,6 +20,7 @@ import hashlib
 import os
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import numpy as np
 
@@ -49,9 +50,10 @@ _NUMPY = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I8": "i1", "I16": "<i2", "I
 class GGUFFile:
     """A GGUF file opened read-only: `header` and a copy of any tensor's bytes on demand."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], file: BinaryIO | None = None) -> None:
+        """`file`: `path` already opened (read from instead of the path; closed with this)."""
         self.path = Path(path)
-        self._file = open_regular(self.path)
+        self._file = open_regular(self.path) if file is None else file
         try:
             st = os.fstat(self._file.fileno())
             self._stat = (st.st_size, st.st_mtime_ns)

@@ -13,27 +13,73 @@ checkpoint format: nothing registers it, commands name it.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from qtool.errors import InputError
 from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
-from qtool.formats.imatrix.ggufimatrix import read_gguf, write_gguf_imatrix
+from qtool.formats.imatrix.ggufimatrix import read_gguf_from, write_gguf_imatrix
 from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix
 
-__all__ = ["DAT_CHUNK_SIZE", "hf_names_of", "read_imatrix", "write_imatrix"]
+__all__ = [
+    "DAT_CHUNK_SIZE", "ImatrixFile", "hf_names_of", "read_imatrix", "read_imatrix_file",
+    "write_imatrix",
+]  # fmt: skip
+HASH_BLOCK = 1 << 20  # bytes read at a time for the file's SHA-256
+
+
+@dataclass(frozen=True)
+class ImatrixFile:
+    """An imatrix file as one descriptor read it: the statistics, the GGUF metadata (empty for
+    a .dat) and the SHA-256 of the bytes parsed."""
+
+    imatrix: ImportanceMatrix
+    metadata: Mapping[str, GGUFValue]
+    sha256: str
 
 
 def read_imatrix(path: Path, dat_chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
     """The statistics in `path`: a GGUF imatrix if it starts with b'GGUF', else a legacy .dat
     (whose chunk size the file does not hold: `dat_chunk_size`, llama-imatrix's default)."""
+    return read_imatrix_file(path, dat_chunk_size, digest=False).imatrix
+
+
+def read_imatrix_file(
+    path: Path, dat_chunk_size: int = DAT_CHUNK_SIZE, *, digest: bool = True
+) -> ImatrixFile:
+    """read_imatrix through one open descriptor, with the file's metadata and (`digest`) the
+    SHA-256 of the same bytes, hashed after the parse (a file that is no imatrix is refused
+    before it is hashed whole) and refused if the file changed in between."""
     with open_regular(path) as f:
-        magic = f.read(4)
-    if not magic:
-        raise InputError(path, "is empty; give an importance matrix written by llama-imatrix")
-    return read_gguf(path) if magic == b"GGUF" else read_dat(path, dat_chunk_size)
+        fd = f.fileno()
+        st = os.fstat(fd)
+        magic = os.pread(fd, 4, 0)
+        if not magic:
+            raise InputError(path, "is empty; give an importance matrix written by llama-imatrix")
+        twin = os.fdopen(os.dup(fd), "rb")  # the parser closes its own; the same open file
+        if magic == b"GGUF":
+            imatrix, meta = read_gguf_from(path, twin)
+        else:
+            imatrix, meta = read_dat(path, dat_chunk_size, twin), {}
+        sha = _sha256(fd, st.st_size) if digest else ""
+        now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            raise InputError(path, "the file changed while qtool was reading it; run again")
+    return ImatrixFile(imatrix, meta, sha)
+
+
+def _sha256(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    pos = 0
+    while pos < size and (block := os.pread(fd, min(HASH_BLOCK, size - pos), pos)):
+        digest.update(block)
+        pos += len(block)
+    return digest.hexdigest()
 
 
 def write_imatrix(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -59,12 +60,15 @@ class _Cursor:
         return value
 
 
-def read_dat(path: Path, chunk_size: int = DAT_CHUNK_SIZE) -> ImportanceMatrix:
+def read_dat(
+    path: Path, chunk_size: int = DAT_CHUNK_SIZE, file: BinaryIO | None = None
+) -> ImportanceMatrix:
     """The statistics of a legacy .dat file, as llama-imatrix holds them after --in-file with
-    a context of `chunk_size` tokens; InputError naming the file (and entry) if it is bad."""
-    if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
-        raise ValueError(f"chunk size {chunk_size} is not in 1..{MAX_CHUNK_SIZE}")
-    with open_regular(path) as f:
+    a context of `chunk_size` tokens; InputError naming the file (and entry) if it is bad.
+    `file`: `path` already opened (read from instead of the path; closed here)."""
+    with open_regular(path) if file is None else file as f:
+        if not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk size {chunk_size} is not in 1..{MAX_CHUNK_SIZE}")
         st = os.fstat(f.fileno())
         size = st.st_size
         cur = _Cursor(f.fileno(), size, path)

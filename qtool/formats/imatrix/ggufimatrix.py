@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -32,12 +33,21 @@ _PARTS = (SUM2, COUNTS, SUM)
 def read_gguf(path: Path) -> ImportanceMatrix:
     """The statistics of a GGUF imatrix file; InputError naming the file (and tensor) for
     anything llama-imatrix would not have written."""
-    with GGUFFile(path) as f:
+    return read_gguf_from(path, None)[0]
+
+
+def read_gguf_from(
+    path: Path, file: BinaryIO | None
+) -> tuple[ImportanceMatrix, Mapping[str, GGUFValue]]:
+    """read_gguf of `path` as `file` holds it (None: opened here; else taken over and closed),
+    with the file's metadata."""
+    with GGUFFile(path, file) as f:
         chunk_size, chunk_count, datasets = _metadata(f.header, path)
         entries = {name: _entry(f, name, parts) for name, parts in _group(f.header, path).items()}
         f.check_unchanged()
+        meta = f.header.metadata
     try:
-        return ImportanceMatrix(entries, chunk_size, chunk_count, datasets)
+        return ImportanceMatrix(entries, chunk_size, chunk_count, datasets), meta
     except ValueError as err:
         raise InputError(path, f"not a usable importance matrix: {err}") from None
 

@@ -12,8 +12,19 @@ import pytest
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo
 from qtool.codecs.gguf import GGUFSpec
+from qtool.eval_results import (
+    CausalFigures,
+    Distribution,
+    EncoderFigures,
+    EvalBounds,
+    EvalSummary,
+    EvalViolation,
+    LayerRow,
+    TextInfo,
+)
 from qtool.gguf_types import GGML_TYPES
 from qtool.report.calibrate_json import calibrate_json
+from qtool.report.eval_json import eval_json
 from qtool.report.json import compare_json, json_text, quantize_json
 from qtool.results import (
     CompareRow,
@@ -60,7 +71,20 @@ def _calibrate_doc() -> dict[str, Any]:
     return calibrate_json(summary)
 
 
-@pytest.mark.parametrize("build", [_quantize_doc, _compare_doc, _calibrate_doc])
+def _eval_doc() -> dict[str, Any]:
+    kl = Distribution(NAN, INF, -INF, NAN, INF)
+    causal = CausalFigures(NAN, INF, kl, 1, 2)
+    encoder = EncoderFigures(3, NAN, -INF, INF)
+    layer = LayerRow("q", (4, 4), NAN, -INF, 2)
+    summary = EvalSummary(("f", "q"), "safetensors", "llama", "causal", TextInfo("t", 3, "0"), "f",
+                          3, 8, 1, "float32", "cpu", 1, 2, causal, encoder, (layer,), NAN,
+                          0.0)  # fmt: skip
+    bounds = EvalBounds(max_kl=1.0)
+    violation = EvalViolation("max_kl", NAN, 1.0, "kl")
+    return eval_json(summary, [layer, layer], bounds, [violation])
+
+
+@pytest.mark.parametrize("build", [_quantize_doc, _compare_doc, _calibrate_doc, _eval_doc])
 @pytest.mark.parametrize("indent", [None, 2])
 def test_nonfinite_figures_print_as_the_contract_strings(build: Any, indent: int | None) -> None:
     doc = _strict(json_text(build(), indent=indent))

@@ -23,7 +23,6 @@ from qtool.engine.run import _label
 from qtool.engine.run import quantize as quantize_float
 from qtool.errors import OutputError, QtoolError, UsageError
 from qtool.formats.detect import detect
-from qtool.formats.gguf import PLAIN_TYPES
 from qtool.formats.registry import entry
 from qtool.gguf_types import GGML_TYPES
 from qtool.io import tempdirs
@@ -94,7 +93,7 @@ def _needed_bytes(src: Path) -> int:
         tensors = f.header.tensors
     copy = out = 0
     for info in tensors:
-        plain = info.type.name in PLAIN_TYPES
+        plain = info.type.block_size == 1  # F32, F16, BF16, F64, I8-I64: not quantized
         copy += info.nbytes if plain else tensor_nbytes(f32, info.shape)
         out += info.nbytes if plain and len(info.shape) < 2 else int(info.numel * fewest) // 8
     return copy + out

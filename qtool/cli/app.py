@@ -22,6 +22,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from qtool import __version__
+from qtool.cli.deferred import defer_signals_in_imports
 from qtool.cli.errors import Terminated, usage_line
 from qtool.cli.help import DEBUG_ENV, KERNEL_ENV, Group
 from qtool.cli.lazy import report
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     headers, plans and rows again and again: ~40 % of quantizing 50,000 tiny tensors."""
     collecting = gc.isenabled()
     gc.disable()
+    if argv is None:  # the process's own: its imports from now on defer signals (deferred.py)
+        defer_signals_in_imports()
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
         code = _run_command(argv)

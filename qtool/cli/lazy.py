@@ -8,6 +8,8 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from qtool.cli.deferred import DeferringLoader
+
 
 def lazy_module(name: str) -> ModuleType:
     """The module `name`, executed on its first attribute access."""
@@ -15,7 +17,7 @@ def lazy_module(name: str) -> ModuleType:
         return sys.modules[name]
     spec = importlib.util.find_spec(name)
     assert spec is not None and spec.loader is not None
-    spec.loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = importlib.util.LazyLoader(DeferringLoader(spec.loader))  # cli/deferred.py
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -102,3 +102,14 @@ def test_an_importance_matrix_that_overflows_the_scales_is_refused_naming_it(
     assert code == 1 and stdout == "" and err.count("\n") == 1, err
     assert f"tensor {q!r}" in err and "importance matrix huge.imatrix.gguf's weights" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
+def test_the_reported_block_scale_is_the_blocks_d(name: str) -> None:
+    """The table's scale range reads each block's fp16 d where ggml's layout has it (Q2_K's
+    and Q3_K's is after their packed scales): doubling the values doubles it."""
+    spec = GGUFSpec(GGML_TYPES[name])
+    x = torch.linspace(-1, 1, 4 * 256).reshape(4, 256) ** 3
+    one = quantize_tensor(x, spec, with_errors=False).scale
+    two = quantize_tensor(2 * x, spec, with_errors=False).scale
+    assert bool((one != 0).all()) and torch.allclose(two, 2 * one, rtol=1e-2)

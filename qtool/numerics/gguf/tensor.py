@@ -70,9 +70,9 @@ def _codes(rows: torch.Tensor, t: GGMLType, quant_weights: torch.Tensor | None) 
 
 
 def block_scales(codes: torch.Tensor, t: GGMLType) -> torch.Tensor:
-    """Each block's scale d (fp16 in the block: first, or last for Q6_K) as float32, one row
-    per row of `codes`; what a table's scale range shows of a GGUF tensor."""
-    at = t.type_size - 2 if t.name == "Q6_K" else 0
+    """Each block's scale d (fp16 in the block: first, or at 80/108/208 for Q2_K/Q3_K/Q6_K) as
+    float32, one row per row of `codes`; what a table's scale range shows of a GGUF tensor."""
+    at = _HALVES.get(t.name, (0,))[0]
     blocks = codes.reshape(-1, t.type_size)[:, at : at + 2].contiguous()
     return blocks.view(torch.float16).to(torch.float32).reshape(codes.shape[0], -1)
 

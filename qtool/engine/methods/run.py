@@ -23,16 +23,19 @@ from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.text import Text
 from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.job import Job
+from qtool.engine.loop import quantize_one
 from qtool.engine.methods.awq import METHOD as AWQ
 from qtool.engine.methods.awq import AwqPolicy, output_buffers
 from qtool.engine.methods.gptq import GptqPolicy, Target
+from qtool.engine.nonfinite import kept_nonfinite
 from qtool.engine.plan import ModelPlan
 from qtool.engine.spill import Spill
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats.imatrix.naming import GGUF_ARCHS
 from qtool.formats.registry import open_reader
-from qtool.io.checkpoint import ST_TO_TORCH
+from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint
+from qtool.numerics import kernels
 from qtool.spec import QSpec
 
 
@@ -66,6 +69,7 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
             path, f"a calibrated method runs the Llama family ({', '.join(GGUF_ARCHS)}), not "
             f"{architecture} (model_type {config.get('model_type')!r})",
         )  # fmt: skip
+    plan = finite_targets(job, plan)
     checkpoint, hf_config, tokenizer = float_parts(found, config, path, MODEL)
     device = job.kernels.device
     streams = _streams(calibration, tokenizer, hf_config, path, device)
@@ -85,6 +89,32 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
         reader.close()
     decided = plan.with_plans([_decided(p, policy) for p in plan.plans])
     return replace(decided, notes=(*plan.notes, *_short(calibration, streams)))
+
+
+def finite_targets(job: Job, plan: ModelPlan) -> ModelPlan:
+    """The plan with the method's targets checked for NaN/Inf before the model runs (neither
+    GPTQ nor AWQ can round them): with keep_nonfinite such a tensor is kept as it is and left
+    out of the method; without, the run's NumericError naming the file and the tensor."""
+    out: list[TensorPlan] = []
+    for shard, plans in plan.per_shard():
+        ckpt = job.shards.checkpoint(shard)
+        out += [_finite(ckpt, p, job) if isinstance(p.spec, QSpec) else p for p in plans]
+    return plan.with_plans(out)
+
+
+def _finite(ckpt: Checkpoint, plan: TensorPlan, job: Job) -> TensorPlan:
+    assert job.kernels is not None
+    x = ckpt.tensor(plan.entry)
+    try:
+        lo, hi = torch.aminmax(x)
+        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return plan
+        if job.options.keep_nonfinite:
+            return kept_nonfinite(plan, x) or plan
+        quantize_one(ckpt, plan, kernels.Workspace(job.kernels.device))  # its NumericError
+        return plan
+    finally:
+        ckpt.release(plan.entry)
 
 
 def _policy(

@@ -184,36 +184,42 @@ def _inverse_factor(
 ) -> tuple[torch.Tensor, float] | None:
     """(U, damp used): U upper triangular with U^T U = (H + lambda I)^-1 in processing order,
     lambda = damp x mean diag H (dead columns at H_jj = 1), damp raised x10 up to DAMP_RAISES
-    times while the Cholesky factorisation fails; None if every one does.
+    times while the Cholesky factorisation fails or the inverse overflows; None if every one
+    does.
 
     With J the reversal, J (H + lambda I) J = L L^T gives H + lambda I = R R^T, R = J L J upper,
     so (H + lambda I)^-1 = R^-T R^-1 and U = R^-1 = J L^-1 J (the upper Cholesky factor of the
     inverse, positive diagonal, hence unique): one factorisation and one triangular solve, the
     inverse never formed."""
     k = hessian.shape[0]
-    if order is None:
-        rev = torch.arange(k - 1, -1, -1, device=hessian.device)
-        hr = hessian.flip(0, 1).to(compute_dtype)
-    else:
-        rev = order.flip(0)
-        hr = hessian[rev[:, None], rev[None, :]].to(compute_dtype)  # one (K, K) copy
-    diag = hr.diagonal()
-    diag.masked_fill_(dead[rev], 1.0)
-    base = diag.clone()
+    rev = torch.arange(k - 1, -1, -1, device=hessian.device) if order is None else order.flip(0)
+    hr: torch.Tensor | None = _reordered(hessian, order, rev, compute_dtype)
+    assert hr is not None
+    base = hr.diagonal().masked_fill_(dead[rev], 1.0).clone()
     mean = float(base.mean())
     for attempt in range(DAMP_RAISES + 1):
         frac = damp * 10.0**attempt
-        torch.add(base, frac * mean, out=diag)
+        if hr is None:  # the last try's inverse overflowed in its place
+            hr = _reordered(hessian, order, rev, compute_dtype)
+        torch.add(base, frac * mean, out=hr.diagonal())
         lower, info = torch.linalg.cholesky_ex(hr)
         if int(info) != 0:
             continue
-        del hr
-        inverse = torch.empty_like(lower)
-        _lower_inverse(lower, inverse)
+        _lower_inverse(lower, hr)  # H's copy is spent: the inverse takes its memory
         del lower
-        u = inverse.flip(0, 1)
-        return (u, frac) if _finite(u) else None
+        if _finite(hr):  # an inverse overflowing float32 tries the next, larger dampening
+            return hr.flip(0, 1), frac
+        hr = None
     return None
+
+
+def _reordered(
+    hessian: torch.Tensor, order: torch.Tensor | None, rev: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """H in the reversed processing order `rev`, one (K, K) copy in `dtype`."""
+    if order is None:
+        return hessian.flip(0, 1).to(dtype)
+    return hessian[rev[:, None], rev[None, :]].to(dtype)
 
 
 def _lower_inverse(lower: torch.Tensor, out: torch.Tensor) -> None:

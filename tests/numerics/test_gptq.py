@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qtool.numerics import gptq as gptq_module
 from qtool.numerics import kernels
 from qtool.numerics.gptq import Fallback, Hessian, gptq_quantize, output_error
 from qtool.numerics.packing import unpack_nibbles
@@ -374,3 +375,24 @@ def test_hessian_is_two_over_n_sum_x_xt_in_any_chunks_and_merges() -> None:
         h.add(torch.ones(4, 5))
     with pytest.raises(ValueError, match="merge"):
         h.merge(Hessian(5))
+
+
+def test_an_inverse_overflowing_float32_tries_the_larger_dampening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a factorisation that succeeds but whose inverse is not finite is not the end of the
+    # dampening ladder (it was reported as 'not positive definite' at the first damp)
+    real = gptq_module._lower_inverse
+    calls: list[int] = []
+
+    def overflowing_once(lower: torch.Tensor, out: torch.Tensor) -> None:
+        real(lower, out)
+        if not calls:
+            out[-1, 0] = float("inf")
+        calls.append(1)
+
+    monkeypatch.setattr(gptq_module, "_lower_inverse", overflowing_once)
+    w = _weight(8, 64, seed=22)
+    spec = _spec((Scheme.SYM, StorageDtype.INT8), PerChannel(0))
+    got = gptq_quantize(w, _hessian(_inputs(256, 64, seed=22)), spec)
+    assert (got.fallback, got.damp, len(calls)) == (None, pytest.approx(0.1), 2)

@@ -395,4 +395,5 @@ def test_an_inverse_overflowing_float32_tries_the_larger_dampening(
     w = _weight(8, 64, seed=22)
     spec = _spec((Scheme.SYM, StorageDtype.INT8), PerChannel(0))
     got = gptq_quantize(w, _hessian(_inputs(256, 64, seed=22)), spec)
-    assert (got.fallback, got.damp, len(calls)) == (None, pytest.approx(0.1), 2)
+    assert got.fallback is None and len(calls) == 2
+    assert got.damp == pytest.approx(0.1)

@@ -3,6 +3,8 @@
 so the codes are restored exactly) in a scratch directory beside the output, and that file is
 quantized as any float GGUF is; the scratch directory is removed on exit, and by the next run
 in that directory after a kill (it is named and locked as a temp directory, io/tempdirs.py).
+A plain dry run plans from the input's headers, each quantized tensor as the F32 it becomes,
+and writes nothing; --estimate reads the values, so it goes through the copy as the run does.
 
 Quality is lost twice (the first codes' error, then the second's): the caller warns.
 """
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from qtool.engine.job import RunOptions
+from qtool.engine.job import Mode, RunOptions
 from qtool.engine.plan import QuantizeOptions, quantized_output
 from qtool.engine.run import _label
 from qtool.engine.run import quantize as quantize_float
@@ -29,7 +31,7 @@ from qtool.io import tempdirs
 from qtool.io.atomic import describe_os_error, preflight, remove_stale_temps
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import tensor_nbytes
-from qtool.results import QuantizeSummary
+from qtool.results import QuantizeRow, QuantizeSummary
 from qtool.spec import GGUF_QUANTIZE_TYPES, FormatName
 
 _FLOAT_NAME = "requantize.F32.gguf"
@@ -48,8 +50,9 @@ def requantize(
     src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
 ) -> QuantizeSummary:
     """Quantize `src` as `engine.run.quantize` does; an already quantized GGUF is dequantized
-    into a scratch directory beside the output first (UsageError for an output that is the
-    input, or for another output format than GGUF)."""
+    into a scratch directory beside the output first, except for a plan (from its headers,
+    nothing written). UsageError for another output format than GGUF, OutputError for an
+    output that is the input; the rows describe the input (its types and bytes)."""
     if quantized_gguf(src) is None:
         return quantize_float(src, out, options, run)
     if options.format != FormatName.GGUF:
@@ -62,6 +65,9 @@ def requantize(
     # Every check the second run makes on its output, before the long dequantize: a refusal
     # there would come after the F32 copy was written (or after it filled the disk).
     preflight([target, *run.also], [src], force=run.force, needed_bytes=_needed_bytes(src))
+    if run.mode is Mode.PLAN:  # planned from the input's headers, as the copy's: no copy
+        summary = quantize_float(src, target, options, run, requantize=True)
+        return replace(summary, rows=_as_input(summary.rows, src))
     from qtool.engine.restore import dequantize  # torch
 
     with scratch_beside(target) as scratch:
@@ -71,7 +77,21 @@ def requantize(
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:
             raise _named_for_user(err, float_gguf, src) from None
-    return replace(summary, inputs=[str(src)])
+    return replace(summary, inputs=[str(src)], rows=_as_input(summary.rows, src))
+
+
+def _as_input(rows: list[QuantizeRow], src: Path) -> list[QuantizeRow]:
+    """The rows with the input's own types and bytes, where the run counted each quantized
+    tensor as the F32 it dequantizes to (the copy's, or the plan's float header)."""
+    with GGUFFile(src) as f:
+        infos = f.header.by_name()
+    out = []
+    for row in rows:
+        info = infos.get(row.name)
+        out.append(
+            row if info is None else replace(row, dtype=info.type.name, bytes_in=info.nbytes)
+        )
+    return out
 
 
 def _same_file(out: Path, src: Path) -> bool:

@@ -55,9 +55,15 @@ if TYPE_CHECKING:
 
 
 def quantize(
-    src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
+    src: Path,
+    out: Path | None,
+    options: QuantizeOptions,
+    run: RunOptions,
+    *,
+    requantize: bool = False,
 ) -> QuantizeSummary:
-    """Quantize `src` into `out`, or only plan it, or estimate it (see Mode)."""
+    """Quantize `src` into `out`, or only plan it, or estimate it (see Mode); `requantize`:
+    an already quantized GGUF is taken as float (engine/requantize.py's dry run)."""
     started = time.perf_counter()
     if run.mode is Mode.PLAN and options.target_sqnr is not None:
         raise UsageError(
@@ -65,7 +71,7 @@ def quantize(
             "the error budget measures each tensor, which a plan from headers does not",
             hint="estimate",
         )
-    source = open_source(src, options.config)
+    source = open_source(src, options.config, requantize=requantize)
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
     fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
     output = Output(source, _target(source, src, out, options, fmt))

@@ -10,7 +10,7 @@ along (engine/companions.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,14 +106,19 @@ def protected_paths(inputs: Iterable[Path]) -> list[Path]:
     return [*inputs, *belongings(inputs)]
 
 
-def open_source(path: Path, config: Path | None = None) -> Source:
+def open_source(path: Path, config: Path | None = None, *, requantize: bool = False) -> Source:
     """The float checkpoint at `path` (a file, a sharded checkpoint, a model directory) with
-    its config.json (`config`, else the directory's); InputError when it is already quantized."""
+    its config.json (`config`, else the directory's); InputError when it is already quantized
+    (`requantize`: a quantized GGUF is taken, read as float through its reader)."""
     found = detect(path)
-    if found.quantized:
+    if found.quantized and not (requantize and entry(found.format).float_output):
         fmt = entry(found.format)
         err = already_quantized(path, found.description, fmt.suffix if fmt.float_output else "")
         if fmt.float_output:  # GGUF: llama-quantize's way too, quantizing again on request
             err.hints = ("allow-requantize",)
         raise err
+    if found.quantized and found.header is not None:  # requantize: planned as the F32 copy
+        from qtool.io.gguf_checkpoint import as_float_header
+
+        found = replace(found, header=as_float_header(found.header))
     return Source(found, config or found.config_path, config is not None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qtool.gguf_types import GGML_TYPES
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.stformat import Header, TensorEntry
@@ -32,6 +33,17 @@ def entries(header: GGUFHeader) -> tuple[TensorEntry, ...]:
 def as_header(header: GGUFHeader) -> Header:
     """The GGUF header as a stformat.Header (no string metadata: GGUF's is typed)."""
     return Header(entries(header), None, header.data_start)
+
+
+def as_float_header(header: Header) -> Header:
+    """`as_header`'s header with each quantized tensor listed as the F32 it dequantizes to
+    (offsets kept: a plan from it, never a read; quantize --allow-requantize's dry run)."""
+    listed = tuple(
+        e if GGML_TYPES[e.dtype].block_size == 1
+        else TensorEntry(e.name, "F32", e.shape, e.begin, e.begin + 4 * e.numel)
+        for e in header.tensors
+    )  # fmt: skip
+    return Header(listed, header.metadata, header.data_start)
 
 
 def open_gguf_data(path: Path) -> tuple[Header, int, tuple[int, int]]:

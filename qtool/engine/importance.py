@@ -23,7 +23,6 @@ import numpy as np
 
 from qtool.calibrate_results import DatasetInfo
 from qtool.errors import InputError
-from qtool.io.gguf_layout import GGUFValue
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
 from qtool.spec import Codec, PerChannel, PerGroup, QSpec
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
     from qtool.numerics.kernels import QuantizedTensor
     from qtool.numerics.range_methods import ColumnWeights
 
-SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"  # calibrate's keys
 ERROR_SLAB_ELEMS = 1 << 20  # values per slab of the weighted error (float64 temporaries: 8 MiB)
 _BLOCK_NUMBER = re.compile(r"(?:^|\.)(?:layers|h|blocks|blk)\.(\d+)\.")
 
@@ -125,13 +123,14 @@ def read_importance(path: Path) -> tuple[ImportanceMatrix, Provenance]:
     """The imatrix at `path` and its provenance (InputError for a file that is not one), read
     through one descriptor: the SHA-256 is of the bytes parsed."""
     from qtool.formats.imatrix import read_imatrix_file
+    from qtool.formats.imatrix.provenance import dataset_infos
 
     read = read_imatrix_file(path)
     imatrix = read.imatrix
     provenance = Provenance(
         str(path),
         read.sha256,
-        _datasets(read.metadata, imatrix),
+        dataset_infos(path, read.metadata, imatrix.datasets),
         len(imatrix.entries),
         imatrix.chunk_count,
         imatrix.chunk_size,
@@ -244,29 +243,6 @@ def _misfit(stats: MatrixStats, shape: tuple[int, ...]) -> str | None:
         f"its entry has statistics for {stats.k} input columns{held}, but the tensor "
         f"{list(shape)} takes {width}{mats}; give the imatrix computed on this model"
     )
-
-
-def _datasets(meta: Mapping[str, GGUFValue], imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
-    """The file's datasets, with the SHA-256 and token count of each where a GGUF's metadata
-    holds qtool calibrate's keys for every one of them (else names only, as llama-imatrix
-    records them)."""
-    names = imatrix.datasets
-    shas, tokens = _items(meta.get(SHA_KEY)), _items(meta.get(TOKENS_KEY))
-    whole = len(shas) == len(tokens) == len(names) and all(
-        isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in shas
-    )
-    if not whole:
-        return tuple(DatasetInfo(d, None, None) for d in names)
-    return tuple(
-        DatasetInfo(d, str(s), int(str(t))) for d, s, t in zip(names, shas, tokens, strict=True)
-    )
-
-
-def _items(value: GGUFValue | None) -> list[object]:
-    items = value.value if value is not None else None
-    if isinstance(items, np.ndarray):
-        return list(items.tolist())
-    return list(items) if isinstance(items, tuple) else []
 
 
 def weighted_error(

@@ -26,13 +26,13 @@ from qtool.engine.calibrate.data import take_windows  # noqa: E402
 from qtool.engine.calibrate.run import (  # noqa: E402
     CalibrateOptions,
     calibrate,
-    dataset_infos,
     merge_files,
 )
 from qtool.engine.evaluate import hf  # noqa: E402
 from qtool.engine.evaluate.text import read_text  # noqa: E402
 from qtool.engine.imatrix_hooks import ImatrixProbe  # noqa: E402
-from qtool.formats.imatrix import read_imatrix  # noqa: E402
+from qtool.formats.imatrix import read_imatrix, read_imatrix_file  # noqa: E402
+from qtool.formats.imatrix.provenance import dataset_infos  # noqa: E402
 from tests.eval_models import VOCAB, build, save_tokenizer  # noqa: E402
 
 CTX = 32
@@ -144,7 +144,9 @@ def test_a_merge_of_runs_equals_one_run_over_their_texts(
         np.testing.assert_allclose(stats.sums, want.entries[name].sums, rtol=1e-5)
     assert got.datasets == want.datasets == (str(a), str(b))
     assert got.chunk_count == want.chunk_count == 8
-    assert dataset_infos(merged, got) == dataset_infos(both, want) == summary.datasets
+    infos = [dataset_infos(p, f.metadata, f.imatrix.datasets) for p in (merged, both)
+             for f in [read_imatrix_file(p)]]  # fmt: skip
+    assert infos[0] == infos[1] == summary.datasets
     assert all(d.sha256 and d.tokens == 4 * CTX for d in summary.datasets)
 
 

@@ -229,7 +229,7 @@ def test_gguf_blocks_are_ggmls_with_quant_weights_and_keys_as_llama_quantize(
 def test_provenance_keeps_qtool_calibrates_dataset_keys(tmp_path: Path) -> None:
     """A file from qtool calibrate records each text's SHA-256 and token count: the output's
     provenance keeps them (llama-imatrix's files: names only, as above)."""
-    from qtool.engine.importance import SHA_KEY, TOKENS_KEY
+    from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY
     from qtool.gguf_types import ValueType
     from qtool.io.gguf_layout import GGUFValue
 

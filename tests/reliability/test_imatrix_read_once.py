@@ -15,8 +15,9 @@ import pytest
 
 import qtool.formats.imatrix as imatrix_format
 from qtool.calibrate_results import DatasetInfo
-from qtool.engine.importance import SHA_KEY, TOKENS_KEY, read_importance
+from qtool.engine.importance import read_importance
 from qtool.errors import InputError
+from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFValue
 from tests.reliability.test_imatrix_hostile import META, ONE, TAIL, dat, gguf_file, good

@@ -7,7 +7,6 @@ loader skips, as it looks its own up by name)."""
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,18 +29,16 @@ from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected
-from qtool.formats.imatrix import read_imatrix, write_imatrix
+from qtool.formats.imatrix import read_imatrix_file, write_imatrix
 from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
+from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY, dataset_infos
 from qtool.formats.registry import open_reader
 from qtool.gguf_types import ValueType
-from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFValue
-from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats, merge
 from qtool.results import Progress
 
 DEFAULT_TOKENS = 128 * 512
-SHA_KEY, TOKENS_KEY = "qtool.datasets.sha256", "qtool.datasets.tokens"
 MAX_ACTIVATION_BYTES = 8 << 30
 """The activations at a block boundary (windows x ctx x hidden float32) are held in memory, not
 spilled: a run asking for more is refused before anything is read (calibrate slices, merge)."""
@@ -198,44 +195,6 @@ def _block_bytes(model: Any) -> int:
     return max(sum(int(p.numel()) * 4 for p in block.parameters()) for block in base.layers)
 
 
-def dataset_infos(path: Path, imatrix: ImportanceMatrix) -> tuple[DatasetInfo, ...]:
-    """The datasets of an imatrix file, with qtool's SHA-256 and token counts where the file
-    holds them (files from llama-imatrix: names only); InputError when qtool's keys are there
-    but are not one SHA-256 and one token count per dataset."""
-    with GGUFFile(path) as f:
-        meta = f.header.metadata
-        shas, tokens = meta.get(SHA_KEY), meta.get(TOKENS_KEY)
-    if shas is None and tokens is None:
-        return tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
-    n = len(imatrix.datasets)
-    sha_list = _items(shas)
-    token_list = _items(tokens)
-    valid = (
-        len(sha_list) == n == len(token_list)
-        and all(isinstance(s, str) and re.fullmatch(r"[0-9a-f]{64}", s) for s in sha_list)
-        and all(_is_count(t) for t in token_list)
-    )
-    if not valid:
-        raise InputError(
-            path, f"{SHA_KEY} and {TOKENS_KEY} must hold one SHA-256 and one token count for "
-            f"each of its {n} datasets; remove them or calibrate again",
-        )  # fmt: skip
-    counts = [int(t) for t in token_list if isinstance(t, (int, np.integer))]
-    return tuple(
-        DatasetInfo(name, str(sha), count)
-        for name, sha, count in zip(imatrix.datasets, sha_list, counts, strict=True)
-    )
-
-
-def _items(value: GGUFValue | None) -> list[object]:
-    items = value.value if value is not None else None
-    return list(items) if isinstance(items, (tuple, np.ndarray)) else []
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and 0 <= int(value) < 1 << 63
-
-
 class MergedTwice(UserWarning):
     """One file given twice to a merge (by inode: a link or another spelling of its path)."""
 
@@ -259,13 +218,11 @@ def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
         raise UsageError(None, "a merge needs two or more importance matrices")
     check_files([out], list(inputs), force)
     _warn_same_file(inputs)
-    matrices = [read_imatrix(p) for p in inputs]
+    files = [read_imatrix_file(p, digest=False) for p in inputs]
+    matrices = [f.imatrix for f in files]
     infos: list[DatasetInfo] = []
-    for path, imatrix in zip(inputs, matrices, strict=True):
-        with open_regular(path) as f:
-            gguf = f.read(4) == b"GGUF"
-        plain = tuple(DatasetInfo(d, None, None) for d in imatrix.datasets)
-        infos += dataset_infos(path, imatrix) if gguf else plain
+    for path, f in zip(inputs, files, strict=True):
+        infos += dataset_infos(path, f.metadata, f.imatrix.datasets)
     try:
         joined = merge(*matrices)
     except ValueError as err:

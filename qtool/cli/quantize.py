@@ -153,7 +153,9 @@ def quantize(
         raise typer.BadParameter("quantizes a GGUF into a GGUF: add --format gguf",
                                  param_hint="--allow-requantize")  # fmt: skip
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
-    check_imatrix(imatrix, target_sqnr is not None, method is not None)
+    gguf, minmax = fmt == FormatName.GGUF.value, range_method is RangeMethod.MINMAX
+    check_imatrix(imatrix, target_sqnr is not None, method is not None, gguf=gguf,
+                  minmax=minmax, recipe=recipe is not None)  # fmt: skip
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip

@@ -292,16 +292,22 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
         raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
 
 
-def check_imatrix(imatrix: Path | None, budget: bool, method: bool) -> None:
+def check_imatrix(
+    imatrix: Path | None, budget: bool, method: bool, *, gguf: bool, minmax: bool, recipe: bool
+) -> None:
     """--imatrix weighs the range search and ggml's quantizers: refused with the error budget,
-    whose trials it does not weigh yet, and with a calibrated --method, whose codes come from
-    its own statistics (the imatrix would weigh nothing but the figures)."""
+    whose trials it does not weigh yet, with a calibrated --method, whose codes come from its
+    own statistics (the imatrix would weigh nothing but the figures), and with min-max ranges
+    outside GGUF (`minmax`, no recipe to set another range): the codes would not change, yet
+    the output would record the imatrix as used."""
     if imatrix is None:
         return
     if budget:
         why = "the error budget (--target-sqnr) does not weigh its trials by one yet"
     elif method:
         why = "a calibrated --method chooses its codes from its own statistics; give one of them"
+    elif minmax and not gguf and not recipe:
+        why = "weighs the range search: add --range mse"
     else:
         return
     raise typer.BadParameter(why, param_hint="--imatrix")

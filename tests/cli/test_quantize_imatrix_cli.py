@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from qtool.formats.imatrix import write_imatrix
 from qtool.formats.imatrix.naming import llama_names
@@ -98,6 +99,23 @@ def test_refused_combinations_exit_2_before_reading(tmp_path: Path, invoke: Invo
         )  # fmt: skip
         assert code == 2, err
         assert out == "" and words in err and "--imatrix" in err
+
+
+@pytest.mark.parametrize("fmt", ["qtool", "compressed-tensors"])
+def test_an_imatrix_that_would_weigh_nothing_is_refused(
+    tmp_path: Path, invoke: Invoke, fmt: str
+) -> None:
+    """Min-max ranges take no weights: the codes were those of a run without --imatrix, yet
+    the output recorded the imatrix as used. A usage error before the file is read (GGUF
+    types take it in ggml's quantizers; a recipe may set --range per tensor)."""
+    missing = tmp_path / "absent.gguf"
+    code, out, err = invoke(
+        "quantize", str(TINY_LM), "-o", str(tmp_path / "q"), "--format", fmt,
+        "--dtype", "int8", "--imatrix", str(missing),
+    )  # fmt: skip
+    assert code == 2 and out == "", err
+    assert "--imatrix: weighs the range search: add --range mse" in err, err
+    assert not (tmp_path / "q").exists()
 
 
 def test_a_missing_file_is_one_line_exit_1(tmp_path: Path, invoke: Invoke) -> None:

@@ -148,6 +148,19 @@ def gptq_quantize(
     return GPTQResult(codes, scale, zero_point, used, None)
 
 
+def unsupported(spec: QSpec) -> str | None:
+    """Why GPTQ cannot choose the codes of a 2-D weight on this grid (None: it can). Channels on
+    axis 1 put one scale on each input column, which the column-by-column update would have
+    to re-derive as it goes."""
+    spec = normalize_spec(spec, 2)
+    if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
+        return (
+            "GPTQ quantizes per tensor, per output channel (axis 0) or per group, "
+            "not per input column (axis 1)"
+        )
+    return None
+
+
 def _check(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -166,8 +179,9 @@ def _check(
     if not isinstance(spec, QSpec):
         raise ValueError(f"GPTQ takes an integer grid, not {spec.describe()}")
     spec = normalize_spec(spec, 2)
-    if isinstance(spec.granularity, PerChannel) and spec.granularity.axis != 0:
-        raise ValueError("GPTQ quantizes per tensor, per output channel (axis 0) or per group")
+    why = unsupported(spec)
+    if why is not None:
+        raise ValueError(why)
     if block_size < 1 or not damp > 0 or damp == float("inf"):
         raise ValueError(f"block_size must be >= 1 and damp positive, got {block_size}, {damp}")
     if compute_dtype not in (torch.float32, torch.float64):

@@ -31,7 +31,7 @@ from qtool.engine.methods.guard import describe, judge  # noqa: E402
 from qtool.engine.plan import QuantizeOptions  # noqa: E402
 from qtool.engine.spill import Spill  # noqa: E402
 from qtool.numerics import gptq, kernels  # noqa: E402
-from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
+from qtool.spec import PerChannel, PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
 from tests.eval_models import build  # noqa: E402
 
 CTX = 32
@@ -322,3 +322,15 @@ def test_activations_past_the_bound_wait_in_a_file_with_the_same_result(
     on_file = _restored(tmp_path / "file", tmp_path)
     assert len(kept) == 1 and kept[0] is not None and len(kept[0]) == 9  # 7 fit, 1 held, 1 check
     assert {n for n, t in on_file.items() if not torch.equal(t, in_memory[n])} == set()
+
+
+def test_a_grid_gptq_cannot_solve_is_rounded_to_nearest(model: Path, tmp_path: Path) -> None:
+    """Channels on axis 1 (qparams per input column) are a grid the column-by-column solve
+    cannot use: each Linear is rounded to nearest and says why, as docs/calibration.md promises
+    for every integer grid, instead of an internal error after the model ran."""
+    spec = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(1))
+    options = dataclasses.replace(_options(model), spec=spec)
+    summary = _quantize(model, tmp_path / "o", options)
+    linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
+    assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
+    assert all("rtn (gptq: GPTQ quantizes per tensor" in r.detail for r in linears), linears

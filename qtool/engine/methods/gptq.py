@@ -127,6 +127,9 @@ class GptqPolicy:
         original = weight.to(dtype)  # the stored values (float32 holds them exactly)
         rtn = quantize_tensor(original, spec, scale_dtype=scale_dtype)
         rtn_weight = restored(rtn, spec, dtype, tuple(weight.shape))
+        why = gptq.unsupported(spec)
+        if why is not None:
+            return rtn, rtn_weight, Chosen("rtn", f"rtn ({METHOD}: {why})")
         solved = gptq.gptq_quantize(
             weight.float(), fit, spec, scale_dtype=scale_dtype,
             dynamic_groups=self.calibration.dynamic_groups,

@@ -334,3 +334,25 @@ def test_a_grid_gptq_cannot_solve_is_rounded_to_nearest(model: Path, tmp_path: P
     linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
     assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
     assert all("rtn (gptq: GPTQ quantizes per tensor" in r.detail for r in linears), linears
+
+
+@pytest.mark.parametrize(("guard", "kept"), [(Guard.BOTH, "rtn"), (Guard.DOMAIN, "rtn"),
+                                             (Guard.NONE, "gptq")])  # fmt: skip
+def test_no_held_out_rows_is_no_verdict_and_rounds_to_nearest(
+    tmp_path: Path, guard: Guard, kept: str
+) -> None:
+    """A Linear no held-out window reached has nothing to judge GPTQ on but the rows it was
+    fitted to (where it always wins): the guard gives no verdict and rounds to nearest, saying
+    so; --guard none keeps GPTQ unchecked as ever."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(8, 32, generator=gen)
+    x = torch.randn(256, 32, generator=gen) @ torch.randn(32, 32, generator=gen)
+    fit = (2.0 / x.shape[0]) * (x.T @ x)
+    spill = Spill(tmp_path)
+    try:
+        policy = method.GptqPolicy({}, Calibration(guard=guard), spill, False)
+        _, _, chosen = policy._choose(w, method.Target(SPEC, torch.float32), fit, None, fit)
+    finally:
+        spill.close()
+    assert chosen.method == kept, chosen
+    assert (kept == "rtn") == ("no verdict" in chosen.note), chosen

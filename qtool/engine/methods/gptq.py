@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qtool.calibration import Calibration
+from qtool.calibration import Calibration, Guard
 from qtool.engine.hooks import Hooks
 from qtool.engine.methods.guard import change, describe, judge
 from qtool.engine.spill import Spill
@@ -128,6 +128,9 @@ class GptqPolicy:
         rtn = quantize_tensor(original, spec, scale_dtype=scale_dtype)
         rtn_weight = restored(rtn, spec, dtype, tuple(weight.shape))
         why = gptq.unsupported(spec)
+        if why is None and held is None and self.calibration.guard is not Guard.NONE:
+            # the fit rows' Hessian would judge GPTQ on what it was fitted to (it always wins)
+            why = "no held-out window reached this Linear, so no verdict"
         if why is not None:
             return rtn, rtn_weight, Chosen("rtn", f"rtn ({METHOD}: {why})")
         solved = gptq.gptq_quantize(
@@ -143,7 +146,7 @@ class GptqPolicy:
             result.q, result.scale, result.zero_point, errors, method=METHOD
         )
         verdict = judge(
-            _change(g_weight - weight, rtn_weight - weight, held if held is not None else fit),
+            _change(g_weight - weight, rtn_weight - weight, held),
             _change(g_weight - weight, rtn_weight - weight, check),
             self.calibration.guard,
             self.calibration.tolerance,

@@ -238,10 +238,12 @@ def _run(
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, also=also
         )
+    if threads is None and options.calibration is None:  # a method's passes: the idle cores
+        threads = os.cpu_count() or 1
     with report.progress_bar() as progress:
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, progress=progress,
-            also=also, threads=threads or os.cpu_count() or 1, allow_requantize=allow_requantize,
+            also=also, threads=threads, allow_requantize=allow_requantize,
         )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """How many CPU threads eval, calibrate, compare and dequantize run torch on, set once for torch
-and for numba's kernels together (quantize keeps its own: `--threads`, else every core).
+and for numba's kernels together (quantize keeps its own: `--threads`, else every core,
+except a calibrated method's forward passes, which take this default too).
 
 A thread count above the cores that are free costs far more than one below: every torch
 operation ends in a barrier, and a thread that shares its core with another process stalls the

@@ -30,6 +30,7 @@ from qtool.engine.methods.gptq import GptqPolicy, Target
 from qtool.engine.nonfinite import kept_nonfinite
 from qtool.engine.plan import ModelPlan
 from qtool.engine.spill import Spill
+from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats.imatrix.naming import GGUF_ARCHS
@@ -83,7 +84,8 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
     policy = _policy(plan, targets, calibration, spill, job, streams, hf_config, device)
     reader = open_reader(found)
     try:
-        run_sequential(model, reader, streams, policy, device, path, directory=spill.directory)
+        with using_threads(job.run.threads):  # None: the idle cores (engine/threads.py)
+            run_sequential(model, reader, streams, policy, device, path, directory=spill.directory)
         reader.check_unchanged()
     finally:
         reader.close()

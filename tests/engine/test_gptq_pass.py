@@ -9,6 +9,7 @@ spill file, not in memory."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from qtool import api  # noqa: E402
 from qtool.calibration import Calibration, Guard  # noqa: E402
-from qtool.engine.calibrate import sequential  # noqa: E402
+from qtool.engine.calibrate import blocks, sequential  # noqa: E402
 from qtool.engine.methods import gptq as method  # noqa: E402
 from qtool.engine.methods import run as method_run  # noqa: E402
 from qtool.engine.methods.guard import describe, judge  # noqa: E402
@@ -356,3 +357,43 @@ def test_no_held_out_rows_is_no_verdict_and_rounds_to_nearest(
         spill.close()
     assert chosen.method == kept, chosen
     assert (kept == "rtn") == ("no verdict" in chosen.note), chosen
+
+
+def test_a_blocks_hessians_are_freed_once_solved(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory held past a block's solve: where each block's weights load and before each of
+    pass 2's windows, the live Hessians are counted (gc). Each Linear's three are let go once
+    it is solved and the probe before pass 2, so none outlives the solve (they were all kept,
+    3 per Linear, through pass 2 and the next block's load)."""
+    counts: list[int] = []
+
+    def live() -> int:
+        return sum(type(o) is gptq.Hessian for o in gc.get_objects())  # no __class__ lookups
+
+    real_load, real_quantize = blocks.load_module, method.GptqPolicy.quantize
+    solved: list[bool] = []
+
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        counts.append(live())
+        solved.clear()
+        return real_load(*args, **kwargs)
+
+    def quantize(self: Any, prefix: str, probe: Any) -> None:
+        assert live() > 0  # pass 1 gathered them (the count can see them)
+        real_quantize(self, prefix, probe)
+        solved.append(True)
+
+    real_forward = transformers.models.llama.modeling_llama.LlamaDecoderLayer.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if solved:  # pass 2
+            counts.append(live())
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(sequential, "load_module", loading)
+    monkeypatch.setattr(method.GptqPolicy, "quantize", quantize)
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaDecoderLayer, "forward",
+                        forward)  # fmt: skip
+    _quantize(model, tmp_path / "o", _options(model))
+    assert len(counts) > 2 and counts == [0] * len(counts), counts

@@ -89,6 +89,7 @@ def run_sequential(
                         block(x, **kwargs[i])
                         _advance(progress, f"block {i}", x)
             method.quantize(prefix, probe)
+            del probe  # its statistics are spent: not alive through pass 2 and the next load
             for xs in named.values():
                 for x in xs:
                     x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put

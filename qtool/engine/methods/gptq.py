@@ -72,6 +72,13 @@ class HessianProbe(Hooks):
         found = self.hessians.get((name, stream))
         return found.matrix if found is not None and found.rows else None
 
+    def take(self, name: str, stream: str) -> torch.Tensor | None:
+        """matrix(), the probe letting go of that Hessian (one Linear's three are alive only
+        until it is solved)."""
+        found = self.matrix(name, stream)
+        self.hessians.pop((name, stream), None)
+        return found
+
 
 class GptqPolicy:
     """GPTQ over a run's `targets` (checkpoint name -> Target): results into `spill`, what each
@@ -104,12 +111,12 @@ class GptqPolicy:
         reconstruction (what the next blocks see)."""
         for local, linear in probe.linears.items():
             name = f"{prefix}{local}.weight"
-            fit = probe.matrix(local, "fit")
+            fit, held, check = (probe.take(local, stream) for stream in STREAMS)
             if fit is None:  # never called on the calibration windows: left to the loop
                 continue
             target = self.targets[name]
-            held, check = probe.matrix(local, "held"), probe.matrix(local, "check")
             result, weight, chosen = self._choose(linear.weight.detach(), target, fit, held, check)
+            del fit, held, check  # the next Linear's solve has their memory
             self.spill.put(name, target.spec, result)
             linear.weight.data.copy_(weight)
             self.chosen[name] = chosen

@@ -19,8 +19,8 @@ pytest.importorskip("gguf")
 
 import numpy as np  # noqa: E402
 
-from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY  # noqa: E402
 from qtool.formats.imatrix import read_imatrix, write_imatrix  # noqa: E402
+from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY  # noqa: E402
 from qtool.gguf_types import ValueType  # noqa: E402
 from qtool.io.gguf_file import GGUFFile  # noqa: E402
 from qtool.io.gguf_layout import GGUFValue  # noqa: E402

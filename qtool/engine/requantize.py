@@ -21,7 +21,7 @@ from pathlib import Path
 
 from qtool.engine.job import Mode, RunOptions
 from qtool.engine.plan import QuantizeOptions, quantized_output
-from qtool.engine.run import _label
+from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
 from qtool.errors import OutputError, QtoolError, UsageError
 from qtool.formats.detect import detect
@@ -59,7 +59,7 @@ def requantize(
         raise UsageError(
             src, "a quantized GGUF is quantized again only into a GGUF", hint="format-gguf"
         )
-    target = quantized_output(src, out, _label(options), entry(options.format).suffix)
+    target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
     if _same_file(target, src):  # as atomic.preflight says it, for a path it cannot compare
         raise OutputError(target, f"would overwrite the input {src}; choose another output path")
     # Every check the second run makes on its output, before the long dequantize: a refusal

@@ -130,14 +130,14 @@ def _target(
         if out is None:
             raise UsageError(None, f"--format {fmt.name} writes a model directory: name it with -o")
         return directory_target(source, out)
-    label = _label(options)
+    label = output_label(options)
     if source.directory is None:
         return file_target(quantized_output(src, out, label, entry(fmt.name).suffix))
     refuse_file_name(out, "quantize")
     return directory_target(source, out or default_directory(source, label))
 
 
-def _label(options: QuantizeOptions) -> str:
+def output_label(options: QuantizeOptions) -> str:
     """What a default output name says of the run: the dtype ('int8'), a whole codec's name
     ('Q4_K'), or 'mixed' for a run whose error budget chooses among the codecs the format stores
     (a GGUF run's types)."""

@@ -140,13 +140,16 @@ def within_bytes(
     granularity: int | None = None,
 ) -> Plan:
     """The plan of least predicted loss whose bytes are <= budget (ties: fewer bytes).
-    Infeasible (least = the cheapest plan's bytes) when even that does not fit."""
+    Infeasible (least = the cheapest plan's bytes) when even that does not fit (at a
+    granularity g > 1: when it does not fit with each tensor rounded up to units of g)."""
     least = sum(ladder.ordered()[0].nbytes for ladder in ladders)
     if least > budget:
         raise Infeasible(least)
     g = granularity or granularity_for(ladders, budget)
     table = _Table(ladders, alpha, g, budget // g)
     finite = np.flatnonzero(np.isfinite(table.loss))
+    if finite.size == 0:  # fits counted exactly, not with each tensor rounded up to units of g
+        raise Infeasible(least)
     best = finite[np.argmin(table.loss[finite])]
     return table.plan(int(best))
 

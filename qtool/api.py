@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from qtool.engine.plan import QuantizeOptions
     from qtool.eval_results import EvalSummary
     from qtool.formats.registry import Refusal
+    from qtool.numerics.allocate import Target as AllocationTarget
     from qtool.recipe.rules import Recipe, Rule
     from qtool.results import (
         CompareSummary,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from qtool.spec import Codec
 
 __all__ = [
+    "AllocationTarget",
     "EvalOptions",
     "Mode",
     "calibrate",
@@ -38,6 +40,7 @@ __all__ = [
     "compare",
     "dequantize",
     "evaluate",
+    "evaluate_all",
     "eval_kind",
     "inspect",
     "plot_compare",
@@ -62,6 +65,10 @@ def __getattr__(name: str) -> object:
         from qtool.engine.plan import QuantizeOptions
 
         return QuantizeOptions
+    if name == "AllocationTarget":
+        from qtool.numerics.allocate import Target
+
+        return Target
     if name == "EvalOptions":
         from qtool.engine.evaluate.run import EvalOptions
 
@@ -91,13 +98,15 @@ def quantize(
     (from headers alone, torch-free for safetensors) or estimate (the figures, nothing
     written) for a dry run. `also`: files the caller writes afterwards
     (a plot), checked with the run's outputs. `threads`: torch's CPU threads for the run,
-    set once its checks passed (None: as they are). `allow_requantize`: an already quantized
-    GGUF is quantized again (engine/requantize.py) instead of refused."""
+    set once its checks passed and given back at the end (None: the idle cores,
+    engine/threads.py). `allow_requantize`: an already quantized GGUF is quantized again
+    (engine/requantize.py) instead of refused."""
+    from qtool.engine.hf_gguf import converts, quantize_hf
     from qtool.engine.job import Mode, RunOptions
     from qtool.engine.requantize import requantize
     from qtool.engine.run import quantize as run
 
-    go = requantize if allow_requantize else run
+    go = quantize_hf if converts(src, options) else requantize if allow_requantize else run
     return go(src, out, options, RunOptions(Mode(mode), device, force, progress, also, threads))
 
 
@@ -147,6 +156,21 @@ def evaluate(
     return run(float_dir, quant, options, progress)
 
 
+def evaluate_all(
+    float_dir: Path,
+    quants: Sequence[Path],
+    options: EvalOptions,
+    progress: Progress | None = None,
+    logits: Path | None = None,
+    save_logits: Path | None = None,
+) -> list[EvalSummary]:
+    """Every QUANT against one float pass (the float side from the logits file `logits`, when
+    given, FLOAT's weights never read; its top k written to `save_logits`, when given)."""
+    from qtool.engine.evaluate.many import evaluate_all as run
+
+    return run(float_dir, quants, options, progress, logits, save_logits)
+
+
 def calibrate(
     model_dir: Path,
     out: Path,
@@ -157,14 +181,18 @@ def calibrate(
     force: bool = False,
     threads: int | None = None,
     progress: Progress | None = None,
+    sensitivity_tokens: int = 0,
 ) -> CalibrateSummary:
     """The importance matrix of a float model (Llama family) over calibration text, run one
     decoder block at a time, written to `out` as llama.cpp's GGUF imatrix; needs the interop
-    extra."""
+    extra. `sensitivity_tokens` > 0: also alpha per Linear, measured on that many of the
+    tokens (engine/calibrate/sensitivity.py)."""
     from qtool.engine.calibrate.run import CalibrateOptions
     from qtool.engine.calibrate.run import calibrate as run
 
-    options = CalibrateOptions(tuple(texts), tokens, ctx, device, force, threads)
+    options = CalibrateOptions(
+        tuple(texts), tokens, ctx, device, force, threads, sensitivity_tokens
+    )
     return run(model_dir, out, options, progress)
 
 

@@ -1,0 +1,72 @@
+"""`quantize HF_DIR --format gguf`: a Hugging Face model directory of the Llama family (Llama,
+Mistral, Qwen2) converted to a float GGUF as llama.cpp's convert_hf_to_gguf.py writes it
+(formats/gguf/hf_export.py), in a scratch directory beside the output, and that file quantized
+as any float GGUF is (the llama.cpp way: convert, then llama-quantize). The scratch directory
+is removed on exit, and by the next run in that directory after a kill (engine/requantize.py's
+scratch_beside). The float copy is in the checkpoint's own 16-bit type (the converter's auto:
+BF16 for a BF16 checkpoint), so the quantizers see the checkpoint's values exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from qtool.engine.job import RunOptions
+from qtool.engine.plan import QuantizeOptions, quantized_output
+from qtool.engine.requantize import scratch_beside
+from qtool.engine.run import output_label
+from qtool.engine.run import quantize as quantize_float
+from qtool.errors import OutputError, QtoolError
+from qtool.formats.gguf.hf_export import export_float, is_convertible
+from qtool.formats.registry import entry
+from qtool.io.atomic import OutputSet, preflight
+from qtool.results import QuantizeSummary
+from qtool.spec import FormatName
+
+_FLOAT_NAME = "converted.gguf"
+
+
+def converts(src: Path, options: QuantizeOptions) -> bool:
+    """Whether this run converts `src` first: a GGUF output from a model directory."""
+    return options.format == FormatName.GGUF and is_convertible(src)
+
+
+def quantize_hf(
+    src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
+) -> QuantizeSummary:
+    """Convert the model directory `src` to a float GGUF beside the output, then quantize that
+    as engine.run.quantize does; the summary names `src` as the input."""
+    target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
+    preflight([target, *run.also], [src], force=run.force, needed_bytes=_needed_bytes(src))
+    with scratch_beside(target) as scratch:
+        float_gguf = scratch / _FLOAT_NAME
+        try:
+            with OutputSet() as outputs:
+                export_float(src, float_gguf, outputs)
+                outputs.commit()
+            summary = quantize_float(float_gguf, target, options, run)
+        except QtoolError as err:
+            raise _named_for_user(err, float_gguf, src) from None
+    return replace(summary, inputs=[str(src)])
+
+
+def _needed_bytes(src: Path) -> int:
+    """At least the free space the run takes beside its output: the float copy (the size of
+    the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much)."""
+    weights = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    return 2 * weights
+
+
+def _named_for_user(err: QtoolError, scratch_file: Path, src: Path) -> QtoolError:
+    """An error about the scratch copy as the user's files name it: reading it is the input's
+    problem, writing it the output directory's."""
+    if err.path != str(scratch_file):
+        return err
+    if isinstance(err, OutputError):
+        err.path = os.path.abspath(scratch_file.parent.parent)
+        err.message = f"writing qtool's temporary float GGUF of the input here: {err.message}"
+    else:
+        err.path = str(src)
+    return err

@@ -1,0 +1,315 @@
+"""A Hugging Face model directory of the Llama family written as a float GGUF, as llama.cpp's
+convert_hf_to_gguf.py writes it (llama-cpp-python 0.3.36's vendored converter: conversion/
+base.py's TextModel, llama.py's LlamaModel, qwen.py's Qwen2Model), for `quantize HF_DIR
+--format gguf` to quantize as any float GGUF.
+
+    header = export_float(directory, out, outputs)           # out: a temp file of `outputs`
+
+What it writes, in the converter's order: general.* (architecture, type, name and size label
+by gguf-py's Metadata), the hyperparameters (TextModel.set_gguf_parameters: context, embedding
+and feed-forward lengths, head counts, rope base and scaling, rms eps, key/value length, file
+type; llama also vocab size and rope dimension count), quantization version, the vocabulary
+(hf_vocab.py), then the tensors in the checkpoint's order under gguf-py's TensorNameMap names:
+1-D ones F32, the others in `float_type` (default: the converter's "auto", the type of the first
+2-D tensor when BF16 or F16, else F16). For llama the rows of q_proj/k_proj are permuted as
+LlamaModel.permute does (llama.cpp's rotary embedding pairs rows differently); a tied model
+has no output.weight (llama.cpp reuses token_embd.weight); Qwen2's q/k/v biases are kept;
+rope_type llama3 adds rope_freqs.weight. Anything else is refused, naming what.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qtool.errors import InputError, UsageError
+from qtool.formats.gguf.hf_vocab import CONVERTER, add_vocab
+from qtool.formats.gguf.names import gguf_names
+from qtool.gguf_types import GGML_TYPES, ValueType
+from qtool.io.atomic import OutputSet
+from qtool.io.gguf_layout import GGUFHeader, GGUFValue
+from qtool.io.gguf_write import GGUFStreamWriter, build_header
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "qwen2"}  # fmt: skip
+"""config.json `architectures` qtool converts -> the GGUF architecture the converter gives."""
+FLOAT_FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32}  # llama_ftype's ALL_F32, MOSTLY_F16/BF16
+SKIPPED = (".rotary_emb.inv_freq",)  # computed by every runtime; the converter drops them
+_NUMPY = {ValueType.INT32: np.int32, ValueType.UINT32: np.uint32, ValueType.FLOAT32: np.float32,
+          ValueType.BOOL: np.bool_}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the output: its Hugging Face name and file, GGUF name, type and shape
+    (torch order)."""
+
+    hf: str
+    file: Path
+    gguf: str
+    type: str
+    shape: tuple[int, ...]
+
+
+def is_convertible(path: Path) -> bool:
+    """Whether `path` is a model directory (config.json and safetensors weights) that
+    export_float is for: `quantize --format gguf` converts it first."""
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_config(directory: Path) -> tuple[dict[str, Any], str]:
+    """config.json and the GGUF architecture of its `architectures`; InputError otherwise."""
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(path, f"cannot be read as JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise InputError(path, "is not a JSON object")
+    archs = config.get("architectures")
+    name = archs[0] if isinstance(archs, list) and archs else None
+    if name not in ARCHITECTURES:
+        known = ", ".join(ARCHITECTURES)
+        raise InputError(path, f"architectures is {archs!r}: qtool converts {known} to GGUF; "
+                         f"for others {CONVERTER}")  # fmt: skip
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            raise InputError(path, f"{key} is {config.get(key)!r}, not a positive integer")
+    return config, ARCHITECTURES[str(name)]
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's .safetensors files, sorted (the converter's order of parts)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise InputError(directory, "holds no .safetensors weights")
+    return files
+
+
+def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type: str | None
+                 ) -> tuple[list[HFTensor], str]:  # fmt: skip
+    """Every tensor the GGUF holds, in the converter's order, and the 2-D float type."""
+    from safetensors import safe_open
+
+    found: list[tuple[str, Path, tuple[int, ...], torch.dtype]] = []
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                if name.endswith(SKIPPED):
+                    continue
+                sl = f.get_slice(name)
+                found.append(
+                    (name, file, tuple(sl.get_shape()), _dtype(sl.get_dtype(), file, name))
+                )
+    chosen = float_type or _auto(found)
+    mapped = gguf_names(arch, int(config["num_hidden_layers"]), [n for n, *_ in found])
+    out: list[HFTensor] = []
+    for name, file, shape, _ in found:
+        target = mapped.get(name)
+        if target is None:
+            raise InputError(
+                file, f"gguf's name map for {arch} has no GGUF name for it; {CONVERTER}", name
+            )
+        out.append(HFTensor(name, file, target, "F32" if len(shape) < 2 else chosen, shape))
+    return out, chosen
+
+
+def _dtype(text: str, file: Path, name: str) -> torch.dtype:
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if text not in dtypes:
+        raise InputError(file, f"is {text}: qtool converts F32, F16 and BF16 checkpoints; "
+                         "dequantize it first", name)  # fmt: skip
+    return dtypes[text]
+
+
+def _auto(found: list[tuple[str, Path, tuple[int, ...], torch.dtype]]) -> str:
+    """The converter's --outtype auto: the first 2-D tensor's type if BF16 or F16, else F16."""
+    for _, _, shape, dtype in found:
+        if len(shape) >= 2:
+            return "BF16" if dtype is torch.bfloat16 else "F16"
+    return "F16"
+
+
+def metadata(directory: Path, config: dict[str, Any], arch: str, float_type: str,
+             tensors: list[HFTensor]) -> dict[str, GGUFValue]:  # fmt: skip
+    """Every metadata key in the converter's order, built with gguf-py's GGUFWriter (its key
+    names and value types)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(None, arch)
+    total = sum(math.prod(t.shape) for t in tensors)
+    meta = gguf.Metadata.load(None, directory, None, total)
+    if meta.name is None:
+        meta.name = directory.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, 0, 0, 0)
+    writer.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(writer)
+    _hparams(writer, config, directory)
+    writer.add_file_type(FLOAT_FILE_TYPES[float_type])
+    if arch == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_vocab(writer, directory, int(config["vocab_size"]), arch)
+    return {key: _value(key, v) for key, v in writer.kv_data[0].items()}
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' rope parameters: `rope_parameters` (v5), else rope_scaling and rope_theta."""
+    found = config.get("rope_parameters")
+    if isinstance(found, dict):
+        return found
+    params = dict(config.get("rope_scaling") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    if config.get("rope_theta") is not None:
+        params["rope_theta"] = config["rope_theta"]
+    return params
+
+
+def _hparams(writer: Any, config: dict[str, Any], directory: Path) -> None:
+    """TextModel.set_gguf_parameters for the keys a Llama/Qwen2/Mistral config has."""
+    import gguf
+
+    writer.add_block_count(config["num_hidden_layers"])
+    if (n_ctx := config.get("max_position_embeddings")) is not None:
+        writer.add_context_length(n_ctx)
+    writer.add_embedding_length(config["hidden_size"])
+    if (n_ff := config.get("intermediate_size")) is not None:
+        writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(config["num_attention_heads"])
+    if (n_kv := config.get("num_key_value_heads")) is not None:
+        writer.add_head_count_kv(n_kv)
+    rope = rope_parameters(config)
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+    elif kind == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind not in (None, "default", "llama3"):
+        raise InputError(directory / "config.json", f"rope type {kind!r}: qtool writes default, "
+                         f"linear, yarn and llama3 rope scaling; {CONVERTER}")  # fmt: skip
+    if (theta := rope.get("rope_theta")) is not None:
+        writer.add_rope_freq_base(theta)
+    if (eps := config.get("rms_norm_eps")) is not None:
+        writer.add_layer_norm_rms_eps(eps)
+    if (head_dim := config.get("head_dim")) is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def rope_freqs(config: dict[str, Any]) -> torch.Tensor | None:
+    """LlamaModel.generate_extra_tensors: llama3 rope scaling's per-frequency factors."""
+    rope = rope_parameters(config)
+    if str(rope.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", 10000.0)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _value(key: str, v: Any) -> GGUFValue:
+    """gguf-py's GGUFValue as qtool's (an array's item type as GGUFWriter infers it)."""
+    kind = ValueType(int(v.type))
+    if kind is not ValueType.ARRAY:
+        return GGUFValue(kind, v.value)
+    items = list(v.value)
+    if not items:
+        raise ValueError(f"metadata {key!r}: an empty array")
+    if isinstance(items[0], str):
+        return GGUFValue(kind, tuple(items), ValueType.STRING)
+    item = ValueType(int(v.sub_type)) if v.sub_type is not None else _item_type(items[0])
+    array: np.ndarray = np.asarray(items, dtype=_NUMPY[item])
+    array.flags.writeable = False
+    return GGUFValue(kind, array, item)
+
+
+def _item_type(first: object) -> ValueType:
+    if isinstance(first, bool):
+        return ValueType.BOOL
+    return ValueType.INT32 if isinstance(first, int) else ValueType.FLOAT32
+
+
+def permute(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """LlamaModel.permute: the rows of q/k (weight or bias) from the Hugging Face rotary
+    layout (halves) to llama.cpp's (pairs); names.to_hf undoes it."""
+    rows = x.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"{rows} rows are not {n_head} heads of pairs")
+    return x.reshape(n_head, 2, rows // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def tensor_data(t: HFTensor, values: torch.Tensor, arch: str, config: dict[str, Any]) -> np.ndarray:
+    """The tensor's bytes as the converter writes them: permuted for llama's q/k, then cast."""
+    if arch == "llama":
+        heads = config["num_attention_heads"]
+        if t.hf.endswith(("q_proj.weight", "q_proj.bias")):
+            values = permute(values, heads)
+        elif t.hf.endswith(("k_proj.weight", "k_proj.bias")):
+            values = permute(values, config.get("num_key_value_heads") or heads)
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.type]
+    out = values.to(dtype).contiguous()
+    return out.view(torch.uint8).numpy().reshape(-1) if out.numel() else np.empty(0, np.uint8)
+
+
+def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str | None = None
+                 ) -> GGUFHeader:  # fmt: skip
+    """Write the float GGUF of the model directory `directory` to `out` (a temp file of
+    `outputs`); returns its header. `float_type`: F32, F16 or BF16 for the 2-D tensors (None:
+    the converter's auto)."""
+    if float_type is not None and float_type not in FLOAT_FILE_TYPES:
+        raise UsageError(None, f"{float_type} is not a float GGUF type (F32, F16, BF16)")
+    config, arch = read_config(directory)
+    tensors, chosen = plan_tensors(directory, config, arch, float_type)
+    extra = rope_freqs(config)
+    meta = metadata(directory, config, arch, chosen, tensors)
+    specs = [(t.gguf, GGML_TYPES[t.type], tuple(reversed(t.shape))) for t in tensors]
+    if extra is not None:
+        specs.append(("rope_freqs.weight", GGML_TYPES["F32"], tuple(extra.shape)))
+    header, layout = build_header(meta, specs)
+    writer = GGUFStreamWriter(outputs.create(out), header, layout)
+    for t, values in _values(tensors):
+        writer.write(tensor_data(t, values, arch, config))
+    if extra is not None:
+        writer.write(extra.numpy())
+    writer.finish()
+    return layout
+
+
+def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
+    """Each tensor's values, one at a time, each file opened once."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[HFTensor]] = {}
+    for t in tensors:
+        by_file.setdefault(t.file, []).append(t)
+    for file, items in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for t in items:
+                yield t, f.get_tensor(t.hf)

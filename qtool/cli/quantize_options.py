@@ -152,6 +152,59 @@ TargetSqnrOpt = Annotated[
         rich_help_panel=SELECT,
     ),
 ]
+TargetSizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--target-size",
+        help="Allocation: the spec per tensor of least predicted loss whose output (tensor "
+        "payload, scales included) fits SIZE (100MiB, 0.1GB, bytes); with --imatrix weighed "
+        "by it and its sensitivities.",
+        metavar="SIZE",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+TargetBpwOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--target-bpw",
+        help="Allocation as --target-size, the size given in bits per weight of the model.",
+        metavar="N",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+TargetKlOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--target-kl",
+        help="Allocation: the smallest output whose predicted KL (nats/token) is <= X; needs "
+        "an --imatrix with sensitivities (qtool calibrate --sensitivity).",
+        metavar="X",
+        show_default=False,
+        rich_help_panel=SELECT,
+    ),
+]
+SaveRecipeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--save-recipe",
+        help="Write the allocation's plan as a recipe: --recipe FILE reproduces it.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
+TensorTypeFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tensor-type-file",
+        help="Write the allocation's plan (--format gguf) as llama-quantize's --tensor-type-file.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=OUTPUT,
+    ),
+]
 ImatrixOpt = Annotated[
     Path | None,
     typer.Option(
@@ -341,3 +394,85 @@ def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions) -> N
             f"{', '.join(ignored)} ignored: --target-sqnr picks each tensor's spec from its "
             "ladder (docs/recipes.md)"
         )
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """'100MiB' -> 104857600, '0.1GB' -> 100000000, '5000' -> 5000 (bytes, rounded down);
+    typer.BadParameter for anything else or a size under one byte."""
+    import re
+
+    m = re.fullmatch(
+        r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]{1,2}))?\s*([a-zA-Z]*)\s*", text
+    )
+    unit = m.group(3).lower() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise typer.BadParameter(
+            f"{text!r} is no size: give a number with B, KB, MB, GB, KiB, MiB or GiB "
+            "(100MiB, 0.1GB)", param_hint="--target-size",
+        )  # fmt: skip
+    from decimal import Decimal
+
+    value = Decimal(m.group(1)) * Decimal(10) ** int(m.group(2) or 0) * _SIZE_UNITS[unit]
+    if value < 1 or value > 2**62:
+        raise typer.BadParameter(f"{text!r} is out of range", param_hint="--target-size")
+    return int(value)
+
+
+def allocation_target(
+    size: str | None, bpw: float | None, kl: float | None, target_sqnr: float | None
+) -> api.AllocationTarget | None:
+    """The one target given among --target-size/--target-bpw/--target-kl (None: none);
+    typer.BadParameter for two targets (--target-sqnr included) or a value <= 0."""
+    given = [
+        (flag, value)
+        for flag, value in (
+            ("--target-sqnr", target_sqnr), ("--target-size", size), ("--target-bpw", bpw),
+            ("--target-kl", kl),
+        )
+        if value is not None
+    ]  # fmt: skip
+    if len(given) > 1:
+        raise typer.BadParameter(
+            f"goes without {given[0][0]}: give one target", param_hint=given[1][0]
+        )
+    if size is not None:
+        return api.AllocationTarget("size", parse_size(size))
+    for kind, value in (("bpw", bpw), ("kl", kl)):
+        if value is None:
+            continue
+        if not (value > 0 and value < float("inf")):
+            raise typer.BadParameter(f"must be above 0, not {value}", param_hint=f"--target-{kind}")
+        return api.AllocationTarget(kind, value)
+    return None
+
+
+def check_plan_files(
+    target: api.AllocationTarget | None,
+    save_recipe: Path | None,
+    tensor_types: Path | None,
+    gguf: bool,
+    dry_run: bool,
+    estimate: bool,
+) -> None:
+    """--save-recipe/--tensor-type-file need an allocation target (the latter a GGUF output);
+    an allocation measures each tensor, which a plain dry run does not."""
+    for flag, path in (("--save-recipe", save_recipe), ("--tensor-type-file", tensor_types)):
+        if path is not None and target is None:
+            raise typer.BadParameter(
+                "writes an allocation's plan: give --target-size, --target-bpw or --target-kl",
+                param_hint=flag,
+            )
+    if tensor_types is not None and not gguf:
+        raise typer.BadParameter("is llama-quantize's: add --format gguf",
+                                 param_hint="--tensor-type-file")  # fmt: skip
+    if target is not None and dry_run and not estimate:
+        raise typer.BadParameter(
+            "the allocation measures each tensor, which a plain dry run does not; add "
+            "--estimate (or drop --dry-run)", param_hint=f"--target-{target.kind}",
+        )  # fmt: skip

@@ -45,7 +45,7 @@ def data_passes(
     run, which keeps only their figures), dropped when the context ends."""
     assert job.kernels is not None
     calibration = job.options.calibration
-    asks = job.options.target_sqnr is not None or calibration is not None
+    asks = job.options.budgeted or calibration is not None
     spill = Spill(spill_directory) if asks else None
     try:
         if calibration is not None and spill is not None:  # its codes wait in the spill
@@ -53,7 +53,12 @@ def data_passes(
 
             plan = calibrated(job, plan, spill)
         data = Measured(job.shards, job.options, job.fmt, job.kernels, spill)
-        yield plan_data(plan, job.options, job.fmt, data), spill
+        planned = plan_data(plan, job.options, job.fmt, data)
+        if job.options.allocation is not None:
+            from qtool.engine.allocate import save_plan
+
+            save_plan(planned.plans, job.options, job.fmt)
+        yield planned, spill
     finally:
         if spill is not None:
             spill.close()
@@ -76,8 +81,12 @@ class Measured:
 
     def choose(self, plan: ModelPlan) -> ModelPlan:
         """Pass 4: each tensor the budget decides, read once and given the cheapest ladder spec
-        the format stores that reaches the target (or kept float); the checkpoints stay open
-        for the writing pass."""
+        the format stores that reaches the target (or kept float), or the allocation's
+        (engine/allocate.py); the checkpoints stay open for the writing pass."""
+        if self.options.allocation is not None:
+            from qtool.engine.allocate import allocate
+
+            return allocate(plan, self)
         assert self.options.target_sqnr is not None
         self.run.expect(plan.plans)
         out: list[TensorPlan] = []
@@ -114,10 +123,15 @@ class Measured:
 
 def ladder_of(options: QuantizeOptions) -> tuple[Codec, ...]:
     """The specs the budget tries: the recipe's ladder, else the output format's default
-    (GGUF: Q4_K, Q5_K, Q6_K, Q8_0), else qtool's."""
+    (GGUF: Q4_K, Q5_K, Q6_K, Q8_0), else qtool's; an allocation's default is its own
+    (engine/allocate.py: every spec the format stores that it offers)."""
     recipe = options.recipe
     if recipe is not None and recipe.ladder:
         return recipe.ladder
+    if options.allocation is not None:
+        from qtool.engine.allocate import allocation_ladder
+
+        return allocation_ladder(options.format.value)
     return registry.entry(options.format.value).ladder or budget.DEFAULT_LADDER
 
 

@@ -102,19 +102,26 @@ _RULE_SOURCES = {
 @dataclass(frozen=True)
 class Budget:
     """The error budget (--target-sqnr): the cheapest ladder spec reaching `target_db`, with
-    every candidate tried (no trials: the tensor is the budget's to decide, not yet measured)."""
+    every candidate tried (no trials: the tensor is the budget's to decide, not yet measured).
+    `allocation`: the target of an allocation (engine/allocate.py) instead, target_db NaN."""
 
     target_db: float
     trials: tuple[Trial, ...] = ()
+    allocation: str | None = None
 
     def describe(self) -> str:
+        if self.allocation is not None:
+            if not self.trials:
+                return f"left to the allocation ({self.allocation})"
+            return f"allocation {self.allocation} after {len(self.trials)} trial(s)"
         if not self.trials:
             return f"left to the budget ({self.target_db:g} dB)"
         return f"budget {self.target_db:g} dB after {len(self.trials)} trial(s)"
 
     def step(self, act: Step) -> DecidedBy:
         head = act.head("budget")
-        return DecidedBy(*head, act.history, target_sqnr_db=self.target_db, trials=self.trials)
+        db = None if self.allocation is not None else self.target_db
+        return DecidedBy(*head, act.history, target_sqnr_db=db, trials=self.trials)
 
 
 @dataclass(frozen=True)

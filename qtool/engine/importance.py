@@ -73,6 +73,7 @@ class Importance:
     stats: Mapping[str, MatrixStats]
     provenance: Provenance
     unused: tuple[str, ...] = ()  # entries naming no tensor of the input (another model's blocks)
+    entry_names: Mapping[str, str] | None = None  # checkpoint name -> the file's entry name
 
     def weights(self, name: str, shape: tuple[int, ...]) -> ColumnWeights | None:
         """The column weights of tensor `name` of `shape` (None: the file has no entry for it),
@@ -161,7 +162,9 @@ def match_importance(
             path, f"names none of the input's tensors (its first entry: {first}); {why}"
         )
     unused = tuple(n for n in imatrix.entries if n not in used)
-    return Importance(path, stats, provenance, unused)
+    entry_of = {id(s): n for n, s in imatrix.entries.items()}
+    names_in_file = {name: entry_of[id(s)] for name, s in stats.items()}
+    return Importance(path, stats, provenance, unused, names_in_file)
 
 
 def _refuse_weightless(path: Path, name: str, stats: MatrixStats) -> None:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from qtool import patterns
 from qtool.calibration import Calibration
@@ -59,6 +60,9 @@ from qtool.spec import (
     fit_spec,
 )
 
+if TYPE_CHECKING:
+    from qtool.numerics.allocate import Target
+
 
 @dataclass(frozen=True)
 class QuantizeOptions:
@@ -70,6 +74,9 @@ class QuantizeOptions:
     keep_nonfinite: bool = False  # keep NaN/Inf tensors unquantized instead of failing
     recipe: Recipe | None = None  # per-tensor rules, tried after --exclude, before --include
     target_sqnr: float | None = None  # error budget for the tensors no recipe rule fixed
+    allocation: Target | None = None  # or a size/bpw/KL target for them (engine/allocate.py)
+    save_recipe: Path | None = None  # the allocation's plan as a recipe that reproduces it
+    save_tensor_types: Path | None = None  # and as llama-quantize's --tensor-type-file
     format: FormatName = FormatName.QTOOL  # the output format
     config: Path | None = None  # the model's config.json, for a single-file model export
     group_fallback: GroupFallback = GroupFallback.ERROR  # K not a multiple of G
@@ -87,6 +94,11 @@ class QuantizeOptions:
         its matcher is built once: recipe/rules.py)."""
         recipe_rules = self.recipe.rules if self.recipe is not None else ()
         return rules_from_cli(self.include, self.exclude, recipe_rules)
+
+    @property
+    def budgeted(self) -> bool:
+        """The tensors no rule fixed are left to the error budget or the allocation."""
+        return self.target_sqnr is not None or self.allocation is not None
 
     @property
     def input_files(self) -> tuple[Path, ...]:
@@ -176,7 +188,7 @@ def plan_data(
     plan: ModelPlan, options: QuantizeOptions, fmt: OutputFormat, data: DataPasses
 ) -> ModelPlan:
     """Passes 4 to 7, which read the tensors (only those that have anything to do)."""
-    if options.target_sqnr is not None:
+    if options.budgeted:
         plan = data.choose(plan)
         plan = plan.with_plans(data.align(plan.plans))
         plan = plan.with_plans(by_format(plan.plans, fmt))
@@ -233,11 +245,15 @@ def _claimed(decision: Decision, entry: TensorEntry, options: QuantizeOptions) -
     from_command_line = isinstance(decision.action, Quantize) and (
         selection.rule is None or selection.rule.kind is RuleKind.INCLUDE
     )
-    if options.target_sqnr is None or not from_command_line:
+    if not options.budgeted or not from_command_line:
         return decision
     spec, _ = fit_spec(INT8_CHANNEL, entry.shape)
     return Decision(Quantize(spec), Budget(options.target_sqnr), decision)
 
+    if options.allocation is not None:
+        budget = Budget(math.nan, (), options.allocation.describe())
+        return Decision(Quantize(spec), budget, decision)
+    assert options.target_sqnr is not None
 
 def by_format(
     plans: list[TensorPlan] | tuple[TensorPlan, ...], fmt: OutputFormat
@@ -326,7 +342,7 @@ def output_tag(options: QuantizeOptions) -> str:
     """What the default output name says (`model.int8.safetensors`): the storage dtype of every
     tensor the run quantizes, or MIXED_TAG when they may differ (the error budget picks per
     tensor; a recipe rule sets another dtype)."""
-    if options.target_sqnr is not None:
+    if options.budgeted:
         return MIXED_TAG
     tags = {options.spec.tag}
     for rule in options.rules:

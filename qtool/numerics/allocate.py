@@ -24,9 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_STATES = 1 << 16  # byte units of the DP table per tensor (its resolution)
 MAX_CELLS = 1 << 26  # backpointer bytes (tensors x states): 64 MiB at most
@@ -62,6 +65,42 @@ class TensorLadder:
     def ordered(self) -> tuple[Candidate, ...]:
         """Cheapest first; equal bytes by label (the order ties are broken in)."""
         return tuple(sorted(self.candidates, key=lambda c: (c.nbytes, c.label, c.r)))
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the allocation aims at: `kind` 'size' (bytes), 'bpw' (bits per weight over every
+    tensor written) or 'kl' (predicted loss); `value` > 0 (size: an integer of bytes)."""
+
+    kind: str
+    value: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("size", "bpw", "kl") or not (
+            self.value > 0 and math.isfinite(self.value)
+        ):
+            raise ValueError(f"target {self.kind} {self.value}")
+
+    def describe(self) -> str:
+        """'size 100 MiB (104857600 bytes)', 'bpw 4.5', 'kl 0.05'."""
+        if self.kind == "size":
+            return f"size {human_bytes(self.value)}"
+        return f"{self.kind} {self.value:g}"
+
+    def bytes_for(self, elements: int) -> int:
+        """The byte budget of a size or bpw target for a model of `elements` values."""
+        if self.kind == "size":
+            return int(self.value)
+        assert self.kind == "bpw"
+        return math.floor(self.value * elements / 8)
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.18 MiB (1234567 bytes)'; under 1 KiB just the bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({int(n)} bytes)"
+    return f"{int(n)} bytes"
 
 
 Alpha = Mapping[str, float]
@@ -101,6 +140,8 @@ def relative_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor | None 
     """r = sum_j h_j ||dW[:, j]||^2 / sum_j h_j ||W[:, j]||^2 for a [C, K] weight (dW = w_hat - w,
     in float64), h [K] the imatrix's E[x_j^2] (None: 1 for every column, the relative weight
     error). 0 for a zero weight quantized exactly, inf for a zero weight that is not."""
+    import torch
+
     x = w.to(torch.float64).reshape(-1, w.shape[-1])
     d = w_hat.to(torch.float64).reshape(-1, w.shape[-1]) - x
     err, sig = (d * d).sum(dim=0), (x * x).sum(dim=0)

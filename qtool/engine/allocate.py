@@ -1,0 +1,349 @@
+"""The allocation in a run (--target-size, --target-bpw, --target-kl): pass 4 of the plan for
+the tensors the budget decides (engine/budget.py's Measured.choose hands them here), and the
+files that reproduce its plan. The solver is numerics/allocate.py.
+
+Each tensor is read once and quantized with every ladder spec the format stores (and kept
+float); each candidate's bytes are those the output writes (fmt.stored_nbytes, else codes and
+sidecar), its r the relative output error: with an imatrix sum_j h_j ||dW[:,j]||^2 /
+sum_j h_j ||W[:,j]||^2 (weighted_error), without one the relative weight error. Its loss is
+alpha_L x r with alpha_L from the imatrix's sensitivities (qtool calibrate), else 1. Fused
+siblings (fmt.fused_key) are one item of the knapsack with one spec for all. The chosen codes
+are not kept: the writing pass quantizes each tensor again with its chosen spec (the same codes:
+quantization is deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qtool.engine.decision import Budget, Keep, Quantize, TensorPlan
+from qtool.engine.importance import weighted_error
+from qtool.engine.loop import quantize_one
+from qtool.engine.plan import ModelPlan, QuantizeOptions
+from qtool.engine.sizes import qparam_nbytes, stored_nbytes
+from qtool.errors import InputError, UsageError
+from qtool.numerics import allocate as solver
+from qtool.numerics import budget, kernels
+from qtool.numerics.range_methods import GridOverflow
+from qtool.results import Trial
+from qtool.spec import Codec, QSpec, spec_label
+
+if TYPE_CHECKING:
+    from qtool.engine.budget import Measured
+    from qtool.formats.base import OutputFormat
+    from qtool.io.stformat import TensorEntry
+
+FLOAT = "float"  # the candidate that keeps a tensor as it is
+LADDERS = {
+    "gguf": ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    "grid": ("int4 g32 mse", "int4 g64 mse", "int4 g128 mse", "int4 channel mse", "int8"),
+}
+"""The allocation's default ladders (besides keeping float): GGUF's block types, else
+qtool's and compressed-tensors' integer grids; the format drops what it cannot store."""
+
+
+def allocation_ladder(fmt: str) -> tuple[Codec, ...]:
+    from qtool.spec import parse_spec_label
+
+    labels = LADDERS["gguf" if fmt == "gguf" else "grid"]
+    return tuple(parse_spec_label(label, writable=True) for label in labels)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One tensor's candidates: label -> (spec or None for float, bytes, r)."""
+
+    plan: TensorPlan
+    options: dict[str, tuple[Codec | None, int, float]]
+
+
+def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
+    """Pass 4 for an allocation target: every tensor the budget decides measured, the knapsack
+    solved, each tensor given its candidate; a note says the plan's size, bpw and loss."""
+    target = data.options.allocation
+    assert target is not None and data.run is not None
+    alpha = sensitivities(data)
+    if target.kind == "kl" and alpha is None:
+        where = data.options.imatrix
+        raise UsageError(
+            where,
+            "a KL target needs sensitivities (alpha per Linear): "
+            + ("this imatrix holds none" if where else "no imatrix was given")
+            + "; calibrate with sensitivities, or aim at a size",
+            hint="sensitivity",
+        )
+    measured = _measure(plan, data)
+    fixed = sum(p.out_nbytes + p.qparam_nbytes for p in plan.plans if not p.decision.budget)
+    items = _items(measured, alpha or {}, data.fmt)
+    elements = sum(p.entry.numel for p in plan.plans)
+    try:
+        if target.kind == "kl":
+            chosen = solver.within_loss(items, target.value)
+        else:
+            chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
+    except solver.Infeasible as err:
+        raise UsageError(None, _infeasible(target, err.least, fixed), hint="target") from None
+    picks = _picks(measured, chosen, data.fmt)
+    by_name = {m.plan.entry.name: m for m in measured}
+    out = []
+    for p in plan.plans:
+        m = by_name.get(p.entry.name)
+        out.append(p if m is None else _decided(m, picks[p.entry.name], target))
+    total = fixed + chosen.nbytes
+    note = summary_line(target, chosen, total, elements, alpha is not None)
+    return ModelPlan(plan.shards, tuple(out), plan.counts, (*plan.notes, note), plan.texts)
+
+
+def summary_line(
+    target: solver.Target, plan: solver.Plan, total: int, elements: int, measured: bool
+) -> str:
+    """'allocation (size 100 MiB): 99.9 MiB, 4.41 bpw, predicted KL 0.0312; int4 g64 140 (...)'."""
+    what = "predicted KL" if measured else "predicted loss (relative output error, alpha = 1)"
+    parts = [f"{label} x{n} {solver.human_bytes(b)}" for label, (n, b) in plan.by_label().items()]
+    return (
+        f"allocation ({target.describe()}): {solver.human_bytes(total)}, "
+        f"{8 * total / max(1, elements):.3f} bpw, {what} {plan.loss:.6g}; "
+        f"by spec: {', '.join(parts)} (granularity {plan.granularity} bytes)"
+    )
+
+
+def sensitivities(data: Measured) -> dict[str, float] | None:
+    """alpha by checkpoint tensor name from the run's imatrix (its entries' names mapped to the
+    checkpoint's as its statistics are), or None when there is no imatrix or it holds none.
+    The file is read again for its metadata, and refused if it changed since the first read."""
+    importance = data.run.importance
+    if importance is None:
+        return None
+    from qtool.formats.imatrix import read_imatrix_file
+    from qtool.formats.imatrix.sensitivity import read_sensitivities
+
+    read = read_imatrix_file(importance.path)
+    if read.sha256 != importance.provenance.sha256:
+        raise InputError(importance.path, "changed while the run read it; run again")
+    found = read_sensitivities(importance.path, read.metadata)
+    if found is None:
+        return None
+    names = importance.entry_names or {}
+    return {
+        name: found.alpha[names.get(name, name)]
+        for name in importance.stats
+        if names.get(name, name) in found.alpha
+    }
+
+
+def _measure(plan: ModelPlan, data: Measured) -> list[Measurement]:
+    """Each tensor the budget decides, read once, every candidate's bytes and r."""
+    from qtool.engine.budget import ladder_of
+
+    run = data.run
+    run.expect(plan.plans)
+    out: list[Measurement] = []
+    for shard, plans in plan.per_shard():
+        ckpt = data.shards.checkpoint(shard)
+        workspace = kernels.Workspace(run.device)
+        for p in plans:
+            if not p.decision.budget:
+                continue
+            ladder = budget.candidates(ladder_of(data.options), p.entry.shape)
+            fitting = [s for s in ladder if data.fmt.supports(p.entry, s) is None]
+            options: dict[str, tuple[Codec | None, int, float]] = {
+                FLOAT: (None, stored_bytes(data.fmt, p.entry, None), 0.0)
+            }
+            for spec in fitting:
+                r = _relative_error(ckpt, p, spec, workspace, run.scales_in_weight_dtype, run)
+                if r is not None:
+                    options[spec_label(spec)] = (spec, stored_bytes(data.fmt, p.entry, spec), r)
+            ckpt.release(p.entry)
+            out.append(Measurement(p, options))
+    return out
+
+
+def _relative_error(
+    ckpt: object,
+    plan: TensorPlan,
+    spec: Codec,
+    workspace: kernels.Workspace,
+    weight_dtype: bool,
+    run: object,
+) -> float | None:
+    """r of `plan`'s tensor under `spec` (None: the spec cannot store it, e.g. its scales
+    overflow), weighted by the imatrix's h where it has the tensor's entry."""
+    from qtool.engine.loop import Kernels
+    from qtool.io.checkpoint import Checkpoint
+
+    assert isinstance(ckpt, Checkpoint) and isinstance(run, Kernels)
+    trial = TensorPlan(plan.entry, plan.decision.then(Quantize(spec), plan.decision.origin))
+    weights = run.weights(trial)
+    try:
+        result = quantize_one(ckpt, trial, workspace, weight_dtype, weights=weights)
+    except GridOverflow:
+        return None
+    if weights is not None:
+        w = weighted_error(ckpt, trial, result, weights)
+        err, sig = w.sq_error, w.sq_signal
+    else:
+        assert result.errors is not None
+        err, sig = result.errors.sq_error, result.errors.sq_signal
+    if sig == 0.0:
+        return 0.0 if err == 0.0 else None
+    r = err / sig
+    return r if math.isfinite(r) else None
+
+
+def stored_bytes(fmt: OutputFormat, entry: TensorEntry, spec: Codec | None) -> int:
+    """The bytes the output writes for the tensor: the format's count where it has one, else
+    codes (or the float values) and the sidecar's qparams."""
+    stored = fmt.stored_nbytes(entry, spec)
+    if stored is not None:
+        return stored
+    return stored_nbytes(entry, spec) + qparam_nbytes(entry, spec)
+
+
+def _items(
+    measured: Sequence[Measurement], alpha: Mapping[str, float], fmt: OutputFormat
+) -> list[solver.TensorLadder]:
+    """One knapsack item per tensor, or per set of fused siblings (the labels all of them
+    have, bytes and alpha x r summed), in plan order; each candidate's r is alpha x r."""
+    groups: dict[str, list[Measurement]] = {}
+    for m in measured:
+        key = fmt.fused_key(m.plan.entry.name)
+        groups.setdefault(m.plan.entry.name if key is None else f"fused:{key}", []).append(m)
+    items = []
+    for name, members in groups.items():
+        labels = [lb for lb in members[0].options if all(lb in m.options for m in members)]
+        cands = []
+        for label in labels:
+            nbytes = sum(m.options[label][1] for m in members)
+            loss = 0.0
+            for m in members:
+                loss += alpha.get(m.plan.entry.name, 1.0) * m.options[label][2]
+            cands.append(solver.Candidate(label, nbytes, loss))
+        items.append(solver.TensorLadder(name, tuple(cands)))
+    return items
+
+
+def _picks(measured: Sequence[Measurement], plan: solver.Plan, fmt: OutputFormat) -> dict[str, str]:
+    """tensor name -> chosen label (a fused set's label for each of its members)."""
+    chosen = dict(zip(plan.names, (c.label for c in plan.chosen), strict=True))
+    out = {}
+    for m in measured:
+        name = m.plan.entry.name
+        key = fmt.fused_key(name)
+        out[name] = chosen[name if key is None else f"fused:{key}"]
+    return out
+
+
+def _decided(m: Measurement, label: str, target: solver.Target) -> TensorPlan:
+    trials = tuple(
+        Trial(spec, _db(r), nbytes) for spec, nbytes, r in m.options.values() if spec is not None
+    )
+    origin = Budget(math.nan, trials, target.describe())
+    spec, nbytes, r = m.options[label]
+    why = f"allocation: {label}, r {r:.3g}, {nbytes} bytes"
+    action = Keep(f"kept float: {why}") if spec is None else Quantize(spec, why)
+    return TensorPlan(m.plan.entry, m.plan.decision.then(action, origin))
+
+
+def _db(r: float) -> float:
+    return math.inf if r == 0.0 else -10.0 * math.log10(r)
+
+
+def _infeasible(target: solver.Target, least: float, fixed: int) -> str:
+    if target.kind == "kl":
+        return (
+            f"no plan reaches predicted KL {target.value:g}: the least the ladder reaches is "
+            f"{least:.4g}; aim higher or give a ladder with finer specs"
+        )
+    return (
+        f"no plan fits {target.describe()}: the smallest the ladder makes is "
+        f"{solver.human_bytes(least + fixed)}, {fixed} bytes of them in "
+        "tensors the ladder does not decide); aim higher or give a ladder with smaller specs"
+    )
+
+
+# ---- files that reproduce the plan ------------------------------------------------------------
+
+
+def recipe_text(plans: Sequence[TensorPlan], target: solver.Target) -> str:
+    """A recipe (TOML) whose rules pin each tensor the allocation decided to its spec (or keep
+    it): quantize --recipe FILE with the same input and format writes the same plan."""
+    lines = [f"# qtool allocation ({target.describe()}): one rule per tensor it decided", ""]
+    for p in plans:
+        if not p.decision.budget:
+            continue
+        lines.append("[[rule]]")
+        lines.append(f"match = {_toml_str(p.entry.name)}")
+        spec = p.spec
+        if spec is None:
+            lines.append('keep = "allocation: float"')
+        elif isinstance(spec, QSpec):
+            lines += _grid_keys(spec)
+        else:
+            lines.append(f"dtype = {_toml_str(spec_label(spec))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _grid_keys(spec: QSpec) -> list[str]:
+    from qtool.spec import PerChannel, PerGroup
+
+    g = spec.granularity
+    keys = [f'scheme = "{spec.scheme.value}"', f'dtype = "{spec.dtype.value}"']
+    if isinstance(g, PerGroup):
+        keys += ['granularity = "group"', f"group_size = {g.size}"]
+    elif isinstance(g, PerChannel):
+        keys += ['granularity = "channel"', f"axis = {g.axis}"]
+    else:
+        keys.append('granularity = "tensor"')
+    keys.append(f'range = "{spec.range_method.value}"')
+    return keys
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def tensor_type_text(plans: Sequence[TensorPlan], gguf_name: Mapping[str, str]) -> str:
+    """llama-quantize's --tensor-type-file: `^name$=type` per tensor the allocation decided,
+    name as the GGUF file holds it (regex-escaped, anchored: llama.cpp takes each as a
+    regex_search, the first match wins), type lowercase."""
+    import re
+
+    out = []
+    for p in plans:
+        if not p.decision.budget:
+            continue
+        name = gguf_name.get(p.entry.name, p.entry.name).lower()
+        kind = spec_label(p.spec) if p.spec is not None else p.entry.dtype
+        out.append(f"^{re.escape(name)}$={kind.lower()}")
+    return "\n".join(out) + "\n"
+
+
+def save_plan(plans: Sequence[TensorPlan], options: QuantizeOptions, fmt: OutputFormat) -> None:
+    """The plan's recipe and llama-quantize tensor types where the options ask for them."""
+    assert options.allocation is not None
+    if options.save_recipe is not None:
+        write_text(options.save_recipe, recipe_text(plans, options.allocation))
+    if options.save_tensor_types is not None:
+        write_text(options.save_tensor_types, tensor_type_text(plans, gguf_names(plans, fmt)))
+
+
+def gguf_names(plans: Sequence[TensorPlan], fmt: OutputFormat) -> dict[str, str]:
+    """Each tensor's name in the GGUF the format writes (its own where it renames none)."""
+    rename = getattr(fmt, "gguf_name", None)
+    if rename is None:
+        return {}
+    return {p.entry.name: rename(p.entry.name) for p in plans}
+
+
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it, renamed into place."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

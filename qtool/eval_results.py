@@ -13,14 +13,16 @@ ENCODER = "encoder"
 
 @dataclass(frozen=True)
 class Distribution:
-    """A per-position figure over every scored position: mean, median, 90th and 99th
-    percentiles (linear interpolation between the closest ranks, numpy's default) and max."""
+    """A per-position figure over every scored position: mean, median, 90th, 99th and 99.9th
+    percentiles (linear interpolation between the closest ranks, numpy's default and
+    llama-perplexity's) and max."""
 
     mean: float
     median: float
     p90: float
     p99: float
     max: float
+    p999: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class CausalFigures:
     kl: Distribution
     agree: int  # scored positions where both argmax tokens are equal
     predicted: int  # scored positions (tokens predicted), sum over windows of (L - 1)
+    # mean over positions of ln p_f(y) - ln p_q(y) = ln(ppl_quant / ppl_float), its standard
+    # error, and the mean of p_q(y) - p_f(y) (y: the token that came), as llama-perplexity
+    ln_ratio: float = math.nan
+    ln_ratio_se: float = math.nan
+    dp_mean: float = math.nan
 
     @property
     def ppl_ratio(self) -> float:

@@ -8,10 +8,19 @@ first token. Every figure is computed in float32 from the logits (upcast when th
 bf16/fp16), sums and quantiles in float64. KL(float || quant) = sum_v p_f(v) (log p_f(v) -
 log p_q(v)): the float model's distribution is the reference, as in llama.cpp's
 `--kl-divergence`.
+
+The float side can also be kept apart from its logits, as `FloatRows` (what scoring needs of
+one window: the next-token NLL, the argmax, and the log-probabilities, all of them or the top k
+with the mass of the rest), so that one float pass serves many quantized models
+(`score_against`); with all log-probabilities the figures are those of `score_window`, bit for
+bit. With the top k, the KL is that of the two distributions coarsened to (the k tokens, the
+rest): never above the true KL, and below it by T_f KL(f_rest || q_rest), T_f being the float
+model's mass outside its top k (docs/eval.md gives the bound).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +78,99 @@ def _score_rows(
     )
 
 
+@dataclass(frozen=True)
+class TopK:
+    """The float model's k most likely tokens at each of n positions, in descending order."""
+
+    ids: torch.Tensor  # [n, k] int64
+    logp: torch.Tensor  # [n, k] float32 log-probabilities
+    log_rest: torch.Tensor  # [n] float32: log of the mass outside the k (-inf: none)
+
+
+@dataclass(frozen=True)
+class FloatRows:
+    """The float model at the n scored positions of one window: -log p_f(next token), its
+    argmax (lowest id on a tie, as torch's), and either every log-probability or the top k."""
+
+    nll: torch.Tensor  # [n] float32
+    argmax: torch.Tensor  # [n] int64
+    logp: torch.Tensor | None  # [n, V] float32; None: `top` instead
+    top: TopK | None
+
+
+def float_rows(logits_float: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> FloatRows:
+    """The float side of one window's figures (`ids` [L], logits [L, V]); k None: every
+    log-probability (exact figures), else the top k of each position."""
+    targets, scored = _scored(logits_float, ids)
+    nlls, argmaxes, logps, tops = [], [], [], []
+    for r in range(0, targets.shape[0], ROWS_PER_CHUNK):
+        rows = scored[r : r + ROWS_PER_CHUNK]
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        nlls.append(nll(logp, targets[r : r + ROWS_PER_CHUNK]).cpu())
+        argmaxes.append(rows.argmax(dim=-1).cpu())
+        if k is None:
+            logps.append(logp.cpu())
+        else:
+            tops.append(top_k(logp, k))
+    if k is None:
+        return FloatRows(torch.cat(nlls), torch.cat(argmaxes), torch.cat(logps), None)
+    top = TopK(*(torch.cat([getattr(t, f) for t in tops]) for f in ("ids", "logp", "log_rest")))
+    return FloatRows(torch.cat(nlls), torch.cat(argmaxes), None, top)
+
+
+def top_k(logp: torch.Tensor, k: int) -> TopK:
+    """The k largest of each row of log-probabilities [n, V] and the log of the rest's mass."""
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    rest = logp.scatter(-1, ids, -math.inf).logsumexp(dim=-1)
+    return TopK(ids.cpu(), values.float().cpu(), rest.float().cpu())
+
+
+def score_against(
+    reference: FloatRows, logits_quant: torch.Tensor, ids: torch.Tensor
+) -> WindowScores:
+    """The figures of one window `ids` [L] from the float side kept as `reference` and the
+    quantized model's logits [L, V]."""
+    targets, scored = _scored(logits_quant, ids)
+    if reference.nll.shape[0] != targets.shape[0]:
+        raise ValueError(f"{reference.nll.shape[0]} float rows for {targets.shape[0]} positions")
+    kls, nlls, agree = [], [], []
+    for r in range(0, targets.shape[0], ROWS_PER_CHUNK):
+        end = r + ROWS_PER_CHUNK
+        rows = scored[r:end]
+        logp_q = torch.log_softmax(rows.float(), dim=-1)
+        nlls.append(nll(logp_q, targets[r:end]).cpu())
+        if reference.logp is not None:
+            kls.append(kl_divergence(reference.logp[r:end].to(logp_q.device), logp_q).cpu())
+        else:
+            assert reference.top is not None
+            t = reference.top
+            part = TopK(t.ids[r:end], t.logp[r:end], t.log_rest[r:end])
+            kls.append(kl_top_k(part, logp_q.cpu()))
+        agree.append(reference.argmax[r:end] == rows.argmax(dim=-1).cpu())
+    return WindowScores(reference.nll, torch.cat(nlls), torch.cat(kls), torch.cat(agree))
+
+
+def kl_top_k(top: TopK, logp: torch.Tensor) -> torch.Tensor:
+    """KL(f || q) per row of the two distributions coarsened to (f's top k, the rest): the
+    float side `top`, the other's every log-probability `logp` [n, V]."""
+    logp_at = logp.gather(-1, top.ids)  # [n, k]
+    p_top = top.logp.exp()
+    head = torch.where(p_top > 0, p_top * (top.logp - logp_at), 0.0).sum(dim=-1)
+    rest_q = logp.scatter(-1, top.ids, -math.inf).logsumexp(dim=-1)
+    p_rest = top.log_rest.exp()
+    tail = torch.where(p_rest > 0, p_rest * (top.log_rest - rest_q), 0.0)
+    return head + tail
+
+
+def _scored(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets [L-1], the logits rows that predict them [L-1, V]) of one window."""
+    if logits.dim() != 2 or logits.shape[0] != ids.shape[0]:
+        raise ValueError(f"expected logits [{ids.shape[0]}, V], got {list(logits.shape)}")
+    if ids.shape[0] < 2:
+        raise ValueError("a window needs at least 2 tokens (one prediction)")
+    return ids[1:].to(logits.device), logits[:-1]
+
+
 def nll(logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """-log p(target) per row (logp [n, V] log-probabilities, targets [n] token ids)."""
     return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -88,10 +190,25 @@ def perplexity(nll_values: torch.Tensor) -> float:
 
 
 def distribution(values: torch.Tensor) -> Distribution:
-    """Mean, median, p90, p99 and max of a 1-D figure (quantiles interpolated linearly)."""
+    """Mean, median, p90, p99, p99.9 and max of a 1-D figure (quantiles interpolated
+    linearly between the closest ranks, as numpy and llama-perplexity do)."""
     v = values.double()
-    q = torch.quantile(v, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
-    return Distribution(float(v.mean()), float(q[0]), float(q[1]), float(q[2]), float(v.max()))
+    q = torch.quantile(v, torch.tensor([0.5, 0.9, 0.99, 0.999], dtype=torch.float64))
+    return Distribution(
+        float(v.mean()), float(q[0]), float(q[1]), float(q[2]), float(v.max()), float(q[3])
+    )
+
+
+def log_ratio(nll_float: torch.Tensor, nll_quant: torch.Tensor) -> tuple[float, float, float]:
+    """(mean, standard error) of ln p_f(y) - ln p_q(y) over the positions, i.e. ln(PPL_q /
+    PPL_f), and the mean of p_q(y) - p_f(y), as llama-perplexity's KL statistics give them
+    (standard error: sqrt of the population variance over n - 1; NaN below 2 positions)."""
+    d = nll_quant.double() - nll_float.double()
+    n = d.shape[0]
+    mean = float(d.mean()) if n else math.nan
+    se = math.sqrt(max(float((d - mean).square().mean()), 0.0) / (n - 1)) if n > 1 else math.nan
+    dp = float((torch.exp(-nll_quant.double()) - torch.exp(-nll_float.double())).mean())
+    return mean, se, dp if n else math.nan
 
 
 def mean_pooled(hidden: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,11 @@ from qtool.numerics.logits import (
     ROWS_PER_CHUNK,
     cosine,
     distribution,
+    float_rows,
     kl_divergence,
+    log_ratio,
     perplexity,
+    score_against,
     score_window,
 )
 
@@ -213,3 +216,100 @@ def test_layers_sort_worst_first_with_unreached_layers_last() -> None:
     assert [r.name for r in arrange_layers(rows, "output", None)] == ["a", "b", "c"]
     assert [r.name for r in arrange_layers(rows, "weight", 2)] == ["c", "b"]
     assert [r.name for r in arrange_layers(rows, "model", None)] == ["a", "b", "c"]
+
+
+# ---- the float side kept apart; llama-perplexity's statistics --------------------------------
+
+
+def random_pair(seed: int, n: int = 40, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lf = torch.randn(n, vocab, generator=gen) * 3
+    return lf, lf + 0.7 * torch.randn(n, vocab, generator=gen)
+
+
+@pytest.mark.parametrize("length", [2, ROWS_PER_CHUNK + 3])
+def test_float_rows_kept_apart_score_exactly_as_the_pair(length: int) -> None:
+    """Scoring against the float side kept with every log-probability is the pair's scoring
+    bit for bit: several candidates against one float pass report what one pair reports."""
+    lf, lq = random_pair(length, length, 70)
+    ids = torch.randint(0, 70, (length,), generator=torch.Generator().manual_seed(1))
+    pair = score_window(lf, lq, ids)
+    kept = score_against(float_rows(lf, ids), lq, ids)
+    for name in ("nll_float", "nll_quant", "kl", "agree"):
+        assert torch.equal(getattr(pair, name), getattr(kept, name)), name
+
+
+def test_argmax_ties_take_the_lowest_id_on_both_sides() -> None:
+    lf = torch.tensor([[1.0, 3.0, 3.0], [0.0, 0.0, 0.0]])
+    rows = float_rows(lf, torch.tensor([0, 1]))
+    assert rows.argmax.tolist() == [1]
+    assert bool(score_against(rows, lf.clone(), torch.tensor([0, 1])).agree.all())
+
+
+def coarse_bounds(lf: torch.Tensor, lq: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 numpy: (KL of the distributions coarsened to f's top k and the rest, that plus
+    T_f (ln p_f(k) - min over the rest of ln p_q) - T_f ln(T_f / T_q)): the true KL lies
+    between, as docs/eval.md states."""
+    pf = np.exp(lf.double().numpy() - np.logaddexp.reduce(lf.double().numpy(), axis=1)[:, None])
+    pq = np.exp(lq.double().numpy() - np.logaddexp.reduce(lq.double().numpy(), axis=1)[:, None])
+    lo, hi = [], []
+    for f, q in zip(pf, pq, strict=True):
+        order = np.argsort(-f, kind="stable")
+        top, rest = order[:k], order[k:]
+        t_f, t_q = f[rest].sum(), q[rest].sum()
+        coarse = float(np.sum(f[top] * np.log(f[top] / q[top])))
+        coarse += t_f * math.log(t_f / t_q) if t_f > 0 else 0.0
+        gap = 0.0
+        if len(rest):
+            gap = t_f * (math.log(f[top[-1]]) - np.log(q[rest]).min() - math.log(t_f / t_q))
+        lo.append(coarse)
+        hi.append(coarse + max(gap, 0.0))
+    return np.array(lo), np.array(hi)
+
+
+@pytest.mark.parametrize("k", [1, 5, 49, 50])
+def test_top_k_kl_is_the_coarsened_kl_within_its_stated_bound(k: int) -> None:
+    """The top-k KL is the KL of (f's top k, the rest) against the same cut of q: never above
+    the true KL, within T_f (ln p_f(k) - min_rest ln p_q - ln(T_f/T_q)) below it, exact when
+    k is the whole vocabulary. Fails on a tail term left out, or q's tail mass taken wrongly."""
+    lf, lq = random_pair(k)
+    ids = torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(2))
+    exact = score_window(lf, lq, ids).kl.double().numpy()
+    got = score_against(float_rows(lf, ids, k), lq, ids)
+    lo, hi = coarse_bounds(lf[:-1], lq[:-1], k)
+    np.testing.assert_allclose(got.kl.double().numpy(), lo, rtol=2e-4, atol=2e-6)
+    assert np.all(got.kl.double().numpy() <= exact + 1e-5)
+    assert np.all(exact <= hi + 1e-5)
+    if k == 50:
+        np.testing.assert_allclose(got.kl, exact, rtol=1e-5, atol=1e-6)
+    elif k <= 5:
+        assert (exact - lo).max() > 1e-3  # the cut loses something: the bound is not vacuous
+    assert torch.equal(got.nll_float, score_window(lf, lq, ids).nll_float)
+
+
+def test_log_ratio_and_dp_match_llama_perplexitys_definitions() -> None:
+    """llama-perplexity: ln(PPL(Q)/PPL(base)) = mean of nll_q - nll_f, its uncertainty
+    sqrt(se_q^2 + se_f^2 - 2 cov) with se = sqrt((<x^2> - <x>^2)/(n-1)) and cov =
+    (<ab> - <a><b>)/(n-1); mean dp = <p_q(y) - p_f(y)>. Fails on a variance over n, on the
+    difference taken the other way, or on the probabilities of the argmax instead of y."""
+    gen = torch.Generator().manual_seed(9)
+    nll_f = torch.rand(500, generator=gen) * 5
+    nll_q = nll_f + torch.randn(500, generator=gen) * 0.3 + 0.05
+    mean, se, dp = log_ratio(nll_f, nll_q)
+    a, b = nll_q.double().numpy(), nll_f.double().numpy()
+    n = len(a)
+
+    def unc(x: np.ndarray) -> float:
+        return math.sqrt(((x * x).mean() - x.mean() ** 2) / (n - 1))
+
+    cov = ((a * b).mean() - a.mean() * b.mean()) / (n - 1)
+    assert mean == pytest.approx(a.mean() - b.mean(), rel=1e-12)
+    assert math.log(perplexity(nll_q) / perplexity(nll_f)) == pytest.approx(mean, rel=1e-9)
+    assert se == pytest.approx(math.sqrt(unc(a) ** 2 + unc(b) ** 2 - 2 * cov), rel=1e-6)
+    assert dp == pytest.approx(float(np.mean(np.exp(-a) - np.exp(-b))), rel=1e-9)
+    assert math.isnan(log_ratio(nll_f[:1], nll_q[:1])[1])
+
+
+def test_distribution_p999_matches_numpy() -> None:
+    values = torch.rand(5003, generator=torch.Generator().manual_seed(6)) ** 4
+    assert distribution(values).p999 == pytest.approx(np.percentile(values.double().numpy(), 99.9))

@@ -2,9 +2,9 @@
 slabs, the batches of tiny tensors, the plots and the error budget call. Each codec family's
 kernels are registered here by its kind (FAMILIES), imported on first use:
 
-    grid  (spec.QSpec)      select.py chooses the torch kernels (kernels.py) or the fused
-                            ones (fused.py) as QTOOL_KERNEL says; tiny tensors of one spec may
-                            be stacked into one call (engine/batch.py)
+    grid  (spec.QSpec)      the torch kernels (kernels.py) or the fused ones (fused.py), called
+                            here as select.py chooses (QTOOL_KERNEL); tiny tensors of one spec
+                            may be stacked into one call (engine/batch.py)
     gguf  (spec.GGUFSpec)   numerics/gguf/codec.py: llama.cpp's block types (which choose
                             their kernels themselves)
 
@@ -13,6 +13,7 @@ A new codec family writes its Kernels and adds its line to FAMILIES."""
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,32 @@ def family(spec: Codec) -> Kernels:
 # -- the grid's kernels ---------------------------------------------------------------------
 
 
+def _grid_quantize(
+    x: torch.Tensor,
+    spec: QSpec,
+    *,
+    with_errors: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
+    workspace: Workspace | None = None,
+    weights: ColumnWeights | None = None,
+) -> QuantizedTensor:
+    """The fused kernels where select.py chooses them, else the torch kernels, timed for that
+    choice (the same bits either way)."""
+    fused = select.fused_for(x, spec, weighted=weights is not None)
+    if fused is not None:
+        got: QuantizedTensor = fused.quantize_tensor(
+            x, spec, with_errors=with_errors, scale_dtype=scale_dtype
+        )
+        return got
+    started = time.perf_counter()
+    result = kernels.quantize_tensor(
+        x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace,
+        weights=weights,
+    )  # fmt: skip
+    select.measured(x, spec, started)
+    return result
+
+
 def _grid_restored(x: torch.Tensor, spec: QSpec) -> torch.Tensor:
     result = kernels.quantize_tensor(x, spec, with_errors=False)
     q, scale, zp = result.q, result.scale, result.zero_point
@@ -115,9 +142,7 @@ def _grid_restore_rows(
     return select.dequantize(q, scale, zp, spec, x.dtype, shape)
 
 
-GRID = Kernels(
-    select.quantize_tensor, _grid_restored, _grid_expect, _grid_restore_rows, stacks=True
-)
+GRID = Kernels(_grid_quantize, _grid_restored, _grid_expect, _grid_restore_rows, stacks=True)
 
 FAMILIES: dict[str, Kernels | str] = {
     "grid": GRID,

@@ -35,8 +35,6 @@ import torch
 
 from qtool.errors import UsageError
 from qtool.numerics import kernels
-from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, matrix_shape
 
 ENV = "QTOOL_KERNEL"
@@ -280,33 +278,21 @@ def _fused_for(device: torch.device, ndim: int, spec: QSpec) -> ModuleType | Non
     return module
 
 
-def quantize_tensor(
-    x: torch.Tensor,
-    spec: QSpec,
-    *,
-    with_errors: bool = True,
-    scale_dtype: torch.dtype = torch.float32,
-    workspace: Workspace | None = None,
-    weights: ColumnWeights | None = None,
-) -> QuantizedTensor:
-    """kernels.quantize_tensor through the chosen kernels (same results, bit for bit); a
-    weighted mse search runs the torch kernels (the fused ones take no weights)."""
-    weighted = weights is not None and spec.range_method is RangeMethod.MSE
-    module = None if weighted else _fused_for(x.device, x.ndim, spec)
-    if module is None:
-        started = time.perf_counter()
-        result = kernels.quantize_tensor(
-            x, spec, with_errors=with_errors, scale_dtype=scale_dtype, workspace=workspace,
-            weights=weights,
-        )  # fmt: skip
-        if x.device.type == "cpu" and requested() is Kernel.AUTO:
-            wide = x.dtype in (torch.bfloat16, torch.float16)
-            _measured(_cost(spec, tuple(x.shape), x.numel(), wide), started)
-        return result
-    fused: QuantizedTensor = module.quantize_tensor(
-        x, spec, with_errors=with_errors, scale_dtype=scale_dtype
-    )
-    return fused
+def fused_for(x: torch.Tensor, spec: QSpec, *, weighted: bool = False) -> ModuleType | None:
+    """The fused module when it should quantize `x` with `spec`, else None (the torch kernels);
+    a `weighted` mse search (an importance matrix's weights) runs the torch kernels, which alone
+    take weights."""
+    if weighted and spec.range_method is RangeMethod.MSE:
+        return None
+    return _fused_for(x.device, x.ndim, spec)
+
+
+def measured(x: torch.Tensor, spec: QSpec, started: float) -> None:
+    """The torch kernels quantized `x` with `spec` since `started` (time.perf_counter): in auto
+    on the CPU, the call counts towards loading the fused kernels (see the module doc)."""
+    if x.device.type == "cpu" and requested() is Kernel.AUTO:
+        wide = x.dtype in (torch.bfloat16, torch.float16)
+        _measured(_cost(spec, tuple(x.shape), x.numel(), wide), started)
 
 
 def dequantize(

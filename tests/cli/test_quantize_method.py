@@ -45,11 +45,11 @@ def test_a_run_says_which_method_made_each_tensor(
     linears = [r for r in rows.values() if r["decided_by"]["origin"] == "calibrated"]
     assert len(linears) == 14
     assert {r["decided_by"]["method"] for r in linears} <= {"gptq", "rtn"}
-    assert all("% on check text" in r["detail"] for r in linears)
+    assert all("% check text" in r["detail"] for r in linears)
     rc, stdout, err = invoke(*_args(TINY_LM, "-o", str(tmp_path / "b"), text=text))
     assert rc == 0, err
     assert "gptq kept for" in err and "Linear layers of the decoder blocks" in err
-    assert "(gptq" in stdout or "(rtn (gptq" in stdout
+    assert "(gptq: " in stdout or "(rtn, gptq: " in stdout
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ def test_the_guard_rounds_to_nearest_where_awq_loses(
     guarded = api.quantize(model, tmp_path / "guarded", _options(model, fmt), device="cpu")
     linears = [r for r in guarded.rows if r.quantized and ".layers." in r.name]
     assert len(linears) == 14 and {r.decided_by.method for r in linears} == {"rtn"}
-    assert all("rtn (awq: +" in r.detail for r in linears if "q_proj" in r.name)
+    assert all("rtn, awq: +" in r.detail for r in linears if "q_proj" in r.name)
     api.quantize(model, tmp_path / "plain", QuantizeOptions(SPEC, format=fmt), device="cpu")
     for f in sorted((tmp_path / "plain").glob("*.safetensors")):
         assert f.read_bytes() == (tmp_path / "guarded" / f.name).read_bytes()
@@ -202,7 +202,7 @@ def test_the_run_counts_the_linears_it_decided(model: Path, tmp_path: Path, invo
     rc, stdout, err = invoke(*_args(model, "-o", str(tmp_path / "out")))
     assert rc == 0, err
     assert " of 14 Linear layers of the decoder blocks" in err and "awq kept for" in err, err
-    assert "(awq (" in stdout and "scaled by awq" in stdout
+    assert "(awq: " in stdout and "scaled by awq" in stdout
 
 
 @pytest.mark.parametrize(
@@ -256,7 +256,7 @@ def test_a_grid_across_output_rows_is_rounded_to_nearest(model: Path, tmp_path: 
     summary = api.quantize(model, tmp_path / "o", options, device="cpu")
     linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
     assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
-    assert all("rtn (awq: AWQ balances Linears quantized per tensor" in r.detail for r in linears
+    assert all("rtn, awq: AWQ balances Linears quantized per tensor" in r.detail for r in linears
                if "o_proj" not in r.name)  # fmt: skip
 
 

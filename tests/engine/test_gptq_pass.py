@@ -24,7 +24,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from qtool import api  # noqa: E402
-from qtool.calibration import Calibration, Guard  # noqa: E402
+from qtool.calibration import Calibration, Guard, Method  # noqa: E402
 from qtool.engine.calibrate import blocks, sequential  # noqa: E402
 from qtool.engine.methods import gptq as method  # noqa: E402
 from qtool.engine.methods import run as method_run  # noqa: E402
@@ -216,7 +216,7 @@ def test_the_guard_rounds_to_nearest_where_gptq_loses(
         linears = [r for r in summary.rows if r.decided_by.method is not None]
         assert len(linears) == 14
         assert all(r.decided_by.method == "rtn" for r in linears)
-        assert all("rtn (gptq: +" in r.detail and "% in domain" in r.detail for r in linears)
+        assert all("rtn, gptq: +" in r.detail and "% held out" in r.detail for r in linears)
         restored = _restored(out, tmp_path)
         assert all(torch.equal(restored[n], plain[n]) for n in plain)
     summary = _quantize(model, tmp_path / "none", _options(model, guard=Guard.NONE))
@@ -244,12 +244,41 @@ def test_the_guards_policies(in_domain: float, check: float, guard: Guard, keep:
 
 
 def test_the_notes_say_by_how_much() -> None:
+    """One level of words (the table puts the note in parentheses of its own), each figure one
+    word (a wrapped cell never splits '-20%'), and a stream with no rows said so, not '+0%'
+    (the class: a missing measurement read as 'no change')."""
     assert describe("gptq", judge(-0.2, 0.03, Guard.BOTH, 0.05)) == (
-        "gptq (-20 % in domain, +3 % on check text)"
+        "gptq: -20% held out, +3% check text"
     )
     assert describe("gptq", judge(-0.2, 0.35, Guard.BOTH, 0.05)) == (
-        "rtn (gptq: -20 % in domain, +35 % on check text)"
+        "rtn, gptq: -20% held out, +35% check text"
     )
+    assert describe("awq", judge(-0.2, None, Guard.BOTH, 0.05)) == (
+        "awq: -20% held out, no check text rows"
+    )
+    assert describe("gptq", judge(None, None, Guard.NONE, 0.05)) == (
+        "gptq: no held-out rows, no check text rows"
+    )
+    assert not judge(None, -0.5, Guard.DOMAIN, 0.05).keep  # no held-out rows prove nothing
+
+
+@pytest.mark.parametrize("which", [Method.GPTQ, Method.AWQ])
+def test_no_check_text_rows_is_no_figure(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: Method
+) -> None:
+    """A run whose check stream reached no Linear (its windows taken away): the notes with
+    figures say 'no check text rows', none a percentage on the check text."""
+    run = method_run.run_sequential
+
+    def no_check(model_: Any, reader: Any, streams: Any, *args: Any, **kw: Any) -> None:
+        run(model_, reader, {**streams, "check": []}, *args, **kw)
+
+    monkeypatch.setattr(method_run, "run_sequential", no_check)
+    summary = _quantize(model, tmp_path / "out", _options(model, method=which))
+    linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
+    assert len(linears) == 14
+    assert all("% check" not in r.detail for r in linears)
+    assert sum("held out, no check text rows" in r.detail for r in linears) >= 4
 
 
 def test_one_block_is_real_at_a_time_and_the_codes_wait_on_file(
@@ -334,7 +363,7 @@ def test_a_grid_gptq_cannot_solve_is_rounded_to_nearest(model: Path, tmp_path: P
     summary = _quantize(model, tmp_path / "o", options)
     linears = [r for r in summary.rows if r.quantized and ".layers." in r.name]
     assert linears and {r.decided_by.method for r in linears if r.decided_by} == {"rtn"}
-    assert all("rtn (gptq: GPTQ quantizes per tensor" in r.detail for r in linears), linears
+    assert all("rtn, gptq: GPTQ quantizes per tensor" in r.detail for r in linears), linears
 
 
 @pytest.mark.parametrize(("guard", "kept"), [(Guard.BOTH, "rtn"), (Guard.DOMAIN, "rtn"),

@@ -25,16 +25,17 @@ from typing import Any
 
 import torch
 
-from qtool.calibration import Calibration
+from qtool.calibration import Calibration, Guard
 from qtool.engine.hooks import Hooks
-from qtool.engine.methods.gptq import STREAMS, Chosen, Target, restored
-from qtool.engine.methods.guard import change, describe, judge
+from qtool.engine.methods.gptq import STREAMS, Chosen, HessianProbe, Target, output_change, restored
+from qtool.engine.methods.guard import change, describe, describe_figures, judge, rounded
 from qtool.engine.spill import Spill
-from qtool.numerics import awq, kernels
+from qtool.numerics import awq, gptq, kernels
 from qtool.numerics.metrics import error_stats
 from qtool.numerics.quantize import quantize_tensor
 
 METHOD = "awq"
+THEN_GPTQ = "awq+gptq"
 
 LLAMA_GROUPS = (
     ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -162,12 +163,17 @@ class AwqPolicy:
         spill: Spill,
         scales_in_weight_dtype: bool,
         outputs: list[torch.Tensor],
+        then_gptq: bool = False,
     ) -> None:
         self.targets, self.kept, self.calibration, self.spill = targets, kept, calibration, spill
         self.scales_in_weight_dtype = scales_in_weight_dtype
         self.outputs = outputs
+        self.then_gptq = then_gptq  # GPTQ's codes of the smoothed weights (awq+gptq)
         self.chosen: dict[str, Chosen] = {}
         self.changed: dict[str, str] = {}  # kept float tensor -> the table's note
+        # this block's folds, local Linear name -> scales: of its input columns, of its rows
+        self.columns: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, torch.Tensor] = {}
 
     def probe(self, block: torch.nn.Module, prefix: str) -> AwqProbe:
         return AwqProbe(block, groups(block), self.outputs)
@@ -180,11 +186,17 @@ class AwqPolicy:
         modules = dict(block.named_modules())
         notes: dict[str, str] = {}
         scaled: set[str] = set()
+        self.columns, self.rows = {}, {}
+        targets = {
+            local: m for local, m in modules.items()
+            if isinstance(m, torch.nn.Linear) and f"{prefix}{local}.weight" in self.targets
+        }  # fmt: skip
+        originals = {n: m.weight.detach().clone() for n, m in targets.items() if self.then_gptq}
         for group in probe.groups:
             why = self._unbalanced(prefix, group, modules, probe)
             if why is not None:
                 for n in group.linears:
-                    notes.setdefault(n, f"rtn ({METHOD}: {why})")
+                    notes.setdefault(n, rounded(METHOD, why))
                 continue
             note, changed = self._balance(prefix, group, modules, probe)
             for n in group.linears:
@@ -193,13 +205,16 @@ class AwqPolicy:
                 rows = f"output rows scaled by {METHOD} for {', '.join(group.linears)}"
                 notes[group.previous] = f"{notes.get(group.previous, METHOD)}; {rows}"
             scaled |= changed
-        for local, linear in modules.items():
+        hessians = _hessians(probe, targets) if self.then_gptq else None
+        for local, linear in targets.items():
             name = f"{prefix}{local}.weight"
-            if not isinstance(linear, torch.nn.Linear) or name not in self.targets:
-                continue
             method = METHOD if local in scaled else "rtn"
-            note = notes.get(local, f"rtn ({METHOD}: in no balanced group)")
-            self._round(name, linear, method)
+            note = notes.get(local, rounded(METHOD, "in no balanced group"))
+            if hessians is not None:
+                found = [hessians.take(local, s) for s in STREAMS]
+                method, note = self._gptq(name, local, linear, method, note, originals, found)
+            else:
+                self._round(name, linear, method)
             self.chosen[name] = Chosen(method, note)
 
     def _unbalanced(
@@ -251,22 +266,27 @@ class AwqPolicy:
         try:
             w_mean = awq.weight_means(originals, spec)
         except ValueError as err:  # a grid across output rows (channels on axis 1)
-            return f"rtn ({METHOD}: {err})", set()
+            return rounded(METHOD, str(err)), set()
         try:
             choice = awq.search(lambda s: error("fit", s), x_mean, w_mean)
         except awq.NonFiniteLoss:
-            return f"rtn ({METHOD}: every candidate's output error was NaN or infinite)", set()
+            return rounded(METHOD, "every candidate's output error was NaN or infinite"), set()
         ones = torch.ones_like(choice.scales)
         if torch.equal(choice.scales, ones):  # the identity won on the fit windows
-            return f"rtn ({METHOD}: round to nearest had the least output error)", set()
-        held = change(error("held", choice.scales), error("held", ones))
-        check = change(error("check", choice.scales), error("check", ones))
+            return rounded(METHOD, "round to nearest had the least output error"), set()
+        held, check = (
+            change(error(s, choice.scales), error(s, ones)) if probe.inputs[s] else None
+            for s in ("held", "check")
+        )
         verdict = judge(held, check, self.calibration.guard, self.calibration.tolerance)
         if not verdict.keep:
             return describe(METHOD, verdict), set()
         fold(probe.block, group, choice.scales)
         changed = set(group.linears)
         before = modules[group.previous]
+        self.columns |= dict.fromkeys(group.linears, choice.scales)
+        if isinstance(before, torch.nn.Linear):
+            self.rows[group.previous] = choice.scales
         if isinstance(before, torch.nn.Linear) and f"{prefix}{group.previous}.weight" in (
             self.targets
         ):
@@ -303,8 +323,110 @@ class AwqPolicy:
             self.spill.put(name, target.spec, result)
         linear.weight.data.copy_(reconstruction)
 
+    def _gptq(
+        self,
+        name: str,
+        local: str,
+        linear: torch.nn.Linear,
+        method: str,
+        note: str,
+        originals: dict[str, torch.Tensor],
+        hessians: list[torch.Tensor | None],
+    ) -> tuple[str, str]:
+        """awq+gptq: GPTQ's codes of the Linear's weight as AWQ left it (scaled or not), from
+        the Hessians of its inputs in the smoothed block, kept where the guard prefers them to
+        that weight rounded to nearest (what the Linear gets otherwise); the note also gives
+        their change against rounding of the ORIGINAL weight. Errors are compared in the
+        original model's output units (a Linear whose rows a later fold divided, weighted
+        back). (method, note)."""
+        fit, held, check = hessians
+        target = self.targets[name]
+        spec, scale_dtype = target.spec, self._scale_dtype(target)
+        why = gptq.unsupported(spec)
+        if why is None and held is None and self.calibration.guard is not Guard.NONE:
+            why = "no held-out window reached this Linear, so no verdict"
+        if why is None and fit is None:
+            why = "no calibration input reached this Linear"
+        if why is None and fit is not None:
+            solved = gptq.gptq_quantize(
+                linear.weight.detach().float(), fit, spec, scale_dtype=scale_dtype,
+                dynamic_groups=self.calibration.dynamic_groups,
+            )  # fmt: skip
+            if solved.fallback is not None:
+                why = solved.fallback.value
+        if why is not None:
+            self._round(name, linear, method)
+            return method, f"{note}; {method}, gptq: {why}"
+        weight = linear.weight.detach().float()
+        source = weight if method == METHOD else weight.to(target.dtype)
+        shape = tuple(weight.shape)
+        rtn = restored(quantize_tensor(source, spec, scale_dtype=scale_dtype), spec,
+                       target.dtype, shape)  # fmt: skip
+        result = solved.quantized(spec)
+        chosen = restored(result, spec, target.dtype, shape)
+        delta, baseline = chosen - source, rtn - source
+        rows = self.rows.get(local)
+        if rows is not None:  # its outputs are the original's divided by these scales
+            delta, baseline = delta * rows[:, None], baseline * rows[:, None]
+        verdict = judge(
+            output_change(delta, baseline, held), output_change(delta, baseline, check),
+            self.calibration.guard, self.calibration.tolerance,
+        )  # fmt: skip
+        figures = describe_figures(verdict.in_domain, verdict.check)
+        if method == METHOD:  # also against rounding of the original weight, unsmoothed
+            figures = f"{figures} against awq; " + self._against_rtn(
+                local, originals[local], target, delta, held, check
+            )
+        verdict_note = f"gptq: {figures}" if verdict.keep else f"{method}, gptq: {figures}"
+        if not verdict.keep:
+            self._round(name, linear, method)
+            return method, f"{note}; {verdict_note}"
+        errors = error_stats(source, chosen)
+        label = THEN_GPTQ if method == METHOD else "gptq"
+        self.spill.put(name, spec, kernels.QuantizedTensor(
+            result.q, result.scale, result.zero_point, errors, method=label
+        ))  # fmt: skip
+        linear.weight.data.copy_(chosen)
+        return label, f"{note}; {verdict_note}"
+
+    def _against_rtn(
+        self,
+        local: str,
+        original: torch.Tensor,
+        target: Target,
+        delta: torch.Tensor,
+        held: torch.Tensor | None,
+        check: torch.Tensor | None,
+    ) -> str:
+        """'-60% held out, -20% check text against rtn': GPTQ's output error (delta, in the
+        smoothed inputs' space) against rounding of the original weight, whose error on the
+        smoothed inputs is (Q(W) - W) diag(s)."""
+        source = original.float().to(target.dtype)
+        rtn = quantize_tensor(source, target.spec, scale_dtype=self._scale_dtype(target))
+        shape = tuple(source.shape)
+        baseline = restored(rtn, target.spec, target.dtype, shape) - source.float()
+        columns = self.columns.get(local)
+        if columns is not None:
+            baseline = baseline * columns[None, :]
+        figures = describe_figures(
+            output_change(delta, baseline, held), output_change(delta, baseline, check)
+        )
+        return f"{figures} against rtn"
+
     def _scale_dtype(self, target: Target) -> torch.dtype:
         return target.dtype if self.scales_in_weight_dtype else torch.float32
+
+
+def _hessians(probe: AwqProbe, linears: dict[str, torch.nn.Linear]) -> HessianProbe:
+    """awq+gptq: the Hessians of `linears`' inputs per stream, from one more pass of the block
+    as the folds left it (float, smoothed) on the inputs pass 1 kept."""
+    found = HessianProbe(linears)
+    with found, torch.no_grad():
+        for stream in STREAMS:
+            found.stream = stream
+            for x in probe.inputs[stream]:
+                probe.block(x, **probe.kwargs)
+    return found
 
 
 def output_buffers(

@@ -19,7 +19,7 @@ import torch
 
 from qtool.calibration import Calibration, Guard
 from qtool.engine.hooks import Hooks
-from qtool.engine.methods.guard import change, describe, judge
+from qtool.engine.methods.guard import change, describe, judge, rounded
 from qtool.engine.spill import Spill
 from qtool.numerics import gptq, kernels
 from qtool.numerics.metrics import error_stats
@@ -139,13 +139,13 @@ class GptqPolicy:
             # the fit rows' Hessian would judge GPTQ on what it was fitted to (it always wins)
             why = "no held-out window reached this Linear, so no verdict"
         if why is not None:
-            return rtn, rtn_weight, Chosen("rtn", f"rtn ({METHOD}: {why})")
+            return rtn, rtn_weight, Chosen("rtn", rounded(METHOD, why))
         solved = gptq.gptq_quantize(
             weight.float(), fit, spec, scale_dtype=scale_dtype,
             dynamic_groups=self.calibration.dynamic_groups,
         )  # fmt: skip
         if solved.fallback is not None:
-            return rtn, rtn_weight, Chosen("rtn", f"rtn ({METHOD}: {solved.fallback.value})")
+            return rtn, rtn_weight, Chosen("rtn", rounded(METHOD, solved.fallback.value))
         result = solved.quantized(spec)
         g_weight = restored(result, spec, dtype, tuple(weight.shape))
         errors = error_stats(original, g_weight)
@@ -153,8 +153,8 @@ class GptqPolicy:
             result.q, result.scale, result.zero_point, errors, method=METHOD
         )
         verdict = judge(
-            _change(g_weight - weight, rtn_weight - weight, held),
-            _change(g_weight - weight, rtn_weight - weight, check),
+            output_change(g_weight - weight, rtn_weight - weight, held),
+            output_change(g_weight - weight, rtn_weight - weight, check),
             self.calibration.guard,
             self.calibration.tolerance,
         )
@@ -164,9 +164,11 @@ class GptqPolicy:
         return rtn, rtn_weight, Chosen("rtn", note)
 
 
-def _change(delta: torch.Tensor, baseline: torch.Tensor, hessian: torch.Tensor | None) -> float:
-    if hessian is None:  # no check text ran (nothing to compare): no change
-        return 0.0
+def output_change(
+    delta: torch.Tensor, baseline: torch.Tensor, hessian: torch.Tensor | None
+) -> float | None:
+    if hessian is None:  # no row of that stream reached the Linear: nothing to compare
+        return None
     return change(gptq.output_error(delta, hessian), gptq.output_error(baseline, hessian))
 
 

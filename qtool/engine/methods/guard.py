@@ -26,27 +26,44 @@ class Verdict:
     """The guard's answer for one Linear: keep the method's result or not, and why."""
 
     keep: bool
-    in_domain: float  # change of the output error on the held-out windows
-    check: float  # change of the output error on the check text
+    in_domain: float | None  # change of the output error on the held-out windows
+    check: float | None  # the same on the check text; None: no rows of that stream
 
 
-def judge(in_domain: float, check: float, policy: Guard, tolerance: float) -> Verdict:
-    """Keep where the policy says the method helped (options.Guard)."""
+def judge(in_domain: float | None, check: float | None, policy: Guard, tolerance: float) -> Verdict:
+    """Keep where the policy says the method helped (options.Guard): no held-out rows (None)
+    prove nothing, no check text rows raise nothing there."""
+    lower = in_domain is not None and in_domain < 0.0
     if policy is Guard.NONE:
         keep = True
     elif policy is Guard.DOMAIN:
-        keep = in_domain < 0.0
+        keep = lower
     else:
-        keep = in_domain < 0.0 and check <= tolerance
+        keep = lower and (check is None or check <= tolerance)
     return Verdict(keep, in_domain, check)
 
 
 def percent(value: float) -> str:
-    return "+inf %" if math.isinf(value) else f"{value * 100:+.0f} %"
+    """-0.2 -> '-20%' (no space: a wrapped table cell keeps the figure whole)."""
+    return "+inf%" if math.isinf(value) else f"{value * 100:+.0f}%"
 
 
 def describe(method: str, verdict: Verdict) -> str:
-    """The table's note: 'gptq (-20 % in domain, +3 % on check text)' or 'rtn (gptq: -20 % in
-    domain, +35 % on check text)'."""
-    figures = f"{percent(verdict.in_domain)} in domain, {percent(verdict.check)} on check text"
-    return f"{method} ({figures})" if verdict.keep else f"rtn ({method}: {figures})"
+    """The table's note, one level of words inside the table's parentheses: 'gptq: -20% held
+    out, +3% check text' (kept) or 'rtn, gptq: -20% held out, +35% check text' (not); 'no check
+    text rows' where none reached the Linear."""
+    figures = describe_figures(verdict.in_domain, verdict.check)
+    return f"{method}: {figures}" if verdict.keep else rounded(method, figures)
+
+
+def describe_figures(held: float | None, check: float | None) -> str:
+    """'-20% held out, +3% check text' (a stream without rows: 'no held-out rows', 'no check
+    text rows')."""
+    held_out = "no held-out rows" if held is None else f"{percent(held)} held out"
+    on_check = "no check text rows" if check is None else f"{percent(check)} check text"
+    return f"{held_out}, {on_check}"
+
+
+def rounded(method: str, why: str) -> str:
+    """The note of a Linear rounded to nearest instead of `method`'s result: 'rtn, gptq: why'."""
+    return f"rtn, {method}: {why}"

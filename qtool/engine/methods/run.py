@@ -131,7 +131,7 @@ def _policy(
 ) -> GptqPolicy | AwqPolicy:
     assert job.kernels is not None
     in_weight_dtype = job.kernels.scales_in_weight_dtype
-    if calibration.method is not Method.AWQ:
+    if calibration.method is Method.GPTQ:
         return GptqPolicy(targets, calibration, spill, in_weight_dtype)
     kept = {p.entry.name: ST_TO_TORCH[p.entry.dtype] for p in plan.plans if p.spec is None}
     windows = sum(len(ws) for ws in streams.values())
@@ -139,7 +139,8 @@ def _policy(
     # the float block's outputs, as many bytes as the activations: mapped past the same bound
     mapped = spilled(windows, ctx, width, device, ACTIVATIONS_IN_MEMORY, spill.directory)
     outputs = output_buffers(windows, ctx, width, device, mapped)
-    return AwqPolicy(targets, kept, calibration, spill, in_weight_dtype, outputs)
+    then_gptq = calibration.method is Method.AWQ_GPTQ
+    return AwqPolicy(targets, kept, calibration, spill, in_weight_dtype, outputs, then_gptq)
 
 
 def _streams(

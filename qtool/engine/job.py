@@ -44,7 +44,7 @@ class RunOptions:
     force: bool = False
     progress: Progress | None = None
     also: Sequence[Path] = ()
-    threads: int | None = None  # torch's CPU threads, set once the checks passed (None: as is)
+    threads: int | None = None  # torch's CPU threads, set once the checks passed (None: idle cores)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,7 +66,7 @@ def quantize(
     """Quantize `src` into `out`, or only plan it, or estimate it (see Mode); `requantize`:
     an already quantized GGUF is taken as float (engine/requantize.py's dry run)."""
     started = time.perf_counter()
-    if run.mode is Mode.PLAN and options.budgeted:
+    if run.mode is Mode.PLAN and options.target_sqnr is not None:
         raise UsageError(
             None,
             "the error budget measures each tensor, which a plan from headers does not",
@@ -75,7 +76,8 @@ def quantize(
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
     fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
     output = Output(source, _target(source, src, out, options, fmt))
-    kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt)
+    threads = ExitStack()  # torch's count given back to an in-process caller at the end
+    kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt, threads)
     shards = Shards(output.source, header_only=kernels is None)
     job = Job(output, fmt, options, run, shards, kernels)
     try:
@@ -96,6 +98,7 @@ def quantize(
         return _summary(job, done, started, tied_warnings(done.plan.plans, tied))
     finally:
         shards.close()
+        threads.close()
 
 
 def _format(
@@ -158,7 +161,7 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
         from qtool.engine.loop import resolve_device
 
         resolve_device(run.device)
-    if job.options.budgeted:
+    if job.options.target_sqnr is not None:
         from qtool.engine.budget import needed_bytes
 
         needed = needed_bytes(plan.plans, job.options)
@@ -170,13 +173,12 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
     )  # fmt: skip
 
 
-def _kernels(run: RunOptions, fmt: OutputFormat) -> Kernels:
+def _kernels(run: RunOptions, fmt: OutputFormat, threads: ExitStack) -> Kernels:
     from qtool.engine.loop import Kernels, resolve_device
+    from qtool.engine.threads import using_threads
 
-    if run.threads is not None:  # here, not in the CLI: a usage error never waits for torch
-        import torch
-
-        torch.set_num_threads(run.threads)
+    # here, not in the CLI: a usage error never waits for torch; None: the idle cores
+    threads.enter_context(using_threads(run.threads))
     return Kernels(resolve_device(run.device), run.progress, fmt.scales_in_weight_dtype)
 
 
@@ -271,7 +273,7 @@ def _provenance(job: Job) -> dict[str, object] | None:
 def _budget_sizes(job: Job, plans: Sequence[TensorPlan]) -> tuple[int, int] | None:
     """With --target-sqnr: the output size had the budget's tensors all been int8 (sym, per
     channel, min-max), and had they all stayed float."""
-    if not job.options.budgeted:
+    if job.options.target_sqnr is None:
         return None
     from qtool.engine.budget import budget_sizes
 

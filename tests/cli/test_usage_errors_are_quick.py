@@ -30,17 +30,28 @@ def test_an_output_name_quantize_cannot_write_loads_no_torch(
 def test_threads_still_reach_torch_once_the_checks_passed(
     checkpoint: Path,  # noqa: F811
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import torch
 
+    from qtool.engine import write
     from tests.conftest import run_qtool
+
+    seen: list[int] = []
+    real = vars(write)["write_shard"]
+
+    def spy(*args: object) -> object:
+        seen.append(torch.get_num_threads())
+        return real(*args)
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
+        monkeypatch.setattr(write, "write_shard", spy)
         code, _, err = run_qtool("quantize", str(checkpoint), "-o", str(tmp_path / "q.safetensors"),
                                  "--threads", "1")  # fmt: skip
         assert code == 0, err
-        assert torch.get_num_threads() == 1
+        assert seen == [1]  # in the run; the caller's count comes back after it
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -57,11 +57,18 @@ from qtool.cli.quantize_options import (
     QuantizeOutOpt,
     RecipeOpt,
     TargetSqnrOpt,
+    SaveRecipeOpt,
+    TargetBpwOpt,
+    TargetKlOpt,
+    TargetSizeOpt,
     ThreadsOpt,
+    TensorTypeFileOpt,
     check_format_options,
+    allocation_target,
     check_format_spec,
     check_imatrix,
     gguf_cli_spec,
+    check_plan_files,
     quantize_mode,
     warn_budget_overrides,
 )
@@ -106,6 +113,11 @@ def quantize(
     recipe: RecipeOpt = None,
     target_sqnr: TargetSqnrOpt = None,
     fmt: FormatOpt = FormatName.QTOOL,
+    target_size: TargetSizeOpt = None,
+    target_bpw: TargetBpwOpt = None,
+    target_kl: TargetKlOpt = None,
+    save_recipe: SaveRecipeOpt = None,
+    tensor_type_file: TensorTypeFileOpt = None,
     config: ConfigOpt = None,
     group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
     allow_requantize: AllowRequantizeOpt = False,
@@ -145,7 +157,11 @@ def quantize(
         else gguf_cli_spec(dtype, scheme, per_channel, axis, group_size, range_method)
     )
     calibrated = calibration(method, text, tokens, calib_ctx, check_text, guard, tolerance)
-    check_method(calibrated, fmt, integer_grid, target_sqnr, dry_run, estimate)
+    target = allocation_target(target_size, target_bpw, target_kl, target_sqnr)
+    check_method(calibrated, fmt, integer_grid, target_sqnr if target is None else target.value,
+                 dry_run, estimate)  # fmt: skip
+    check_plan_files(target, save_recipe, tensor_type_file, fmt == FormatName.GGUF.value,
+                     dry_run, estimate)  # fmt: skip
     mode = quantize_mode(dry_run, estimate, _measured(bounds, plot), target_sqnr is not None)
     check_format_options(fmt, config, group_fallback)
     if allow_requantize and fmt != FormatName.GGUF.value:
@@ -154,11 +170,13 @@ def quantize(
     check_format_spec(fmt, spec, budget=target_sqnr is not None)
     gguf, minmax = fmt == FormatName.GGUF.value, range_method is RangeMethod.MINMAX
     check_imatrix(imatrix, target_sqnr is not None, method is not None, gguf=gguf,
-                  minmax=minmax, recipe=recipe is not None)  # fmt: skip
+                  minmax=minmax and target is None, recipe=recipe is not None)  # fmt: skip
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip
-        options = dataclasses.replace(options, calibration=calibrated)
+        options = dataclasses.replace(options, calibration=calibrated, allocation=target,
+                                      save_recipe=save_recipe,
+                                      save_tensor_types=tensor_type_file)  # fmt: skip
         if target_sqnr is not None:
             warn_budget_overrides(ctx, options)
         plot = plot_target(plot, src, "quantize")
@@ -284,7 +302,7 @@ def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
         for rule in api.unmatched_rules(options.recipe.rules, names):
             where = f"{options.recipe.path}: line {rule.line}: {rule.describe()}"
             report.print_warning(f"{where} matches no tensor")
-        if options.recipe.ladder is not None and options.target_sqnr is None:
+        if options.recipe.ladder is not None and not options.budgeted:
             report.print_warning(
                 f"{options.recipe.path}: its ladder applies only with --target-sqnr"
             )

@@ -66,7 +66,7 @@ def quantize(
     """Quantize `src` into `out`, or only plan it, or estimate it (see Mode); `requantize`:
     an already quantized GGUF is taken as float (engine/requantize.py's dry run)."""
     started = time.perf_counter()
-    if run.mode is Mode.PLAN and options.target_sqnr is not None:
+    if run.mode is Mode.PLAN and options.budgeted:
         raise UsageError(
             None,
             "the error budget measures each tensor, which a plan from headers does not",
@@ -161,7 +161,7 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
         from qtool.engine.loop import resolve_device
 
         resolve_device(run.device)
-    if job.options.target_sqnr is not None:
+    if job.options.budgeted:
         from qtool.engine.budget import needed_bytes
 
         needed = needed_bytes(plan.plans, job.options)
@@ -273,7 +273,7 @@ def _provenance(job: Job) -> dict[str, object] | None:
 def _budget_sizes(job: Job, plans: Sequence[TensorPlan]) -> tuple[int, int] | None:
     """With --target-sqnr: the output size had the budget's tensors all been int8 (sym, per
     channel, min-max), and had they all stayed float."""
-    if job.options.target_sqnr is None:
+    if not job.options.budgeted:
         return None
     from qtool.engine.budget import budget_sizes
 

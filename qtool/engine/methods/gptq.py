@@ -48,35 +48,62 @@ class Chosen:
 
 class HessianProbe(Hooks):
     """Forward pre-hooks on `linears` (module name -> Linear): the Hessian of each one's inputs
-    on the stream now running (`stream`), per stream."""
+    on the stream now running (`stream`), per stream.
+
+    Linears called one after the other on the same input tensor (q/k/v, gate/up in the Llama
+    family) share one Hessian: a Linear whose first input is the object the Linear hooked just
+    before it received is that one's sharer from then on (its rows are not added again), and
+    each later call checks that it still is (RuntimeError otherwise: a model that feeds them
+    different inputs after all)."""
+
+    share = True  # tests compare with each Linear's own
 
     def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
         self.linears = linears
         self.stream = STREAMS[0]
         self.hessians: dict[tuple[str, str], gptq.Hessian] = {}
+        self.owner: dict[str, str] = {}  # Linear -> the Linear whose Hessian it uses
+        self._last: tuple[Any, str] | None = None  # the input last added, and whose
+        self._taken: dict[tuple[str, str], int] = {}
 
     def _attach(self) -> list[Any]:
         return [m.register_forward_pre_hook(self._hook(n)) for n, m in self.linears.items()]
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...]], None]:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
+            last = self._last
+            same = last is not None and last[0] is args[0]
+            if name not in self.owner:
+                self.owner[name] = last[1] if same and self.share and last else name
+            owner = self.owner[name]
+            if owner != name:
+                if not (same and last is not None and last[1] == owner):
+                    raise RuntimeError(f"{name} shares the Hessian of {owner} but was called on "
+                                       "another input")  # fmt: skip
+                return
             x = args[0].detach()
             key = (name, self.stream)
             if key not in self.hessians:
                 self.hessians[key] = gptq.Hessian(x.shape[-1], device=x.device)
             self.hessians[key].add(x.reshape(-1, x.shape[-1]))
+            self._last = (args[0], name)
 
         return hook
 
     def matrix(self, name: str, stream: str) -> torch.Tensor | None:
-        found = self.hessians.get((name, stream))
+        found = self.hessians.get((self.owner.get(name, name), stream))
         return found.matrix if found is not None and found.rows else None
 
     def take(self, name: str, stream: str) -> torch.Tensor | None:
-        """matrix(), the probe letting go of that Hessian (one Linear's three are alive only
-        until it is solved)."""
+        """matrix(), the probe letting go of that Hessian once every Linear sharing it took it
+        (a Linear's three are alive only until it and its sharers are solved)."""
         found = self.matrix(name, stream)
-        self.hessians.pop((name, stream), None)
+        owner = self.owner.get(name, name)
+        key = (owner, stream)
+        self._taken[key] = self._taken.get(key, 0) + 1
+        if self._taken[key] >= sum(o == owner for o in self.owner.values()):
+            self.hessians.pop(key, None)
+            self._last = None  # the input it holds is spent too
         return found
 
 

@@ -260,8 +260,8 @@ def _infeasible(target: solver.Target, least: float, fixed: int) -> str:
         )
     return (
         f"no plan fits {target.describe()}: the smallest the ladder makes is "
-        f"{solver.human_bytes(least + fixed)}, {fixed} bytes of them in "
-        "tensors the ladder does not decide); aim higher or give a ladder with smaller specs"
+        f"{solver.human_bytes(least + fixed)}, {fixed} bytes of it in tensors the ladder does "
+        "not decide; aim higher or give a ladder with smaller specs"
     )
 
 
@@ -271,7 +271,12 @@ def _infeasible(target: solver.Target, least: float, fixed: int) -> str:
 def recipe_text(plans: Sequence[TensorPlan], target: solver.Target) -> str:
     """A recipe (TOML) whose rules pin each tensor the allocation decided to its spec (or keep
     it): quantize --recipe FILE with the same input and format writes the same plan."""
-    lines = [f"# qtool allocation ({target.describe()}): one rule per tensor it decided", ""]
+    lines = [
+        f"# qtool allocation ({target.describe()}): one rule per tensor it decided.",
+        "# quantize INPUT --recipe THIS_FILE with the same --format (GGUF: any --dtype, which",
+        "# the rules override) writes the same plan.",
+        "",
+    ]
     for p in plans:
         if not p.decision.budget:
             continue

@@ -1,0 +1,212 @@
+"""quantize --target-size/--target-bpw/--target-kl (engine/allocate.py): the plan fits its target
+counted as the output writes it, is reproduced byte for byte by its saved recipe and by a
+second run, follows the imatrix's sensitivities, and the targets' misuse is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import typer
+
+from qtool.cli.quantize_options import parse_size
+from qtool.formats.imatrix import write_imatrix
+from qtool.formats.imatrix.sensitivity import Sensitivities, sensitivity_keys
+from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+from tests.conftest import Invoke
+
+TINY = Path(__file__).resolve().parents[2] / "sample_weights"
+
+
+def _run(invoke: Invoke, *args: str) -> Any:
+    code, out, err = invoke("quantize", *args, "--threads", "1", "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _note(doc: Any) -> str:
+    notes = [n for n in doc["warnings"] if str(n).startswith("allocation (")]
+    assert len(notes) == 1
+    return str(notes[0])
+
+
+def _find(pattern: str, text: str) -> str:
+    found = re.search(pattern, text)
+    assert found is not None, text
+    return found.group(1)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    """The output's files by name (a lone file under '')."""
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("src", "fmt", "target"),
+    [
+        ("tiny-llama", "qtool", ("--target-size", "60KiB")),
+        ("tiny-llama", "compressed-tensors", ("--target-size", "0.09MB")),
+        ("tiny-llama.gguf", "gguf", ("--target-bpw", "5")),
+    ],
+    ids=["qtool", "compressed-tensors", "gguf"],
+)
+def test_the_plan_fits_as_written_and_its_recipe_reproduces_it(
+    invoke: Invoke, tmp_path: Path, src: str, fmt: str, target: tuple[str, str]
+) -> None:
+    """bytes_out (what the output holds: codes, scales, zero points, kept tensors) is the
+    plan's own count and within the target; a second run and --recipe of the saved plan write
+    the same bytes."""
+    suffix = ".gguf" if fmt == "gguf" else ""
+    out = [tmp_path / f"o{i}{suffix}" for i in range(3)]
+    recipe = tmp_path / "plan.toml"
+    common = [str(TINY / src), "--format", fmt]
+    doc = _run(invoke, *common, *target, "-o", str(out[0]), "--save-recipe", str(recipe))
+    totals = doc["totals"]
+    assert isinstance(totals, dict)
+    planned = int(_find(r"\((\d+) bytes\), [0-9.]+ bpw", _note(doc)))
+    assert totals["bytes_out"] == planned
+    limit = parse_size(target[1]) if target[0] == "--target-size" else 5 * _elements(doc) // 8
+    assert planned <= limit
+    assert planned > 0.9 * limit  # it spends the budget (the ladder is fine enough here)
+    _run(invoke, *common, *target, "-o", str(out[1]))
+    any_type = ["--dtype", "Q8_0"] if fmt == "gguf" else []  # every decided tensor is pinned
+    _run(invoke, *common, *any_type, "--recipe", str(recipe), "-o", str(out[2]))
+    assert _files(out[0]) == _files(out[1]) == _files(out[2])
+
+
+def _elements(doc: Any) -> int:
+    tensors = doc["tensors"]
+    assert isinstance(tensors, list)
+    return sum(int(np.prod(t["shape"])) for t in tensors)
+
+
+def test_more_bytes_never_predict_more_loss(invoke: Invoke, tmp_path: Path) -> None:
+    """The least loss within a size falls (weakly) as the size grows: an optimum, not a
+    heuristic walk (a greedy by spec order can go up)."""
+    losses = []
+    for i, size in enumerate(("54KiB", "58KiB", "62KiB", "80KiB", "120KiB")):
+        doc = _run(invoke, str(TINY / "tiny-llama"), "--target-size", size, "-o",
+                   str(tmp_path / f"o{i}"))  # fmt: skip
+        losses.append(float(_find(r"alpha = 1\) ([0-9.e-]+);", _note(doc))))
+    assert losses == sorted(losses, reverse=True)
+    assert losses[0] > losses[-1]
+
+
+def _imatrix(path: Path, alpha: dict[str, float] | None) -> None:
+    """An imatrix for tiny-llama under llama.cpp's names (h = 1 everywhere), with sensitivities
+    `alpha` (llama.cpp names) when given."""
+    widths = {"attn_q": 64, "attn_k": 64, "attn_v": 64, "attn_output": 64, "ffn_gate": 64,
+              "ffn_up": 64, "ffn_down": 128}  # fmt: skip
+    entries = {
+        f"blk.{b}.{k}.weight": MatrixStats(np.full((1, w), 3.0, np.float32), np.array([3]))
+        for b in range(2)
+        for k, w in widths.items()
+    }
+    extra = None
+    if alpha is not None:
+        extra = sensitivity_keys(Sensitivities(alpha, "test", 100))
+    write_imatrix(path, ImportanceMatrix(entries, 512, 1, ("t.txt",)), extra)
+
+
+def test_sensitivities_move_bytes_to_the_sensitive_tensor(invoke: Invoke, tmp_path: Path) -> None:
+    """With alpha large for one Linear (by its llama.cpp name in the imatrix, mapped to the
+    checkpoint's) the allocation spends more on it than with no sensitivities at the same size."""
+    _imatrix(tmp_path / "flat.gguf", None)
+    alpha = {f"blk.{b}.{k}.weight": 1e-3 for b in range(2) for k in ("attn_q", "ffn_up")}
+    alpha["blk.1.ffn_down.weight"] = 1e3
+    _imatrix(tmp_path / "steep.gguf", alpha)
+    src = [str(TINY / "tiny-llama"), "--target-size", "56KiB"]
+    specs = {}
+    for name in ("flat", "steep"):
+        doc = _run(invoke, *src, "--imatrix", str(tmp_path / f"{name}.gguf"), "-o",
+                   str(tmp_path / name))  # fmt: skip
+        rows = {t["name"]: t for t in doc["tensors"]}
+        specs[name] = rows["model.layers.1.mlp.down_proj.weight"]
+    # the reason names the candidate's bytes as written (codes and qparams)
+    spent = {k: int(_find(r"(\d+) bytes$", v["decided_by"]["reason"])) for k, v in specs.items()}
+    assert spent["steep"] > spent["flat"]
+
+
+def test_a_kl_target_without_sensitivities_is_refused(invoke: Invoke, tmp_path: Path) -> None:
+    _imatrix(tmp_path / "flat.gguf", None)
+    for extra in ([], ["--imatrix", str(tmp_path / "flat.gguf")]):
+        code, out, err = invoke("quantize", str(TINY / "tiny-llama"), "--target-kl", "0.1",
+                                "-o", str(tmp_path / "o"), *extra)  # fmt: skip
+        assert code == 2 and out == ""
+        assert "needs sensitivities" in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_kl_target_with_sensitivities_is_met(invoke: Invoke, tmp_path: Path) -> None:
+    alpha = {f"blk.{b}.{k}.weight": 0.5 for b in range(2)
+             for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down")}  # fmt: skip
+    _imatrix(tmp_path / "s.gguf", alpha)
+    doc = _run(invoke, str(TINY / "tiny-llama"), "--target-kl", "0.002", "--imatrix",
+               str(tmp_path / "s.gguf"), "-o", str(tmp_path / "o"))  # fmt: skip
+    kl = float(_find(r"predicted KL ([0-9.e-]+);", _note(doc)))
+    assert 0 < kl <= 0.002
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--target-size", "1KiB"], "no plan fits size 1.00 KiB"),
+        (["--target-size", "10 parsecs"], "is no size"),
+        (["--target-size", "1MiB", "--target-sqnr", "20"], "give one target"),
+        (["--target-bpw", "0"], "must be above 0"),
+        (["--save-recipe", "r.toml"], "writes an allocation's plan"),
+        (["--target-bpw", "4", "--tensor-type-file", "t.txt"], "add --format gguf"),
+        (["--target-bpw", "4", "--dry-run"], "add --estimate"),
+    ],
+    ids=[
+        "too-small",
+        "not-a-size",
+        "two-targets",
+        "bpw-0",
+        "recipe-alone",
+        "tt-not-gguf",
+        "plain-dry-run",
+    ],  # fmt: skip
+)
+def test_misuse_is_one_line(invoke: Invoke, tmp_path: Path, args: list[str], says: str) -> None:
+    code, out, err = invoke("quantize", str(TINY / "tiny-llama"), "-o", str(tmp_path / "o"),
+                            *args)  # fmt: skip
+    assert code == 2 and out == "", err
+    assert says in " ".join(err.split())
+    assert not (tmp_path / "o").exists()
+
+
+def test_parse_size() -> None:
+    assert parse_size("100MiB") == 100 * 2**20
+    assert parse_size("0.1GB") == 10**8
+    assert parse_size("1.5 kib") == 1536
+    assert parse_size("5000") == 5000
+    assert parse_size("1e3KB") == 10**6
+    for bad in ("", "MiB", "-1MiB", "1 MiBs", "0.1", "nan", "1e99GB"):
+        with pytest.raises(typer.BadParameter):
+            parse_size(bad)
+
+
+def test_the_tensor_type_file_is_what_llama_quantize_parses(invoke: Invoke, tmp_path: Path) -> None:
+    """Whitespace-separated name=type (quantize.cpp's parse_tensor_type_file); each name an
+    anchored regex matching exactly its one tensor of the output GGUF (llama.cpp lowercases the
+    name and regex_searches each in turn), each type a ggml type name."""
+    out, tt = tmp_path / "o.gguf", tmp_path / "tt.txt"
+    doc = _run(invoke, str(TINY / "tiny-llama.gguf"), "--format", "gguf", "--target-bpw", "5",
+               "-o", str(out), "--tensor-type-file", str(tt))  # fmt: skip
+    rows = {t["name"]: t for t in doc["tensors"]}
+    names = list(rows)
+    items = tt.read_text().split()
+    assert len(items) == sum(1 for t in rows.values() if t["quantized"])
+    for item in items:
+        pattern, kind = item.split("=")
+        hits = [n for n in names if re.search(pattern, n.lower())]
+        assert len(hits) == 1
+        assert kind == str(rows[hits[0]]["out_dtype"]).lower()

@@ -31,7 +31,7 @@ import torch
 
 from qtool.errors import InputError, UsageError
 from qtool.formats.gguf.hf_vocab import CONVERTER, add_vocab
-from qtool.formats.gguf.names import gguf_names
+from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.atomic import OutputSet
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
@@ -82,6 +82,9 @@ def read_config(directory: Path) -> tuple[dict[str, Any], str]:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int) or config[key] <= 0:
             raise InputError(path, f"{key} is {config.get(key)!r}, not a positive integer")
+    if config["num_hidden_layers"] > MAX_BLOCKS:  # the name map's work grows with it
+        raise InputError(path, f"num_hidden_layers is {config['num_hidden_layers']:,}, over "
+                         f"llama.cpp's limit of {MAX_BLOCKS} blocks")  # fmt: skip
     return config, ARCHITECTURES[str(name)]
 
 
@@ -108,6 +111,7 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
                 found.append(
                     (name, file, tuple(sl.get_shape()), _dtype(sl.get_dtype(), file, name))
                 )
+    _check_vocab(config, found, directory)
     chosen = float_type or _auto(found)
     mapped = gguf_names(arch, int(config["num_hidden_layers"]), [n for n, *_ in found])
     out: list[HFTensor] = []
@@ -119,6 +123,24 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
             )
         out.append(HFTensor(name, file, target, "F32" if len(shape) < 2 else chosen, shape))
     return out, chosen
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+_Found = list[tuple[str, Path, tuple[int, ...], torch.dtype]]
+
+
+def _check_vocab(config: dict[str, Any], found: _Found, directory: Path) -> None:
+    """config.json's vocab_size is the embedding's row count (llama.cpp refuses a GGUF whose
+    token list and token_embd differ), which also bounds the token list by the checkpoint's
+    size, whatever the config says."""
+    rows = next((shape[0] for name, _, shape, _ in found if name == EMBEDDING and shape), None)
+    if rows is None:
+        raise InputError(directory, f"has no {EMBEDDING}: not a Llama-family checkpoint")
+    if rows != config["vocab_size"]:
+        raise InputError(directory / "config.json", f"vocab_size is {config['vocab_size']:,}, "
+                         f"but {EMBEDDING} has {rows:,} rows; fix the config")  # fmt: skip
 
 
 def _dtype(text: str, file: Path, name: str) -> torch.dtype:

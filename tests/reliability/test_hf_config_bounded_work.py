@@ -1,0 +1,47 @@
+"""quantize HF_DIR --format gguf reads config.json's vocab_size and num_hidden_layers before
+any weight: a vocab_size of 10^12 made the token list loop 10^12 times (and hold as many
+strings), a num_hidden_layers of 10^9 built gguf's name map for 10^9 blocks. Both are checked
+against what the checkpoint holds (the embedding's rows; llama.cpp's 512-block limit) before
+any work in proportion to them: refused in one line, exit 1, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.formats.gguf.hf_models import VOCAB_SIZE, write_model
+
+pytest.importorskip("transformers")
+
+UNBOUNDED = 300  # seconds: only the unbounded loop takes this long (the refusal takes ~5 s)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("vocab_size", 10**12, f"but model.embed_tokens.weight has {VOCAB_SIZE} rows"),
+        ("num_hidden_layers", 10**9, "over llama.cpp's limit of 512 blocks"),
+    ],
+)
+def test_config_numbers_are_checked_before_work(
+    tmp_path: Path, key: str, value: int, message: str
+) -> None:
+    src = write_model(tmp_path / "m", "llama")
+    config = json.loads((src / "config.json").read_text())
+    config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "o.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", str(src), "--format", "gguf",
+         "--dtype", "Q8_0", "-o", str(out)],
+        capture_output=True, text=True, timeout=UNBOUNDED,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert message in done.stderr and key in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()

@@ -77,7 +77,34 @@ def _bound(help_text: str, lo: float, hi: float = math.inf) -> Any:
 
 
 FloatArg = Annotated[Path, typer.Argument(metavar="FLOAT", help=EVAL_FLOAT, show_default=False)]
-QuantArg = Annotated[Path, typer.Argument(metavar="QUANT", help=EVAL_QUANT, show_default=False)]
+QuantArg = Annotated[
+    list[Path] | None,
+    typer.Argument(
+        metavar="QUANT...",
+        help=f"{EVAL_QUANT} Several: each against one float pass.",
+        show_default=False,
+    ),
+]
+SaveLogitsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Write FLOAT's side of the figures (top-256 log-probabilities per position, with "
+        "the text's, tokens' and model's digests) to FILE, for --logits.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=INPUT,
+    ),
+]
+LogitsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="FLOAT's side from a --save-logits FILE: FLOAT's weights are not read (its config "
+        "and tokenizer are); refused unless text, tokens, ctx, dtype and model match.",
+        metavar="FILE",
+        show_default=False,
+        rich_help_panel=INPUT,
+    ),
+]
 TextOpt = Annotated[
     Path | None,
     typer.Option(
@@ -170,7 +197,7 @@ LayerSortOpt = Annotated[
 )
 def eval_models(
     float_dir: FloatArg,
-    quant: QuantArg,
+    quants: QuantArg = None,
     text: TextOpt = None,
     tokens: TokensOpt = 4096,
     ctx: CtxOpt = None,
@@ -191,19 +218,32 @@ def eval_models(
     dtype: EvalDtypeOpt = EvalDtype.FLOAT32,
     device: EvalDeviceOpt = Device.AUTO,
     threads: EvalThreadsOpt = None,
+    save_logits: SaveLogitsOpt = None,
+    logits: LogitsOpt = None,
 ) -> None:
     """Run FLOAT and QUANT on the same tokens, window by window, and compare their outputs:
     perplexity of each, KL(FLOAT || QUANT) per token, top-1 agreement (causal LMs), or the
-    cosine of sentence embeddings (encoders). Writes nothing."""
+    cosine of sentence embeddings (encoders). Several QUANTs are each compared with one float
+    pass. Writes nothing but --save-logits."""
     bounds = EvalBounds(max_kl, max_ppl_ratio, min_top1, min_cosine)
+    quants = quants or []
     with user_errors(as_json):
+        _check_many(quants, per_layer, logits, save_logits)
         _check_bounds(bounds, api.eval_kind(float_dir))
         options = api.EvalOptions(
             text, tokens, ctx, dtype.value, device.value, per_layer, threads=threads
         )
         with eval_report.eval_progress() as progress:
-            summary = api.evaluate(float_dir, quant, options, progress)
-    print_notes(list(summary.notes))
+            summaries = api.evaluate_all(
+                float_dir, quants, options, progress, logits=logits, save_logits=save_logits
+            )
+    for summary in summaries:
+        print_notes([f"{summary.inputs[1]}: {n}" if len(summaries) > 1 else n
+                     for n in summary.notes])  # fmt: skip
+    if len(summaries) != 1:
+        _print_many(summaries, bounds, as_json, save_logits)
+        return
+    summary = summaries[0]
     violations = check(bounds, summary)
     layers = None
     if summary.layers is not None:
@@ -214,6 +254,35 @@ def eval_models(
         shown = violations if bounds.active else None
         eval_report.print_eval(summary, layers, shown, order.value)
     if violations:
+        raise typer.Exit(GATE_FAILED)
+
+
+def _check_many(
+    quants: list[Path], per_layer: bool, logits: Path | None, save_logits: Path | None
+) -> None:
+    if not quants and save_logits is None:
+        raise UsageError(None, "give QUANT (one or more), or --save-logits FILE")
+    if per_layer and (len(quants) > 1 or logits or save_logits):
+        raise UsageError(
+            None, "--per-layer compares one QUANT with FLOAT's own inputs: give one QUANT, "
+            "without --logits or --save-logits",
+        )  # fmt: skip
+    if logits is not None and save_logits is not None:
+        raise UsageError(
+            None, "--logits reads the float side and --save-logits writes it: give one"
+        )
+
+
+def _print_many(
+    summaries: list[Any], bounds: EvalBounds, as_json: bool, saved: Path | None
+) -> None:
+    """A row per QUANT (console) or a document per QUANT (JSON); exit 3 when any fails a gate."""
+    results = [(s, check(bounds, s)) for s in summaries]
+    if as_json:
+        report.print_json(eval_json.many_json(results, bounds, saved))
+    else:
+        eval_report.print_many(results, bounds.active, saved)
+    if any(v for _, v in results):
         raise typer.Exit(GATE_FAILED)
 
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.progress import Task as RichTask
 from rich.text import Text
 
-from qtool.eval_results import EvalSummary, EvalViolation, LayerRow
+from qtool.eval_results import CausalFigures, EvalSummary, EvalViolation, LayerRow
 from qtool.report import layout
 from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
@@ -65,9 +66,12 @@ def _figures(s: EvalSummary) -> list[Column]:
             ("perplexity FLOAT", f"{c.ppl_float:,.2f}"),
             ("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})"),
             ("KL(FLOAT ‖ QUANT) mean", f"{_num(kl.mean)} nats per token"),
-            ("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.max)))),
+            ("KL median, p90, p99, p99.9, max",
+             ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.p999, kl.max)))),
             ("top-1 agreement", f"{c.top1 * 100:.1f} % ({c.agree:,} of {c.predicted:,})"),
-        ]
+            ("ln(PPL(QUANT)/PPL(FLOAT))", f"{_signed(c.ln_ratio)} ± {_num(c.ln_ratio_se)}"),
+            ("mean Δp of the next token", f"{_signed(c.dp_mean * 100, 3)} %"),
+        ]  # fmt: skip
     if e is not None:
         rows += [
             ("cosine mean", f"{e.cosine_mean:.6f} ({e.sentences:,} sentences)"),
@@ -79,6 +83,10 @@ def _figures(s: EvalSummary) -> list[Column]:
         Column("figure", [(name, "") for name, _ in rows], fold=12),
         Column("value", [(value, "") for _, value in rows], fold=16),
     ]
+
+
+def _signed(value: float, digits: int = 5) -> str:
+    return f"{value:+.{digits}f}" if math.isfinite(value) else str(value)
 
 
 def _num(value: float) -> str:
@@ -141,6 +149,56 @@ def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
         return _plain(["gate: passed"], "green")
     broken = "; ".join(safe(v.detail) for v in violations)
     return _plain(layout.phrases([f"gate: FAILED ({broken})"], width), "bold red")
+
+
+def print_many(
+    results: list[tuple[EvalSummary, list[EvalViolation]]], gated: bool, saved: Path | None
+) -> None:
+    """Several QUANTs against one float pass: the shared header, a row per QUANT, the gate."""
+    width = width_of(sys.stdout)
+    lines: list[Line] = []
+    if results:
+        first = results[0][0]
+        header = _header(first)
+        header = [header[0], header[2], f"perplexity FLOAT {first.causal.ppl_float:,.2f}"
+                  if first.causal is not None else ""]  # fmt: skip
+        lines += _plain([p for line in header if line for p in layout.phrases([line], width)])
+        lines += layout.table(_many_columns([s for s, _ in results]), width).lines
+        seconds = sum(s.eval_seconds for s, _ in results)
+        loading = sum(s.load_seconds for s, _ in results)
+        speed = (f"{len(results)} QUANTs x {first.tokens:,} tokens in {seconds:.2f} s after one "
+                 f"float pass; loading took {loading:.1f} s")  # fmt: skip
+        lines += _plain(layout.phrases([speed], width))
+    if saved is not None:
+        lines += _plain([f"wrote {safe(str(saved))}"])
+    if gated:
+        failed = [(s, v) for s, v in results if v]
+        if not failed:
+            lines += _plain(["gate: passed"], "green")
+        for s, v in failed:
+            broken = "; ".join(safe(x.detail) for x in v)
+            lines += _plain(layout.phrases([f"gate: FAILED {safe(s.inputs[1])} ({broken})"],
+                                           width), "bold red")  # fmt: skip
+    emit(sys.stdout, lines)
+
+
+def _many_columns(summaries: list[EvalSummary]) -> list[Column]:
+    def col(title: str, cell: Callable[[CausalFigures], str], hide: int = 0) -> Column:
+        cells = [(cell(s.causal) if s.causal else "", "") for s in summaries]
+        return Column(title, cells, right=True, hide=hide)
+
+    return [
+        Column("QUANT", [(safe(s.inputs[1]), "") for s in summaries], names=True),
+        col("perplexity", lambda c: f"{c.ppl_quant:,.2f}"),
+        col("ln ratio ± se", lambda c: f"{_signed(c.ln_ratio, 4)} ± {c.ln_ratio_se:.4f}", 1),
+        col("KL mean", lambda c: _num(c.kl.mean)),
+        col("median", lambda c: _num(c.kl.median), 3),
+        col("p99", lambda c: _num(c.kl.p99), 2),
+        col("p99.9", lambda c: _num(c.kl.p999), 3),
+        col("max", lambda c: _num(c.kl.max), 3),
+        col("top-1", lambda c: f"{c.top1 * 100:.1f} %"),
+        col("Δp", lambda c: f"{_signed(c.dp_mean * 100, 2)} %", 2),
+    ]
 
 
 # ---- progress ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from qtool.eval_results import (
@@ -68,12 +69,39 @@ def _causal(c: CausalFigures | None) -> dict[str, Any] | None:
             "median": json_number(c.kl.median),
             "p90": json_number(c.kl.p90),
             "p99": json_number(c.kl.p99),
+            "p999": json_number(c.kl.p999),
             "max": json_number(c.kl.max),
         },
+        "ln_ppl_ratio": {"mean": json_number(c.ln_ratio), "se": json_number(c.ln_ratio_se)},
+        "mean_dp": json_number(c.dp_mean),
         "top1_agreement": json_number(c.top1),
         "top1_agreeing": c.agree,
         "positions_scored": c.predicted,
     }
+
+
+def many_json(
+    results: list[tuple[EvalSummary, list[EvalViolation]]],
+    bounds: EvalBounds,
+    saved: Path | None,
+) -> dict[str, Any]:
+    """Several QUANTs against one float pass: `candidates` holds each one's eval document (as
+    one QUANT's, without its own schema_version, ok and command), in the order given."""
+    docs = []
+    for summary, violations in results:
+        doc = eval_json(summary, None, bounds, violations)
+        docs.append({k: v for k, v in doc.items() if k not in ("schema_version", "ok", "command")})
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ok": True,
+        "command": "eval",
+        "candidates": docs,
+        "saved_logits": None if saved is None else str(saved),
+        "gate": None if not bounds.active else {
+            "passed": not any(v for _, v in results),
+            "failed": [s.inputs[1] for s, v in results if v],
+        },
+    }  # fmt: skip
 
 
 def _encoder(e: EncoderFigures | None) -> dict[str, Any] | None:

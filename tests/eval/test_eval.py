@@ -323,7 +323,7 @@ def test_cli_gate_exits_3_naming_the_bound_and_writes_nothing(root: Path, invoke
     doc = json.loads(out)
     assert code == 0 and doc["command"] == "eval" and doc["gate"]["passed"] is True
     assert doc["causal"]["positions_scored"] == 200 - 4 and doc["layers"] is None
-    assert set(doc["causal"]["kl"]) == {"mean", "median", "p90", "p99", "max"}
+    assert set(doc["causal"]["kl"]) == {"mean", "median", "p90", "p99", "p999", "max"}
     assert listing(root) == before
 
 

@@ -127,6 +127,22 @@ def load_float(path: Path, dtype: torch.dtype) -> FloatModel:
     return FloatModel(path, architecture, kind, model.eval(), tokenizer, checkpoint, unexpected)
 
 
+def float_shell(path: Path) -> FloatModel:
+    """FLOAT without its weights: the model built on the meta device from its config.json
+    (checked against its tensor headers as load_float checks them), its tokenizer and headers,
+    for candidates to load into when the float side comes from a logits file."""
+    found, config = float_source(path, FLOAT)
+    kind, architecture = kind_of(config)
+    checkpoint, hf_config, tokenizer = float_parts(found, config, path, FLOAT)
+    built = empty_model(kind, config, hf_config, checkpoint, path)
+    prefix = getattr(built, "base_model_prefix", "") or ""
+    used = dict.fromkeys(built.state_dict())
+    unexpected = frozenset(
+        name for name in checkpoint.tensors if _stored_name(name, prefix, used) is None
+    )  # what transformers' loading would report unexpected (a head AutoModel drops)
+    return FloatModel(path, architecture, kind, built.eval(), tokenizer, checkpoint, unexpected)
+
+
 def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) -> Any:
     """The model config.json describes, built on the meta device (no memory) and returned,
     checked against the weights: a parameter of another shape than its tensor, or more

@@ -10,11 +10,15 @@ import torch
 
 from qtool.eval_results import CausalFigures, EncoderFigures
 from qtool.numerics.logits import (
+    FloatRows,
     WindowScores,
     cosine,
     distribution,
+    float_rows,
+    log_ratio,
     mean_pooled,
     perplexity,
+    score_against,
     score_window,
     squared_sums,
 )
@@ -41,10 +45,59 @@ def causal_pass(
             done += len(piece)
             if progress is not None:
                 progress.advance(f"tokens {done:,}", len(piece))
+    return causal_figures(scores)
+
+
+def float_pass(
+    model: Any,
+    pieces: list[list[int]],
+    device: torch.device,
+    progress: Progress | None,
+    k: int | None = None,
+) -> list[FloatRows]:
+    """The float model's side of every window's figures, kept to score many quantized models
+    against (k None: every log-probability, else the top k)."""
+    rows: list[FloatRows] = []
+    with torch.inference_mode():
+        for piece in pieces:
+            window = torch.tensor(piece, device=device)
+            logits = model(input_ids=window[None], use_cache=False).logits[0]
+            rows.append(float_rows(logits, window, k))
+            del logits
+            if progress is not None:
+                progress.advance(f"tokens {sum(len(r.nll) + 1 for r in rows):,}", len(piece))
+    return rows
+
+
+def scored_pass(
+    model: Any,
+    reference: list[FloatRows],
+    pieces: list[list[int]],
+    device: torch.device,
+    progress: Progress | None,
+) -> CausalFigures:
+    """One quantized model's figures against the float side kept by `float_pass`."""
+    scores: list[WindowScores] = []
+    done = 0
+    with torch.inference_mode():
+        for piece, rows in zip(pieces, reference, strict=True):
+            window = torch.tensor(piece, device=device)
+            logits = model(input_ids=window[None], use_cache=False).logits[0]
+            scores.append(score_against(rows, logits, window))
+            del logits
+            done += len(piece)
+            if progress is not None:
+                progress.advance(f"tokens {done:,}", len(piece))
+    return causal_figures(scores)
+
+
+def causal_figures(scores: list[WindowScores]) -> CausalFigures:
     nll_f, nll_q, kl, agree = (torch.cat([getattr(s, k) for s in scores]) for k in _FIELDS)
+    ln_ratio, se, dp = log_ratio(nll_f, nll_q)
     return CausalFigures(
-        perplexity(nll_f), perplexity(nll_q), distribution(kl), int(agree.sum()), len(kl)
-    )
+        perplexity(nll_f), perplexity(nll_q), distribution(kl), int(agree.sum()), len(kl),
+        ln_ratio, se, dp,
+    )  # fmt: skip
 
 
 _FIELDS = ("nll_float", "nll_quant", "kl", "agree")

@@ -1,0 +1,215 @@
+"""The float model's side of `qtool eval`, kept in a file (`--save-logits`, read back by
+`--logits`): per scored position the next token's NLL, the argmax and the top k
+log-probabilities with the mass of the rest, and what they were computed on (the text's
+SHA-256, the token ids, ctx, dtype, the model's config and tokenizer digests), so that a file
+made for other tokens or another model is refused rather than compared.
+
+Layout (little-endian): MAGIC, u32 version, u32 0, u64 header length, the header (strict JSON,
+at most MAX_HEADER_BYTES), then the arrays in this order: token ids i32 [N], nll f32 [n],
+argmax i32 [n], log_rest f32 [n], top ids i32 [n, k], top log-probabilities f32 [n, k]; n is N
+less one per window. Every count is checked against the file's size and every value against
+its range before anything is used (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from qtool.errors import InputError
+from qtool.io.jsonfile import parse_json
+from qtool.io.safeopen import open_regular
+from qtool.numerics.logits import FloatRows, TopK
+
+MAGIC = b"QTLOGITS"
+VERSION = 1
+MAX_HEADER_BYTES = 16 << 20  # the windows' lengths and a few digests; 16 MiB is far above
+MAX_PAYLOAD_BYTES = 8 << 30  # what one read may load into memory
+MAX_TOP_K = 4096
+MAX_VOCAB = 1 << 24
+_PREFIX = struct.Struct("<8sIIQ")
+
+
+@dataclass(frozen=True)
+class LogitsInfo:
+    """What the logits were computed on: a file is used only where all of it matches."""
+
+    text_sha256: str
+    text_source: str
+    tokens_sha256: str  # of the token ids (int32 little-endian)
+    tokens: int
+    ctx: int
+    dtype: str
+    config_sha256: str
+    tokenizer_sha256: str
+    architecture: str
+    vocab: int
+    top_k: int
+    windows: tuple[int, ...]  # each window's length in tokens
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "text": {"sha256": self.text_sha256, "source": self.text_source},
+            "tokens": {"count": self.tokens, "sha256": self.tokens_sha256},
+            "ctx": self.ctx,
+            "dtype": self.dtype,
+            "model": {
+                "config_sha256": self.config_sha256,
+                "tokenizer_sha256": self.tokenizer_sha256,
+                "architecture": self.architecture,
+                "vocab": self.vocab,
+            },
+            "top_k": self.top_k,
+            "windows": list(self.windows),
+        }
+
+
+def tokens_digest(ids: Sequence[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def write_logits(
+    f: BinaryIO,
+    info: LogitsInfo,
+    ids: Sequence[int],
+    rows: list[FloatRows],
+    digests: dict[str, str],
+) -> None:
+    """The file's bytes to `f` (an OutputSet's temp): every window's top-k rows, and the
+    SHA-256 of each of FLOAT's parameters (which weights a candidate changed)."""
+    doc = {"version": VERSION, **info.as_json(), "parameters": digests}
+    header = json.dumps(doc, sort_keys=True).encode()
+    f.write(_PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header)
+    tops = [r.top for r in rows]
+    if any(t is None for t in tops):
+        raise ValueError("write_logits needs top-k rows")
+    f.write(np.asarray(ids, dtype="<i4").tobytes())
+    for name, dtype in (("nll", "<f4"), ("argmax", "<i4")):
+        for r in rows:
+            f.write(getattr(r, name).numpy().astype(dtype).tobytes())
+    for name, dtype in (("log_rest", "<f4"), ("ids", "<i4"), ("logp", "<f4")):
+        for t in tops:
+            assert t is not None
+            f.write(getattr(t, name).numpy().astype(dtype).tobytes())
+
+
+def read_logits(path: Path) -> tuple[LogitsInfo, list[int], list[FloatRows], dict[str, str]]:
+    """The file's description, its token ids, each window's float rows and FLOAT's parameter
+    digests; InputError naming the file for anything out of its bounds (version, counts,
+    sizes, values)."""
+    with open_regular(path) as f:
+        prefix = f.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+            raise InputError(path, "not a qtool logits file (made by qtool eval --save-logits)")
+        _, version, _, length = _PREFIX.unpack(prefix)
+        if version != VERSION:
+            raise InputError(path, f"logits file version {version}; this qtool reads {VERSION}")
+        if length > MAX_HEADER_BYTES:
+            raise InputError(path, f"header of {length:,} bytes is over {MAX_HEADER_BYTES:,}")
+        header = f.read(length)
+        if len(header) != length:
+            raise InputError(path, "truncated: the header ends early")
+        doc = parse_json(header, path, "logits file header")
+        info, digests = _info(doc, path), _digests(doc, path)
+        n_tokens, n = info.tokens, info.tokens - len(info.windows)
+        sizes = [4 * n_tokens, 4 * n, 4 * n, 4 * n, 4 * n * info.top_k, 4 * n * info.top_k]
+        if sum(sizes) > MAX_PAYLOAD_BYTES:
+            raise InputError(path, f"arrays of {sum(sizes):,} bytes are over {MAX_PAYLOAD_BYTES:,}")
+        parts = [f.read(size) for size in sizes]
+        if any(len(p) != s for p, s in zip(parts, sizes, strict=True)) or f.read(1):
+            raise InputError(path, "its size is not what its header describes (truncated?)")
+    ids, nll, argmax, rest, top_ids, top_logp = (
+        np.frombuffer(p, dtype=d).astype(d[1:])
+        for p, d in zip(parts, ("<i4", "<f4", "<i4", "<f4", "<i4", "<f4"), strict=True)
+    )
+    _check_values(path, info, ids, nll, argmax, rest, top_ids, top_logp)
+    if tokens_digest(ids.tolist()) != info.tokens_sha256:
+        raise InputError(path, "its token ids do not match their recorded SHA-256")
+    top_ids, top_logp = top_ids.reshape(-1, info.top_k), top_logp.reshape(-1, info.top_k)
+    rows, start = [], 0
+    for length_w in info.windows:
+        s, e = start, start + length_w - 1
+        top = TopK(
+            torch.from_numpy(top_ids[s:e]).long(),
+            torch.from_numpy(top_logp[s:e].copy()),
+            torch.from_numpy(rest[s:e].copy()),
+        )
+        rows.append(FloatRows(torch.from_numpy(nll[s:e].copy()),
+                              torch.from_numpy(argmax[s:e]).long(), None, top))  # fmt: skip
+        start = e
+    return info, ids.tolist(), rows, digests
+
+
+def _digests(doc: object, path: Path) -> dict[str, str]:
+    found = doc.get("parameters") if isinstance(doc, dict) else None
+    if not isinstance(found, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+    ):
+        raise InputError(path, "not a valid logits file header: parameters")
+    return found
+
+
+def _info(doc: object, path: Path) -> LogitsInfo:
+    def bad(what: str) -> InputError:
+        return InputError(path, f"not a valid logits file header: {what}")
+
+    if not isinstance(doc, dict) or doc.get("version") != VERSION:
+        raise bad("expected a JSON object of version 1")
+    big = 1 << 31
+
+    def field(keys: str, lo: int | None = None, hi: int = big) -> Any:
+        value: Any = doc
+        for key in keys.split("."):
+            if not isinstance(value, dict) or key not in value:
+                raise bad(f"{keys} is missing")
+            value = value[key]
+        if lo is None:
+            if not isinstance(value, str) or len(value) > 4096:
+                raise bad(f"{keys} is not a string")
+        elif isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise bad(f"{keys} is not an integer from {lo} to {hi}: {str(value)[:40]}")
+        return value
+
+    windows = doc.get("windows")
+    if not isinstance(windows, list) or not windows:
+        raise bad("windows is not a list of window lengths")
+    for w in windows:
+        if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= big:
+            raise bad(f"windows holds {str(w)[:40]}, not a length of 2 tokens or more")
+    info = LogitsInfo(
+        field("text.sha256"), field("text.source"), field("tokens.sha256"),
+        field("tokens.count", 2), field("ctx", 2), field("dtype"),
+        field("model.config_sha256"), field("model.tokenizer_sha256"),
+        field("model.architecture"), field("model.vocab", 1, MAX_VOCAB),
+        field("top_k", 1, MAX_TOP_K), tuple(windows),
+    )  # fmt: skip
+    if sum(info.windows) != info.tokens:
+        raise bad("its windows do not add up to its tokens")
+    if max(info.windows) > info.ctx or info.top_k > info.vocab:
+        raise bad("a window is longer than ctx, or top_k is above the vocabulary")
+    return info
+
+
+def _check_values(path: Path, info: LogitsInfo, *arrays: np.ndarray) -> None:
+    ids, nll, argmax, rest, top_ids, top_logp = arrays
+    for name, a in (("token id", ids), ("argmax", argmax), ("top-k id", top_ids)):
+        if a.size and (a.min() < 0 or a.max() >= info.vocab):
+            raise InputError(path, f"a {name} is outside the vocabulary of {info.vocab:,}")
+    if np.isnan(nll).any() or (nll < 0).any():
+        raise InputError(path, "an NLL is negative or NaN")
+    for name, a in (("log-probability", top_logp), ("rest's log-mass", rest)):
+        if np.isnan(a).any() or (a > 0).any():
+            raise InputError(path, f"a {name} is above 0 or NaN")
+    total = np.logaddexp.reduce(np.concatenate([top_logp.reshape(-1, info.top_k),
+                                                rest.reshape(-1, 1)], axis=1), axis=1)  # fmt: skip
+    if total.size and not np.all(np.abs(total) < 1e-3):
+        raise InputError(path, "a position's probabilities do not sum to 1")

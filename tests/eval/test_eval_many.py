@@ -1,0 +1,197 @@
+"""`qtool eval FLOAT Q1 Q2 ...` and the float side kept in a file (`--save-logits`, `--logits`),
+on tiny models built offline (tests/eval_models.py); needs the interop extra.
+
+Several candidates against one float pass must report, for each, exactly what a pair run
+reports (so the float side was neither shifted nor mixed up between candidates); the figures
+from a logits file equal the pair's but for the KL, which is the top-k lower bound; a logits
+file made for another text, window, dtype, token count, model or tokenizer is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REASON = "needs the interop extra: pip install -c constraints.txt -e '.[interop]'"
+pytest.importorskip("transformers", reason=REASON)
+pytest.importorskip("compressed_tensors", reason=REASON)
+
+import torch  # noqa: E402
+
+from qtool import api  # noqa: E402
+from qtool.errors import InputError  # noqa: E402
+from qtool.eval_results import EvalSummary  # noqa: E402
+from qtool.spec import PerChannel, PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
+from tests.conftest import Invoke  # noqa: E402
+from tests.eval_models import build, save_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+TEXT = "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!\n" * 12
+INT4 = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32))
+INT8 = QSpec(Scheme.SYM, StorageDtype.INT8, PerChannel(0))
+QUANTS = ("ct-int4", "q-int8", "llama")  # the last: FLOAT itself (KL 0, nothing changed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    r = tmp_path_factory.mktemp("many")
+    (r / "text.txt").write_text(TEXT)
+    (r / "other.txt").write_text(TEXT.upper())
+    build(r / "llama", "llama")
+    build(r / "llama-tied", "llama-tied")
+    for name, spec, fmt in (("ct-int4", INT4, "compressed-tensors"), ("q-int8", INT8, "qtool")):
+        api.quantize(r / "llama", r / name, api.QuantizeOptions(spec, (), format=fmt), device="cpu")
+    return r
+
+
+def options(root: Path, **changes: Any) -> Any:
+    base: dict[str, Any] = {"text": root / "text.txt", "tokens": 500, "ctx": 64, "threads": 1}
+    return api.EvalOptions(**(base | changes))
+
+
+def run(root: Path, quants: tuple[str, ...] = QUANTS, **kw: Any) -> list[EvalSummary]:
+    logits, save = kw.pop("logits", None), kw.pop("save_logits", None)
+    paths = [root / q for q in quants]
+    return api.evaluate_all(root / "llama", paths, options(root, **kw), None, logits, save)
+
+
+@pytest.fixture(scope="module")
+def pairs(root: Path) -> list[EvalSummary]:
+    return [api.evaluate(root / "llama", root / q, options(root)) for q in QUANTS]
+
+
+@pytest.fixture(scope="module")
+def saved(root: Path) -> tuple[Path, list[EvalSummary]]:
+    path = root / "base.qlogits"
+    return path, run(root, save_logits=path)
+
+
+def test_each_candidate_reports_exactly_what_its_pair_run_reports(
+    pairs: list[EvalSummary], saved: tuple[Path, list[EvalSummary]]
+) -> None:
+    _, many = saved
+    assert [s.inputs[1] for s in many] == [s.inputs[1] for s in pairs]
+    for pair, one in zip(pairs, many, strict=True):
+        assert one.causal == pair.causal  # every figure, bit for bit
+        assert (one.changed, one.parameters) == (pair.changed, pair.parameters)
+        assert (one.tokens, one.windows, one.ctx, one.loaded_as, one.notes) == (
+            pair.tokens, pair.windows, pair.ctx, pair.loaded_as, pair.notes,
+        )  # fmt: skip
+    assert many[0].causal is not None and many[0].causal.kl.mean > 1e-3
+    assert many[2].causal is not None and many[2].causal.kl.max == 0.0 and many[2].changed == 0
+
+
+def test_from_a_logits_file_the_figures_are_the_pairs_and_kl_its_lower_bound(
+    root: Path, pairs: list[EvalSummary], saved: tuple[Path, list[EvalSummary]]
+) -> None:
+    path, _ = saved
+    got = run(root, logits=path)
+    for pair, one in zip(pairs, got, strict=True):
+        c, p = one.causal, pair.causal
+        assert c is not None and p is not None
+        for name in ("ppl_float", "ppl_quant", "agree", "predicted", "ln_ratio", "ln_ratio_se"):
+            assert getattr(c, name) == getattr(p, name), name
+        assert c.dp_mean == pytest.approx(p.dp_mean, rel=1e-9, abs=1e-15)
+        assert c.kl.mean <= p.kl.mean + 1e-9 and c.kl.mean == pytest.approx(p.kl.mean, rel=1e-3)
+        assert (one.changed, one.parameters) == (pair.changed, pair.parameters)
+
+
+def test_from_a_logits_file_floats_weights_are_never_read(
+    root: Path, tmp_path: Path, pairs: list[EvalSummary], saved: tuple[Path, list[EvalSummary]]
+) -> None:
+    """FLOAT's weight bytes overwritten (headers kept): the figures do not move."""
+    blind = tmp_path / "llama"
+    shutil.copytree(root / "llama", blind)
+    weights = blind / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = b"\xff" * (len(data) - start)  # NaN in every float
+    weights.write_bytes(bytes(data))
+    got = api.evaluate_all(blind, [root / "ct-int4"], options(root), None, saved[0])
+    assert got[0].causal is not None and pairs[0].causal is not None
+    assert got[0].causal.ppl_float == pairs[0].causal.ppl_float
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"text": "other.txt"}, "its text"),
+        ({"ctx": 32}, "its window length"),
+        ({"dtype": "bfloat16"}, "its dtype"),
+        ({"tokens": 400}, "its token count"),
+        ({"float": "llama-tied"}, "its model config"),
+        ({"float": "other-tokenizer"}, "its tokenizer"),
+    ],
+    ids=["text", "ctx", "dtype", "tokens", "model", "tokenizer"],
+)
+def test_a_logits_file_made_for_other_inputs_is_refused(
+    root: Path, saved: tuple[Path, list[EvalSummary]], change: dict[str, Any], message: str
+) -> None:
+    float_dir = root / "llama"
+    if change.get("float") == "other-tokenizer":
+        float_dir = root / "other-tokenizer"
+        if not float_dir.exists():
+            shutil.copytree(root / "llama", float_dir)
+            save_tokenizer(float_dir, encoder=False, extra_bos="</s>")
+    elif "float" in change:
+        float_dir = root / change["float"]
+    kw = {k: (root / v if k == "text" else v) for k, v in change.items() if k != "float"}
+    quant = root / ("ct-int4" if float_dir.name != "llama-tied" else "llama-tied")
+    with pytest.raises(InputError, match=message) as err:
+        api.evaluate_all(float_dir, [quant], options(root, **kw), None, saved[0])
+    assert err.value.path == str(saved[0])
+
+
+def test_cli_a_row_per_candidate_and_the_gate_names_who_failed(
+    root: Path, invoke: Invoke, saved: tuple[Path, list[EvalSummary]]
+) -> None:
+    args = ["eval", str(root / "llama"), *(str(root / q) for q in QUANTS), "--text",
+            str(root / "text.txt"), "--tokens", "500", "--ctx", "64", "--threads", "1"]  # fmt: skip
+    code, out, err = invoke(*args, "--max-kl", "0.01")
+    assert code == 3, err
+    failed = [line for line in out.splitlines() if line.startswith("gate: FAILED")]
+    assert len(failed) == 1 and "ct-int4" in failed[0] and "mean KL" in failed[0]
+    assert all(str(root / q) in out for q in QUANTS)
+    code, out, err = invoke(*args, "--json", "--max-kl", "1")
+    doc = json.loads(out)
+    assert code == 0 and [c["inputs"][1] for c in doc["candidates"]] == [
+        str(root / q) for q in QUANTS
+    ]
+    assert doc["gate"] == {"passed": True, "failed": []}
+    first = doc["candidates"][0]["causal"]
+    assert first["kl"]["mean"] == saved[1][0].causal.kl.mean  # type: ignore[union-attr]
+    assert set(first["ln_ppl_ratio"]) == {"mean", "se"} and "mean_dp" in first
+
+
+def test_cli_save_then_logits_and_their_usage_errors(
+    root: Path, invoke: Invoke, tmp_path: Path
+) -> None:
+    common = ["--text", str(root / "text.txt"), "--tokens", "300", "--ctx", "64", "--threads", "1"]
+    out_file = tmp_path / "f.qlogits"
+    code, out, err = invoke("eval", str(root / "llama"), "--save-logits", str(out_file), *common)
+    assert code == 0, err
+    assert out_file.exists() and f"wrote {out_file}" in out
+    assert [p.name for p in tmp_path.iterdir()] == ["f.qlogits"]  # no temp left behind
+    code, out, err = invoke("eval", str(root / "llama"), str(root / "q-int8"), "--logits",
+                            str(out_file), *common, "--json")  # fmt: skip
+    assert code == 0, err and json.loads(out)["candidates"][0]["changed_tensors"] > 0
+    for extra, message in (
+        ([], "give QUANT"),
+        ([str(root / "q-int8"), "--per-layer", "--logits", str(out_file)], "--per-layer"),
+        ([str(root / "q-int8"), "--logits", str(out_file), "--save-logits", str(out_file)],
+         "give one"),
+    ):  # fmt: skip
+        code, out, err = invoke("eval", str(root / "llama"), *extra, *common)
+        assert code == 2 and message in err and out == "", (extra, err)

@@ -1,0 +1,154 @@
+"""A logits file (`qtool eval --save-logits`, read by `--logits`) is read within bounds: a
+hostile or damaged file is refused with one InputError naming it, before any array it
+describes is allocated (a header may claim any count), and never yields a value out of range
+(an id past the vocabulary would index out of bounds; a NaN would pass every gate as NaN)."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from qtool.errors import InputError
+from qtool.formats import logits_file as lf
+from qtool.formats.logits_file import LogitsInfo, read_logits, tokens_digest, write_logits
+from qtool.numerics.logits import float_rows
+
+VOCAB, K = 40, 8
+WINDOWS = (6, 6, 3)
+
+
+def valid() -> bytes:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (sum(WINDOWS),), generator=gen)
+    rows, start = [], 0
+    for n in WINDOWS:
+        window = ids[start : start + n]
+        rows.append(float_rows(torch.randn(n, VOCAB, generator=gen) * 3, window, K))
+        start += n
+    info = LogitsInfo(
+        "a" * 64, "t.txt", tokens_digest(ids.tolist()), len(ids), 6, "float32", "c" * 64,
+        "d" * 64, "LlamaForCausalLM", VOCAB, K, WINDOWS,
+    )  # fmt: skip
+    out = io.BytesIO()
+    write_logits(out, info, ids.tolist(), rows, {"w": "e" * 64})
+    return out.getvalue()
+
+
+def split(data: bytes) -> tuple[bytes, dict[str, object], bytes]:
+    length = struct.unpack_from("<Q", data, 16)[0]
+    return data[:24], json.loads(data[24 : 24 + length]), data[24 + length :]
+
+
+def join(header: dict[str, object], payload: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<8sIIQ", lf.MAGIC, lf.VERSION, 0, len(text)) + text + payload
+
+
+def refused(tmp_path: Path, data: bytes, message: str) -> None:
+    path = tmp_path / "x.qlogits"
+    path.write_bytes(data)
+    with pytest.raises(InputError, match=message) as err:
+        read_logits(path)
+    assert err.value.path == str(path) and "\n" not in str(err.value)
+
+
+def test_a_valid_file_reads_back_what_was_written(tmp_path: Path) -> None:
+    path = tmp_path / "ok.qlogits"
+    path.write_bytes(valid())
+    info, ids, rows, digests = read_logits(path)
+    assert info.windows == WINDOWS and len(ids) == sum(WINDOWS) and digests == {"w": "e" * 64}
+    assert [r.nll.shape[0] for r in rows] == [n - 1 for n in WINDOWS]
+    assert all(r.top is not None and r.top.ids.shape == (r.nll.shape[0], K) for r in rows)
+
+
+def test_wrong_magic_version_and_truncation_are_refused(tmp_path: Path) -> None:
+    data = valid()
+    refused(tmp_path, b"NOTQTOOL" + data[8:], "not a qtool logits file")
+    refused(tmp_path, data[:8] + struct.pack("<I", 9) + data[12:], "version 9")
+    refused(tmp_path, data[:-1], "size is not what its header describes")
+    refused(tmp_path, data + b"\0", "size is not what its header describes")
+    refused(tmp_path, data[:30], "header ends early|invalid JSON")
+    refused(tmp_path, b"", "not a qtool logits file")
+
+
+def test_a_huge_header_or_payload_claim_is_refused_before_reading(tmp_path: Path) -> None:
+    """Counts are checked against the bounds before any array is read or allocated."""
+    data = valid()
+    refused(tmp_path, data[:16] + struct.pack("<Q", 1 << 40) + data[24:], "header of")
+    _, header, payload = split(data)
+    big = 1 << 31  # one window of 2^31 tokens: 8 TiB of arrays, claimed in a small header
+    huge = dict(header, top_k=lf.MAX_TOP_K, windows=[big], ctx=big)
+    huge["tokens"] = {**header["tokens"], "count": big}  # type: ignore[dict-item]
+    huge["model"] = {**header["model"], "vocab": lf.MAX_VOCAB}  # type: ignore[dict-item]
+    refused(tmp_path, join(huge, payload), "arrays of .* bytes are over")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": VOCAB + 1}, "top_k is above the vocabulary"),
+        ({"windows": [6, 6, 2]}, "do not add up"),
+        ({"windows": [1, 11, 3]}, "windows"),
+        ({"ctx": 5}, "longer than ctx"),
+        ({"version": 2}, "version 1"),
+        ({"parameters": ["w"]}, "parameters"),
+        ({"dtype": 5}, "dtype|expected a string"),
+    ],
+    ids=["k0", "k-over-vocab", "windows-sum", "window-of-1", "ctx", "version", "params", "dtype"],
+)
+def test_header_fields_out_of_range_are_refused(
+    tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    _, header, payload = split(valid())
+    refused(tmp_path, join(dict(header, **change), payload), message)
+
+
+def payload_offsets() -> dict[str, int]:
+    n_tok = sum(WINDOWS)
+    n = n_tok - len(WINDOWS)
+    return {"ids": 0, "nll": 4 * n_tok, "argmax": 4 * (n_tok + n), "rest": 4 * (n_tok + 2 * n),
+            "top_ids": 4 * (n_tok + 3 * n), "top_logp": 4 * (n_tok + 3 * n + n * K)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("array", "value", "message"),
+    [
+        ("ids", struct.pack("<i", VOCAB), "token id is outside the vocabulary"),
+        ("argmax", struct.pack("<i", -1), "argmax is outside the vocabulary"),
+        ("top_ids", struct.pack("<i", 1 << 30), "top-k id is outside the vocabulary"),
+        ("nll", struct.pack("<f", float("nan")), "NLL is negative or NaN"),
+        ("nll", struct.pack("<f", -1.0), "NLL is negative or NaN"),
+        ("top_logp", struct.pack("<f", 0.5), "log-probability is above 0"),
+        ("rest", struct.pack("<f", float("nan")), "rest's log-mass"),
+        ("top_logp", struct.pack("<f", -80.0), "do not sum to 1"),
+    ],
+)
+def test_values_out_of_range_are_refused(
+    tmp_path: Path, array: str, value: bytes, message: str
+) -> None:
+    prefix, header, payload = split(valid())
+    at = payload_offsets()[array]
+    bad = payload[:at] + value + payload[at + 4 :]
+    refused(tmp_path, join(header, bad), message)
+
+
+def test_token_ids_changed_after_writing_are_refused(tmp_path: Path) -> None:
+    _, header, payload = split(valid())
+    first = struct.unpack_from("<i", payload)[0]
+    bad = struct.pack("<i", (first + 1) % VOCAB) + payload[4:]
+    refused(tmp_path, join(header, bad), "token ids do not match")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "f.qlogits"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError):
+        read_logits(fifo)

@@ -296,7 +296,7 @@ DeviceOpt = Annotated[
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(
-        help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: all cores].",
+        help=f"CPU threads for the kernels, 1 to {MAX_THREADS} [default: the idle cores].",
         callback=thread_count,
         metavar="N",
         show_default=False,

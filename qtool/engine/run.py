@@ -6,7 +6,7 @@ sidecar per shard, in a directory that mirrors an input directory; compressed-te
 directory), laid out by engine/layout.py. Every run plans from the headers first
 (engine/plan.py, passes 1-3); a PLAN stops there, an ESTIMATE reads and measures (passes 4-7,
 then the loop without a writer), a WRITE checks its outputs, then does the same with the
-format's writer (engine/write.py).
+format's writer (`_write`).
 
 Torch-free at import: the modules that need torch are imported when the mode needs them.
 """
@@ -14,7 +14,7 @@ Torch-free at import: the modules that need torch are imported when the mode nee
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +29,8 @@ from qtool.engine.layout import (
     default_directory,
     directory_target,
     file_target,
+    finish_directory,
+    prepared,
     refuse_file_name,
 )
 from qtool.engine.plan import (
@@ -46,6 +48,7 @@ from qtool.engine.tied import tied_embeddings
 from qtool.errors import InputError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
 from qtool.formats.registry import entry, input_refusal, output_format
+from qtool.io.atomic import OutputSet
 from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry
 from qtool.numerics.imatrix import ImportanceMatrix
@@ -53,6 +56,7 @@ from qtool.results import QuantizeRow, QuantizeSummary
 
 if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
+    from qtool.engine.spill import Spill
 
 
 def quantize(
@@ -87,9 +91,7 @@ def quantize(
         if imatrix is not None:
             job = _with_importance(job, imatrix, headers, plan)
         if run.mode is Mode.WRITE:
-            from qtool.engine.write import write
-
-            done = write(job, plan)
+            done = _write(job, plan)
         else:
             _check_as_written(job, plan)
             done = (
@@ -180,6 +182,58 @@ def _kernels(run: RunOptions, fmt: OutputFormat, threads: ExitStack) -> Kernels:
     # here, not in the CLI: a usage error never waits for torch; None: the idle cores
     threads.enter_context(using_threads(run.threads))
     return Kernels(resolve_device(run.device), run.progress, fmt.scales_in_weight_dtype)
+
+
+Finish = Callable[[OutputSet, dict[str, str], int], None]
+"""Writes a run's last files given the output index's weight map and total size."""
+
+
+def _write(job: Job, plan: ModelPlan) -> Done:
+    """Every output of the run, for every format and layout: checked first, then the data
+    passes, the shards, and (a directory output) the format's files, the companions and the
+    index with the names the format stores each tensor under."""
+    from qtool.engine.budget import data_passes, needed_bytes
+
+    source, target, fmt, run = job.output.source, job.output.target, job.fmt, job.run
+    needed, keep = needed_bytes(plan.plans, job.options), job.options.input_files
+    with prepared(source, target, fmt.layout, run.force, run.also, needed, protect=keep) as place:
+        placed = place.target
+        with data_passes(job, plan, place.scratch) as (final, spill):
+
+            def finish(outputs: OutputSet, weight_map: dict[str, str], total: int) -> None:
+                if placed.directory is None:
+                    return
+                files = fmt.directory_files(final.plans)
+                section = fmt.index_section(placed.shard_outputs)
+                finish_directory(outputs, source, place, files, weight_map, total, section)
+
+            rows = _write_shards(job, final, placed, spill, finish)
+    return Done(final, rows, place.notes, place.stale)
+
+
+def _write_shards(
+    job: Job, plan: ModelPlan, target: Target, spill: Spill | None, finish: Finish
+) -> list[QuantizeRow]:
+    """Every shard through the format's writer, then `finish`; committed only when all is."""
+    from qtool.engine.loop import write_shard
+
+    kernels, fmt = job.kernels, job.fmt
+    assert kernels is not None
+    kernels.expect(plan.plans)
+    if kernels.progress is not None:
+        kernels.progress.start(sum(p.entry.nbytes for p in plan.plans))
+    rows: list[QuantizeRow] = []
+    weight_map: dict[str, str] = {}
+    with OutputSet() as outputs:
+        for (shard, plans), out in zip(plan.per_shard(), target.shard_outputs, strict=True):
+            ckpt = job.shards.checkpoint(shard)
+            writer = fmt.writer(plans, ckpt.metadata, out, outputs)
+            rows += write_shard(ckpt, plans, writer, kernels, spill)
+            weight_map |= {n: out.name for p in plans for n in fmt.tensor_names(p)}
+            job.shards.done(shard)
+        finish(outputs, weight_map, sum(r.bytes_out for r in rows))
+        outputs.commit()
+    return rows
 
 
 def _estimate(job: Job, plan: ModelPlan) -> Done:

@@ -276,7 +276,7 @@ def test_memory_stays_under_a_cap_smaller_than_the_checkpoint(tmp_path: Path, ke
     checkpoint_mib = (tmp_path / "big.safetensors").stat().st_size / 2**20
     assert checkpoint_mib > 6 * cap_mib
     loads = (
-        "import torch, qtool.engine.run, qtool.engine.write, qtool.cli\n"
+        "import torch, qtool.engine.run, qtool.cli\n"
         "from qtool.numerics import select\n"
         f"select.expect(torch.device('cpu'), {int(checkpoint_mib * 2**20)})"
     )

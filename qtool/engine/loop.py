@@ -27,7 +27,8 @@ from qtool.errors import DeviceError, InputError, NumericError
 from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint, tensor_bytes
 from qtool.io.writer import BackgroundWriter
-from qtool.numerics import kernels, select
+from qtool.numerics import select
+from qtool.numerics.kernels import QuantizedTensor, Workspace
 from qtool.numerics.quantize import expect, quantize_tensor
 from qtool.numerics.range_methods import ColumnWeights, GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
@@ -80,7 +81,7 @@ def write_shard(
     ckpt: Checkpoint,
     plans: list[TensorPlan],
     writer: ShardWriter,
-    run: Kernels,
+    kernels: Kernels,
     spill: Spill | None = None,
 ) -> list[QuantizeRow]:
     """Stream one shard's tensors to the writer in the order it takes them; rows in file order.
@@ -89,7 +90,7 @@ def write_shard(
     rows: dict[str, QuantizeRow] = {}
     order = [by_name[entry.name] for entry in writer.order]
     with BackgroundWriter(ckpt.release) as background:
-        for plan, done, weighted in _results(ckpt, order, run, spill=spill):
+        for plan, done, weighted in _results(ckpt, order, kernels, spill=spill):
             entry = plan.entry
             if done is None:
                 changed = spill.take_float(entry.name) if spill is not None else None
@@ -105,7 +106,7 @@ def write_shard(
 
 
 def estimate_rows(
-    ckpt: Checkpoint, plans: list[TensorPlan], run: Kernels, spill: Spill | None = None
+    ckpt: Checkpoint, plans: list[TensorPlan], kernels: Kernels, spill: Spill | None = None
 ) -> list[QuantizeRow]:
     """The rows a real run would report, error figures included, without writing anything
     (the figures of the tensors the error budget measured come from `spill`)."""
@@ -116,7 +117,7 @@ def estimate_rows(
             if found is not None:
                 known[p.entry.name] = found
     rows = []
-    for plan, done, weighted in _results(ckpt, plans, run, skip=known.keys()):
+    for plan, done, weighted in _results(ckpt, plans, kernels, skip=known.keys()):
         if plan.entry.name in known:
             rows.append(measured_row(plan, known[plan.entry.name]))
         else:
@@ -133,7 +134,7 @@ def measured_row(plan: TensorPlan, figures: Figures) -> QuantizeRow:
 def _results(
     ckpt: Checkpoint,
     order: list[TensorPlan],
-    run: Kernels,
+    kernels: Kernels,
     *,
     spill: Spill | None = None,
     skip: Collection[str] = (),
@@ -143,9 +144,9 @@ def _results(
     the error budget already quantized comes from `spill`; tiny tensors are quantized a batch
     at a time (engine/batch.py), the others one by one in two alternating workspaces, so the
     codes being written are never the ones being computed."""
-    workspaces = (kernels.Workspace(run.device), kernels.Workspace(run.device))
-    tiny = batch.TinyBatches(ckpt, order, run.device, run.scales_in_weight_dtype)
-    reader = Reader(run.progress)
+    workspaces = (Workspace(kernels.device), Workspace(kernels.device))
+    tiny = batch.TinyBatches(ckpt, order, kernels.device, kernels.scales_in_weight_dtype)
+    reader = Reader(kernels.progress)
     for k, plan in enumerate(order):
         name, nbytes = plan.entry.name, plan.entry.nbytes
         reader.advance(name, 0)  # the tensor now being processed
@@ -155,13 +156,13 @@ def _results(
             continue
         result = spill.take(name, plan.spec) if spill is not None else None
         done = tiny.take(k) if result is None else None
-        weights = run.weights(plan)
+        weights = kernels.weights(plan)
         if done is None:
             if result is None:
-                weight_dtype = run.scales_in_weight_dtype
                 result = quantize_one(
-                    ckpt, plan, workspaces[k % 2], weight_dtype, reader, weights=weights
-                )
+                    ckpt, plan, workspaces[k % 2], kernels.scales_in_weight_dtype, reader,
+                    weights=weights,
+                )  # fmt: skip
             else:
                 reader.advance(name, nbytes)
             done = batch.Quantized(result, (float(result.scale.min()), float(result.scale.max())))
@@ -176,12 +177,12 @@ def _results(
 def quantize_one(
     ckpt: Checkpoint,
     plan: TensorPlan,
-    workspace: kernels.Workspace,
-    weight_dtype: bool = False,
+    workspace: Workspace,
+    scales_in_weight_dtype: bool = False,
     reader: Reader | None = None,
     *,
     weights: ColumnWeights | None = None,
-) -> kernels.QuantizedTensor:
+) -> QuantizedTensor:
     """One tensor quantized as planned; NumericError naming the file and the tensor when its
     values cannot be (NaN/Inf, beyond float32, a grid that would overflow). With a `reader`,
     it is read into the reader's reused buffer (a large one a slab at a time, engine/slabs.py)
@@ -190,11 +191,13 @@ def quantize_one(
     assert plan.spec is not None
     try:
         if reader is None:
-            return _quantize_whole(ckpt, plan, workspace, weight_dtype, None, weights)
+            return _quantize_whole(ckpt, plan, workspace, scales_in_weight_dtype, None, weights)
         rows = slab_rows(plan, workspace.device)
         if rows is not None:
-            return quantize_by_slabs(ckpt, plan, rows, reader, workspace, weight_dtype, weights)
-        result = _quantize_whole(ckpt, plan, workspace, weight_dtype, reader, weights)
+            return quantize_by_slabs(
+                ckpt, plan, rows, reader, workspace, scales_in_weight_dtype, weights
+            )
+        result = _quantize_whole(ckpt, plan, workspace, scales_in_weight_dtype, reader, weights)
         reader.advance(plan.entry.name, plan.entry.nbytes)
         return result
     except NonFiniteInput as err:
@@ -236,16 +239,16 @@ def quantize_one(
 def _quantize_whole(
     ckpt: Checkpoint,
     plan: TensorPlan,
-    workspace: kernels.Workspace,
-    weight_dtype: bool,
+    workspace: Workspace,
+    scales_in_weight_dtype: bool,
     reader: Reader | None,
     weights: ColumnWeights | None = None,
-) -> kernels.QuantizedTensor:
+) -> QuantizedTensor:
     """The tensor read whole (into the reader's buffer when there is one) and quantized."""
     assert plan.spec is not None
     x = ckpt.tensor(plan.entry, reader.buffer if reader is not None else None)
     x = x.to(workspace.device)
-    scale_dtype = x.dtype if weight_dtype else torch.float32
+    scale_dtype = x.dtype if scales_in_weight_dtype else torch.float32
     return quantize_tensor(
         x, plan.spec, workspace=workspace, scale_dtype=scale_dtype, weights=weights
     )

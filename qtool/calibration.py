@@ -4,6 +4,9 @@ the guard's policy. Torch-free: the CLI and the plan import it."""
 from __future__ import annotations
 
 import enum
+import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +59,62 @@ class Calibration:
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
         object.__setattr__(self, "guard", Guard(self.guard))
+
+
+TEXTS_KEY = "texts"
+"""Where an output records the texts its quantization was fitted to and checked on: the JSON
+summary's `texts`, a compressed-tensors config's `quantization_config.qtool.texts`, a qtool
+sidecar's `qtool.texts` metadata (docs/formats.md)."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Role(str, enum.Enum):
+    """What a text was to a quantization: fitted to (a method's fit and held-out windows, an
+    imatrix's statistics) or the check text a method's guard measured on."""
+
+    CALIBRATION = "calibration"
+    CHECK = "check"
+
+
+@dataclass(frozen=True)
+class TextUse:
+    """One text a quantization used: its name (a file's base name, or a built-in text's
+    description), the SHA-256 of its text as read, the tokens taken from it, and its role;
+    SHA-256 and tokens None where the source recorded names only (llama-imatrix's files)."""
+
+    name: str
+    sha256: str | None
+    tokens: int | None
+    role: Role
+
+    @classmethod
+    def of(cls, source: str, sha256: str | None, tokens: int | None, role: Role) -> TextUse:
+        return cls(os.path.basename(source) or source, sha256, tokens, role)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "sha256": self.sha256, "tokens": self.tokens,
+                "role": self.role.value}  # fmt: skip
+
+
+def texts_json(texts: Iterable[TextUse]) -> list[dict[str, object]]:
+    return [t.as_dict() for t in texts]
+
+
+def parse_texts(value: object) -> tuple[TextUse, ...]:
+    """The records of an output's `texts` value (as texts_json wrote them); an item that is
+    not one (another tool's, a damaged file) is left out: the records only inform a warning."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(t for t in map(_parse_text, value) if t is not None)
+
+
+def _parse_text(item: object) -> TextUse | None:
+    if not isinstance(item, dict):
+        return None
+    name, sha, tokens, role = (item.get(k) for k in ("name", "sha256", "tokens", "role"))
+    if not isinstance(name, str) or role not in {r.value for r in Role}:
+        return None
+    if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        return None  # not a digest: matching it by name instead would guess
+    count = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+    return TextUse(name, sha if isinstance(sha, str) else None, count, Role(role))

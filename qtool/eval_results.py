@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from qtool.calibration import TextUse
+
 CAUSAL_LM = "causal-lm"
 ENCODER = "encoder"
 
@@ -104,6 +106,7 @@ class EvalSummary:
     load_seconds: float
     eval_seconds: float
     notes: tuple[str, ...] = ()
+    in_sample: tuple[TextUse, ...] = ()  # QUANT's calibration or check texts that are the text
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,7 +1,9 @@
 """Quality gates: error bounds a CI pipeline can fail on (torch-free).
 
 Per-tensor bounds (`max_mse`, `min_sqnr`) apply to every tensor that has error figures;
-`min_overall_sqnr` applies to the figures of all of them pooled. For `compare`, a mismatch (a
+`min_overall_sqnr` applies to the figures of all of them pooled; `max_kl_ratio` (a calibrated
+quantize run) to the model's KL against the float model on each stream the run measured, as a
+multiple of round to nearest's. For `compare`, a mismatch (a
 tensor missing on one side, another shape or dtype kind, NaN/Inf values) fails any gate that is
 set. A figure that is NaN, or infinite on the wrong side, never passes: every check is written
 as "the figure is within the bound", which NaN never is.
@@ -13,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from qtool.results import CompareRow, ErrorStats, Row
+from qtool.results import CompareRow, ErrorStats, ModelKL, Row
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class Gate:
     max_mse: float | None = None
     min_sqnr: float | None = None
     min_overall_sqnr: float | None = None
+    max_kl_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name, bound in self.bounds.items():
@@ -28,6 +31,8 @@ class Gate:
                 raise ValueError(f"{name}: a bound must be a finite number, got {bound}")
         if self.max_mse is not None and self.max_mse < 0:
             raise ValueError(f"max_mse: an MSE bound must be >= 0, got {self.max_mse}")
+        if self.max_kl_ratio is not None and self.max_kl_ratio <= 0:
+            raise ValueError(f"max_kl_ratio: a ratio bound must be > 0, got {self.max_kl_ratio}")
 
     @property
     def bounds(self) -> dict[str, float | None]:
@@ -35,6 +40,7 @@ class Gate:
             "max_mse": self.max_mse,
             "min_sqnr": self.min_sqnr,
             "min_overall_sqnr": self.min_overall_sqnr,
+            "max_kl_ratio": self.max_kl_ratio,
         }
 
     @property
@@ -65,9 +71,14 @@ class GateResult:
 
 
 def evaluate(
-    gate: Gate, rows: Sequence[Row], overall: ErrorStats | None, mismatches: Sequence[CompareRow]
+    gate: Gate,
+    rows: Sequence[Row],
+    overall: ErrorStats | None,
+    mismatches: Sequence[CompareRow],
+    model_kl: Sequence[ModelKL] = (),
 ) -> GateResult:
-    """Every bound each tensor (and the pool) breaks; nothing when no bound is set."""
+    """Every bound each tensor (and the pool, and the model's KL) breaks; nothing when no
+    bound is set."""
     if not gate.active:
         return GateResult(gate, [])
     out = [Violation(r.name, "mismatch", None, None, r.detail) for r in mismatches]
@@ -78,7 +89,17 @@ def evaluate(
     if bound is not None and overall is not None and not _pooled_ok(overall, bound):
         detail = f"pooled SQNR {_db(overall.sqnr_db)} is below {_db(bound)}"
         out.append(Violation(None, "overall_sqnr_db", overall.sqnr_db, bound, detail))
+    if gate.max_kl_ratio is not None:
+        out += [_kl_violation(k, gate.max_kl_ratio) for k in model_kl
+                if not k.ratio <= gate.max_kl_ratio]  # fmt: skip
     return GateResult(gate, out)
+
+
+def _kl_violation(figure: ModelKL, bound: float) -> Violation:
+    """The chosen result's model KL on one stream above `bound` times round to nearest's."""
+    detail = (f"model KL on the {figure.stream} {figure.chosen:.4g} is {figure.ratio:.3g}x "
+              f"round to nearest's {figure.rounding:.4g}, above {bound:g}x")  # fmt: skip
+    return Violation(None, "model_kl_ratio", figure.ratio, bound, detail)
 
 
 def _pooled_ok(overall: ErrorStats, bound: float) -> bool:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from qtool.calibration import TextUse
 from qtool.spec import Codec, FormatName
 
 
@@ -258,6 +259,25 @@ class CompareRow:
 
 
 @dataclass(frozen=True)
+class ModelKL:
+    """A calibrated run's model-level figure on one stream (engine/methods/verdict.py): the mean
+    KL(float || quantized) per scored token, in nats, of the result the guard chose and of
+    round to nearest on the same grid."""
+
+    stream: str  # "held-out" or "check text"
+    tokens: int  # scored positions
+    chosen: float
+    rounding: float
+
+    @property
+    def ratio(self) -> float:
+        """chosen / rounding: 1 when both are 0, +inf when only rounding's is (NaN stays)."""
+        if self.rounding == 0.0:
+            return 1.0 if self.chosen == 0.0 else math.inf
+        return self.chosen / self.rounding
+
+
+@dataclass(frozen=True)
 class QuantizeSummary:
     inputs: list[str]
     outputs: list[str]
@@ -275,6 +295,8 @@ class QuantizeSummary:
     format: str = FormatName.QTOOL.value
     ignore: list[str] | None = None  # compressed-tensors: the Linears kept in float
     imatrix: dict[str, object] | None = None  # --imatrix: its provenance (engine/importance.py)
+    texts: tuple[TextUse, ...] = ()  # the texts a method or an imatrix used (calibration.py)
+    model_kl: tuple[ModelKL, ...] = ()  # --method: the model's KL at the end of the run
 
     @property
     def weighted_overall(self) -> WeightedError | None:

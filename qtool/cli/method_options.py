@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from qtool.calibration import DEFAULT_TOKENS, Calibration, Guard, Method
-from qtool.cli.help import HOW, choices
+from qtool.cli.help import GATES, HOW, choices
 from qtool.spec import FormatName
 
 
@@ -23,6 +23,12 @@ def _at_least_one(value: int | None) -> int | None:
 def _tolerance(value: float | None) -> float | None:
     if value is not None and not 0.0 <= value < 1e6:  # also refuses nan
         raise typer.BadParameter(f"must be 0 or more (0.05: 5 %), got {value}")
+    return value
+
+
+def _ratio(value: float | None) -> float | None:
+    if value is not None and not 0.0 < value < 1e6:  # also refuses nan and inf
+        raise typer.BadParameter(f"must be above 0 (1: no worse than rounding), got {value}")
     return value
 
 
@@ -108,6 +114,28 @@ ToleranceOpt = Annotated[
         rich_help_panel=HOW,
     ),
 ]
+
+
+MaxKlRatioOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--max-kl-ratio",
+        help="With --method: fail if the model's KL against the float model, on the held-out "
+        "windows or on the check text, is above R times round to nearest's on the same grid "
+        "(1: calibration must not lose to rounding on either text).",
+        callback=_ratio,
+        metavar="R",
+        show_default=False,
+        rich_help_panel=GATES,
+    ),
+]
+
+
+def check_kl_gate(method: Method | None, max_kl_ratio: float | None) -> None:
+    """typer.BadParameter for --max-kl-ratio without --method (only a method measures it)."""
+    if max_kl_ratio is not None and method is None:
+        raise typer.BadParameter("goes only with --method (it measures the model's KL)",
+                                 param_hint="--max-kl-ratio")  # fmt: skip
 
 
 def calibration(

@@ -18,9 +18,11 @@ from qtool.cli.method_options import (
     CalibTokensOpt,
     CheckTextOpt,
     GuardOpt,
+    MaxKlRatioOpt,
     MethodOpt,
     ToleranceOpt,
     calibration,
+    check_kl_gate,
     check_method,
 )
 from qtool.cli.options import (
@@ -137,6 +139,7 @@ def quantize(
     max_mse: MaxMseOpt = None,
     min_sqnr: MinSqnrOpt = None,
     min_overall_sqnr: MinOverallOpt = None,
+    max_kl_ratio: MaxKlRatioOpt = None,
     sort: SortOpt = None,
     top: TopOpt = None,
     show_all: AllOpt = False,
@@ -149,7 +152,8 @@ def quantize(
     --format gguf, a float GGUF's tensors in GGUF types, a file llama.cpp loads)."""
     from qtool.gates import Gate, evaluate
 
-    bounds = Gate(max_mse, min_sqnr, min_overall_sqnr)
+    bounds = Gate(max_mse, min_sqnr, min_overall_sqnr, max_kl_ratio)
+    check_kl_gate(method, max_kl_ratio)
     integer_grid = dtype in {d.value for d in StorageDtype}
     spec = (
         build_spec(scheme, StorageDtype(dtype), per_channel, axis, group_size, range_method)
@@ -190,7 +194,7 @@ def quantize(
             api.plot_quantize(summary, options, plot, min_sqnr, force=force)
             report.print_note(f"wrote {plot}")
     _warn(summary, options)
-    gate = evaluate(bounds, summary.rows, summary.overall, [])
+    gate = evaluate(bounds, summary.rows, summary.overall, [], summary.model_kl)
     show_and_gate(
         summary.rows,
         Shown(sort, top, show_all),

@@ -26,12 +26,12 @@ import fnmatch
 import functools
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from qtool import patterns
-from qtool.calibration import Calibration
+from qtool.calibration import Calibration, TextUse
 from qtool.engine.decision import (
     Action,
     Budget,
@@ -49,7 +49,7 @@ from qtool.formats.registry import refuses
 from qtool.io.atomic import resolve_output
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Recipe, Rule, RuleKind, resolve, rules_from_cli
-from qtool.results import ErrorStats, QuantizeRow
+from qtool.results import ErrorStats, ModelKL, QuantizeRow
 from qtool.spec import (
     INT8_CHANNEL,
     Codec,
@@ -117,6 +117,8 @@ class ModelPlan:
     plans: tuple[TensorPlan, ...]
     counts: tuple[int, ...]  # how many of the plans each shard holds
     notes: tuple[str, ...] = ()  # what a data pass has to say (a calibration text too short)
+    texts: tuple[TextUse, ...] = ()  # the texts a method or an imatrix used (the outputs say)
+    model_kl: tuple[ModelKL, ...] = ()  # a calibrated method's model-level figures
 
     def per_shard(self) -> Iterator[tuple[Path, list[TensorPlan]]]:
         start = 0
@@ -131,7 +133,7 @@ class ModelPlan:
         """The same shards with new plans, in the same order."""
         new = tuple(plans)
         assert [p.entry for p in new] == [p.entry for p in self.plans]
-        return ModelPlan(self.shards, new, self.counts, self.notes)
+        return replace(self, plans=new)
 
 
 class DataPasses(Protocol):

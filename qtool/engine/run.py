@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.calibration import Role, TextUse
 from qtool.engine.decision import TensorPlan
 from qtool.engine.importance import Provenance, match_importance, read_importance
 from qtool.engine.job import Done, Job, Mode, Output, RunOptions
@@ -90,6 +91,7 @@ def quantize(
         plan = plan_headers(headers, options, fmt, tied)
         if imatrix is not None:
             job = _with_importance(job, imatrix, headers, plan)
+            plan = replace(plan, texts=_imatrix_texts(imatrix[1]))
         if run.mode is Mode.WRITE:
             done = _write(job, plan)
         else:
@@ -199,6 +201,8 @@ def _write(job: Job, plan: ModelPlan) -> Done:
     with prepared(source, target, fmt.layout, run.force, run.also, needed, protect=keep) as place:
         placed = place.target
         with data_passes(job, plan, place.scratch) as (final, spill):
+            fmt = fmt.with_texts(final.texts)  # a method's texts are known after its pass
+            job = replace(job, fmt=fmt)
 
             def finish(outputs: OutputSet, weight_map: dict[str, str], total: int) -> None:
                 if placed.directory is None:
@@ -314,6 +318,15 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
         format=job.fmt.name,
         ignore=job.fmt.ignore(plans),
         imatrix=_provenance(job),
+        texts=done.plan.texts,
+        model_kl=done.plan.model_kl,
+    )
+
+
+def _imatrix_texts(provenance: Provenance) -> tuple[TextUse, ...]:
+    """The texts an imatrix was computed on, as every output records them (calibration.py)."""
+    return tuple(
+        TextUse.of(d.name, d.sha256, d.tokens, Role.CALIBRATION) for d in provenance.datasets
     )
 
 

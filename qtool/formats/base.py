@@ -13,11 +13,13 @@ computed (`scales_in_weight_dtype`), and say what will not run everywhere (`warn
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from qtool.calibration import TextUse
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import TensorEntry
 from qtool.spec import Codec, GroupFallback
@@ -153,6 +155,14 @@ class OutputFormat(abc.ABC):
     """True: the default selection keeps a tied input embedding (engine/tied.py) in float
     where it would quantize it to 4 bits (compressed-tensors never quantizes an embedding;
     GGUF decides by its own plan)."""
+    texts: tuple[TextUse, ...] = ()
+    """The texts a calibrated method or an imatrix used, for the formats that record them."""
+
+    def with_texts(self, texts: Sequence[TextUse]) -> OutputFormat:
+        """This format, recording `texts` in what it writes (known after the method's pass)."""
+        out = copy.copy(self)
+        out.texts = tuple(texts)
+        return out
 
     def select(self, planned: Sequence[Ruled]) -> list[Choice] | None:
         """The format's decision for every tensor of the model in order (all shards at once,

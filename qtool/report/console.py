@@ -273,8 +273,9 @@ def _gate_lines(result: GateResult | None, width: int) -> list[Line]:
     tensors = sorted(result.failed_tensors())
     shown = ", ".join(safe(t) for t in tensors[:5]) + (" ..." if len(tensors) > 5 else "")
     parts = [f"{len(tensors)} tensor(s) out of bounds: {shown}"] if tensors else []
-    if any(v.tensor is None for v in result.violations):
+    if any(v.metric == "overall_sqnr_db" for v in result.violations):
         parts.append(f"overall SQNR below {result.gate.min_overall_sqnr} dB")
+    parts += [v.detail for v in result.violations if v.metric == "model_kl_ratio"]
     text = "gate: FAILED (" + "; ".join(parts) + ")"
     return _plain(layout.phrases([text], width), "bold red")
 
@@ -411,6 +412,8 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
     weighted = summary.weighted_overall
     if weighted is not None:
         parts.append(f"weighted SQNR {_fmt_db(weighted.sqnr_db)} (wSQNR: by the imatrix)")
+    if summary.model_kl:
+        parts.append(_model_kl(summary))
     if summary.budget_sizes is not None:
         int8, flt = summary.budget_sizes
         eight = f"all-{summary.budget_reference}"
@@ -419,6 +422,19 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
             f"all-float {_fmt_bytes(flt)}"
         )
     return parts
+
+
+def _model_kl(summary: QuantizeSummary) -> str:
+    """'model KL, held-out: 0.152 (rounding 0.431); check text: 0.241 (rounding 0.469)'."""
+    figures = "; ".join(
+        f"{k.stream}: {_fmt_kl(k.chosen)} (rounding {_fmt_kl(k.rounding)})"
+        for k in summary.model_kl
+    )
+    return f"model KL, {figures}"
+
+
+def _fmt_kl(value: float) -> str:
+    return f"{value:.3f}" if math.isfinite(value) else str(value)
 
 
 _SPECS_SHOWN = 3
@@ -585,7 +601,6 @@ def _manifest_parts(manifest: dict[str, object]) -> list[str]:
 
 
 PROGRESS_COLUMNS = 64  # what the bar, percentage, bytes, speed and time left take
-NARROW_BAR = 10  # the bar's width below 100 columns (20 above): the tensor's name needs it more
 
 
 class _BarProgress:
@@ -596,8 +611,7 @@ class _BarProgress:
     def __init__(self, progress: Progress, width: int) -> None:
         self._progress = progress
         self._task = progress.add_task("", total=None, visible=False)  # shown once sized
-        narrowed = 20 - NARROW_BAR if width < 100 else 0
-        self._name_width = max(16, width - PROGRESS_COLUMNS + narrowed)
+        self._name_width = max(16, width - PROGRESS_COLUMNS)
 
     def start(self, total_bytes: int) -> None:
         self._progress.update(self._task, total=total_bytes, visible=True)
@@ -608,24 +622,10 @@ class _BarProgress:
 
 
 def _middle_cut(name: str, width: int) -> str:
-    """`name` in at most `width` characters: whole when it fits, else from its layer number on
-    (`…11.self_attn.q_proj.weight`: the prefix before it is the same in every row), without a
-    final `.weight`/`.bias` if need be, then less the parts after the number, first ones first
-    (`…11.q_proj`); a name without a number, or still too long, keeps its start and its end
-    around an ellipsis."""
+    """`name` in at most `width` characters: whole when it fits, else its start and its end
+    (where layer numbers and the tensor's own name are) around an ellipsis."""
     if len(name) <= width:
         return name
-    parts = name.split(".")
-    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    if number is not None and number + 1 < len(parts):
-        rest = parts[number:]
-        if rest[-1] in ("weight", "bias") and len(rest) > 2:
-            rest = rest[:-1]
-        tails = ([rest[0], *rest[-k:]] for k in range(len(rest) - 2, 0, -1))
-        for shown in (parts[number:], rest, *tails):
-            if 1 + len(".".join(shown)) <= width:
-                return "…" + ".".join(shown)
-        name = "…" + ".".join([rest[0], rest[-1]])
     tail = (width - 1) * 2 // 3
     return name[: width - 1 - tail] + "…" + name[len(name) - tail :]
 
@@ -652,7 +652,7 @@ def progress_bar() -> Iterator[_BarProgress | None]:
         return
     columns = (
         TextColumn("{task.description}", style="dim"),
-        BarColumn(bar_width=20 if err.width >= 100 else NARROW_BAR),
+        BarColumn(bar_width=20),
         TaskProgressColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from qtool.calibration import texts_json
 from qtool.eval_results import (
     CausalFigures,
     EncoderFigures,
@@ -53,6 +54,7 @@ def eval_json(
         },
         "tokens_per_second": json_number(summary.tokens_per_second),
         "notes": list(summary.notes),
+        "in_sample": texts_json(summary.in_sample),
         "gate": _gate(bounds, violations),
     }
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from qtool.calibration import TEXTS_KEY, texts_json
 from qtool.gates import GateResult
 from qtool.results import (
     CompareRow,
@@ -20,6 +21,7 @@ from qtool.results import (
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
+    ModelKL,
     QuantizeRow,
     QuantizeSummary,
     WeightedError,
@@ -101,6 +103,7 @@ def gate_json(result: GateResult | None) -> dict[str, Any] | None:
             "max_mse": _maybe(g.max_mse),
             "min_sqnr_db": _maybe(g.min_sqnr),
             "min_overall_sqnr_db": _maybe(g.min_overall_sqnr),
+            **({"max_kl_ratio": json_number(g.max_kl_ratio)} if g.max_kl_ratio else {}),
         },
         "violations": [
             {
@@ -235,7 +238,20 @@ def quantize_json(
         "format": summary.format,
         **({"ignore": summary.ignore} if summary.ignore is not None else {}),
         **({"imatrix": summary.imatrix} if summary.imatrix is not None else {}),
+        **({TEXTS_KEY: texts_json(summary.texts)} if summary.texts else {}),
+        **({"model_kl": [_model_kl_json(k) for k in summary.model_kl]} if summary.model_kl else {}),
         "warnings": summary.notes,
+    }
+
+
+def _model_kl_json(figure: ModelKL) -> dict[str, object]:
+    """A calibrated run's model KL on one stream (engine/methods/verdict.py)."""
+    return {
+        "stream": figure.stream,
+        "tokens": figure.tokens,
+        "kl": json_number(figure.chosen),
+        "rounding_kl": json_number(figure.rounding),
+        "ratio": json_number(figure.ratio),
     }
 
 

@@ -10,8 +10,9 @@ mapped, past ACTIVATIONS_IN_MEMORY)."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +50,24 @@ class BlockMethod(Protocol):
     def quantize(self, prefix: str, probe: Any) -> None: ...
 
 
+class Tracker(Protocol):
+    """More streams carried through the same block loads (engine/methods/verdict.py): `start`
+    with the activations entering the first block, `before` with each block as loaded,
+    `after` once the method's outputs have run (`reload` reads the block again)."""
+
+    def start(self, streams: Mapping[str, Sequence[torch.Tensor]]) -> None: ...
+
+    def before(self, block: torch.nn.Module, kwargs: dict[str, Any]) -> None: ...
+
+    def after(
+        self,
+        block: torch.nn.Module,
+        prefix: str,
+        kwargs: dict[str, Any],
+        reload: Callable[[], None],
+    ) -> None: ...
+
+
 def run_sequential(
     model: Any,
     reader: FloatReader,
@@ -59,6 +78,7 @@ def run_sequential(
     progress: Progress | None = None,
     bound: int | None = None,
     directory: Path | None = None,
+    tracker: Tracker | None = None,
 ) -> None:
     """Every decoder block of `model`, in order, through `method` on the windows of each stream
     (name -> windows of token ids, all of one length); activations over `bound` bytes (None:
@@ -78,9 +98,13 @@ def run_sequential(
     for name, ws in streams.items():
         named[name] = hidden[start : start + len(ws)]
         start += len(ws)
+    if tracker is not None:
+        tracker.start(named)
     for i, block in enumerate(layers):
         prefix = f"{layers_name}.{i}."
         load_module(block, prefix, reader, device, path)
+        if tracker is not None:
+            tracker.before(block, kwargs[i])
         with torch.no_grad():
             with method.probe(block, prefix) as probe:
                 for name, xs in named.items():
@@ -94,6 +118,9 @@ def run_sequential(
                 for x in xs:
                     x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put
                     _advance(progress, f"block {i}", x)
+        if tracker is not None:
+            tracker.after(block, prefix, kwargs[i], partial(load_module, block, prefix, reader,
+                                                            device, path))  # fmt: skip
         block.to_empty(device="meta")
         return_freed_memory()
 

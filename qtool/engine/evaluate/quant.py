@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qtool.calibration import TextUse
 from qtool.dtypes import FLOAT_DTYPES
 from qtool.engine.evaluate import hf
 from qtool.engine.evaluate.models import FloatModel, listed, loading_problem
@@ -32,6 +33,7 @@ from qtool.engine.evaluate.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.formats.detect import Detected, detect
+from qtool.formats.provenance import recorded_texts
 from qtool.formats.registry import entry
 
 # config keys that say nothing about the architecture (or are checked another way)
@@ -50,6 +52,7 @@ class QuantModel:
     model: Any  # in eval mode, in the compute dtype
     loaded_as: str
     tokenizer: hf.Tokenizer | None  # QUANT's own tokenizer, when its directory has one
+    texts: tuple[TextUse, ...] = ()  # the texts its quantization recorded (formats/provenance)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def load_quant(path: Path, reference: FloatModel, dtype: torch.dtype) -> QuantMo
     """QUANT in FLOAT's architecture and `dtype` (InputError when it is not the same model)."""
     found = detect(path)  # InputError for a path that does not exist or holds no checkpoint
     loader = next(loader for loader in LOADERS if loader.claims(found))
-    return loader.load(found, reference, dtype)
+    return replace(loader.load(found, reference, dtype), texts=recorded_texts(found))
 
 
 # ---- compressed-tensors: transformers loads it ---------------------------------------------

@@ -3,6 +3,7 @@ summarise. Loading and evaluation are timed apart (loading dominates small runs)
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from time import perf_counter
 
 import torch
 
+from qtool.calibration import Role, TextUse
 from qtool.engine.evaluate.config import FLOAT, window_length
 from qtool.engine.evaluate.layers import LayerProbe, changed_parameters
 from qtool.engine.evaluate.models import FloatModel, load_float
@@ -65,6 +67,7 @@ def _evaluate(
         else:
             causal, encoder = None, encoder_pass(models, pieces, device, progress)
     done = perf_counter()
+    same = in_sample(candidate.texts, text)
     return EvalSummary(
         inputs=(str(float_dir), str(quant)),
         loaded_as=candidate.loaded_as,
@@ -84,8 +87,38 @@ def _evaluate(
         layers=probe.rows() if probe is not None else None,
         load_seconds=ready - started,
         eval_seconds=done - ready,
-        notes=_notes(changed),
+        notes=(*in_sample_note(same, text), *_notes(changed)),
+        in_sample=same,
     )
+
+
+def in_sample(recorded: tuple[TextUse, ...], text: Text) -> tuple[TextUse, ...]:
+    """The texts QUANT recorded that are the evaluation text: the same SHA-256, or for a record
+    of a name only (llama-quantize's GGUF keys) the same base name."""
+    info = text.info
+    name = os.path.basename(info.source) or info.source
+    return tuple(
+        t for t in recorded if t.sha256 == info.sha256 or (t.sha256 is None and t.name == name)
+    )
+
+
+def in_sample_note(same: tuple[TextUse, ...], text: Text) -> tuple[str, ...]:
+    """One warning line naming the text and what it was to QUANT's quantization."""
+    if not same:
+        return ()
+    roles = {t.role for t in same}
+    what = " and ".join(
+        phrase for role, phrase in (
+            (Role.CALIBRATION, "a text its quantization was calibrated on"),
+            (Role.CHECK, "the check text its calibrated method was judged on"),
+        ) if role in roles
+    )  # fmt: skip
+    by = "by SHA-256" if all(t.sha256 is not None for t in same) else (
+        "by name only: the GGUF records the imatrix's dataset by name")  # fmt: skip
+    names = ", ".join(dict.fromkeys(t.name for t in same))
+    line = (f"in sample: the evaluation text ({text.source}) is {what}, recorded as {names} "
+            f"({by}), so these figures flatter QUANT; evaluate on a text it never saw")  # fmt: skip
+    return (line,)
 
 
 def _pieces(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from qtool.calibration import HELD_OUT_SHARE, Calibration, Method
+from qtool.calibration import HELD_OUT_SHARE, Calibration, Method, Role, TextUse
 from qtool.engine.calibrate.data import check_text, default_text, load_text, take_windows
 from qtool.engine.calibrate.run import MODEL, check_activations, check_tokens, interleaved
 from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, run_sequential, spilled
@@ -27,6 +27,7 @@ from qtool.engine.loop import quantize_one
 from qtool.engine.methods.awq import METHOD as AWQ
 from qtool.engine.methods.awq import AwqPolicy, output_buffers
 from qtool.engine.methods.gptq import GptqPolicy, Target
+from qtool.engine.methods.verdict import ModelStreams
 from qtool.engine.nonfinite import kept_nonfinite
 from qtool.engine.plan import ModelPlan
 from qtool.engine.spill import Spill
@@ -73,7 +74,7 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
     plan = finite_targets(job, plan)
     checkpoint, hf_config, tokenizer = float_parts(found, config, path, MODEL)
     device = job.kernels.device
-    streams = _streams(calibration, tokenizer, hf_config, path, device)
+    streams, texts = _streams(calibration, tokenizer, hf_config, path, device)
     model = empty_model(kind, config, hf_config, checkpoint, path).eval()
     every = [w for ws in streams.values() for w in ws]
     check_vocabulary(every, model.get_input_embeddings().num_embeddings, tokenizer)
@@ -82,15 +83,19 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
         for p in plan.plans if isinstance(p.spec, QSpec)
     }  # fmt: skip
     policy = _policy(plan, targets, calibration, spill, job, streams, hf_config, device)
+    verdict = ModelStreams(targets, job.kernels.scales_in_weight_dtype)
     reader = open_reader(found)
     try:
         with using_threads(job.run.threads):  # None: the idle cores (engine/threads.py)
-            run_sequential(model, reader, streams, policy, device, path, directory=spill.directory)
+            run_sequential(model, reader, streams, policy, device, path,
+                           directory=spill.directory, tracker=verdict)  # fmt: skip
+            model_kl = verdict.figures(model, reader, device, path, streams)
         reader.check_unchanged()
     finally:
         reader.close()
     decided = plan.with_plans([_decided(p, policy) for p in plan.plans])
-    return replace(decided, notes=(*plan.notes, *_short(calibration, streams)))
+    notes = (*plan.notes, *_short(calibration, streams))
+    return replace(decided, notes=notes, texts=texts, model_kl=model_kl)
 
 
 def finite_targets(job: Job, plan: ModelPlan) -> ModelPlan:
@@ -145,19 +150,24 @@ def _policy(
 
 def _streams(
     calibration: Calibration, tokenizer: Tokenizer, hf_config: Any, path: Path, device: torch.device
-) -> dict[str, list[list[int]]]:
-    """The windows of each stream: fit, held out, and as many of the check text as held out."""
+) -> tuple[dict[str, list[list[int]]], tuple[TextUse, ...]]:
+    """The windows of each stream: fit, held out, and as many of the check text as held out;
+    and each text with the tokens taken from it (what the outputs record)."""
     ctx = window_length(calibration.ctx, hf_config, path, MODEL, shortest=1)
     check_tokens(calibration.tokens, ctx)
     texts = [load_text(p, tokenizer) for p in calibration.texts] or [default_text()]
-    fit, held = split(interleaved(take_windows(texts, tokenizer, calibration.tokens, ctx)))
+    sources = take_windows(texts, tokenizer, calibration.tokens, ctx)
+    fit, held = split(interleaved(sources))
     checks = [load_text(p, tokenizer, "check the method on") for p in calibration.check_texts]
     checks = checks or [check_text()]
     _distinct(texts, checks)
-    check = interleaved(take_windows(checks, tokenizer, len(held) * ctx, ctx))
+    check_sources = take_windows(checks, tokenizer, len(held) * ctx, ctx)
+    check = interleaved(check_sources)
     if device.type != "cpu":  # on the CPU they are spilled past a bound (sequential.py)
         check_activations((len(fit) + len(held) + len(check)) * ctx, int(hf_config.hidden_size))
-    return {"fit": fit, "held": held, "check": check}
+    used = [(s, Role.CALIBRATION) for s in sources] + [(s, Role.CHECK) for s in check_sources]
+    records = tuple(TextUse.of(s.name, s.sha256, s.tokens, role) for s, role in used if s.windows)
+    return {"fit": fit, "held": held, "check": check}, records
 
 
 def _short(calibration: Calibration, streams: dict[str, list[list[int]]]) -> list[str]:

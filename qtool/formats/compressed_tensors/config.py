@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from qtool.calibration import TEXTS_KEY, TextUse, texts_json
 from qtool.errors import InputError
 from qtool.formats import stale_config
 from qtool.formats.compressed_tensors import coerce
@@ -239,13 +240,15 @@ def quantization_config(
     absent: Sequence[str] = (),
     dequantize: bool = False,
     imatrix: Mapping[str, object] | None = None,
+    texts: Sequence[TextUse] = (),
 ) -> dict[str, object]:
     """The `quantization_config` of config.json; `candidates` (name -> multipliers) records
     the mse search's candidate lists under the `qtool` key, which loaders ignore; `absent`: the
     Linears the checkpoint holds no weight for (ignored too); `dequantize` writes
     `"dequantize": true`, which makes transformers dequantize at load time
     (loaders.dequantize_at_load says when); `imatrix`: the provenance of the importance matrix
-    the range search was weighted by, recorded under the `qtool` key too."""
+    the range search was weighted by, and `texts` (calibration.TEXTS_KEY), the texts a method or
+    an imatrix used, recorded under the `qtool` key too."""
     specs = [s.spec for s in selections if s.spec is not None]
     methods = sorted({s.range_method.value for s in specs})
     record: dict[str, object] = {
@@ -258,6 +261,8 @@ def quantization_config(
         record["mse_candidates"] = {k: list(v) for k, v in (candidates or {}).items()}
     if imatrix is not None:
         record["imatrix"] = dict(imatrix)
+    if texts:
+        record[TEXTS_KEY] = texts_json(texts)
     q: dict[str, object] = {
         "quant_method": FORMAT,
         "format": PACK_QUANTIZED,

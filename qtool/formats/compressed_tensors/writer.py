@@ -187,6 +187,7 @@ class CompressedTensorsFormat(OutputFormat):
             absent=self.linears(planned).absent,
             dequantize=self._dequantize_at_load(selections),
             imatrix=self.context.imatrix,
+            texts=self.texts,
         )
         assert self.config_path is not None
         doc = ct_config.with_quantization_config(self.config, qconfig, self.config_path)

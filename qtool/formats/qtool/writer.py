@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool import calibration
 from qtool.errors import OutputError
 from qtool.formats.base import FormatContext, OutputFormat, Planned, carried_metadata
 from qtool.formats.qtool import config as model_config
@@ -36,6 +37,7 @@ from qtool.io.writer import StreamingWriter
 from qtool.spec import Codec, FormatName, as_grid
 
 IMATRIX_KEY = "qtool.imatrix"  # the sidecar's record of --imatrix (engine/importance.py)
+TEXTS_KEY = f"qtool.{calibration.TEXTS_KEY}"  # the texts a method or an imatrix used
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +111,7 @@ class QtoolFormat(OutputFormat):
         out: Path,
         outputs: OutputSet,
     ) -> QtoolShardWriter:
-        return QtoolShardWriter(planned, metadata, out, outputs, self._context.imatrix)
+        return QtoolShardWriter(planned, metadata, out, outputs, self._context.imatrix, self.texts)
 
 
 class QtoolShardWriter:
@@ -123,9 +125,11 @@ class QtoolShardWriter:
         out: Path,
         outputs: OutputSet,
         imatrix: Mapping[str, object] | None = None,
+        texts: Sequence[calibration.TextUse] = (),
     ) -> None:
         self._out, self._outputs = out, outputs
         self._imatrix = imatrix  # --imatrix's provenance, kept in the sidecar (IMATRIX_KEY)
+        self._texts = tuple(texts)  # kept in the sidecar (TEXTS_KEY) when there are any
         self._side = sidecar_path(out)
         self._metadata = carried_metadata(metadata) | {SIDECAR_KEY: self._side.name}
         self._specs = [(p.entry.name, *stored_dtype_shape(p.entry, p.spec)) for p in planned]
@@ -171,6 +175,8 @@ class QtoolShardWriter:
         metadata = manifest_metadata(Manifest(self._out.name, records))
         if self._imatrix is not None:
             metadata[IMATRIX_KEY] = json.dumps(dict(self._imatrix), sort_keys=True)
+        if self._texts:
+            metadata[TEXTS_KEY] = json.dumps(calibration.texts_json(self._texts), sort_keys=True)
         specs = [(n, TORCH_TO_ST[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
         header_bytes, header = build_header(specs, metadata)
         side = self._side

@@ -1,0 +1,146 @@
+"""The model-level verdict of a calibrated run (docs/calibration.md, "Model KL at the end of the
+run"): the model's KL(float || quantized) per scored token on the held-out windows and on the
+check text, for the result the guard chose and for round to nearest on the same grid.
+
+The sequential pass already loads each block and carries the chosen result's activations of
+every stream (engine/calibrate/sequential.py). ModelStreams carries two more copies of the
+held-out and check windows' activations through the same block loads: the float model's (the
+block run as loaded, before the method touches it) and round to nearest's (the block read again
+from the checkpoint, its target Linears rounded to nearest as a consumer restores them). At the
+end the final norm and the head (float, read once) turn each stream into logits, scored as
+`qtool eval` scores windows (numerics/logits: the logits at position i predict token i + 1; a
+window of L tokens scores L - 1 positions). Embeddings and head are the float model's for all
+three: the figures measure the decoder blocks, where the method and rounding differ."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from qtool.engine.calibrate.blocks import block_list, load_module
+from qtool.engine.methods.gptq import Target, restored
+from qtool.errors import InputError
+from qtool.formats.base import FloatReader
+from qtool.numerics.logits import ROWS_PER_CHUNK, kl_divergence
+from qtool.numerics.quantize import quantize_tensor
+from qtool.results import ModelKL
+
+STREAMS = {"held": "held-out", "check": "check text"}  # stream -> what the report calls it
+
+
+class ModelStreams:
+    """The float and round-to-nearest activations of the held-out and check windows, carried
+    through the blocks beside the chosen result's (the sequential pass's own)."""
+
+    def __init__(self, targets: Mapping[str, Target], scales_in_weight_dtype: bool) -> None:
+        self.targets = targets
+        self.scales_in_weight_dtype = scales_in_weight_dtype
+        self.chosen: dict[str, Sequence[torch.Tensor]] = {}
+        self.float: dict[str, list[torch.Tensor]] = {}
+        self.rounded: dict[str, list[torch.Tensor]] = {}
+
+    def start(self, streams: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """The activations entering the first block, per stream (the pass keeps updating
+        `streams` in place: they are the chosen result's)."""
+        self.chosen = {s: streams[s] for s in STREAMS if s in streams}
+        self.float = {s: [x.clone() for x in xs] for s, xs in self.chosen.items()}
+        self.rounded = {s: [x.clone() for x in xs] for s, xs in self.chosen.items()}
+
+    def before(self, block: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+        """The float stream through the block as loaded (before the method changes it)."""
+        _run(block, self.float, kwargs)
+
+    def after(
+        self,
+        block: torch.nn.Module,
+        prefix: str,
+        kwargs: dict[str, Any],
+        reload: Callable[[], None],
+    ) -> None:
+        """The rounding stream through the block read again, its targets rounded to nearest."""
+        reload()
+        with torch.no_grad():
+            for name, module in block.named_modules():
+                target = self.targets.get(f"{prefix}{name}.weight")
+                if target is not None and isinstance(module, torch.nn.Linear):
+                    module.weight.data.copy_(self._rounded(module.weight.detach(), target))
+        _run(block, self.rounded, kwargs)
+
+    def _rounded(self, weight: torch.Tensor, target: Target) -> torch.Tensor:
+        """Round to nearest as the guard's baseline is (methods/gptq.GptqPolicy._choose)."""
+        scale_dtype = target.dtype if self.scales_in_weight_dtype else torch.float32
+        original = weight.to(target.dtype)
+        rtn = quantize_tensor(original, target.spec, scale_dtype=scale_dtype)
+        return restored(rtn, target.spec, target.dtype, tuple(weight.shape))
+
+    def figures(
+        self,
+        model: Any,
+        reader: FloatReader,
+        device: torch.device,
+        path: Any,
+        windows: Mapping[str, Sequence[list[int]]],
+    ) -> tuple[ModelKL, ...]:
+        """Each stream's mean KL(float || chosen) and KL(float || rounding) per scored token,
+        through the float final norm and head (read from the checkpoint here)."""
+        norm, head = _head(model, reader, device, path)
+        out = []
+        for stream, label in STREAMS.items():
+            if not self.chosen.get(stream):
+                continue
+            sums, scored = [0.0, 0.0], 0
+            for i, ids in enumerate(windows[stream]):
+                xs = (self.float[stream][i], self.chosen[stream][i], self.rounded[stream][i])
+                kls = _window_kl(norm, head, xs, len(ids))
+                sums = [a + b for a, b in zip(sums, kls, strict=True)]
+                scored += len(ids) - 1
+            chosen, rounding = (s / scored if scored else float("nan") for s in sums)
+            out.append(ModelKL(label, scored, chosen, rounding))
+        return tuple(out)
+
+
+def _run(
+    block: torch.nn.Module, streams: Mapping[str, list[torch.Tensor]], kwargs: dict[str, Any]
+) -> None:
+    with torch.no_grad():
+        for xs in streams.values():
+            for x in xs:
+                x.copy_(block(x, **kwargs))
+
+
+def _head(
+    model: Any, reader: FloatReader, device: torch.device, path: Any
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The final norm (loaded into the model's own module) and the head's weight, float32:
+    `lm_head.weight`, or with tied embeddings the input embeddings' weight."""
+    base, _, layers_name = block_list(model, path)
+    prefix = layers_name.rsplit(".", 1)[0] + "." if "." in layers_name else ""
+    norm = getattr(base, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise InputError(path, f"{type(model).__name__} has no final norm qtool can run")
+    load_module(norm, f"{prefix}norm.", reader, device, path)
+    names = set(reader.names)
+    embeddings = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    name = "lm_head.weight" if "lm_head.weight" in names else f"{embeddings}.weight"
+    if name not in names:
+        raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
+    head = reader.values(name).to(device=device, dtype=torch.float32, copy=True)
+    reader.release(name)
+    return norm, head
+
+
+def _window_kl(
+    norm: torch.nn.Module, head: torch.Tensor, xs: tuple[torch.Tensor, ...], length: int
+) -> tuple[float, float]:
+    """Sum over the window's scored positions (all but the last) of KL(float || chosen) and
+    KL(float || rounding); `xs` the three streams' last hidden states [1, L, hidden]."""
+    sums = [0.0, 0.0]
+    with torch.no_grad():
+        for r in range(0, length - 1, ROWS_PER_CHUNK):
+            end = min(r + ROWS_PER_CHUNK, length - 1)
+            logp = [torch.log_softmax(norm(x[0, r:end]) @ head.T, dim=-1) for x in xs]
+            for k in (0, 1):
+                sums[k] += float(kl_divergence(logp[0], logp[k + 1]).double().sum())
+    return sums[0], sums[1]

@@ -601,6 +601,7 @@ def _manifest_parts(manifest: dict[str, object]) -> list[str]:
 
 
 PROGRESS_COLUMNS = 64  # what the bar, percentage, bytes, speed and time left take
+NARROW_BAR = 10  # the bar's width below 100 columns (20 above): the tensor's name needs it more
 
 
 class _BarProgress:
@@ -611,7 +612,8 @@ class _BarProgress:
     def __init__(self, progress: Progress, width: int) -> None:
         self._progress = progress
         self._task = progress.add_task("", total=None, visible=False)  # shown once sized
-        self._name_width = max(16, width - PROGRESS_COLUMNS)
+        narrowed = 20 - NARROW_BAR if width < 100 else 0
+        self._name_width = max(16, width - PROGRESS_COLUMNS + narrowed)
 
     def start(self, total_bytes: int) -> None:
         self._progress.update(self._task, total=total_bytes, visible=True)
@@ -622,10 +624,24 @@ class _BarProgress:
 
 
 def _middle_cut(name: str, width: int) -> str:
-    """`name` in at most `width` characters: whole when it fits, else its start and its end
-    (where layer numbers and the tensor's own name are) around an ellipsis."""
+    """`name` in at most `width` characters: whole when it fits, else from its layer number on
+    (`…11.self_attn.q_proj.weight`: the prefix before it is the same in every row), without a
+    final `.weight`/`.bias` if need be, then less the parts after the number, first ones first
+    (`…11.q_proj`); a name without a number, or still too long, keeps its start and its end
+    around an ellipsis."""
     if len(name) <= width:
         return name
+    parts = name.split(".")
+    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if number is not None and number + 1 < len(parts):
+        rest = parts[number:]
+        if rest[-1] in ("weight", "bias") and len(rest) > 2:
+            rest = rest[:-1]
+        tails = ([rest[0], *rest[-k:]] for k in range(len(rest) - 2, 0, -1))
+        for shown in (parts[number:], rest, *tails):
+            if 1 + len(".".join(shown)) <= width:
+                return "…" + ".".join(shown)
+        name = "…" + ".".join([rest[0], rest[-1]])
     tail = (width - 1) * 2 // 3
     return name[: width - 1 - tail] + "…" + name[len(name) - tail :]
 
@@ -652,7 +668,7 @@ def progress_bar() -> Iterator[_BarProgress | None]:
         return
     columns = (
         TextColumn("{task.description}", style="dim"),
-        BarColumn(bar_width=20),
+        BarColumn(bar_width=20 if err.width >= 100 else NARROW_BAR),
         TaskProgressColumn(),
         DownloadColumn(binary_units=True),
         TransferSpeedColumn(),

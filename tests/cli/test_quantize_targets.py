@@ -210,3 +210,25 @@ def test_the_tensor_type_file_is_what_llama_quantize_parses(invoke: Invoke, tmp_
         hits = [n for n in names if re.search(pattern, n.lower())]
         assert len(hits) == 1
         assert kind == str(rows[hits[0]]["out_dtype"]).lower()
+
+
+def test_a_recipe_narrows_the_ladder_and_pins_tensors(invoke: Invoke, tmp_path: Path) -> None:
+    """A recipe's ladder replaces the default (float is still offered) and a tensor its rule
+    fixes stays outside the allocation, its bytes counted against the size as written."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        'ladder = ["int8", "int4 g32 mse"]\n\n'
+        '[[rule]]\nmatch = "model.layers.0.mlp.down_proj.weight"\ndtype = "int8"\n'
+    )
+    doc = _run(invoke, str(TINY / "tiny-llama"), "--target-size", "70KiB", "--recipe",
+               str(recipe), "-o", str(tmp_path / "o"))  # fmt: skip
+    rows = {t["name"]: t for t in doc["tensors"]}
+    pinned = rows["model.layers.0.mlp.down_proj.weight"]["decided_by"]
+    assert pinned["origin"] == "recipe"
+    labels = {
+        _find(r"allocation: ([^,]+),", t["decided_by"]["reason"])
+        for t in rows.values()
+        if t["decided_by"]["origin"] == "budget"
+    }
+    assert labels and labels <= {"int8 channel", "int4 g32 mse", "float"}
+    assert doc["totals"]["bytes_out"] <= 70 * 1024

@@ -48,19 +48,13 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
-class Output:
-    """What a run reads and where it writes: `target` as the summary names it (a directory by
-    its final name: it is built under a temporary one)."""
+class Job:
+    """One run: what it reads and where it writes (`target` as the summary names it: a directory
+    by its final name, built under a temporary one), its format, options and shards; `kernels`
+    None in a plan."""
 
     source: Source
     target: Target
-
-
-@dataclass(frozen=True)
-class Job:
-    """One run: its input and output, format, options and shards; `kernels` None in a plan."""
-
-    output: Output
     fmt: OutputFormat
     options: QuantizeOptions
     run: RunOptions

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from qtool.calibration import Role, TextUse
 from qtool.engine.decision import TensorPlan
 from qtool.engine.importance import Provenance, match_importance, read_importance
-from qtool.engine.job import Done, Job, Mode, Output, RunOptions
+from qtool.engine.job import Done, Job, Mode, RunOptions
 from qtool.engine.layout import (
     Target,
     check_outputs,
@@ -80,14 +80,14 @@ def quantize(
     source = open_source(src, options.config, requantize=requantize)
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
     fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
-    output = Output(source, _target(source, src, out, options, fmt))
+    target = _target(source, src, out, options, fmt)
     threads = ExitStack()  # torch's count given back to an in-process caller at the end
     kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt, threads)
-    shards = Shards(output.source, header_only=kernels is None)
-    job = Job(output, fmt, options, run, shards, kernels)
+    shards = Shards(source, header_only=kernels is None)
+    job = Job(source, target, fmt, options, run, shards, kernels)
     try:
         headers = list(shards.headers())
-        tied = _tied(output.source, headers)
+        tied = _tied(source, headers)
         plan = plan_headers(headers, options, fmt, tied)
         if imatrix is not None:
             job = _with_importance(job, imatrix, headers, plan)
@@ -160,7 +160,7 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
     """A run that writes nothing makes every check a real run makes before it reads a tensor:
     its outputs (their directory exists and is writable, nothing is replaced without --force,
     the free space) and, for a plan, the device (torch is imported only for a named GPU)."""
-    run, output = job.run, job.output
+    run = job.run
     if job.kernels is None and run.device not in ("auto", "cpu"):
         from qtool.engine.loop import resolve_device
 
@@ -172,7 +172,7 @@ def _check_as_written(job: Job, plan: ModelPlan) -> None:
     else:
         needed = sum(p.out_nbytes for p in plan.plans)
     check_outputs(
-        output.source, output.target, job.fmt.layout, run.force, run.also, needed,
+        job.source, job.target, job.fmt.layout, run.force, run.also, needed,
         protect=job.options.input_files,
     )  # fmt: skip
 
@@ -196,7 +196,7 @@ def _write(job: Job, plan: ModelPlan) -> Done:
     index with the names the format stores each tensor under."""
     from qtool.engine.budget import data_passes, needed_bytes
 
-    source, target, fmt, run = job.output.source, job.output.target, job.fmt, job.run
+    source, target, fmt, run = job.source, job.target, job.fmt, job.run
     needed, keep = needed_bytes(plan.plans, job.options), job.options.input_files
     with prepared(source, target, fmt.layout, run.force, run.also, needed, protect=keep) as place:
         placed = place.target
@@ -283,7 +283,7 @@ def _with_importance(
     options = job.options
     assert options.imatrix is not None
     names = [e.name for _, entries in headers for e in entries]
-    importance = match_importance(options.imatrix, imatrix, names, _model_config(job.output.source))
+    importance = match_importance(options.imatrix, imatrix, names, _model_config(job.source))
     notes = tuple(importance.check(plan.plans))
     if job.kernels is None:
         return job
@@ -294,10 +294,10 @@ def _with_importance(
 def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> QuantizeSummary:
     """The run's summary: its rows, what it read and wrote, and the format's warnings (after
     the writing, which may add some) and its list of tensors kept in float."""
-    target, plans = job.output.target, done.plan.plans
+    target, plans = job.target, done.plan.plans
     named = target.named if target.directory else job.fmt.layout(target.shard_outputs[0])
     return QuantizeSummary(
-        inputs=[str(job.output.source.path)],
+        inputs=[str(job.source.path)],
         outputs=[str(p) for p in named],
         rows=done.rows,
         spec=job.options.spec,

@@ -59,9 +59,9 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
     (its codes in `spill`); the other tensors as planned."""
     calibration = job.options.calibration
     assert calibration is not None and job.kernels is not None
-    path = job.output.source.directory
+    path = job.source.directory
     if path is None:
-        raise UsageError(job.output.source.path, "a calibrated method runs the model: give its "
+        raise UsageError(job.source.path, "a calibrated method runs the model: give its "
                          "model directory (config.json, safetensors weights, tokenizer), "
                          "not a file")  # fmt: skip
     found, config = float_source(path, MODEL)

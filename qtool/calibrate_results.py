@@ -16,6 +16,25 @@ class DatasetInfo:
 
 
 @dataclass(frozen=True)
+class LinearSensitivity:
+    name: str  # llama.cpp's weight name
+    r: float  # the reference perturbation's relative output error (imatrix-weighted)
+    kl: float  # mean KL(float || this Linear alone perturbed), nats per scored token
+    alpha: float  # kl / r
+
+
+@dataclass(frozen=True)
+class SensitivitySummary:
+    reference: str  # the perturbation
+    tokens: int
+    windows: int
+    passes: int  # passes over the blocks (the perturbed streams' memory bound)
+    block_loads: int
+    seconds: float
+    linears: tuple[LinearSensitivity, ...]  # in the model's order
+
+
+@dataclass(frozen=True)
 class CalibrateSummary:
     model: str
     output: str
@@ -31,6 +50,7 @@ class CalibrateSummary:
     run_seconds: float
     peak_block_bytes: int  # the largest block's weights, float32, as held during the pass
     activation_bytes: int  # the activations at one block boundary
+    sensitivity: SensitivitySummary | None = None  # calibrate --sensitivity's measurement
 
     @property
     def tokens_per_second(self) -> float:

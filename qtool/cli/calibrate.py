@@ -99,6 +99,26 @@ MergeOpt = Annotated[
         rich_help_panel=INPUT,
     ),
 ]
+SensitivityOpt = Annotated[
+    bool,
+    typer.Option(
+        "--sensitivity",
+        help="Also measure each Linear's alpha (the model's KL per unit of its output error, "
+        "for --target-kl and --target-size) and write it into the file as metadata "
+        "(docs/calibration.md); one forward per Linear from its block on: slow.",
+        rich_help_panel=INPUT,
+    ),
+]
+SensitivityTokensOpt = Annotated[
+    int,
+    typer.Option(
+        help="With --sensitivity: the tokens (the first whole windows of the calibration text) "
+        "each Linear's KL is measured on.",
+        callback=_at_least(1),
+        metavar="N",
+        rich_help_panel=INPUT,
+    ),
+]
 DeviceOpt = Annotated[
     Device,
     typer.Option(
@@ -131,6 +151,8 @@ def calibrate(
     tokens: TokensOpt = 128 * 512,
     ctx: CtxOpt = None,
     merge: MergeOpt = False,
+    sensitivity: SensitivityOpt = False,
+    sensitivity_tokens: SensitivityTokensOpt = 2 * 512,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
     device: DeviceOpt = Device.CPU,
@@ -150,9 +172,11 @@ def calibrate(
             if len(inputs) != 1:
                 raise UsageError(None, f"calibrate runs one MODEL, got {len(inputs)}; to add "
                                  "importance matrices, pass --merge")  # fmt: skip
+            measure = sensitivity_tokens if sensitivity else 0
             with calibrate_report.calibrate_progress() as progress:
                 result = api.calibrate(inputs[0], out, tuple(text or ()), tokens, ctx,
-                                       device.value, force, threads, progress)  # fmt: skip
+                                       device.value, force, threads, progress,
+                                       measure)  # fmt: skip
     if merge:
         if as_json:
             report.print_json(calibrate_json.merge_json(summary))

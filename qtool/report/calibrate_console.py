@@ -9,7 +9,12 @@ from contextlib import contextmanager
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
+from qtool.calibrate_results import (
+    CalibrateSummary,
+    DatasetInfo,
+    MergeSummary,
+    SensitivitySummary,
+)
 from qtool.report import layout
 from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
@@ -34,7 +39,22 @@ def print_calibrate(s: CalibrateSummary) -> None:
         f"{s.tokens:,} tokens in {s.run_seconds:.2f} s ({s.tokens_per_second:,.0f} tokens/s); "
         f"loading took {s.load_seconds:.1f} s; held at once: one block's weights "
         f"({block:.1f} MiB) and the activations ({held:.1f} MiB)",
+        *_sensitivity(s.sensitivity),
     ])  # fmt: skip
+
+
+def _sensitivity(s: SensitivitySummary | None) -> list[str]:
+    """Two lines: what was measured and how, then the Linears with the largest alpha."""
+    if s is None:
+        return []
+    top = sorted(s.linears, key=lambda x: -x.alpha)[:3]
+    passes = "pass" if s.passes == 1 else "passes"
+    return [
+        f"sensitivity of {len(s.linears)} Linears ({safe(s.reference)}) on {s.tokens:,} tokens: "
+        f"{s.passes} {passes} over the blocks, {s.block_loads} block loads, {s.seconds:.1f} s",
+        "most sensitive (KL per unit of output error): "
+        + ", ".join(f"{safe(x.name)} {x.alpha:.3g}" for x in top),
+    ]
 
 
 def print_merge(s: MergeSummary) -> None:

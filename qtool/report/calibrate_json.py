@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
+from qtool.calibrate_results import (
+    CalibrateSummary,
+    DatasetInfo,
+    MergeSummary,
+    SensitivitySummary,
+)
 from qtool.report.json import SCHEMA_VERSION, json_number
 
 
@@ -32,7 +37,22 @@ def calibrate_json(s: CalibrateSummary) -> dict[str, Any]:
         "tokens_per_second": json_number(s.tokens_per_second),
         "peak_block_bytes": s.peak_block_bytes,
         "activation_bytes": s.activation_bytes,
+        "sensitivity": _sensitivity(s.sensitivity),
     }
+
+
+def _sensitivity(s: SensitivitySummary | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {
+        "reference": s.reference, "tokens": s.tokens, "windows": s.windows,
+        "passes": s.passes, "block_loads": s.block_loads, "seconds": json_number(s.seconds),
+        "linears": [
+            {"name": x.name, "r": json_number(x.r), "kl": json_number(x.kl),
+             "alpha": json_number(x.alpha)}
+            for x in s.linears
+        ],
+    }  # fmt: skip
 
 
 def merge_json(s: MergeSummary) -> dict[str, Any]:

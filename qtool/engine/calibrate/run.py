@@ -19,6 +19,7 @@ import numpy as np
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.engine.calibrate.blocks import run_blocks
 from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
+from qtool.engine.calibrate.sensitivity import sensitivity_of
 from qtool.engine.evaluate.config import Role, float_source, kind_of, window_length
 from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.tokens import check_vocabulary
@@ -32,6 +33,7 @@ from qtool.formats.detect import CONFIG, Detected
 from qtool.formats.imatrix import read_imatrix_file, write_imatrix
 from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
 from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY, dataset_infos
+from qtool.formats.imatrix.sensitivity import merged, read_sensitivities, sensitivity_keys
 from qtool.formats.registry import open_reader
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFValue
@@ -62,6 +64,7 @@ class CalibrateOptions:
     device: str = "cpu"
     force: bool = False
     threads: int | None = None
+    sensitivity_tokens: int = 0  # > 0: also alpha per Linear on that many tokens (sensitivity.py)
 
 
 def calibrate(
@@ -105,12 +108,17 @@ def _calibrate(
         if progress is not None:
             progress.start(len(windows) * ctx * hf_config.num_hidden_layers)
         stats = run_blocks(model, reader, windows, device, model_dir, progress)
+        measured = sensitivity_of(model, reader, windows, device, model_dir, stats,
+                                  options.sensitivity_tokens, progress)  # fmt: skip
         reader.check_unchanged()
     finally:
         reader.close()
     done = perf_counter()
     imatrix = _named(stats, arch, hf_config.num_hidden_layers, ctx, sources, model_dir)
-    write_imatrix(out, imatrix, _provenance([_info(s) for s in sources]))
+    extra = _provenance([_info(s) for s in sources]) | measured.keys(
+        llama_names(arch, hf_config.num_hidden_layers, list(stats))
+    )
+    write_imatrix(out, imatrix, extra)
     hidden = int(hf_config.hidden_size)
     return CalibrateSummary(
         model=str(model_dir),
@@ -124,9 +132,10 @@ def _calibrate(
         blocks=int(hf_config.num_hidden_layers),
         device=str(device),
         load_seconds=loaded - started,
-        run_seconds=done - loaded,
+        run_seconds=done - loaded - measured.seconds,
         peak_block_bytes=_block_bytes(model),
         activation_bytes=len(windows) * ctx * hidden * 4,
+        sensitivity=measured.summary(),
     )
 
 
@@ -227,7 +236,11 @@ def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
         joined = merge(*matrices)
     except ValueError as err:
         raise InputError(inputs[0], f"cannot be merged with the others: {err}") from None
-    write_imatrix(out, joined, _provenance(infos))
+    alphas = merged(
+        {p: read_sensitivities(p, f.metadata) for p, f in zip(inputs, files, strict=True)}
+    )
+    keys = sensitivity_keys(alphas) if alphas is not None else {}
+    write_imatrix(out, joined, _provenance(infos) | keys)
     return MergeSummary(
         tuple(str(p) for p in inputs), str(out), tuple(infos), len(joined.entries),
         joined.chunk_size, joined.chunk_count,

@@ -1,0 +1,286 @@
+"""`qtool calibrate --sensitivity`: alpha_L of every Linear of every decoder block, measured
+(numerics/sensitivity.py: predicted KL = sum alpha_L r_L).
+
+For Linear L of block b: its weight is perturbed by the reference error (round to nearest on
+numerics.sensitivity.REFERENCE's grid), block b runs on the float model's activations entering
+it, and the result (a *stream*: the hidden states of the model with L alone perturbed) runs
+through blocks b+1..N, the final norm and the head; KL(float || stream) per scored position,
+averaged as `qtool eval` averages it, divided by the perturbation's r_L (from the importance
+matrix) is alpha_L.
+
+One block's weights at a time: a pass loads each block once and runs it on the float stream and
+on every perturbed stream alive at that block, so the streams of a group of Linears are held at
+once (windows x ctx x hidden float32 each). Groups are sized so that their streams stay within
+MAX_STREAM_BYTES; each group is one pass over every block (block loads = groups x blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, cast
+
+import torch
+
+from qtool.calibrate_results import LinearSensitivity, SensitivitySummary
+from qtool.engine.calibrate.blocks import (
+    block_list,
+    capture,
+    load_module,
+    prepare_base,
+    return_freed_memory,
+)
+from qtool.errors import InputError
+from qtool.formats.base import FloatReader
+from qtool.formats.imatrix.sensitivity import Sensitivities, sensitivity_keys
+from qtool.io.gguf_layout import GGUFValue
+from qtool.numerics.allocate import relative_error
+from qtool.numerics.imatrix import MatrixStats
+from qtool.numerics.logits import ROWS_PER_CHUNK, kl_divergence
+from qtool.numerics.sensitivity import REFERENCE, alpha, reference_error
+from qtool.results import Progress
+
+MAX_STREAM_BYTES = 2 << 30
+"""The perturbed streams held at once (each windows x ctx x hidden float32, in memory): Linears
+past it are measured in further passes over the blocks."""
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """One Linear's measurement: the reference error's r, the mean KL it caused, their ratio."""
+
+    r: float
+    kl: float
+    alpha: float
+
+
+@dataclass
+class PassCount:
+    """What the measurement loaded: passes over the blocks, block loads (tests count them)."""
+
+    passes: int = 0
+    block_loads: int = 0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What sensitivity_of measured (nothing when it was not asked for), by checkpoint name."""
+
+    found: dict[str, Sensitivity] = field(default_factory=dict)
+    windows: int = 0
+    tokens: int = 0
+    count: PassCount = field(default_factory=PassCount)
+    seconds: float = 0.0
+    llama: dict[str, str] = field(default_factory=dict)  # set by keys()
+
+    def keys(self, names: Mapping[str, str]) -> dict[str, GGUFValue]:
+        """The imatrix's metadata keys, under llama.cpp's `names` (checkpoint -> llama.cpp)."""
+        if not self.found:
+            return {}
+        self.llama.update({n: names[n] for n in self.found})
+        alphas = {names[n]: s.alpha for n, s in self.found.items()}
+        return sensitivity_keys(Sensitivities(alphas, REFERENCE, self.tokens))
+
+    def summary(self) -> SensitivitySummary | None:
+        if not self.found:
+            return None
+        rows = tuple(
+            LinearSensitivity(self.llama.get(n, n), s.r, s.kl, s.alpha)
+            for n, s in self.found.items()
+        )  # fmt: skip
+        return SensitivitySummary(REFERENCE, self.tokens, self.windows, self.count.passes,
+                                  self.count.block_loads, self.seconds, rows)  # fmt: skip
+
+
+def sensitivity_of(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    device: torch.device,
+    path: Any,
+    stats: Mapping[str, MatrixStats],
+    tokens: int,
+    progress: Progress | None = None,
+) -> Measured:
+    """measure() on the first `tokens` // ctx windows of `windows` (at least one; 0 tokens:
+    nothing measured); the imatrix `stats` came from all of them."""
+    if tokens <= 0:
+        return Measured()
+    taken = windows[: max(1, tokens // len(windows[0]))]
+    started = perf_counter()
+    count = PassCount()
+    found = measure(model, reader, taken, device, path, stats, progress, count=count)
+    return Measured(found, len(taken), len(taken) * len(taken[0]), count,
+                    perf_counter() - started)  # fmt: skip
+
+
+def stream_groups(linears: list[str], stream_bytes: int, bound: int) -> list[list[str]]:
+    """`linears` in order, cut into groups whose streams (stream_bytes each) fit `bound` (at
+    least one Linear per group: a single stream over the bound is still measured)."""
+    size = max(1, bound // max(stream_bytes, 1))
+    return [linears[i : i + size] for i in range(0, len(linears), size)]
+
+
+def measure(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    device: torch.device,
+    path: Any,
+    stats: Mapping[str, MatrixStats],
+    progress: Progress | None = None,
+    bound: int | None = None,
+    count: PassCount | None = None,
+) -> dict[str, Sensitivity]:
+    """Sensitivity of every Linear of every decoder block of `model` whose weight `stats` (the
+    importance matrix, keyed by the checkpoint's names) covers, measured on `windows`."""
+    _, layers, layers_name = block_list(model, path)
+    linears = [
+        f"{layers_name}.{i}.{name}.weight"
+        for i, block in enumerate(layers)
+        for name, m in block.named_modules()
+        if isinstance(m, torch.nn.Linear) and f"{layers_name}.{i}.{name}.weight" in stats
+    ]
+    stream_bytes = len(windows) * len(windows[0]) * int(model.config.hidden_size) * 4
+    counted = count if count is not None else PassCount()
+    limit = MAX_STREAM_BYTES if bound is None else bound
+    groups = stream_groups(linears, stream_bytes, limit)
+    if progress is not None:
+        runs = sum(_runs(g, layers_name, len(layers)) for g in groups)
+        progress.start(runs * len(windows) * len(windows[0]))
+    out: dict[str, Sensitivity] = {}
+    for group in groups:
+        out |= _one_pass(model, reader, windows, device, path, stats, group, progress, counted)
+    return out
+
+
+def _runs(group: list[str], layers_name: str, blocks: int) -> int:
+    """Block forwards a pass over `group` makes: at each block, the float stream and every
+    stream alive there (made at that block or before)."""
+    first = [int(n[len(layers_name) + 1 :].split(".")[0]) for n in group]
+    return sum(1 + sum(b <= i for b in first) for i in range(blocks))
+
+
+def _one_pass(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    device: torch.device,
+    path: Any,
+    stats: Mapping[str, MatrixStats],
+    group: list[str],
+    progress: Progress | None,
+    count: PassCount,
+) -> dict[str, Sensitivity]:
+    base, layers, layers_name = block_list(model, path)
+    prepare_base(base, layers_name, reader, device, path)
+    clean, kwargs = capture(base, layers, windows, device)
+    _free_base(base)
+    count.passes += 1
+    errors: dict[str, float] = {}
+    streams: dict[str, list[torch.Tensor]] = {}
+    for i, block in enumerate(layers):
+        prefix = f"{layers_name}.{i}."
+        mine = [n for n in group if n.startswith(prefix)]
+        load_module(block, prefix, reader, device, path)
+        count.block_loads += 1
+        with torch.no_grad():
+            older = list(streams.values())
+            for name in mine:
+                linear = cast(torch.nn.Linear, block.get_submodule(name[len(prefix) : -7]))
+                errors[name], streams[name] = _perturbed(
+                    block, linear, stats[name], clean, kwargs[i]
+                )
+                _advance(progress, f"block {i}", clean)
+            for xs in [*older, clean]:
+                for x in xs:
+                    x.copy_(block(x, **kwargs[i]))
+                _advance(progress, f"block {i}", clean)
+        block.to_empty(device="meta")
+        return_freed_memory()
+    kls = _divergences(model, base, layers_name, reader, device, path, windows, clean, streams)
+    return {n: Sensitivity(errors[n], kls[n], alpha(kls[n], errors[n])) for n in group}
+
+
+def _perturbed(
+    block: torch.nn.Module,
+    linear: torch.nn.Linear,
+    stats: MatrixStats,
+    clean: list[torch.Tensor],
+    kwargs: dict[str, Any],
+) -> tuple[float, list[torch.Tensor]]:
+    """(r of the reference error of `linear`, the block's outputs with it) on the float
+    activations `clean`; the weight is restored bit for bit."""
+    weight = linear.weight
+    kept = weight.detach().clone()
+    delta = reference_error(kept)
+    h = torch.from_numpy(stats.mean_squares()[0].copy())
+    r = relative_error(kept, kept + delta, h)
+    try:
+        weight.data.add_(delta)
+        outs = [block(x, **kwargs).clone() for x in clean]
+    finally:
+        weight.data.copy_(kept)
+    return r, outs
+
+
+def _free_base(base: Any) -> None:
+    for _, child in base.named_children():  # the embeddings are done with until the head
+        if not isinstance(child, torch.nn.ModuleList):
+            child.to_empty(device="meta")
+
+
+def _head(model: Any, base: Any, layers_name: str, reader: FloatReader,
+          device: torch.device, path: Any) -> tuple[Any, torch.Tensor]:  # fmt: skip
+    """(the final norm, the head's weight [V, H]) loaded: the head from the checkpoint, or the
+    input embeddings' when the checkpoint has none (tied)."""
+    prepare_base(base, layers_name, reader, device, path)
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    norm = getattr(base, "norm", None)
+    if head is None or name is None or norm is None:
+        raise InputError(path, f"{type(model).__name__} has no final norm and output head qtool "
+                         "can run; calibrate --sensitivity supports the Llama family")  # fmt: skip
+    if f"{name}.weight" in set(reader.names):
+        load_module(head, f"{name}.", reader, device, path)
+        return norm, head.weight
+    return norm, model.get_input_embeddings().weight
+
+
+def _divergences(
+    model: Any,
+    base: Any,
+    layers_name: str,
+    reader: FloatReader,
+    device: torch.device,
+    path: Any,
+    windows: list[list[int]],
+    clean: list[torch.Tensor],
+    streams: dict[str, list[torch.Tensor]],
+) -> dict[str, float]:
+    """Mean KL(float || stream) over every scored position (a window of L tokens scores its
+    first L - 1, as qtool eval does) per stream."""
+    norm, weight = _head(model, base, layers_name, reader, device, path)
+    sums = dict.fromkeys(streams, 0.0)
+    positions = 0
+    with torch.no_grad():
+        for w in range(len(windows)):
+            scored = clean[w].shape[-2] - 1
+            positions += scored
+            for r in range(0, scored, ROWS_PER_CHUNK):
+                rows = slice(r, min(r + ROWS_PER_CHUNK, scored))
+                ref = torch.log_softmax(norm(clean[w][0, rows]) @ weight.T, dim=-1)
+                for name, xs in streams.items():
+                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ weight.T, dim=-1)
+                    sums[name] += float(kl_divergence(ref, logp).double().sum())
+    _free_base(base)
+    head = model.get_output_embeddings()
+    if head is not None and not head.weight.is_meta:
+        head.to_empty(device="meta")
+    return_freed_memory()
+    return {name: s / max(positions, 1) for name, s in sums.items()}
+
+
+def _advance(progress: Progress | None, what: str, xs: list[torch.Tensor]) -> None:
+    if progress is not None:
+        progress.advance(what, sum(x.shape[-2] for x in xs))

@@ -1,0 +1,54 @@
+"""Measured sensitivity, the numbers (no I/O): the linear model of a quantized model's loss.
+
+    predicted KL = sum over Linears L of alpha_L * r_L
+
+r_L is the relative output error of Linear L under a candidate, from the importance matrix alone
+(h_j = in_sum2_j / counts, the mean of x_j^2 over the calibration tokens), with no forward pass:
+numerics.allocate.relative_error, the one definition the allocator and this module share,
+
+    r_L = sum_ij (approx - weight)_ij^2 h_j / sum_ij weight_ij^2 h_j
+
+alpha_L is measured once per Linear: the mean per-token KL(float || model with only L perturbed by
+a known error) divided by that error's r_L. KL is second order in a small output error, so it is
+proportional to r (a squared error): the model holds while the error stays small enough for the
+second-order term to dominate, which the reference error (round to nearest at 4 bits, the middle
+of every format's ladder) is chosen to be.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+REFERENCE_BITS = 4
+REFERENCE_GROUP = 32
+REFERENCE = f"rtn int{REFERENCE_BITS} g{REFERENCE_GROUP} symmetric absmax"
+"""The known perturbation: each group of 32 inputs of a row rounded to the nearest of 16 levels
+(-8..7 times max|w| / 7), as ggml's Q4_0 does; its error is what alpha is measured with."""
+
+
+def reference_error(weight: torch.Tensor) -> torch.Tensor:
+    """The reference perturbation of `weight` [N, K]: its round-to-nearest error (approx -
+    weight) on the REFERENCE grid; a last group shorter than 32 is its own group."""
+    w = weight.detach().double()
+    n, k = w.shape
+    pad = -k % REFERENCE_GROUP
+    groups = torch.nn.functional.pad(w, (0, pad)).reshape(n, -1, REFERENCE_GROUP)
+    top = (1 << (REFERENCE_BITS - 1)) - 1
+    scale = groups.abs().amax(dim=-1, keepdim=True) / top
+    safe = torch.where(scale > 0, scale, 1.0)
+    codes = torch.clamp(torch.round(groups / safe), -top - 1, top)
+    approx = (codes * scale).reshape(n, -1)[:, :k]
+    return (approx - w).to(weight.dtype)
+
+
+def alpha(kl: float, r: float) -> float:
+    """KL per unit r; 0.0 when the perturbation reached nothing (r == 0, or inf: a zero weight
+    or no input, where no candidate's error can matter either)."""
+    return kl / r if 0.0 < r < math.inf else 0.0
+
+
+def predicted_kl(alphas: dict[str, float], errors: dict[str, float]) -> float:
+    """sum_L alpha_L r_L over the Linears of `errors` (KeyError for one without an alpha)."""
+    return sum(alphas[name] * r for name, r in sorted(errors.items()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -287,9 +288,12 @@ def _notes(summary: QuantizeSummary, as_json: bool) -> None:
     chosen = [m for m in methods if m is not None]
     if chosen:
         kept = [m for m in chosen if m != "rtn"]
-        name = kept[0] if kept else "the calibrated method"
+        # awq+gptq gives some Linears awq, some gptq, some both: each is counted
+        counts = [f"{m} for {n}" for m, n in Counter(kept).most_common()]
+        name = " kept for ".join(counts[0].split(" for ", 1)) if counts else ""
+        name = ", ".join([name, *counts[1:]]) or "the calibrated method kept for 0"
         others = "; the others rounded to nearest (the table says why)"
-        report.print_note(f"{name} kept for {len(kept)} of {len(chosen)} Linear layers of the "
+        report.print_note(f"{name} of {len(chosen)} Linear layers of the "
                           f"decoder blocks{others if len(kept) < len(chosen) else ''}")  # fmt: skip
     if summary.ignore and not as_json:
         report.print_note(report.ignore_note(summary.ignore))

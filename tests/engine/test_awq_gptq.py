@@ -9,6 +9,9 @@ baseline each figure is against."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +136,18 @@ def test_gptq_solves_on_the_smoothed_inputs(
 def test_the_method_is_named_on_the_command_line(
     model: Path, tmp_path: Path, invoke: Invoke
 ) -> None:
+    """The stderr line counts each method the Linears got (awq+gptq gives some awq, some gptq,
+    some both), where it named the first one for them all."""
     rc, stdout, err = invoke(
         "quantize", str(model), "--method", "awq+gptq", "--text", str(model.parent / "calib.txt"),
         "--check-text", str(model.parent / "check.txt"), "--tokens", "256", "--ctx", "32",
-        "--dtype", "int4", "--group-size", "16", "-o", str(tmp_path / "out"),
+        "--dtype", "int4", "--group-size", "16", "-o", str(tmp_path / "out"), "--json",
     )  # fmt: skip
     assert rc == 0, err
-    assert "of 14 Linear layers of the decoder blocks" in err
-    assert "against awq; " in stdout.replace("\n", " ") or "(gptq: " in stdout
+    line = next(x for x in err.splitlines() if "Linear layers of the decoder blocks" in x)
+    counts = dict(re.findall(r"([a-z+]+) (?:kept )?for (\d+)", line.split(" of 14 ")[0]))
+    assert set(counts) <= {"awq", "gptq", "awq+gptq"} and len(counts) >= 2, line
+    rows = {r["name"]: r for r in json.loads(stdout)["tensors"]}
+    linears = [r for r in rows.values() if r["name"].endswith("proj.weight")]
+    made = Counter(r["decided_by"]["method"] for r in linears)
+    assert {m: int(n) for m, n in counts.items()} == {m: n for m, n in made.items() if m != "rtn"}

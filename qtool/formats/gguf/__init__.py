@@ -130,7 +130,8 @@ registry.register(
         ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf",),
         foreign=_foreign, budget_reference="Q8_0",
         float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
-        input_hint="; convert a Hugging Face checkpoint with llama.cpp's convert_hf_to_gguf.py",
+        input_hint=("; give a Llama, Mistral or Qwen2 model directory (converted first), or "
+                    "convert others with llama.cpp's convert_hf_to_gguf.py"),
         help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",
         groups="GGUF types fall back as llama-quantize does",
     )

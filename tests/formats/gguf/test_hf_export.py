@@ -28,16 +28,16 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(autouse=True)
 def known_pre_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny tokenizer's pre-tokenizer taken as llama.cpp's "gpt2" (the converter's table
+    """The tiny tokenizer's pre-tokenizer taken as llama.cpp's "gpt-2" (the converter's table
     knows only released models' hashes); test_unknown_pre_tokenizer_is_refused replaces it."""
     monkeypatch.setattr(hf_vocab, "PRE_TOKENIZERS", _Table(hf_vocab.PRE_TOKENIZERS))
 
 
 class _Table(dict[str, str]):
-    """PRE_TOKENIZERS that answers "gpt2" for a hash it lacks."""
+    """PRE_TOKENIZERS that answers "gpt-2" for a hash it lacks."""
 
     def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        return super().get(key, "gpt2")
+        return super().get(key, "gpt-2")
 
 
 def _export(src: Path, out: Path, float_type: str | None = "F32") -> gguf.GGUFReader:
@@ -99,7 +99,7 @@ def test_metadata_as_the_converter_writes_it(tmp_path: Path) -> None:
     assert keys["qwen2.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
     assert keys["general.file_type"] == 1  # float32 checkpoint: the converter's auto is F16
     assert keys["tokenizer.ggml.model"] == "gpt2"
-    assert keys["tokenizer.ggml.pre"] == "gpt2"
+    assert keys["tokenizer.ggml.pre"] == "gpt-2"
     assert len(keys["tokenizer.ggml.tokens"]) == VOCAB_SIZE
     assert keys["tokenizer.ggml.tokens"][-1] == f"[PAD{VOCAB_SIZE - 1}]"
     types = keys["tokenizer.ggml.token_type"]

@@ -244,10 +244,13 @@ class CompareRow:
     mismatch: bool = False  # missing on one side, or shapes/dtype kinds/values that differ
     missing_in: str | None = None  # "A" or "B": the side that lacks the tensor
     restored: str | None = None  # the dtype a side quantized was restored to (None: neither)
+    codes_a: str | None = None  # the dtype a table shows (I4 for 4-bit codes stored as U8)
+    codes_b: str | None = None  # None: as stored
 
     @property
     def dtypes(self) -> tuple[str, str]:
-        return self.dtype_a, self.dtype_b
+        """As a table shows them: 4-bit codes as I4, not the U8 bytes holding them."""
+        return self.codes_a or self.dtype_a, self.codes_b or self.dtype_b
 
     @property
     def size(self) -> int:

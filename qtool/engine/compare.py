@@ -196,6 +196,14 @@ def _label(left: FloatReader, right: FloatReader, name: str) -> str:
     return f"{sides[0]} vs {sides[1]}"
 
 
+def _codes_dtype(reader: FloatReader, name: str) -> str:
+    """The dtype a table shows: the codes' own (I4), not the bytes holding them (U8), as
+    quantize's table does."""
+    codec = reader.quantization(name)
+    stored = reader.stored_dtype(name)
+    return codec.codes_label(stored) if codec is not None else stored
+
+
 @dataclass(frozen=True)
 class _Sides:
     """One tensor name as seen in A and in B."""
@@ -208,13 +216,15 @@ class _Sides:
 
     def row(self, detail: str, *, mismatch: bool, compared: bool = False) -> CompareRow:
         """The dtypes are as stored in A and B (I8 for a quantized tensor; the detail says it
-        was dequantized)."""
+        was dequantized), and as the table shows them (I4 for 4-bit codes stored as U8)."""
         reader = self.left if self.in_a else self.right
         return CompareRow(
             name=self.name,
             shape=reader.shape(self.name),
             dtype_a=self.left.stored_dtype(self.name) if self.in_a else "-",
             dtype_b=self.right.stored_dtype(self.name) if self.in_b else "-",
+            codes_a=_codes_dtype(self.left, self.name) if self.in_a else "-",
+            codes_b=_codes_dtype(self.right, self.name) if self.in_b else "-",
             detail=detail,
             bytes_a=self.left.nbytes(self.name) if self.in_a else 0,
             bytes_b=self.right.nbytes(self.name) if self.in_b else 0,

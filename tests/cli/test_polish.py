@@ -66,3 +66,14 @@ def test_a_hint_the_message_gives_is_not_repeated(invoke: Invoke, tmp_path: Path
     code, _, err = invoke("quantize", str(SAMPLES / "mlp.safetensors"), "--format",
                           "compressed-tensors", "-o", str(tmp_path / "o"))  # fmt: skip
     assert code == 2 and err.count("--config PATH") == 1, err
+
+
+def test_compare_shows_4_bit_codes_as_4_bit_integers(invoke: Invoke, tmp_path: Path) -> None:
+    """compare named the bytes that hold two codes each (F32→U8) where quantize says F32→I4."""
+    out = tmp_path / "q.safetensors"
+    src = str(SAMPLES / "mlp.safetensors")
+    assert invoke("quantize", src, "--dtype", "int4", "-o", str(out))[0] == 0
+    code, shown, _ = invoke("compare", src, str(out), "--all")
+    assert code == 0 and "F32→I4" in shown and "U8" not in shown, shown
+    code, shown, _ = invoke("compare", src, str(out), "--json")  # JSON: the stored dtypes
+    assert code == 0 and '"dtype_b": "U8"' in shown, shown

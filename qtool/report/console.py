@@ -446,9 +446,11 @@ def _written_specs(summary: QuantizeSummary) -> str:
     by_spec = summary.by_spec
     if len(by_spec) == 1:
         return f" ({by_spec[0][0]})"
-    shown = [f"{n} {label}" for label, n, _ in by_spec[:_SPECS_SHOWN]]
-    if len(by_spec) > _SPECS_SHOWN:
-        shown.append(f"{len(by_spec) - _SPECS_SHOWN} more specs")
+    # one more is named: '1 more specs' took the place its own count and name would take
+    first = by_spec if len(by_spec) <= _SPECS_SHOWN + 1 else by_spec[:_SPECS_SHOWN]
+    shown = [f"{n} {label}" for label, n, _ in first]
+    if len(by_spec) > len(first):
+        shown.append(f"{len(by_spec) - len(first)} more specs")
     return f" ({', '.join(shown)})" if shown else ""
 
 

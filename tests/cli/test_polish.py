@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,3 +78,19 @@ def test_compare_shows_4_bit_codes_as_4_bit_integers(invoke: Invoke, tmp_path: P
     assert code == 0 and "F32→I4" in shown and "U8" not in shown, shown
     code, shown, _ = invoke("compare", src, str(out), "--json")  # JSON: the stored dtypes
     assert code == 0 and '"dtype_b": "U8"' in shown, shown
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [
+        (2, "(20 A, 19 B)"),
+        (4, "(20 A, 19 B, 18 C, 17 D)"),  # was '(20 A, 19 B, 18 C, 1 more specs)'
+        (5, "(20 A, 19 B, 18 C, 2 more specs)"),
+    ],
+)
+def test_the_written_specs_never_say_1_more_specs(count: int, expected: str) -> None:
+    """SmolLM2's Q4_K_M said '(166 Q5_0, 16 Q4_K, 15 Q8_0, 1 more specs)': a wrong plural,
+    and the words took the room the fourth spec's own count and name take."""
+    by_spec = [(label, 20 - i, 0) for i, label in enumerate("ABCDE"[:count])]
+    shown = console._written_specs(SimpleNamespace(by_spec=by_spec))  # type: ignore[arg-type]
+    assert shown == " " + expected

@@ -205,3 +205,22 @@ def test_cli_quantizes_what_the_export_quantizes(tmp_path: Path) -> None:
     assert converted.read_bytes() == direct.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "float.gguf", "m"]
     shutil.rmtree(src)
+
+
+def test_llama3_rope_scaling_writes_the_factors_transformers_applies(tmp_path: Path) -> None:
+    """rope_type llama3 (Llama 3.1+): llama.cpp takes the per-frequency factors as the
+    rope_freqs.weight tensor the converter generates; they are the ratio by which transformers'
+    own llama3 rope divides each inverse frequency."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    src = write_model(tmp_path / "m", "llama", rope_scaling=rope)
+    reader = _export(src, tmp_path / "m.gguf")
+    got = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}["rope_freqs.weight"]
+    config = transformers.AutoConfig.from_pretrained(src)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    base = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    torch.testing.assert_close(got, base / scaled, rtol=1e-5, atol=0)
+    assert len(set(got.tolist())) > 2  # low, high and smoothed frequencies all present

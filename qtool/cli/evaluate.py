@@ -88,7 +88,7 @@ QuantArg = Annotated[
 SaveLogitsOpt = Annotated[
     Path | None,
     typer.Option(
-        help="Write FLOAT's side of the figures (top-256 log-probabilities per position, with "
+        help="Write FLOAT's side of the figures (every log-probability in 16 bits, with "
         "the text's, tokens' and model's digests) to FILE, for --logits.",
         metavar="FILE",
         show_default=False,

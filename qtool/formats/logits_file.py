@@ -1,13 +1,14 @@
 """The float model's side of `qtool eval`, kept in a file (`--save-logits`, read back by
-`--logits`): per scored position the next token's NLL, the argmax and the top k
-log-probabilities with the mass of the rest, and what they were computed on (the text's
+`--logits`): per scored position the next token's NLL, the argmax and every log-probability in
+16 bits (numerics/logits.Coded, as llama-perplexity's --kl-divergence-base), and what they were
+computed on (the text's
 SHA-256, the token ids, ctx, dtype, the model's config and tokenizer digests), so that a file
 made for other tokens or another model is refused rather than compared.
 
 Layout (little-endian): MAGIC, u32 version, u32 0, u64 header length, the header (strict JSON,
 at most MAX_HEADER_BYTES), then the arrays in this order: token ids i32 [N], nll f32 [n],
-argmax i32 [n], log_rest f32 [n], top ids i32 [n, k], top log-probabilities f32 [n, k]; n is N
-less one per window. Every count is checked against the file's size and every value against
+argmax i32 [n], scale f32 [n], floor f32 [n], codes u16 [n, vocab]; n is N less one per
+window. Every count is checked against the file's size and every value against
 its range before anything is used (docs/reliability.md).
 """
 
@@ -26,13 +27,12 @@ import torch
 from qtool.errors import InputError
 from qtool.io.jsonfile import parse_json
 from qtool.io.safeopen import open_regular
-from qtool.numerics.logits import FloatRows, TopK
+from qtool.numerics.logits import CODE_RANGE, CODE_STEPS, Coded, FloatRows
 
 MAGIC = b"QTLOGITS"
 VERSION = 1
 MAX_HEADER_BYTES = 16 << 20  # the windows' lengths and a few digests; 16 MiB is far above
 MAX_PAYLOAD_BYTES = 8 << 30  # what one read may load into memory
-MAX_TOP_K = 4096
 MAX_VOCAB = 1 << 24
 _PREFIX = struct.Struct("<8sIIQ")
 
@@ -51,7 +51,6 @@ class LogitsInfo:
     tokenizer_sha256: str
     architecture: str
     vocab: int
-    top_k: int
     windows: tuple[int, ...]  # each window's length in tokens
 
     def as_json(self) -> dict[str, Any]:
@@ -66,7 +65,7 @@ class LogitsInfo:
                 "architecture": self.architecture,
                 "vocab": self.vocab,
             },
-            "top_k": self.top_k,
+            "coding": {"bits": 16, "range_nats": CODE_RANGE, "steps": CODE_STEPS},
             "windows": list(self.windows),
         }
 
@@ -84,22 +83,22 @@ def write_logits(
     rows: list[FloatRows],
     digests: dict[str, str],
 ) -> None:
-    """The file's bytes to `f` (an OutputSet's temp): every window's top-k rows, and the
+    """The file's bytes to `f` (an OutputSet's temp): every window's coded rows, and the
     SHA-256 of each of FLOAT's parameters (which weights a candidate changed)."""
     doc = {"version": VERSION, **info.as_json(), "parameters": digests}
     header = json.dumps(doc, sort_keys=True).encode()
     f.write(_PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header)
-    tops = [r.top for r in rows]
-    if any(t is None for t in tops):
-        raise ValueError("write_logits needs top-k rows")
+    coded = [r.coded for r in rows]
+    if any(c is None for c in coded):
+        raise ValueError("write_logits needs coded rows")
     f.write(np.asarray(ids, dtype="<i4").tobytes())
     for name, dtype in (("nll", "<f4"), ("argmax", "<i4")):
         for r in rows:
             f.write(getattr(r, name).numpy().astype(dtype).tobytes())
-    for name, dtype in (("log_rest", "<f4"), ("ids", "<i4"), ("logp", "<f4")):
-        for t in tops:
-            assert t is not None
-            f.write(getattr(t, name).numpy().astype(dtype).tobytes())
+    for name, dtype in (("scale", "<f4"), ("floor", "<f4"), ("codes", "<i2")):
+        for c in coded:
+            assert c is not None
+            f.write(getattr(c, name).numpy().astype(dtype).tobytes())
 
 
 def read_logits(path: Path) -> tuple[LogitsInfo, list[int], list[FloatRows], dict[str, str]]:
@@ -121,30 +120,27 @@ def read_logits(path: Path) -> tuple[LogitsInfo, list[int], list[FloatRows], dic
         doc = parse_json(header, path, "logits file header")
         info, digests = _info(doc, path), _digests(doc, path)
         n_tokens, n = info.tokens, info.tokens - len(info.windows)
-        sizes = [4 * n_tokens, 4 * n, 4 * n, 4 * n, 4 * n * info.top_k, 4 * n * info.top_k]
+        sizes = [4 * n_tokens, 4 * n, 4 * n, 4 * n, 4 * n, 2 * n * info.vocab]
         if sum(sizes) > MAX_PAYLOAD_BYTES:
             raise InputError(path, f"arrays of {sum(sizes):,} bytes are over {MAX_PAYLOAD_BYTES:,}")
         parts = [f.read(size) for size in sizes]
         if any(len(p) != s for p, s in zip(parts, sizes, strict=True)) or f.read(1):
             raise InputError(path, "its size is not what its header describes (truncated?)")
-    ids, nll, argmax, rest, top_ids, top_logp = (
+    ids, nll, argmax, scale, floor, codes = (
         np.frombuffer(p, dtype=d).astype(d[1:])
-        for p, d in zip(parts, ("<i4", "<f4", "<i4", "<f4", "<i4", "<f4"), strict=True)
+        for p, d in zip(parts, ("<i4", "<f4", "<i4", "<f4", "<f4", "<i2"), strict=True)
     )
-    _check_values(path, info, ids, nll, argmax, rest, top_ids, top_logp)
+    codes = codes.reshape(-1, info.vocab)
+    _check_values(path, info, ids, nll, argmax, scale, floor, codes)
     if tokens_digest(ids.tolist()) != info.tokens_sha256:
         raise InputError(path, "its token ids do not match their recorded SHA-256")
-    top_ids, top_logp = top_ids.reshape(-1, info.top_k), top_logp.reshape(-1, info.top_k)
     rows, start = [], 0
     for length_w in info.windows:
         s, e = start, start + length_w - 1
-        top = TopK(
-            torch.from_numpy(top_ids[s:e]).long(),
-            torch.from_numpy(top_logp[s:e].copy()),
-            torch.from_numpy(rest[s:e].copy()),
-        )
+        coded = Coded(torch.from_numpy(codes[s:e]), torch.from_numpy(scale[s:e].copy()),
+                      torch.from_numpy(floor[s:e].copy()))  # fmt: skip
         rows.append(FloatRows(torch.from_numpy(nll[s:e].copy()),
-                              torch.from_numpy(argmax[s:e]).long(), None, top))  # fmt: skip
+                              torch.from_numpy(argmax[s:e]).long(), None, coded))  # fmt: skip
         start = e
     return info, ids.tolist(), rows, digests
 
@@ -190,26 +186,30 @@ def _info(doc: object, path: Path) -> LogitsInfo:
         field("tokens.count", 2), field("ctx", 2), field("dtype"),
         field("model.config_sha256"), field("model.tokenizer_sha256"),
         field("model.architecture"), field("model.vocab", 1, MAX_VOCAB),
-        field("top_k", 1, MAX_TOP_K), tuple(windows),
+        tuple(windows),
     )  # fmt: skip
     if sum(info.windows) != info.tokens:
         raise bad("its windows do not add up to its tokens")
-    if max(info.windows) > info.ctx or info.top_k > info.vocab:
-        raise bad("a window is longer than ctx, or top_k is above the vocabulary")
+    if max(info.windows) > info.ctx:
+        raise bad("a window is longer than ctx")
+    if doc.get("coding") != {"bits": 16, "range_nats": CODE_RANGE, "steps": CODE_STEPS}:
+        raise bad("coding is not this qtool's (16 bits over 24 nats)")
     return info
 
 
 def _check_values(path: Path, info: LogitsInfo, *arrays: np.ndarray) -> None:
-    ids, nll, argmax, rest, top_ids, top_logp = arrays
-    for name, a in (("token id", ids), ("argmax", argmax), ("top-k id", top_ids)):
+    ids, nll, argmax, scale, floor, codes = arrays
+    for name, a in (("token id", ids), ("argmax", argmax)):
         if a.size and (a.min() < 0 or a.max() >= info.vocab):
             raise InputError(path, f"a {name} is outside the vocabulary of {info.vocab:,}")
     if np.isnan(nll).any() or (nll < 0).any():
         raise InputError(path, "an NLL is negative or NaN")
-    for name, a in (("log-probability", top_logp), ("rest's log-mass", rest)):
-        if np.isnan(a).any() or (a > 0).any():
-            raise InputError(path, f"a {name} is above 0 or NaN")
-    total = np.logaddexp.reduce(np.concatenate([top_logp.reshape(-1, info.top_k),
-                                                rest.reshape(-1, 1)], axis=1), axis=1)  # fmt: skip
-    if total.size and not np.all(np.abs(total) < 1e-3):
-        raise InputError(path, "a position's probabilities do not sum to 1")
+    top = floor + scale * CODE_STEPS
+    if not (np.isfinite(top).all() and (scale >= 0).all() and (top <= 1e-3).all()):
+        raise InputError(path, "a position's scale or floor is out of range")
+    for r in range(0, codes.shape[0], 256):  # each position's probabilities sum to 1
+        c = codes[r : r + 256].astype(np.int64) & 0xFFFF
+        logp = floor[r : r + 256, None] + (c - 1) * scale[r : r + 256, None].astype(np.float64)
+        total = np.logaddexp.reduce(np.where(c > 0, logp, -np.inf), axis=1)
+        if not np.all(np.abs(total) < 1e-2):
+            raise InputError(path, "a position's probabilities do not sum to 1")

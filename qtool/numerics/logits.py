@@ -10,12 +10,10 @@ log p_q(v)): the float model's distribution is the reference, as in llama.cpp's
 `--kl-divergence`.
 
 The float side can also be kept apart from its logits, as `FloatRows` (what scoring needs of
-one window: the next-token NLL, the argmax, and the log-probabilities, all of them or the top k
-with the mass of the rest), so that one float pass serves many quantized models
-(`score_against`); with all log-probabilities the figures are those of `score_window`, bit for
-bit. With the top k, the KL is that of the two distributions coarsened to (the k tokens, the
-rest): never above the true KL, and below it by T_f KL(f_rest || q_rest), T_f being the float
-model's mass outside its top k (docs/eval.md gives the bound).
+one window: the next-token NLL, the argmax, and every log-probability, in float32 or in 16 bits
+as llama-perplexity's --kl-divergence-base keeps them), so that one float pass serves many
+quantized models (`score_against`): in float32 the figures are those of `score_window`, bit
+for bit; coded, only the KL moves, within a bound docs/eval.md states.
 """
 
 from __future__ import annotations
@@ -78,51 +76,70 @@ def _score_rows(
     )
 
 
-@dataclass(frozen=True)
-class TopK:
-    """The float model's k most likely tokens at each of n positions, in descending order."""
+CODE_RANGE = 24.0  # nats below each position's top log-probability that 16-bit codes cover
+CODE_STEPS = 65534  # codes 1..65535 span the range; 0: below it (probability < e^-24 of the top)
 
-    ids: torch.Tensor  # [n, k] int64
-    logp: torch.Tensor  # [n, k] float32 log-probabilities
-    log_rest: torch.Tensor  # [n] float32: log of the mass outside the k (-inf: none)
+
+@dataclass(frozen=True)
+class Coded:
+    """Every log-probability of n positions in 16 bits, as llama-perplexity's
+    --kl-divergence-base keeps them: ln p ~ floor + (code - 1) * scale, code 0 below floor."""
+
+    codes: torch.Tensor  # [n, V] int16 (the uint16 code's bits)
+    scale: torch.Tensor  # [n] float32: CODE_RANGE / CODE_STEPS or less
+    floor: torch.Tensor  # [n] float32: the lowest log-probability coded
+
+    def logp(self, start: int, end: int) -> torch.Tensor:
+        """Rows start..end-1 decoded to float32 log-probabilities (-inf for code 0)."""
+        codes = self.codes[start:end].to(torch.int32) & 0xFFFF
+        values = self.floor[start:end, None] + (codes - 1).float() * self.scale[start:end, None]
+        return torch.where(codes > 0, values, -math.inf)
 
 
 @dataclass(frozen=True)
 class FloatRows:
     """The float model at the n scored positions of one window: -log p_f(next token), its
-    argmax (lowest id on a tie, as torch's), and either every log-probability or the top k."""
+    argmax (lowest id on a tie, as torch's), and every log-probability, in float32 or coded."""
 
     nll: torch.Tensor  # [n] float32
     argmax: torch.Tensor  # [n] int64
-    logp: torch.Tensor | None  # [n, V] float32; None: `top` instead
-    top: TopK | None
+    logp: torch.Tensor | None  # [n, V] float32; None: `coded` instead
+    coded: Coded | None
 
 
-def float_rows(logits_float: torch.Tensor, ids: torch.Tensor, k: int | None = None) -> FloatRows:
-    """The float side of one window's figures (`ids` [L], logits [L, V]); k None: every
-    log-probability (exact figures), else the top k of each position."""
+def float_rows(logits_float: torch.Tensor, ids: torch.Tensor, coded: bool = False) -> FloatRows:
+    """The float side of one window's figures (`ids` [L], logits [L, V]): every
+    log-probability in float32 (exact figures), or `coded` in 16 bits."""
     targets, scored = _scored(logits_float, ids)
-    nlls, argmaxes, logps, tops = [], [], [], []
+    nlls, argmaxes, logps, codes = [], [], [], []
     for r in range(0, targets.shape[0], ROWS_PER_CHUNK):
         rows = scored[r : r + ROWS_PER_CHUNK]
         logp = torch.log_softmax(rows.float(), dim=-1)
         nlls.append(nll(logp, targets[r : r + ROWS_PER_CHUNK]).cpu())
         argmaxes.append(rows.argmax(dim=-1).cpu())
-        if k is None:
-            logps.append(logp.cpu())
+        if coded:
+            codes.append(code_log_probs(logp.cpu()))
         else:
-            tops.append(top_k(logp, k))
-    if k is None:
+            logps.append(logp.cpu())
+    if not coded:
         return FloatRows(torch.cat(nlls), torch.cat(argmaxes), torch.cat(logps), None)
-    top = TopK(*(torch.cat([getattr(t, f) for t in tops]) for f in ("ids", "logp", "log_rest")))
-    return FloatRows(torch.cat(nlls), torch.cat(argmaxes), None, top)
+    joined = Coded(
+        *(torch.cat([getattr(c, f) for c in codes]) for f in ("codes", "scale", "floor"))
+    )
+    return FloatRows(torch.cat(nlls), torch.cat(argmaxes), None, joined)
 
 
-def top_k(logp: torch.Tensor, k: int) -> TopK:
-    """The k largest of each row of log-probabilities [n, V] and the log of the rest's mass."""
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    rest = logp.scatter(-1, ids, -math.inf).logsumexp(dim=-1)
-    return TopK(ids.cpu(), values.float().cpu(), rest.float().cpu())
+def code_log_probs(logp: torch.Tensor) -> Coded:
+    """Rows of log-probabilities [n, V] in 16 bits: from each row's top down to CODE_RANGE nats
+    below it (or its lowest, if higher) in CODE_STEPS equal steps, rounded to the nearest."""
+    top = logp.max(dim=-1).values
+    low = logp.min(dim=-1).values
+    floor = torch.maximum(low, top - CODE_RANGE)
+    scale = (top - floor) / CODE_STEPS
+    step = scale[:, None]
+    steps = torch.where(step > 0, (logp - floor[:, None]) / step.clamp_min(1e-30), 0.0)
+    codes = torch.where(logp >= floor[:, None], steps.round() + 1, 0.0).clamp(0, CODE_STEPS + 1)
+    return Coded(codes.to(torch.int32).to(torch.int16), scale.float(), floor.float())
 
 
 def score_against(
@@ -140,26 +157,13 @@ def score_against(
         logp_q = torch.log_softmax(rows.float(), dim=-1)
         nlls.append(nll(logp_q, targets[r:end]).cpu())
         if reference.logp is not None:
-            kls.append(kl_divergence(reference.logp[r:end].to(logp_q.device), logp_q).cpu())
+            logp_f = reference.logp[r:end]
         else:
-            assert reference.top is not None
-            t = reference.top
-            part = TopK(t.ids[r:end], t.logp[r:end], t.log_rest[r:end])
-            kls.append(kl_top_k(part, logp_q.cpu()))
+            assert reference.coded is not None
+            logp_f = reference.coded.logp(r, end)
+        kls.append(kl_divergence(logp_f.to(logp_q.device), logp_q).cpu())
         agree.append(reference.argmax[r:end] == rows.argmax(dim=-1).cpu())
     return WindowScores(reference.nll, torch.cat(nlls), torch.cat(kls), torch.cat(agree))
-
-
-def kl_top_k(top: TopK, logp: torch.Tensor) -> torch.Tensor:
-    """KL(f || q) per row of the two distributions coarsened to (f's top k, the rest): the
-    float side `top`, the other's every log-probability `logp` [n, V]."""
-    logp_at = logp.gather(-1, top.ids)  # [n, k]
-    p_top = top.logp.exp()
-    head = torch.where(p_top > 0, p_top * (top.logp - logp_at), 0.0).sum(dim=-1)
-    rest_q = logp.scatter(-1, top.ids, -math.inf).logsumexp(dim=-1)
-    p_rest = top.log_rest.exp()
-    tail = torch.where(p_rest > 0, p_rest * (top.log_rest - rest_q), 0.0)
-    return head + tail
 
 
 def _scored(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

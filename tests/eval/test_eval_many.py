@@ -3,7 +3,7 @@ on tiny models built offline (tests/eval_models.py); needs the interop extra.
 
 Several candidates against one float pass must report, for each, exactly what a pair run
 reports (so the float side was neither shifted nor mixed up between candidates); the figures
-from a logits file equal the pair's but for the KL, which is the top-k lower bound; a logits
+from a logits file equal the pair's but for the KL, within the 16-bit codes' bound; a logits
 file made for another text, window, dtype, token count, model or tokenizer is refused."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_each_candidate_reports_exactly_what_its_pair_run_reports(
     assert many[2].causal is not None and many[2].causal.kl.max == 0.0 and many[2].changed == 0
 
 
-def test_from_a_logits_file_the_figures_are_the_pairs_and_kl_its_lower_bound(
+def test_from_a_logits_file_the_figures_are_the_pairs_and_kl_within_its_bound(
     root: Path, pairs: list[EvalSummary], saved: tuple[Path, list[EvalSummary]]
 ) -> None:
     path, _ = saved
@@ -104,7 +104,8 @@ def test_from_a_logits_file_the_figures_are_the_pairs_and_kl_its_lower_bound(
         for name in ("ppl_float", "ppl_quant", "agree", "predicted", "ln_ratio", "ln_ratio_se"):
             assert getattr(c, name) == getattr(p, name), name
         assert c.dp_mean == pytest.approx(p.dp_mean, rel=1e-9, abs=1e-15)
-        assert c.kl.mean <= p.kl.mean + 1e-9 and c.kl.mean == pytest.approx(p.kl.mean, rel=1e-3)
+        assert c.kl.mean == pytest.approx(p.kl.mean, rel=1e-3, abs=1e-6)
+        assert c.kl.mean != p.kl.mean  # the 16-bit codes, not an exact float side
         assert (one.changed, one.parameters) == (pair.changed, pair.parameters)
 
 

@@ -18,7 +18,7 @@ from qtool.formats import logits_file as lf
 from qtool.formats.logits_file import LogitsInfo, read_logits, tokens_digest, write_logits
 from qtool.numerics.logits import float_rows
 
-VOCAB, K = 40, 8
+VOCAB = 40
 WINDOWS = (6, 6, 3)
 
 
@@ -28,11 +28,11 @@ def valid() -> bytes:
     rows, start = [], 0
     for n in WINDOWS:
         window = ids[start : start + n]
-        rows.append(float_rows(torch.randn(n, VOCAB, generator=gen) * 3, window, K))
+        rows.append(float_rows(torch.randn(n, VOCAB, generator=gen) * 3, window, coded=True))
         start += n
     info = LogitsInfo(
         "a" * 64, "t.txt", tokens_digest(ids.tolist()), len(ids), 6, "float32", "c" * 64,
-        "d" * 64, "LlamaForCausalLM", VOCAB, K, WINDOWS,
+        "d" * 64, "LlamaForCausalLM", VOCAB, WINDOWS,
     )  # fmt: skip
     out = io.BytesIO()
     write_logits(out, info, ids.tolist(), rows, {"w": "e" * 64})
@@ -63,7 +63,8 @@ def test_a_valid_file_reads_back_what_was_written(tmp_path: Path) -> None:
     info, ids, rows, digests = read_logits(path)
     assert info.windows == WINDOWS and len(ids) == sum(WINDOWS) and digests == {"w": "e" * 64}
     assert [r.nll.shape[0] for r in rows] == [n - 1 for n in WINDOWS]
-    assert all(r.top is not None and r.top.ids.shape == (r.nll.shape[0], K) for r in rows)
+    assert all(r.coded is not None and r.coded.codes.shape == (r.nll.shape[0], VOCAB)
+               for r in rows)  # fmt: skip
 
 
 def test_wrong_magic_version_and_truncation_are_refused(tmp_path: Path) -> None:
@@ -81,8 +82,8 @@ def test_a_huge_header_or_payload_claim_is_refused_before_reading(tmp_path: Path
     data = valid()
     refused(tmp_path, data[:16] + struct.pack("<Q", 1 << 40) + data[24:], "header of")
     _, header, payload = split(data)
-    big = 1 << 31  # one window of 2^31 tokens: 8 TiB of arrays, claimed in a small header
-    huge = dict(header, top_k=lf.MAX_TOP_K, windows=[big], ctx=big)
+    big = 1 << 31  # one window of 2^31 tokens: 64 PiB of arrays, claimed in a small header
+    huge = dict(header, windows=[big], ctx=big)
     huge["tokens"] = {**header["tokens"], "count": big}  # type: ignore[dict-item]
     huge["model"] = {**header["model"], "vocab": lf.MAX_VOCAB}  # type: ignore[dict-item]
     refused(tmp_path, join(huge, payload), "arrays of .* bytes are over")
@@ -91,8 +92,8 @@ def test_a_huge_header_or_payload_claim_is_refused_before_reading(tmp_path: Path
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"top_k": 0}, "top_k"),
-        ({"top_k": VOCAB + 1}, "top_k is above the vocabulary"),
+        ({"coding": {"bits": 8, "range_nats": 24.0, "steps": 254}}, "coding"),
+        ({"model": {"vocab": 0}}, "model.vocab|config_sha256"),
         ({"windows": [6, 6, 2]}, "do not add up"),
         ({"windows": [1, 11, 3]}, "windows"),
         ({"ctx": 5}, "longer than ctx"),
@@ -100,7 +101,7 @@ def test_a_huge_header_or_payload_claim_is_refused_before_reading(tmp_path: Path
         ({"parameters": ["w"]}, "parameters"),
         ({"dtype": 5}, "dtype|expected a string"),
     ],
-    ids=["k0", "k-over-vocab", "windows-sum", "window-of-1", "ctx", "version", "params", "dtype"],
+    ids=["coding", "vocab", "windows-sum", "window-of-1", "ctx", "version", "params", "dtype"],
 )
 def test_header_fields_out_of_range_are_refused(
     tmp_path: Path, change: dict[str, object], message: str
@@ -112,8 +113,8 @@ def test_header_fields_out_of_range_are_refused(
 def payload_offsets() -> dict[str, int]:
     n_tok = sum(WINDOWS)
     n = n_tok - len(WINDOWS)
-    return {"ids": 0, "nll": 4 * n_tok, "argmax": 4 * (n_tok + n), "rest": 4 * (n_tok + 2 * n),
-            "top_ids": 4 * (n_tok + 3 * n), "top_logp": 4 * (n_tok + 3 * n + n * K)}  # fmt: skip
+    return {"ids": 0, "nll": 4 * n_tok, "argmax": 4 * (n_tok + n), "scale": 4 * (n_tok + 2 * n),
+            "floor": 4 * (n_tok + 3 * n), "codes": 4 * (n_tok + 4 * n)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -121,12 +122,13 @@ def payload_offsets() -> dict[str, int]:
     [
         ("ids", struct.pack("<i", VOCAB), "token id is outside the vocabulary"),
         ("argmax", struct.pack("<i", -1), "argmax is outside the vocabulary"),
-        ("top_ids", struct.pack("<i", 1 << 30), "top-k id is outside the vocabulary"),
         ("nll", struct.pack("<f", float("nan")), "NLL is negative or NaN"),
         ("nll", struct.pack("<f", -1.0), "NLL is negative or NaN"),
-        ("top_logp", struct.pack("<f", 0.5), "log-probability is above 0"),
-        ("rest", struct.pack("<f", float("nan")), "rest's log-mass"),
-        ("top_logp", struct.pack("<f", -80.0), "do not sum to 1"),
+        ("scale", struct.pack("<f", float("nan")), "scale or floor is out of range"),
+        ("scale", struct.pack("<f", -1.0), "scale or floor is out of range"),
+        ("floor", struct.pack("<f", 3.0), "scale or floor is out of range"),
+        ("floor", struct.pack("<f", -80.0), "do not sum to 1"),
+        ("codes", struct.pack("<40H", *[65535] * 40), "do not sum to 1"),
     ],
 )
 def test_values_out_of_range_are_refused(
@@ -134,7 +136,7 @@ def test_values_out_of_range_are_refused(
 ) -> None:
     prefix, header, payload = split(valid())
     at = payload_offsets()[array]
-    bad = payload[:at] + value + payload[at + 4 :]
+    bad = payload[:at] + value + payload[at + len(value) :]
     refused(tmp_path, join(header, bad), message)
 
 

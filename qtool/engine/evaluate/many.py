@@ -7,10 +7,11 @@ model's weights are let go (their digests kept for "weights that differ"), and t
 are loaded one at a time, each scored and let go before the next: memory holds one model and
 the float log-probabilities of the scored positions (positions x vocabulary x 4 bytes). From a
 logits file, FLOAT's weights are never read: its config, tokenizer and tensor headers give the
-architecture the candidates load into, and the float side is the file's top k."""
+architecture the candidates load into, and the float side is the file's 16-bit codes."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 from collections.abc import Sequence
@@ -34,10 +35,8 @@ from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
 from qtool.formats.logits_file import LogitsInfo, read_logits, tokens_digest, write_logits
 from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
-from qtool.numerics.logits import FloatRows, top_k
+from qtool.numerics.logits import FloatRows, code_log_probs
 from qtool.results import Progress
-
-TOP_K = 256  # kept per position in a logits file (docs/eval.md: the KL's bound)
 
 
 def evaluate_all(
@@ -50,7 +49,7 @@ def evaluate_all(
 ) -> list[EvalSummary]:
     """Every candidate against one float pass; one candidate alone with no logits file runs as
     a pair (run.evaluate: window by window, per-layer rows possible). `logits`: the float side
-    from this file (FLOAT's weights never read); `save_logits`: its top k written there."""
+    from this file (FLOAT's weights never read); `save_logits`: it written there, coded."""
     if len(quants) == 1 and logits is None and save_logits is None:
         return [evaluate(float_dir, quants[0], options, progress)]
     if options.per_layer:
@@ -124,6 +123,7 @@ def _evaluate_many(
             notes=_notes(changed),
         ))  # fmt: skip
         del model, candidate
+        gc.collect()  # a loaded model sits in reference cycles: free it before the next loads
     return summaries
 
 
@@ -180,19 +180,19 @@ def _save(path: Path, side: FloatSide, text: Text, options: EvalOptions) -> None
     info = LogitsInfo(
         text.info.sha256, text.info.source, tokens_digest(ids), len(ids), side.ctx,
         options.dtype, config, tokenizer, side.reference.architecture,
-        side.reference.model.get_input_embeddings().num_embeddings, TOP_K,
+        side.reference.model.get_input_embeddings().num_embeddings,
         tuple(len(p) for p in side.pieces),
     )  # fmt: skip
-    rows = [_top(r) for r in side.rows]
+    rows = [_coded(r) for r in side.rows]
     remove_stale_temps(path.parent)
     with OutputSet() as outputs:
         write_logits(outputs.create(path), info, ids, rows, side.digests)
         outputs.commit()
 
 
-def _top(rows: FloatRows) -> FloatRows:
+def _coded(rows: FloatRows) -> FloatRows:
     assert rows.logp is not None
-    return FloatRows(rows.nll, rows.argmax, None, top_k(rows.logp, TOP_K))
+    return FloatRows(rows.nll, rows.argmax, None, code_log_probs(rows.logp))
 
 
 def identity(reference: FloatModel) -> tuple[str, str]:

@@ -94,16 +94,27 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         m = by_name.get(p.entry.name)
         out.append(p if m is None else _decided(m, picks[p.entry.name], target))
     total = fixed + chosen.nbytes
-    note = summary_line(target, chosen, total, elements, alpha is not None)
+    spent: dict[str, tuple[int, int]] = {}  # label -> (tensors, bytes), fused members each
+    for m in measured:
+        label = picks[m.plan.entry.name]
+        n, b = spent.get(label, (0, 0))
+        spent[label] = (n + 1, b + m.options[label][1])
+    note = summary_line(target, chosen, total, elements, alpha is not None, spent)
     return ModelPlan(plan.shards, tuple(out), plan.counts, (*plan.notes, note), plan.texts)
 
 
 def summary_line(
-    target: solver.Target, plan: solver.Plan, total: int, elements: int, measured: bool
+    target: solver.Target,
+    plan: solver.Plan,
+    total: int,
+    elements: int,
+    measured: bool,
+    spent: Mapping[str, tuple[int, int]],
 ) -> str:
-    """'allocation (size 100 MiB): 99.9 MiB, 4.41 bpw, predicted KL 0.0312; int4 g64 140 (...)'."""
+    """'allocation (size 100 MiB ...): 99.9 MiB (...), 4.41 bpw, predicted KL 0.0312; by spec:
+    int4 g64 mse x140 60.1 MiB (...), ...': `spent` label -> (tensors, bytes)."""
     what = "predicted KL" if measured else "predicted loss (relative output error, alpha = 1)"
-    parts = [f"{label} x{n} {solver.human_bytes(b)}" for label, (n, b) in plan.by_label().items()]
+    parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, (n, b) in sorted(spent.items())]
     return (
         f"allocation ({target.describe()}): {solver.human_bytes(total)}, "
         f"{8 * total / max(1, elements):.3f} bpw, {what} {plan.loss:.6g}; "

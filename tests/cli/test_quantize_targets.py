@@ -71,6 +71,9 @@ def test_the_plan_fits_as_written_and_its_recipe_reproduces_it(
     assert isinstance(totals, dict)
     planned = int(_find(r"\((\d+) bytes\), [0-9.]+ bpw", _note(doc)))
     assert totals["bytes_out"] == planned
+    # the note's breakdown counts tensors (fused siblings each), as the rows do
+    decided = [t for t in doc["tensors"] if "allocation:" in t["decided_by"].get("reason", "")]
+    assert sum(int(n) for n in re.findall(r" x(\d+) ", _note(doc))) == len(decided)
     limit = parse_size(target[1]) if target[0] == "--target-size" else 5 * _elements(doc) // 8
     assert planned <= limit
     assert planned > 0.9 * limit  # it spends the budget (the ladder is fine enough here)

@@ -44,3 +44,15 @@ DTYPE_BITS = {name: d.bits for name, d in DTYPES.items()}
 FLOAT_DTYPES = tuple(name for name, d in DTYPES.items() if d.kind == "float")
 RESTORE_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 """dequantize --to choices and the safetensors dtype each writes."""
+
+
+def non_float_reason(dtype: str) -> str:
+    """Why a tensor of a non-float dtype is kept, in the one wording every output format's table
+    gives: 'integer tensor', 'bool tensor', 'already low-precision (F8_E4M3)'."""
+    if dtype == "BOOL":
+        return "bool tensor"
+    if dtype.startswith(("I", "U")):
+        return "integer tensor"
+    if dtype.startswith(("F8", "F4", "F6")):
+        return f"already low-precision ({dtype})"
+    return f"not a real float tensor ({dtype})"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from qtool import patterns
-from qtool.dtypes import FLOAT_DTYPES
+from qtool.dtypes import FLOAT_DTYPES, non_float_reason
 from qtool.errors import InputError, RecipeError
 from qtool.spec import Codec, SpecPatch, fit_spec
 
@@ -185,7 +185,7 @@ def resolve(
 def selection_reason(entry: Entry, *, small: bool = False) -> str | None:
     """Why a tensor cannot be quantized, or (unless `small`) is not by default; None if it is."""
     if entry.dtype not in FLOAT_DTYPES:
-        return _non_float_reason(entry.dtype)
+        return non_float_reason(entry.dtype)
     if 0 in entry.shape:
         return "empty tensor"
     if len(entry.shape) < 2 and not small:
@@ -344,13 +344,3 @@ def _axis_error(
     return InputError(
         checkpoint, f"{message} or exclude the tensor", entry.name, hint=("axis", "exclude")
     )
-
-
-def _non_float_reason(dtype: str) -> str:
-    if dtype == "BOOL":
-        return "bool tensor"
-    if dtype.startswith(("I", "U")):
-        return "integer tensor"
-    if dtype.startswith(("F8", "F4", "F6")):
-        return f"already low-precision ({dtype})"
-    return f"not a real float tensor ({dtype})"

@@ -206,7 +206,7 @@ def test_bert_keeps_embeddings_and_the_tied_decoder() -> None:
         "embeddings.word_embeddings.weight": "embedding",
         "embeddings.position_embeddings.weight": "embedding",
         "embeddings.token_type_embeddings.weight": "embedding",
-        "embeddings.position_ids": "not a float tensor (I64)",
+        "embeddings.position_ids": "integer tensor",
         "embeddings.LayerNorm.weight": "1-D (bias/norm)",
         "encoder.layer.0.attention.self.query.weight": "q",
         "encoder.layer.0.attention.self.query.bias": "1-D (bias/norm)",
@@ -749,3 +749,14 @@ def test_planning_and_config_reading_do_not_import_torch(tmp_path: Path) -> None
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["I64", "U8", "BOOL", "F8_E4M3"])
+def test_both_formats_say_why_a_non_float_tensor_is_kept_in_the_same_words(dtype: str) -> None:
+    """qtool's table said 'kept: integer tensor' where compressed-tensors' said 'kept: not a
+    float tensor (I64)' for the same position_ids (issue 33 polish: two wordings)."""
+    from qtool.recipe.rules import selection_reason
+
+    ids = entry("embeddings.position_ids", (1, 512), dtype)
+    sel = select_tensors([*BERT, ids], BERT_CONFIG, INT8_CH)
+    assert fates(sel)["embeddings.position_ids"] == selection_reason(ids)

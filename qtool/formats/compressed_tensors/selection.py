@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES
+from qtool.dtypes import DTYPE_BITS, FLOAT_DTYPES, non_float_reason
 from qtool.formats.base import Ruled
 from qtool.formats.compressed_tensors.modules import OUTPUT_HEADS, TIED_HEADS, Linears
 from qtool.io.stformat import TensorEntry
@@ -116,7 +116,7 @@ def classify(
 def _by_name(entry: TensorEntry, config: Mapping[str, object]) -> Kind:
     name, ndim = entry.name, len(entry.shape)
     if entry.dtype not in FLOAT_DTYPES:
-        return Kind(None, f"not a float tensor ({entry.dtype})", True)
+        return Kind(None, non_float_reason(entry.dtype), True)
     if ndim == 3:
         return Kind(None, "3-D (fused MoE experts): not a Linear weight", True)
     if ndim != 2:

@@ -19,18 +19,18 @@ from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
 from qtool.errors import OutputError, QtoolError
-from qtool.formats.gguf.hf_export import export_float, is_convertible
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
 from qtool.results import QuantizeSummary
-from qtool.spec import FormatName
 
 _FLOAT_NAME = "converted.gguf"
 
 
 def converts(src: Path, options: QuantizeOptions) -> bool:
-    """Whether this run converts `src` first: a GGUF output from a model directory."""
-    return options.format == FormatName.GGUF and is_convertible(src)
+    """Whether this run converts `src` first: a model directory the output format converts
+    into its own input (GGUF: formats/gguf/hf_export.py)."""
+    found = entry(options.format.value).converts
+    return found is not None and bool(found(src))
 
 
 def quantize_hf(
@@ -43,8 +43,10 @@ def quantize_hf(
     with scratch_beside(target) as scratch:
         float_gguf = scratch / _FLOAT_NAME
         try:
+            convert = entry(options.format.value).convert
+            assert convert is not None  # converts() said so
             with OutputSet() as outputs:
-                export_float(src, float_gguf, outputs)
+                convert(src, float_gguf, outputs)
                 outputs.commit()
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:

@@ -92,6 +92,10 @@ class FormatEntry:
     budget_reference: str = "int8"
     transformers_loads: bool = False
     input_hint: str = ""  # own_input: how to make such an input (", converted by ...")
+    # own_input: a model directory it converts into its own input first (engine/hf_gguf.py):
+    # whether `path` is one, and the writer of the converted file (path, out, OutputSet)
+    converts: Callable[[Path], bool] | None = None
+    convert: Callable[..., object] | None = None
     help: str = ""
     reads_config: bool = False
     groups: str = ""

@@ -16,6 +16,8 @@ Torch-free at import.
 - dequantized.write_float_gguf: `dequantize X.gguf -o Y.gguf`, a float GGUF (every metadata
   value kept), which `quantize --format gguf` takes again: the way back from a quantized GGUF.
 - ftype: llama.cpp's file types.
+- hf_export / hf_vocab: a Llama, Mistral or Qwen2 model directory as the float GGUF llama.cpp's
+  convert_hf_to_gguf.py writes (`quantize HF_DIR --format gguf` converts it first).
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ registry.register(
         ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf",),
         foreign=_foreign, budget_reference="Q8_0",
         float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
+        converts=registry.lazy("qtool.formats.gguf.hf_export", "is_convertible"),
+        convert=registry.lazy("qtool.formats.gguf.hf_export", "export_float"),
         input_hint=("; give a Llama, Mistral or Qwen2 model directory (converted first), or "
                     "convert others with llama.cpp's convert_hf_to_gguf.py"),
         help="a float GGUF quantized to GGUF types (--dtype Q4_K) that llama.cpp loads.",

@@ -45,3 +45,25 @@ def test_config_numbers_are_checked_before_work(
     assert message in done.stderr and key in done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
+def test_tokenizer_files_over_the_limit_are_refused_unread(tmp_path: Path, name: str) -> None:
+    """A tokenizer file over MAX_TOKENIZER_BYTES (a sparse file here, so nothing is stored) is
+    refused by its size before it is read: tokenizer.json was read whole into memory, and
+    gguf-py and tokenizers read these files again without a bound."""
+    from qtool.formats.gguf import hf_vocab
+
+    src = write_model(tmp_path / "m", "llama")
+    with open(src / name, "r+b" if (src / name).exists() else "wb") as f:
+        f.truncate(hf_vocab.MAX_TOKENIZER_BYTES + 1)
+    out = tmp_path / "o.gguf"
+    done = subprocess.run(
+        [sys.executable, "-m", "qtool", "quantize", str(src), "--format", "gguf",
+         "--dtype", "Q8_0", "-o", str(out)],
+        capture_output=True, text=True, timeout=UNBOUNDED,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert f"{name}: is {hf_vocab.MAX_TOKENIZER_BYTES + 1:,} bytes, over the limit" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()

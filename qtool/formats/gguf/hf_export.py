@@ -19,7 +19,6 @@ rope_type llama3 adds rope_freqs.weight. Anything else is refused, naming what.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.atomic import OutputSet
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
+from qtool.io.jsonfile import read_json_object
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2"}  # fmt: skip
@@ -67,12 +67,7 @@ def is_convertible(path: Path) -> bool:
 def read_config(directory: Path) -> tuple[dict[str, Any], str]:
     """config.json and the GGUF architecture of its `architectures`; InputError otherwise."""
     path = directory / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(path, f"cannot be read as JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise InputError(path, "is not a JSON object")
+    config: dict[str, Any] = read_json_object(path, what="model config")
     archs = config.get("architectures")
     name = archs[0] if isinstance(archs, list) and archs else None
     if name not in ARCHITECTURES:

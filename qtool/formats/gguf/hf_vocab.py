@@ -16,12 +16,12 @@ text and looks the hash up (get_vocab_base_pre); PRE_TOKENIZERS is its table.
 
 from __future__ import annotations
 
-import json
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 from qtool.errors import InputError, UsageError
+from qtool.io.jsonfile import read_json_object
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # gguf.TokenType
 CONVERTER = "convert it with llama.cpp's convert_hf_to_gguf.py"
@@ -138,8 +138,16 @@ PRE_TOKENIZERS: dict[str, str] = {
 appears twice, the later entry wins, as its chain of ifs does)."""
 
 
+MAX_TOKENIZER_BYTES = 64_000_000
+"""Per tokenizer file, as eval's (engine/evaluate/checked.py): the largest real tokenizer.json
+files are a few tens of MB (Gemma 3's 33 MB, Llama 3's 9 MB); each is read whole."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "chat_template.json", "merges.txt")  # fmt: skip
+
+
 def read_tokenizer(directory: Path) -> dict[str, Any]:
-    """tokenizer.json, checked to be a byte-level BPE tokenizer (InputError otherwise)."""
+    """tokenizer.json, checked to be a byte-level BPE tokenizer (InputError otherwise), after
+    every tokenizer file the conversion reads was checked to be at most MAX_TOKENIZER_BYTES."""
     path = directory / "tokenizer.json"
     if (directory / "tokenizer.model").is_file():
         raise InputError(directory / "tokenizer.model", "a SentencePiece tokenizer: qtool "
@@ -148,12 +156,13 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
         raise InputError(
             directory, f"no tokenizer.json: qtool writes the vocabulary from it; {CONVERTER}"
         )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(path, f"cannot be read as JSON: {err}") from None
-    model = data.get("model") if isinstance(data, dict) else None
-    decoder = data.get("decoder") if isinstance(data, dict) else None
+    for name in TOKENIZER_FILES:  # gguf-py and tokenizers read them again, unbounded
+        size = (directory / name).stat().st_size if (directory / name).is_file() else 0
+        if size > MAX_TOKENIZER_BYTES:
+            why = f"is {size:,} bytes, over the limit of {MAX_TOKENIZER_BYTES:,} for its kind"
+            raise InputError(directory / name, f"{why}; is it intact?")
+    data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
+    model, decoder = data.get("model"), data.get("decoder")
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
         raise InputError(path, "not a byte-level BPE tokenizer (its model is "
                          f"{_kind(model)}); qtool writes only those; {CONVERTER}")  # fmt: skip
@@ -163,7 +172,7 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
                          f"{CONVERTER}")  # fmt: skip
     if not isinstance(model.get("vocab"), dict):
         raise InputError(path, "its model has no vocab")
-    return dict(data)
+    return data
 
 
 def _kind(model: object) -> str:
@@ -271,10 +280,4 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(path, f"cannot be read as JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise InputError(path, "is not a JSON object")
-    return data
+    return read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")

@@ -20,8 +20,8 @@ pytest.importorskip("gguf")
 
 import transformers  # noqa: E402
 
-from qtool.engine.calibrate import blocks as block_pass  # noqa: E402
 from qtool.engine.calibrate import run as calibrate_run  # noqa: E402
+from qtool.engine.calibrate import sequential as block_pass  # noqa: E402
 from qtool.engine.calibrate.data import take_windows  # noqa: E402
 from qtool.engine.calibrate.run import (  # noqa: E402
     CalibrateOptions,
@@ -117,6 +117,38 @@ def test_block_by_block_equals_hooks_on_the_whole_model(
         np.testing.assert_allclose(stats.sums, ref.sums, rtol=2e-5, atol=1e-6)
     assert got.chunk_size == CTX and got.chunk_count == 8
     assert summary.windows == 8 and summary.tokens == 8 * CTX
+
+
+def test_the_importance_matrix_is_a_method_of_the_block_pass(
+    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """calibrate runs the calibrated methods' block-by-block pass (run_sequential) with a policy
+    that keeps the weights: one pass per block, each window once (a second pass would run every
+    block twice for the same statistics)."""
+    passes: list[bool] = []
+    real = block_pass.run_sequential
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        passes.append(kwargs["keeps_weights"])
+        real(*args, **kwargs)
+
+    class Counting:
+        def __init__(self) -> None:
+            self.total, self.done = 0, dict[str, int]()
+
+        def start(self, total_bytes: int) -> None:
+            self.total = total_bytes
+
+        def advance(self, name: str, nbytes: int) -> None:
+            self.done[name] = self.done.get(name, 0) + nbytes
+
+    monkeypatch.setattr(block_pass, "run_sequential", spy)
+    progress = Counting()
+    opts = CalibrateOptions((_texts(models)[0],), tokens=4 * CTX, ctx=CTX)
+    summary = calibrate(models["llama"], tmp_path / "x.gguf", opts, progress)
+    assert passes == [True]
+    assert progress.done == {f"block {i}": 4 * CTX for i in range(summary.blocks)}
+    assert progress.total == 4 * CTX * summary.blocks
 
 
 def test_windows_are_taken_from_each_text_in_turn(models: dict[str, Path], tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""The block-by-block pass: the model built empty (meta device), its embeddings loaded and run,
-then each decoder block loaded from the checkpoint, run on the activations at its input with
-ImatrixProbe's hooks, and freed. Peak memory: the embeddings or one block's weights (float32),
-the activations at one block boundary (windows x ctx x hidden float32), the statistics.
+"""The pieces of the block-by-block pass (engine/calibrate/sequential.py): the model built empty
+(meta device), its embeddings loaded and run, then each decoder block loaded from the
+checkpoint, run on the activations at its input, and freed. Peak memory: the embeddings or one
+block's weights (float32), the activations at one block boundary (windows x ctx x hidden
+float32), the statistics.
 
 The blocks are called with what the model's own forward gives them: the base model's forward
 runs once per window with every block replaced by a recorder that keeps the block's arguments
@@ -19,11 +20,8 @@ from typing import Any
 
 import torch
 
-from qtool.engine.imatrix_hooks import ImatrixProbe
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
-from qtool.numerics.imatrix import MatrixStats
-from qtool.results import Progress
 
 
 class _Stop(Exception):
@@ -162,33 +160,3 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
         pass
-
-
-def run_blocks(
-    model: Any,
-    reader: FloatReader,
-    windows: list[list[int]],
-    device: torch.device,
-    path: Any,
-    progress: Progress | None = None,
-) -> dict[str, MatrixStats]:
-    """The statistics of every Linear of every decoder block over `windows`, keyed by the
-    checkpoint's names."""
-    base, layers, layers_name = block_list(model, path)
-    prepare_base(base, layers_name, reader, device, path)
-    hidden, kwargs = capture(base, layers, windows, device)
-    for _, child in base.named_children():  # the embeddings are done with
-        if not isinstance(child, torch.nn.ModuleList):
-            child.to_empty(device="meta")
-    stats: dict[str, MatrixStats] = {}
-    for i, block in enumerate(layers):
-        load_module(block, f"{layers_name}.{i}.", reader, device, path)
-        with torch.no_grad(), ImatrixProbe(block) as probe:
-            for x in hidden:
-                x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put
-                if progress is not None:
-                    progress.advance(f"block {i}", x.shape[-2])
-        stats |= {f"{layers_name}.{i}.{n}": s for n, s in probe.stats().items()}
-        block.to_empty(device="meta")
-        return_freed_memory()
-    return stats

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
-from qtool.engine.calibrate.blocks import run_blocks
 from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
 from qtool.engine.calibrate.sensitivity import sensitivity_of
+from qtool.engine.calibrate.sequential import run_blocks
 from qtool.engine.evaluate.config import Role, float_source, kind_of, window_length
 from qtool.engine.evaluate.models import empty_model, float_parts
 from qtool.engine.evaluate.tokens import check_vocabulary

@@ -1,14 +1,17 @@
-"""The block-by-block pass of a calibrated method (engine/methods): the model built empty, its
-embeddings run once on every stream's windows, then for each decoder block in turn: loaded from
-the checkpoint, run on each stream with the method's probe (pass 1: statistics), quantized by
-the method (the block's weights replaced by what a consumer will reconstruct), run again on
-each stream (pass 2: its QUANTIZED outputs become the next block's inputs, so the error of
-every block before propagates), and freed. Peak memory: one block's weights (float32), the
-method's statistics for one block, the activations at one block boundary (in a temporary file,
-mapped, past ACTIVATIONS_IN_MEMORY)."""
+"""The block-by-block pass of a calibrated method (engine/methods) and of calibrate's importance
+matrix (run_blocks): the model built empty, its embeddings run once on every stream's windows,
+then for each decoder block in turn: loaded from the checkpoint, run on each stream with the
+method's probe (pass 1: statistics), quantized by the method (the block's weights replaced by
+what a consumer will reconstruct), run again on each stream (pass 2: its QUANTIZED outputs
+become the next block's inputs, so the error of every block before propagates), and freed. A
+method that keeps the weights (the importance matrix: statistics only) has no pass 2: pass 1's
+outputs go on. Peak memory: one block's weights (float32), the method's statistics for one
+block, the activations at one block boundary (in a temporary file, mapped, past
+ACTIVATIONS_IN_MEMORY)."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -26,9 +29,11 @@ from qtool.engine.calibrate.blocks import (
     prepare_base,
     return_freed_memory,
 )
+from qtool.engine.imatrix_hooks import ImatrixProbe
 from qtool.errors import OutputError
 from qtool.formats.base import FloatReader
 from qtool.io.atomic import describe_os_error
+from qtool.numerics.imatrix import MatrixStats
 from qtool.results import Progress
 
 ACTIVATIONS_IN_MEMORY = 2 << 30
@@ -79,10 +84,12 @@ def run_sequential(
     bound: int | None = None,
     directory: Path | None = None,
     tracker: Tracker | None = None,
+    keeps_weights: bool = False,
 ) -> None:
     """Every decoder block of `model`, in order, through `method` on the windows of each stream
     (name -> windows of token ids, all of one length); activations over `bound` bytes (None:
-    ACTIVATIONS_IN_MEMORY) on the CPU spilled to a temporary file in `directory` (spilled())."""
+    ACTIVATIONS_IN_MEMORY) on the CPU spilled to a temporary file in `directory` (spilled()).
+    `keeps_weights`: the method changes no weight, so pass 1's outputs go on (no pass 2)."""
     base, layers, layers_name = block_list(model, path)
     prepare_base(base, layers_name, reader, device, path)
     windows = [w for ws in streams.values() for w in ws]
@@ -110,19 +117,53 @@ def run_sequential(
                 for name, xs in named.items():
                     probe.stream = name
                     for x in xs:
-                        block(x, **kwargs[i])
+                        if keeps_weights:  # in place: long-lived buffers stay put
+                            x.copy_(block(x, **kwargs[i]))
+                        else:
+                            block(x, **kwargs[i])
                         _advance(progress, f"block {i}", x)
             method.quantize(prefix, probe)
             del probe  # its statistics are spent: not alive through pass 2 and the next load
-            for xs in named.values():
-                for x in xs:
-                    x.copy_(block(x, **kwargs[i]))  # in place: long-lived buffers stay put
-                    _advance(progress, f"block {i}", x)
+            if not keeps_weights:
+                for xs in named.values():
+                    for x in xs:
+                        x.copy_(block(x, **kwargs[i]))
+                        _advance(progress, f"block {i}", x)
         if tracker is not None:
             tracker.after(block, prefix, kwargs[i], partial(load_module, block, prefix, reader,
                                                             device, path))  # fmt: skip
         block.to_empty(device="meta")
         return_freed_memory()
+
+
+class _Importance:
+    """calibrate's importance matrix as a method of the pass: pass 1 sums each Linear's squared
+    inputs (engine/imatrix_hooks.py); the weights stay as they are."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, MatrixStats] = {}
+
+    def probe(self, block: torch.nn.Module, prefix: str) -> Any:
+        return ImatrixProbe(block)
+
+    def quantize(self, prefix: str, probe: ImatrixProbe) -> None:
+        self.stats |= {f"{prefix}{n}": s for n, s in probe.stats().items()}
+
+
+def run_blocks(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    device: torch.device,
+    path: Any,
+    progress: Progress | None = None,
+) -> dict[str, MatrixStats]:
+    """The statistics of every Linear of every decoder block over `windows`, keyed by the
+    checkpoint's names; the activations stay in memory (calibrate's --tokens bounds them)."""
+    importance = _Importance()
+    run_sequential(model, reader, {"calibration": windows}, importance, device, path, progress,
+                   bound=sys.maxsize, keeps_weights=True)  # fmt: skip
+    return importance.stats
 
 
 def spilled(

@@ -47,23 +47,33 @@ def test_config_numbers_are_checked_before_work(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja"])
-def test_tokenizer_files_over_the_limit_are_refused_unread(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "chat_template.jinja", "additional_chat_templates/tool.jinja"]
+)
+def test_tokenizer_files_over_the_limit_are_refused_unread(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tokenizer file over MAX_TOKENIZER_BYTES (a sparse file here, so nothing is stored) is
-    refused by its size before it is read: tokenizer.json was read whole into memory, and
-    gguf-py and tokenizers read these files again without a bound."""
+    refused by its size before anything reads it: gguf-py's SpecialVocab read the chat
+    templates whole (and, without a chat_template in tokenizer_config.json, wrote a 64 MB
+    chat_template.jinja of NULs into the GGUF); tokenizer.json was read whole twice."""
+    from qtool.errors import InputError
     from qtool.formats.gguf import hf_vocab
+    from qtool.formats.gguf.hf_export import export_float
+    from qtool.io.atomic import OutputSet
 
     src = write_model(tmp_path / "m", "llama")
+    # the tiny tokenizer's pre-tokenizer taken as gpt-2's (the converter's table lacks it)
+    monkeypatch.setattr(hf_vocab, "pre_tokenizer", lambda directory: "gpt-2")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    del config["chat_template"]  # so the file's template is the one taken
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    (src / name).parent.mkdir(exist_ok=True)
     with open(src / name, "r+b" if (src / name).exists() else "wb") as f:
         f.truncate(hf_vocab.MAX_TOKENIZER_BYTES + 1)
     out = tmp_path / "o.gguf"
-    done = subprocess.run(
-        [sys.executable, "-m", "qtool", "quantize", str(src), "--format", "gguf",
-         "--dtype", "Q8_0", "-o", str(out)],
-        capture_output=True, text=True, timeout=UNBOUNDED,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert f"{name}: is {hf_vocab.MAX_TOKENIZER_BYTES + 1:,} bytes, over the limit" in done.stderr
-    assert "Traceback" not in done.stderr
+    over = f"is {hf_vocab.MAX_TOKENIZER_BYTES + 1:,} bytes, over"
+    with pytest.raises(InputError, match=over), OutputSet() as outputs:
+        export_float(src, out, outputs, "F32")
+        outputs.commit()
     assert not out.exists()

@@ -156,11 +156,13 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
         raise InputError(
             directory, f"no tokenizer.json: qtool writes the vocabulary from it; {CONVERTER}"
         )
-    for name in TOKENIZER_FILES:  # gguf-py and tokenizers read them again, unbounded
-        size = (directory / name).stat().st_size if (directory / name).is_file() else 0
+    extra = sorted((directory / "additional_chat_templates").glob("*.jinja"))
+    for file in [*(directory / name for name in TOKENIZER_FILES), *extra]:
+        # gguf-py and tokenizers read them whole, unbounded
+        size = file.stat().st_size if file.is_file() else 0
         if size > MAX_TOKENIZER_BYTES:
             why = f"is {size:,} bytes, over the limit of {MAX_TOKENIZER_BYTES:,} for its kind"
-            raise InputError(directory / name, f"{why}; is it intact?")
+            raise InputError(file, f"{why}; is it intact?")
     data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
     model, decoder = data.get("model"), data.get("decoder")
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):

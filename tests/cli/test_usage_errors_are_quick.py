@@ -6,6 +6,7 @@ process imported before the error is counted (tests/cli/test_startup.py's probe)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,20 +35,20 @@ def test_threads_still_reach_torch_once_the_checks_passed(
 ) -> None:
     import torch
 
-    from qtool.engine import write
+    from qtool.engine import loop
     from tests.conftest import run_qtool
 
     seen: list[int] = []
-    real = vars(write)["write_shard"]
+    real = loop.write_shard
 
-    def spy(*args: object) -> object:
+    def spy(*args: Any) -> Any:
         seen.append(torch.get_num_threads())
         return real(*args)
 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(write, "write_shard", spy)
+        monkeypatch.setattr(loop, "write_shard", spy)
         code, _, err = run_qtool("quantize", str(checkpoint), "-o", str(tmp_path / "q.safetensors"),
                                  "--threads", "1")  # fmt: skip
         assert code == 0, err

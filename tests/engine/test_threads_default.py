@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from qtool import api
-from qtool.engine import compare, restore, threads, write
+from qtool.engine import compare, loop, restore, threads
 from tests.conftest import Invoke
 
 
@@ -90,7 +90,7 @@ def test_quantize_on_the_idle_cores_unless_told(
     idle ones; the count is read where the shard's tensors are quantized, and the caller's
     comes back."""
     save_file({"w": torch.randn(8, 32), "v": torch.randn(4, 32)}, tmp_path / "m.safetensors")
-    seen = _spy(monkeypatch, write, "write_shard")
+    seen = _spy(monkeypatch, loop, "write_shard")
     rc, _, err = invoke(
         "quantize", str(tmp_path / "m.safetensors"), "-o", str(tmp_path / "q.safetensors"), *more
     )

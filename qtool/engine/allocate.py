@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from qtool.engine.decision import Budget, Keep, Quantize, TensorPlan
 from qtool.engine.importance import weighted_error
@@ -33,7 +33,8 @@ from qtool.results import Trial
 from qtool.spec import Codec, QSpec, spec_label
 
 if TYPE_CHECKING:
-    from qtool.engine.budget import Measured
+    from qtool.engine.loop import Kernels
+    from qtool.engine.shards import Shards
     from qtool.formats.base import OutputFormat
     from qtool.io.stformat import TensorEntry
 
@@ -46,11 +47,28 @@ LADDERS = {
 qtool's and compressed-tensors' integer grids; the format drops what it cannot store."""
 
 
+def ladder_of(options: QuantizeOptions) -> tuple[Codec, ...]:
+    """The recipe's ladder, else the format's allocation ladder (float is offered besides)."""
+    recipe = options.recipe
+    if recipe is not None and recipe.ladder:
+        return recipe.ladder
+    return allocation_ladder(options.format.value)
+
+
 def allocation_ladder(fmt: str) -> tuple[Codec, ...]:
     from qtool.spec import parse_spec_label
 
     labels = LADDERS["gguf" if fmt == "gguf" else "grid"]
     return tuple(parse_spec_label(label, writable=True) for label in labels)
+
+
+class Measured(Protocol):
+    """What the pass reads with (engine/budget.py's Measured, which hands the plan here)."""
+
+    shards: Shards
+    options: QuantizeOptions
+    fmt: OutputFormat
+    run: Kernels
 
 
 @dataclass(frozen=True)
@@ -148,8 +166,6 @@ def sensitivities(data: Measured) -> dict[str, float] | None:
 
 def _measure(plan: ModelPlan, data: Measured) -> list[Measurement]:
     """Each tensor the budget decides, read once, every candidate's bytes and r."""
-    from qtool.engine.budget import ladder_of
-
     run = data.run
     run.expect(plan.plans)
     out: list[Measurement] = []

@@ -124,3 +124,30 @@ def test_calibrate_defaults_to_the_free_cores(
 def test_free_cores(available: int, load: float, expected: int) -> None:
     """At least one thread, never more than the cores, busy ones rounded to the nearest."""
     assert threads.free_cores(available, load) == expected
+
+
+def test_several_candidates_run_every_pass_on_the_free_cores(
+    models: tuple[Path, Path], machine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qtool eval FLOAT Q1 Q2`: the float pass and each candidate's pass on the idle cores (as
+    a pair run), `--threads` as given, and the caller's count back after."""
+    from qtool.engine.evaluate import many
+
+    seen: list[int] = []
+    for name in ("float_pass", "scored_pass"):
+        real = getattr(many, name)
+
+        def spy(*args: Any, real: Any = real) -> Any:
+            seen.append(torch.get_num_threads())
+            return real(*args)
+
+        monkeypatch.setattr(many, name, spy)
+    machine(4, 1.2)
+    options = api.EvalOptions(tokens=64, ctx=32)
+    api.evaluate_all(models[0], [models[1], models[1]], options)
+    assert seen == [3, 3, 3] and torch.get_num_threads() == 2
+    seen.clear()
+    api.evaluate_all(
+        models[0], [models[1], models[0]], api.EvalOptions(tokens=64, ctx=32, threads=1)
+    )
+    assert seen == [1, 1, 1] and torch.get_num_threads() == 2

@@ -178,3 +178,27 @@ def test_rounding_everywhere_gives_equal_figures(
         model, tmp_path / "o", _options(model, guard=Guard.BOTH), device="cpu", force=True
     )
     assert summary.model_kl and all(k.chosen == k.rounding for k in summary.model_kl)
+
+
+def test_the_streams_copies_past_the_bound_wait_in_a_file_with_the_same_figures(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float and rounding copies of the held-out and check activations are mapped to a
+    temporary file past ACTIVATIONS_IN_MEMORY (here 0), as the pass's own are; the figures do
+    not change."""
+    from qtool.engine.methods import verdict
+
+    in_memory = api.quantize(model, tmp_path / "a", _options(model), device="cpu", force=True)
+    mapped: list[bool] = []
+    spilled = verdict.spilled
+
+    def spy(*args: Any) -> Any:
+        found = spilled(*args)
+        mapped.append(found is not None)
+        return found
+
+    monkeypatch.setattr(verdict, "ACTIVATIONS_IN_MEMORY", 0)
+    monkeypatch.setattr(verdict, "spilled", spy)
+    on_file = api.quantize(model, tmp_path / "b", _options(model), device="cpu", force=True)
+    assert mapped == [True]
+    assert on_file.model_kl == in_memory.model_kl and len(on_file.model_kl) == 2

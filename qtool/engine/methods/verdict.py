@@ -15,11 +15,13 @@ three: the figures measure the decoder blocks, where the method and rounding dif
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from qtool.engine.calibrate.blocks import block_list, load_module
+from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, spilled
 from qtool.engine.methods.gptq import Target, restored
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
@@ -34,9 +36,15 @@ class ModelStreams:
     """The float and round-to-nearest activations of the held-out and check windows, carried
     through the blocks beside the chosen result's (the sequential pass's own)."""
 
-    def __init__(self, targets: Mapping[str, Target], scales_in_weight_dtype: bool) -> None:
+    def __init__(
+        self,
+        targets: Mapping[str, Target],
+        scales_in_weight_dtype: bool,
+        directory: Path | None = None,
+    ) -> None:
         self.targets = targets
         self.scales_in_weight_dtype = scales_in_weight_dtype
+        self.directory = directory  # where the copies are mapped past ACTIVATIONS_IN_MEMORY
         self.chosen: dict[str, Sequence[torch.Tensor]] = {}
         self.float: dict[str, list[torch.Tensor]] = {}
         self.rounded: dict[str, list[torch.Tensor]] = {}
@@ -45,8 +53,17 @@ class ModelStreams:
         """The activations entering the first block, per stream (the pass keeps updating
         `streams` in place: they are the chosen result's)."""
         self.chosen = {s: streams[s] for s in STREAMS if s in streams}
-        self.float = {s: [x.clone() for x in xs] for s, xs in self.chosen.items()}
-        self.rounded = {s: [x.clone() for x in xs] for s, xs in self.chosen.items()}
+        every = [x for xs in self.chosen.values() for x in xs]
+        if not every:
+            return
+        _, ctx, width = every[0].shape
+        # both copies, as many bytes as those streams' activations: mapped past the same bound
+        mapped = spilled(2 * len(every), ctx, width, every[0].device, ACTIVATIONS_IN_MEMORY,
+                         self.directory)  # fmt: skip
+        copies = iter(mapped) if mapped is not None else None
+        for kept in (self.float, self.rounded):
+            for s, xs in self.chosen.items():
+                kept[s] = [x.clone() if copies is None else next(copies).copy_(x) for x in xs]
 
     def before(self, block: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         """The float stream through the block as loaded (before the method changes it)."""

@@ -53,19 +53,18 @@ def float_pass(
     pieces: list[list[int]],
     device: torch.device,
     progress: Progress | None,
-    k: int | None = None,
 ) -> list[FloatRows]:
-    """The float model's side of every window's figures, kept to score many quantized models
-    against (k None: every log-probability, else the top k)."""
+    """The float model's side of every window's figures (every log-probability, float32),
+    kept to score many quantized models against."""
     rows: list[FloatRows] = []
     with torch.inference_mode():
         for piece in pieces:
             window = torch.tensor(piece, device=device)
             logits = model(input_ids=window[None], use_cache=False).logits[0]
-            rows.append(float_rows(logits, window, k))
+            rows.append(float_rows(logits, window))
             del logits
             if progress is not None:
-                progress.advance(f"tokens {sum(len(r.nll) + 1 for r in rows):,}", len(piece))
+                progress.advance(f"windows {len(rows):,}", len(piece))
     return rows
 
 

@@ -196,3 +196,15 @@ def test_cli_save_then_logits_and_their_usage_errors(
     ):  # fmt: skip
         code, out, err = invoke("eval", str(root / "llama"), *extra, *common)
         assert code == 2 and message in err and out == "", (extra, err)
+
+
+def test_cli_save_logits_never_replaces_an_input(root: Path, invoke: Invoke) -> None:
+    """FLOAT's weights, a QUANT's file or the text named as --save-logits: refused, untouched."""
+    weights = root / "llama" / "model.safetensors"
+    common = ["--text", str(root / "text.txt"), "--tokens", "100", "--ctx", "64", "--threads", "1"]
+    for target in (weights, root / "ct-int4" / "config.json", root / "text.txt"):
+        before = target.read_bytes()
+        code, out, err = invoke("eval", str(root / "llama"), str(root / "ct-int4"),
+                                "--save-logits", str(target), *common)  # fmt: skip
+        assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert target.read_bytes() == before

@@ -30,6 +30,7 @@ from qtool.engine.evaluate.run import DTYPES, EvalOptions, evaluate
 from qtool.engine.evaluate.text import Text, default_text, read_text, windows
 from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary
 from qtool.engine.loop import resolve_device
+from qtool.engine.source import protected_paths
 from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
@@ -90,8 +91,8 @@ def _evaluate_many(
     dtype, device = DTYPES[options.dtype], resolve_device(options.device)
     started = perf_counter()
     if files.save_logits is not None:
-        protected = [float_dir, *quants, *([options.text] if options.text else [])]
-        preflight([files.save_logits], protected, force=True)
+        inputs = [float_dir, *quants, *([options.text] if options.text else [])]
+        preflight([files.save_logits], _protected(inputs), force=True)
     if files.logits is not None:
         side = _from_file(float_dir, files.logits, text, options)
     else:
@@ -188,6 +189,13 @@ def _save(path: Path, side: FloatSide, text: Text, options: EvalOptions) -> None
     with OutputSet() as outputs:
         write_logits(outputs.create(path), info, ids, rows, side.digests)
         outputs.commit()
+
+
+def _protected(inputs: list[Path]) -> list[Path]:
+    """The inputs, the files directly in those that are directories (FLOAT's weights, an
+    export's shards) and what belongs to each (a sidecar): never replaced by the logits file."""
+    files = [c for p in inputs if p.is_dir() for c in p.iterdir()]
+    return protected_paths([*inputs, *files])
 
 
 def _coded(rows: FloatRows) -> FloatRows:

@@ -208,3 +208,29 @@ def test_cli_save_logits_never_replaces_an_input(root: Path, invoke: Invoke) -> 
                                 "--save-logits", str(target), *common)  # fmt: skip
         assert code == 1 and out == "" and len(err.splitlines()) == 1, err
         assert target.read_bytes() == before
+
+
+def test_each_candidate_is_checked_for_an_in_sample_text(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A candidate whose quantization recorded the evaluation text gets the pair run's in-sample
+    warning and record; the others do not."""
+    import dataclasses
+    import hashlib
+
+    from qtool.calibration import Role, TextUse
+    from qtool.engine.evaluate import many
+
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    used = (TextUse("text.txt", sha, 500, Role.CALIBRATION),)
+    real = many.load_quant
+
+    def recorded(path: Path, *args: Any) -> Any:
+        loaded = real(path, *args)
+        return dataclasses.replace(loaded, texts=used) if path.name == "q-int8" else loaded
+
+    monkeypatch.setattr(many, "load_quant", recorded)
+    got = run(root, ("ct-int4", "q-int8"), tokens=100)
+    assert [s.in_sample for s in got] == [(), used]
+    assert not any("in sample" in n for n in got[0].notes)
+    assert any("in sample" in n and "calibrated on" in n for n in got[1].notes)

@@ -26,7 +26,7 @@ from qtool.engine.evaluate.config import FLOAT, window_length
 from qtool.engine.evaluate.models import FloatModel, float_shell, load_float
 from qtool.engine.evaluate.passes import float_pass, scored_pass
 from qtool.engine.evaluate.quant import CONFIG_NOISE, load_quant
-from qtool.engine.evaluate.run import DTYPES, EvalOptions, evaluate
+from qtool.engine.evaluate.run import DTYPES, EvalOptions, evaluate, in_sample, in_sample_note
 from qtool.engine.evaluate.text import Text, default_text, read_text, windows
 from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary
 from qtool.engine.loop import resolve_device
@@ -114,6 +114,7 @@ def _evaluate_many(
             progress.start(len(ids))
         figures = scored_pass(model, side.rows, side.pieces, device, progress)
         done = perf_counter()
+        same = in_sample(candidate.texts, text)
         summaries.append(EvalSummary(
             inputs=(str(float_dir), str(quant)), loaded_as=candidate.loaded_as,
             architecture=side.reference.architecture, kind=CAUSAL_LM, text=text.info,
@@ -121,7 +122,7 @@ def _evaluate_many(
             tokens=len(ids), ctx=side.ctx, windows=len(side.pieces), dtype=options.dtype,
             device=str(device), changed=changed, parameters=len(side.digests), causal=figures,
             encoder=None, layers=None, load_seconds=ready - started, eval_seconds=done - ready,
-            notes=_notes(changed),
+            notes=(*in_sample_note(same, text), *_notes(changed)), in_sample=same,
         ))  # fmt: skip
         del model, candidate
         gc.collect()  # a loaded model sits in reference cycles: free it before the next loads

@@ -25,6 +25,7 @@ from rich.progress import (
     Progress,
     ProgressColumn,
     Task,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TransferSpeedColumn,
@@ -650,13 +651,24 @@ def _middle_cut(name: str, width: int) -> str:
 
 class _SteadyTimeLeft(ProgressColumn):
     """Time left from the average speed since the start (Rich's own column follows the last
-    few updates, which jump between small and large tensors): steady, and right on average."""
+    few updates, which jump between small and large tensors): steady, and right on average.
+    The estimate is made when the count moves and counts down in real time until it moves
+    again: re-estimated at every refresh, it grew while a long step ran (eval's 512-token
+    windows), the time spent in the step counting against the work done before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._estimates: dict[TaskID, tuple[float, float, float]] = {}  # done, at, seconds left
 
     def render(self, task: Task) -> Text:
         elapsed, done, total = task.elapsed, task.completed, task.total
         if not elapsed or not done or not total or elapsed < 1.0:
             return Text("-:--:--", style="progress.remaining")
-        left = int(elapsed * max(0.0, total - done) / done)
+        seen = self._estimates.get(task.id)
+        if seen is None or seen[0] != done:
+            seen = (done, elapsed, elapsed * max(0.0, total - done) / done)
+            self._estimates[task.id] = seen
+        left = int(max(0.0, seen[2] - (elapsed - seen[1])))
         return Text(f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}",
                     style="progress.remaining")  # fmt: skip
 

@@ -52,6 +52,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path
 
 
 def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
     _, block, kind, _ = gguf_name.split(".")
     return f"model.layers.{block}.{PAIRS[kind]}.weight"
 
@@ -76,19 +78,24 @@ def _whole_model_kl(model_dir: Path, text: Path, name: str, delta_of: Any) -> tu
     return float(kl.double().mean()), (kept, weight.detach().clone())
 
 
-def _h(out: Path, gguf_name: str) -> torch.Tensor:
-    return torch.from_numpy(read_imatrix(out).entries[gguf_name].mean_squares()[0].copy())
+def _h(out: Path, gguf_name: str) -> torch.Tensor | None:
+    """The imatrix's h of `gguf_name`; None (h = 1, as quantize's allocation takes it) for the
+    embedding, which has no entry."""
+    entry = read_imatrix(out).entries.get(gguf_name)
+    return None if entry is None else torch.from_numpy(entry.mean_squares()[0].copy())
 
 
 def test_the_streams_kl_is_the_whole_models_kl_with_that_linear_perturbed(
     measured: tuple[Path, Path, Path, CalibrateSummary],
 ) -> None:
-    """Every Linear of both blocks, tied head: the block pass's KL and r equal the whole
-    model's (float tolerance), so each alpha is KL / r of that Linear alone."""
+    """Every Linear of both blocks and the tied embedding (perturbed as the input table and
+    the head at once, as quantizing the one tensor does): the block pass's KL and r equal the
+    whole model's (float tolerance), so each alpha is KL / r of that tensor alone."""
     model, text, out, summary = measured
     assert summary.sensitivity is not None
     rows = summary.sensitivity.linears
-    assert len(rows) == 14 and summary.sensitivity.tokens == WINDOWS * CTX
+    assert len(rows) == 15 and summary.sensitivity.tokens == WINDOWS * CTX
+    assert "token_embd.weight" in {row.name for row in rows}
     for row in rows:
         kl, (w, approx) = _whole_model_kl(model, text, _hf_name(row.name), reference_error)
         assert row.kl == pytest.approx(kl, rel=1e-4), row.name

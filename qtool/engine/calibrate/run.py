@@ -116,7 +116,7 @@ def _calibrate(
     done = perf_counter()
     imatrix = _named(stats, arch, hf_config.num_hidden_layers, ctx, sources, model_dir)
     extra = _provenance([_info(s) for s in sources]) | measured.keys(
-        llama_names(arch, hf_config.num_hidden_layers, list(stats))
+        llama_names(arch, hf_config.num_hidden_layers, [*stats, *measured.found])
     )
     write_imatrix(out, imatrix, extra)
     hidden = int(hf_config.hidden_size)

@@ -11,7 +11,13 @@ matrix) is alpha_L.
 One block's weights at a time: a pass loads each block once and runs it on the float stream and
 on every perturbed stream alive at that block, so the streams of a group of Linears are held at
 once (windows x ctx x hidden float32 each). Groups are sized so that their streams stay within
-MAX_STREAM_BYTES; each group is one pass over every block (block loads = groups x blocks)."""
+MAX_STREAM_BYTES; each group is one pass over every block (block loads = groups x blocks).
+
+The ends too, in the first pass, so that every tensor an allocation may quantize has an alpha:
+the input embedding (its stream is born before block 0: the embeddings run with the perturbed
+table; with a tied head the same perturbed table also makes that stream's logits) and an untied
+output head (the float final states through the perturbed head). Their r has the imatrix's h
+where it has their entry, else h = 1, as quantize's allocation computes it."""
 
 from __future__ import annotations
 
@@ -146,11 +152,12 @@ def measure(
     limit = MAX_STREAM_BYTES if bound is None else bound
     groups = stream_groups(linears, stream_bytes, limit)
     if progress is not None:
-        runs = sum(_runs(g, layers_name, len(layers)) for g in groups)
+        runs = sum(_runs(g, layers_name, len(layers)) for g in groups) + len(layers)
         progress.start(runs * len(windows) * len(windows[0]))
     out: dict[str, Sensitivity] = {}
-    for group in groups:
-        out |= _one_pass(model, reader, windows, device, path, stats, group, progress, counted)
+    for k, group in enumerate(groups or [[]]):
+        out |= _one_pass(model, reader, windows, device, path, stats, group, progress, counted,
+                         ends=k == 0)  # fmt: skip
     return out
 
 
@@ -171,14 +178,18 @@ def _one_pass(
     group: list[str],
     progress: Progress | None,
     count: PassCount,
+    ends: bool = False,
 ) -> dict[str, Sensitivity]:
     base, layers, layers_name = block_list(model, path)
     prepare_base(base, layers_name, reader, device, path)
     clean, kwargs = capture(base, layers, windows, device)
-    _free_base(base)
-    count.passes += 1
     errors: dict[str, float] = {}
     streams: dict[str, list[torch.Tensor]] = {}
+    if ends:
+        name, errors[name], streams[name] = _embedding_stream(model, base, layers, windows,
+                                                               device, stats)  # fmt: skip
+    _free_base(base)
+    count.passes += 1
     for i, block in enumerate(layers):
         prefix = f"{layers_name}.{i}."
         mine = [n for n in group if n.startswith(prefix)]
@@ -198,8 +209,41 @@ def _one_pass(
                 _advance(progress, f"block {i}", clean)
         block.to_empty(device="meta")
         return_freed_memory()
-    kls = _divergences(model, base, layers_name, reader, device, path, windows, clean, streams)
-    return {n: Sensitivity(errors[n], kls[n], alpha(kls[n], errors[n])) for n in group}
+    kls = _divergences(model, base, layers_name, reader, device, path, windows, clean, streams,
+                       stats, errors, ends)  # fmt: skip
+    return {n: Sensitivity(errors[n], kls[n], alpha(kls[n], errors[n])) for n in kls}
+
+
+def _module_name(model: Any, module: Any) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def _h(stats: Mapping[str, MatrixStats], name: str) -> torch.Tensor | None:
+    found = stats.get(name)
+    return None if found is None else torch.from_numpy(found.mean_squares()[0].copy())
+
+
+def _embedding_stream(
+    model: Any,
+    base: Any,
+    layers: Any,
+    windows: list[list[int]],
+    device: torch.device,
+    stats: Mapping[str, MatrixStats],
+) -> tuple[str, float, list[torch.Tensor]]:
+    """(the input embedding's checkpoint name, the r of its reference error, the hidden states
+    entering block 0 with it) from the base model's own forward; the table is restored."""
+    table = model.get_input_embeddings()
+    name = f"{_module_name(model, table)}.weight"
+    kept = table.weight.detach().clone()
+    delta = reference_error(kept)
+    r = relative_error(kept, kept + delta, _h(stats, name))
+    try:
+        table.weight.data.add_(delta)
+        born, _ = capture(base, layers, windows, device)
+    finally:
+        table.weight.data.copy_(kept)
+    return name, r, born
 
 
 def _perturbed(
@@ -257,10 +301,25 @@ def _divergences(
     windows: list[list[int]],
     clean: list[torch.Tensor],
     streams: dict[str, list[torch.Tensor]],
+    stats: Mapping[str, MatrixStats],
+    errors: dict[str, float],
+    ends: bool,
 ) -> dict[str, float]:
     """Mean KL(float || stream) over every scored position (a window of L tokens scores its
-    first L - 1, as qtool eval does) per stream."""
+    first L - 1, as qtool eval does) per stream. With `ends`, the embedding's stream (the
+    first) goes through the perturbed table when the head is tied to it; an untied head gets
+    a stream of its own (the float states through the perturbed head, its r into `errors`)."""
     norm, weight = _head(model, base, layers_name, reader, device, path)
+    heads = dict.fromkeys(streams, weight)
+    if ends:
+        delta = reference_error(weight)
+        if weight is model.get_input_embeddings().weight:
+            name = next(iter(streams))
+        else:
+            name = f"{_module_name(model, model.get_output_embeddings())}.weight"
+            errors[name] = relative_error(weight, weight + delta, _h(stats, name))
+            streams = {**streams, name: clean}
+        heads[name] = weight + delta
     sums = dict.fromkeys(streams, 0.0)
     positions = 0
     with torch.no_grad():
@@ -271,7 +330,7 @@ def _divergences(
                 rows = slice(r, min(r + ROWS_PER_CHUNK, scored))
                 ref = torch.log_softmax(norm(clean[w][0, rows]) @ weight.T, dim=-1)
                 for name, xs in streams.items():
-                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ weight.T, dim=-1)
+                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ heads[name].T, dim=-1)
                     sums[name] += float(kl_divergence(ref, logp).double().sum())
     _free_base(base)
     head = model.get_output_embeddings()

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
     from qtool.engine.shards import Shards
     from qtool.formats.base import OutputFormat
+    from qtool.io.checkpoint import Checkpoint
     from qtool.io.stformat import TensorEntry
 
 FLOAT = "float"  # the candidate that keeps a tensor as it is
@@ -190,19 +191,15 @@ def _measure(plan: ModelPlan, data: Measured) -> list[Measurement]:
 
 
 def _relative_error(
-    ckpt: object,
+    ckpt: Checkpoint,
     plan: TensorPlan,
     spec: Codec,
     workspace: kernels.Workspace,
     weight_dtype: bool,
-    run: object,
+    run: Kernels,
 ) -> float | None:
     """r of `plan`'s tensor under `spec` (None: the spec cannot store it, e.g. its scales
     overflow), weighted by the imatrix's h where it has the tensor's entry."""
-    from qtool.engine.loop import Kernels
-    from qtool.io.checkpoint import Checkpoint
-
-    assert isinstance(ckpt, Checkpoint) and isinstance(run, Kernels)
     trial = TensorPlan(plan.entry, plan.decision.then(Quantize(spec), plan.decision.origin))
     weights = run.weights(trial)
     try:

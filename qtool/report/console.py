@@ -528,7 +528,7 @@ def print_inspect(summary: InspectSummary) -> None:
             names=True,
         ),
         Column("dtype", [(r.dtype, "") for r in rows]),
-        Column("shape", [(_shape(r.shape), "") for r in rows], fold=8),
+        Column("shape", [(_shape(r.shape), "") for r in rows]),  # whole, as names are
         Column("elements", [(f"{r.numel:,}", "") for r in rows], right=True, hide=1),
         Column("bytes", [(_fmt_bytes(r.nbytes), "") for r in rows], right=True, hide=2),
     ]

@@ -98,27 +98,34 @@ def _total(shown: Sequence[Column], widths: dict[int, int], gap: str) -> int:
 
 
 def _fewest_lines(shown: Sequence[Column], widths: dict[int, int], excess: int) -> dict[int, int]:
-    """The widths after folding `excess` cells away: the descriptions first (names whole) or
-    the names first, whichever leaves the table fewer lines (one folded description can double
-    every row, one folded name only the rows of long names); names whole on a tie."""
-    best: tuple[int, dict[int, int]] | None = None
-    for names_first in (False, True):
+    """The widths after folding `excess` cells away, split between the names and the other
+    foldable columns (the descriptions) as leaves the table fewest lines; on a tie the names
+    give least. Every split is tried: all from the descriptions can double every row, all from
+    the names fold every name, and a few cells from each often keeps both to one or two lines."""
+    names = [c for c in shown if c.fold and c.names]
+    others = [c for c in shown if c.fold and not c.names]
+    room = sum(max(0, widths[id(c)] - _least(c)) for c in names)
+    counts: dict[tuple[int, int], list[int]] = {}  # (column, width): lines of each row
+
+    def lines(c: Column, size: int) -> list[int]:
+        if (id(c), size) not in counts:
+            counts[id(c), size] = [len(_pieces(text, c, size)) for text, _ in c.cells]
+        return counts[id(c), size]
+
+    best: tuple[tuple[int, int], dict[int, int]] | None = None
+    for k in range(min(excess, room) + 1):  # k cells from the names
         trial = dict(widths)
-        _fold(shown, trial, excess, names_first)
-        height = _height(shown, trial)
-        if best is None or height < best[0]:
-            best = (height, trial)
+        left = _fold(names, trial, k) + _fold(others, trial, excess - k)
+        rows = [lines(c, trial[id(c)]) for c in names + others]
+        height = sum(map(max, zip(*rows, strict=True))) if rows else 0
+        if best is None or (left, height) < best[0]:
+            best = ((left, height), trial)
     assert best is not None
     return best[1]
 
 
-def _height(shown: Sequence[Column], widths: dict[int, int]) -> int:
-    """The lines the rows take at `widths`."""
-    rows = len(shown[0].cells) if shown else 0
-    total = 0
-    for r in range(rows):
-        total += max(len(_pieces(c.cells[r][0], c, widths[id(c)])) if c.fold else 1 for c in shown)
-    return total
+def _least(c: Column) -> int:
+    return max(c.fold, cell_width(c.header))
 
 
 def _pieces(text: str, c: Column, size: int) -> list[str]:
@@ -127,18 +134,14 @@ def _pieces(text: str, c: Column, size: int) -> list[str]:
     return _name_folded(text, size) if c.names else _folded(text, size)
 
 
-def _fold(shown: Sequence[Column], widths: dict[int, int], excess: int, names_first: bool) -> None:
-    """Take `excess` cells from the foldable columns, none below its minimum: the names
-    first or last (`names_first`), widest first among the others."""
-    for c in sorted(
-        (c for c in shown if c.fold), key=lambda c: (c.names != names_first, -widths[id(c)])
-    ):
-        if excess <= 0:
-            return
-        least = max(c.fold, cell_width(c.header))
-        take = min(excess, max(0, widths[id(c)] - least))
+def _fold(columns: Sequence[Column], widths: dict[int, int], excess: int) -> int:
+    """Take `excess` cells from `columns`, widest first, none below its minimum; the cells
+    that could not be taken."""
+    for c in sorted(columns, key=lambda c: -widths[id(c)]):
+        take = min(excess, max(0, widths[id(c)] - _least(c)))
         widths[id(c)] -= take
         excess -= take
+    return max(0, excess)
 
 
 def _row(

@@ -106,6 +106,8 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
         raise UsageError(None, _infeasible(target, err.least, fixed), hint="target") from None
+    except ValueError as err:  # a KL target over more tensors than the table has units
+        raise UsageError(None, f"{err}; aim at a size", hint="target") from None
     picks = _picks(measured, chosen, data.fmt)
     by_name = {m.plan.entry.name: m for m in measured}
     out = []

@@ -12,11 +12,12 @@ sum_j h_j ||dW[:, j]||^2 / sum_j h_j ||W[:, j]||^2, h_j = E[x_j^2] from an imatr
 one, which makes r the relative weight error 1 / 10^(SQNR/10)). With alpha measured as KL per
 unit r (`qtool calibrate`'s sensitivities), the loss is a predicted KL in nats per token.
 
-The solver is a knapsack by dynamic programming over bytes counted in units of `granularity`
-bytes, each candidate's bytes rounded up: every plan it returns fits its budget counted
-exactly, and its loss is at most the least loss of any plan within budget - N x granularity
-(N tensors); granularity 1 is exact. Ties go to the fewer bytes, then the earlier candidate
-(ladders sorted by bytes, then label), so the same inputs give the same plan.
+The solver is a knapsack by dynamic programming over the bytes each candidate takes above its
+tensor's cheapest, counted in units of `granularity` bytes and rounded up (the cheapest plan is
+always exact): every plan it returns fits its budget counted exactly, and its loss is at most
+the least loss of any plan within budget - N x granularity (N tensors); granularity 1 is exact.
+Ties go to the fewer bytes, then the earlier candidate (ladders sorted by bytes, then label),
+so the same inputs give the same plan.
 """
 
 from __future__ import annotations
@@ -186,8 +187,8 @@ def within_bytes(
     least = sum(ladder.ordered()[0].nbytes for ladder in ladders)
     if least > budget:
         raise Infeasible(least)
-    g = granularity or granularity_for(ladders, budget)
-    table = _Table(ladders, alpha, g, budget // g)
+    g = granularity or granularity_for(ladders, budget - least)
+    table = _Table(ladders, alpha, g, (budget - least) // g)
     finite = np.flatnonzero(np.isfinite(table.loss))
     if finite.size == 0:  # fits counted exactly, not with each tensor rounded up to units of g
         raise Infeasible(least)
@@ -207,18 +208,24 @@ def within_loss(
     floor = plan_loss(ladders, [min(o, key=lambda c: c.r) for o in ordered], alpha)
     if floor > max_loss:
         raise Infeasible(floor)
-    dearest = sum(max(c.nbytes for c in o) for o in ordered)
-    g = granularity or granularity_for(ladders, dearest)
-    table = _Table(ladders, alpha, g, -(-dearest // g) + len(ladders))
+    excess = [max(c.nbytes for c in o) - o[0].nbytes for o in ordered]
+    g = granularity or granularity_for(ladders, sum(excess))
+    limit = min(MAX_STATES, MAX_CELLS // max(1, len(ladders))) - 1
+    while granularity is None and sum(-(-e // g) for e in excess) > limit:
+        if g > max(excess):  # every tensor with a choice needs a unit: more than the table holds
+            raise ValueError(f"{len(ladders)} tensors are more than the table's {limit} units")
+        g *= 2
+    table = _Table(ladders, alpha, g, sum(-(-e // g) for e in excess))
     within = np.flatnonzero(table.loss <= max_loss)
     # the fewest units; among plans of the same units the DP kept the least loss for each
     return table.plan(int(within[0]))
 
 
 class _Table:
-    """loss[s] = the least predicted loss of a plan whose bytes, each candidate rounded up to
-    units of g, sum to exactly s units (inf: none), and one byte per tensor and state saying
-    which candidate reached it."""
+    """loss[s] = the least predicted loss of a plan whose bytes above the cheapest plan's, each
+    candidate's excess over its tensor's cheapest rounded up to units of g, sum to exactly s
+    units (inf: none), and one byte per tensor and state saying which candidate reached it.
+    Counting the excess keeps the cheapest plan at state 0, exact, however coarse g is."""
 
     def __init__(
         self, ladders: Sequence[TensorLadder], alpha: Alpha | None, g: int, states: int
@@ -232,7 +239,7 @@ class _Table:
             a = weight(alpha, ladder.name)
             new = np.full_like(loss, np.inf)
             for k, c in enumerate(cands):
-                units = -(-c.nbytes // g)
+                units = -(-(c.nbytes - cands[0].nbytes) // g)
                 if units > states:
                     continue
                 moved = np.full_like(loss, np.inf)
@@ -249,7 +256,7 @@ class _Table:
         for i in range(len(self.ladders) - 1, -1, -1):
             c = self.ordered[i][int(self.back[i, s])]
             chosen.append(c)
-            s -= -(-c.nbytes // self.g)
+            s -= -(-(c.nbytes - self.ordered[i][0].nbytes) // self.g)
         assert s == 0
         chosen.reverse()
         return Plan(

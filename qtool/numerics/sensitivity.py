@@ -49,6 +49,28 @@ def alpha(kl: float, r: float) -> float:
     return kl / r if 0.0 < r < math.inf else 0.0
 
 
+def joint_fit(s1: float, j1: float, s2: float, j2: float) -> tuple[float, float]:
+    """(gain, saturation) of joint KL = gain S / (1 + saturation S) through two points
+    (S = sum alpha r, J = the joint KL measured there): 1/J is linear in 1/S. gain takes the
+    sum to the level of the joint measurement's windows; saturation is how much less than
+    additive the KL of many perturbed tensors grows (0: additive)."""
+    slope = (1 / j2 - 1 / j1) / (1 / s2 - 1 / s1)
+    return 1 / slope, (1 / j1 - slope / s1) / slope
+
+
+def joint_kl(total: float, gain: float, saturation: float) -> float:
+    """The predicted joint KL of a plan whose sum alpha r is `total` (inf past the model's
+    pole, where 1 + saturation total <= 0)."""
+    den = 1 + saturation * total
+    return gain * total / den if den > 0 else math.inf
+
+
+def sum_within(target: float, gain: float, saturation: float) -> float:
+    """The largest sum alpha r whose joint_kl stays within `target` (inf: any)."""
+    den = gain - saturation * target
+    return target / den if den > 0 else math.inf
+
+
 def predicted_kl(alphas: dict[str, float], errors: dict[str, float]) -> float:
     """sum_L alpha_L r_L over the Linears of `errors` (KeyError for one without an alpha)."""
     return sum(alphas[name] * r for name, r in sorted(errors.items()))

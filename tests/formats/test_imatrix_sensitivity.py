@@ -118,3 +118,23 @@ def test_a_merge_of_unlike_files_is_refused_in_one_line(tmp_path: Path, other: s
     code, stdout, stderr = run_qtool("calibrate", "--merge", str(a), str(b), "-o", str(out),
                                      "--json")  # fmt: skip
     assert code == 1 and stdout == "" and json.loads(stderr)["ok"] is False
+
+
+def test_the_joint_fit_is_read_back_and_a_malformed_one_refused(tmp_path: Path) -> None:
+    """qtool.sensitivity.joint (gain, saturation, additivity) round-trips and drives
+    predicted / sum_within (inverse of each other); absent, predicted KL is the sum itself;
+    a wrong length, a non-finite value or a gain <= 0 is refused naming the file."""
+    from qtool.formats.imatrix.sensitivity import JOINT_KEY
+
+    alpha = {NAMES[0]: 0.5, NAMES[1]: 2.0}
+    fit = Sensitivities(alpha, "ref", 64, (0.7, 0.4, 0.8))
+    got = read_sensitivities(tmp_path, read_imatrix_file(_write(tmp_path / "a.gguf", fit)).metadata)
+    assert got == fit and got.predicted(1.0) == pytest.approx(0.7 / 1.4)
+    assert got.sum_within(got.predicted(0.3)) == pytest.approx(0.3)
+    plain = Sensitivities(alpha, "ref", 64)
+    assert plain.predicted(0.3) == plain.sum_within(0.3) == 0.3
+    for bad in ([0.7, 0.4], [0.7, float("nan"), 1.0], [0.0, 0.4, 1.0]):
+        value = GGUFValue(ValueType.ARRAY, np.array(bad, np.float64), ValueType.FLOAT64)
+        path = _write(tmp_path / f"bad{len(bad)}{bad[0]}.gguf", plain, **{JOINT_KEY: value})
+        with pytest.raises(InputError, match=str(path)):
+            read_sensitivities(path, read_imatrix_file(path).metadata)

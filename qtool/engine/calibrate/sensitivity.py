@@ -21,6 +21,7 @@ where it has their entry, else h = 1, as quantize's allocation computes it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -43,7 +44,7 @@ from qtool.io.gguf_layout import GGUFValue
 from qtool.numerics.allocate import relative_error
 from qtool.numerics.imatrix import MatrixStats
 from qtool.numerics.logits import ROWS_PER_CHUNK, kl_divergence
-from qtool.numerics.sensitivity import REFERENCE, alpha, reference_error
+from qtool.numerics.sensitivity import REFERENCE, alpha, joint_fit, reference_error
 from qtool.results import Progress
 
 MAX_STREAM_BYTES = 2 << 30
@@ -69,6 +70,29 @@ class PassCount:
 
 
 @dataclass(frozen=True)
+class Joint:
+    """The KL of the joint reference perturbation (every measured tensor at once) at the
+    reference (`kl`) and at half of it (`kl_half`: a quarter of every r), over all the
+    calibration windows (`tokens`), and at the reference over the sensitivity windows alone
+    (`kl_few`)."""
+
+    kl: float
+    kl_half: float
+    tokens: int
+    kl_few: float
+
+    def fit(self, found: Mapping[str, Sensitivity]) -> tuple[float, float, float] | None:
+        """numerics.sensitivity.joint_fit's (gain, saturation) through the two joint points,
+        S = sum of the single KLs at the reference, and the additivity kl_few / S; None when
+        nothing was perturbed or a KL is 0."""
+        single = sum(s.kl for s in found.values())
+        if not (0.0 < single < math.inf and self.kl > 0.0 and self.kl_half > 0.0):
+            return None
+        gain, saturation = joint_fit(single, self.kl, single / 4, self.kl_half)
+        return gain, saturation, self.kl_few / single
+
+
+@dataclass(frozen=True)
 class Measured:
     """What sensitivity_of measured (nothing when it was not asked for), by checkpoint name."""
 
@@ -77,6 +101,7 @@ class Measured:
     tokens: int = 0
     count: PassCount = field(default_factory=PassCount)
     seconds: float = 0.0
+    joint: Joint | None = None
     llama: dict[str, str] = field(default_factory=dict)  # set by keys()
 
     def keys(self, names: Mapping[str, str]) -> dict[str, GGUFValue]:
@@ -85,7 +110,8 @@ class Measured:
             return {}
         self.llama.update({n: names[n] for n in self.found})
         alphas = {names[n]: s.alpha for n, s in self.found.items()}
-        return sensitivity_keys(Sensitivities(alphas, REFERENCE, self.tokens))
+        fit = None if self.joint is None else self.joint.fit(self.found)
+        return sensitivity_keys(Sensitivities(alphas, REFERENCE, self.tokens, fit))
 
     def summary(self) -> SensitivitySummary | None:
         if not self.found:
@@ -116,8 +142,97 @@ def sensitivity_of(
     started = perf_counter()
     count = PassCount()
     found = measure(model, reader, taken, device, path, stats, progress, count=count)
+    joint = joint_kl(model, reader, windows, len(taken), device, path, set(found), count)
     return Measured(found, len(taken), len(taken) * len(taken[0]), count,
-                    perf_counter() - started)  # fmt: skip
+                    perf_counter() - started, joint)  # fmt: skip
+
+
+def joint_kl(
+    model: Any,
+    reader: FloatReader,
+    windows: list[list[int]],
+    few: int,
+    device: torch.device,
+    path: Any,
+    names: set[str],
+    count: PassCount,
+) -> Joint:
+    """One more pass: every tensor of `names` at the reference at once, and at half of it (the
+    embedding's table too, tied head included), on as many of `windows` as three streams fit
+    MAX_STREAM_BYTES (at least the first `few`, the sensitivity windows); KL over them all and
+    (at the reference) over the first few."""
+    stream_bytes = len(windows[0]) * int(model.config.hidden_size) * 4
+    taken = windows[: max(few, min(len(windows), MAX_STREAM_BYTES // (3 * stream_bytes)))]
+    base, layers, layers_name = block_list(model, path)
+    prepare_base(base, layers_name, reader, device, path)
+    clean, kwargs = capture(base, layers, taken, device)
+    table = model.get_input_embeddings()
+    embedding = f"{_module_name(model, table)}.weight"
+    perturbed = {1.0: [x.clone() for x in clean], 0.5: [x.clone() for x in clean]}
+    if embedding in names:
+        for k in perturbed:
+            with _at_reference(table, factor=k):
+                perturbed[k], _ = capture(base, layers, taken, device)
+    _free_base(base)
+    count.passes += 1
+    for i, block in enumerate(layers):
+        prefix = f"{layers_name}.{i}."
+        load_module(block, prefix, reader, device, path)
+        count.block_loads += 1
+        mine = [m for n, m in block.named_modules() if f"{prefix}{n}.weight" in names]
+        with torch.no_grad():
+            for x in clean:
+                x.copy_(block(x, **kwargs[i]))
+            for k, xs in perturbed.items():
+                with _at_reference(*mine, factor=k):
+                    for x in xs:
+                        x.copy_(block(x, **kwargs[i]))
+        block.to_empty(device="meta")
+        return_freed_memory()
+    norm, weight = _head(model, base, layers_name, reader, device, path)
+    head = f"{_module_name(model, model.get_output_embeddings())}.weight"
+    tied = weight is table.weight
+    delta = reference_error(weight) if (embedding if tied else head) in names else None
+    sums: dict[float, list[tuple[float, int]]] = {k: [] for k in perturbed}
+    with torch.no_grad():
+        for k, xs in perturbed.items():
+            moved = weight if delta is None else weight + k * delta
+            for w in range(len(taken)):
+                scored, total = clean[w].shape[-2] - 1, 0.0
+                for r in range(0, scored, ROWS_PER_CHUNK):
+                    rows = slice(r, min(r + ROWS_PER_CHUNK, scored))
+                    ref = torch.log_softmax(norm(clean[w][0, rows]) @ weight.T, dim=-1)
+                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ moved.T, dim=-1)
+                    total += float(kl_divergence(ref, logp).double().sum())
+                sums[k].append((total, scored))
+    _free_base(base)
+    out_head = model.get_output_embeddings()
+    if out_head is not None and not out_head.weight.is_meta:
+        out_head.to_empty(device="meta")
+    return_freed_memory()
+
+    def mean(part: list[tuple[float, int]]) -> float:
+        return sum(t for t, _ in part) / max(sum(n for _, n in part), 1)
+
+    return Joint(mean(sums[1.0]), mean(sums[0.5]), len(taken) * len(taken[0]),
+                 mean(sums[1.0][:few]))  # fmt: skip
+
+
+class _at_reference:
+    """Within it, the weights of `modules` carry `factor` times the reference error; restored
+    bit for bit."""
+
+    def __init__(self, *modules: Any, factor: float = 1.0) -> None:
+        self.modules, self.kept = modules, [m.weight.detach().clone() for m in modules]
+        self.factor = factor
+
+    def __enter__(self) -> None:
+        for m, kept in zip(self.modules, self.kept, strict=True):
+            m.weight.data.add_(self.factor * reference_error(kept))
+
+    def __exit__(self, *_: object) -> None:
+        for m, kept in zip(self.modules, self.kept, strict=True):
+            m.weight.data.copy_(kept)
 
 
 def stream_groups(linears: list[str], stream_bytes: int, bound: int) -> list[list[str]]:

@@ -6,6 +6,13 @@ own keys up by name and reads every tensor as a weight's statistics) takes the f
     qtool.sensitivity.alpha      array of float64: alpha of each name, in the same order
     qtool.sensitivity.reference  string: the perturbation alpha was measured with
     qtool.sensitivity.tokens     uint64: tokens the KL was averaged over
+    qtool.sensitivity.joint      array of 3 float64, optional: gain, saturation, additivity.
+                                 Predicted KL of a plan = gain S / (1 + saturation S), S = sum
+                                 alpha r (numerics.sensitivity.joint_kl), fitted through the
+                                 joint KL of every tensor at the reference and at half of it on
+                                 all the calibration windows; additivity = joint KL / sum of the
+                                 single KLs on the sensitivity windows (1: KL adds up), a record.
+                                 Absent: predicted KL = S.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import numpy as np
 from qtool.errors import InputError
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFValue
+from qtool.numerics.sensitivity import joint_kl, sum_within
 
 NAMES_KEY, ALPHA_KEY = "qtool.sensitivity.names", "qtool.sensitivity.alpha"
 REFERENCE_KEY, TOKENS_KEY = "qtool.sensitivity.reference", "qtool.sensitivity.tokens"
 KEYS = (NAMES_KEY, ALPHA_KEY, REFERENCE_KEY, TOKENS_KEY)
+JOINT_KEY = "qtool.sensitivity.joint"
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,15 @@ class Sensitivities:
     alpha: Mapping[str, float]
     reference: str
     tokens: int
+    joint: tuple[float, float, float] | None = None  # gain, saturation, additivity
+
+    def predicted(self, total: float) -> float:
+        """The predicted KL of a plan whose sum alpha r is `total`."""
+        return total if self.joint is None else joint_kl(total, *self.joint[:2])
+
+    def sum_within(self, target: float) -> float:
+        """The largest sum alpha r whose predicted KL stays within `target`."""
+        return target if self.joint is None else sum_within(target, *self.joint[:2])
 
 
 def sensitivity_keys(found: Sensitivities) -> dict[str, GGUFValue]:
@@ -47,7 +65,9 @@ def sensitivity_keys(found: Sensitivities) -> dict[str, GGUFValue]:
         ),  # fmt: skip
         REFERENCE_KEY: GGUFValue(ValueType.STRING, found.reference),
         TOKENS_KEY: GGUFValue(ValueType.UINT64, found.tokens),
-    }
+    } | ({} if found.joint is None else {
+        JOINT_KEY: GGUFValue(ValueType.ARRAY, np.array(found.joint, np.float64), ValueType.FLOAT64)
+    })  # fmt: skip
 
 
 def sensitivities(metadata: Mapping[str, GGUFValue]) -> dict[str, float] | None:
@@ -87,7 +107,22 @@ def parse(metadata: Mapping[str, GGUFValue]) -> Sensitivities | None:
         raise ValueError("qtool.sensitivity.* must hold one finite, non-negative alpha for each "
                          "distinct weight name, the reference and a token count")  # fmt: skip
     alpha = {str(n): float(a) for n, a in zip(names, alphas, strict=True)}  # type: ignore[arg-type]
-    return Sensitivities(alpha, str(reference.value), int(tokens.value))  # type: ignore[arg-type]
+    return Sensitivities(alpha, str(reference.value), int(tokens.value),  # type: ignore[arg-type]
+                         _joint(metadata))  # fmt: skip
+
+
+def _joint(metadata: Mapping[str, GGUFValue]) -> tuple[float, float, float] | None:
+    """The optional joint fit; ValueError when present and not 3 finite numbers, gain > 0."""
+    if JOINT_KEY not in metadata:
+        return None
+    items = _items(metadata.get(JOINT_KEY))
+    if len(items) != 3 or not all(isinstance(v, (float, int, np.floating, np.integer))
+                                  and math.isfinite(float(v)) for v in items):  # fmt: skip
+        raise ValueError(f"{JOINT_KEY} must hold 3 finite numbers (gain, saturation, additivity)")
+    gain, saturation, additivity = (float(v) for v in items)  # type: ignore[arg-type]
+    if gain <= 0:
+        raise ValueError(f"{JOINT_KEY}'s gain must be positive")
+    return gain, saturation, additivity
 
 
 def _items(value: GGUFValue | None) -> list[object]:
@@ -120,4 +155,5 @@ def merged(found: Mapping[Path, Sensitivities | None]) -> Sensitivities | None:
                              f"than {first_path}'s; calibrate them alike")  # fmt: skip
     tokens = sum(s.tokens for s in have.values())
     alpha = {n: sum(s.alpha[n] * s.tokens for s in have.values()) / tokens for n in first.alpha}
+    # the joint fit is of one run's windows: a merge keeps none (predicted KL = sum alpha r)
     return Sensitivities(alpha, first.reference, tokens)

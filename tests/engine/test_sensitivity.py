@@ -59,7 +59,7 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _whole_model_kl(
-    model_dir: Path, text: Path, name: str, delta_of: Any, windows: int = WINDOWS
+    model_dir: Path, text: Path, name: str | tuple[str, ...], delta_of: Any, windows: int = WINDOWS
 ) -> tuple[float, Any]:
     """Mean KL(float || float with `name` + delta_of(weight)) over the first `windows` windows,
     the whole model run by transformers and scored by qtool eval's own function; and the

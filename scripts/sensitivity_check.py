@@ -74,7 +74,8 @@ def quantized(qtool: str, model: Path, work: Path, name: str, how: list[str] | s
 
 
 def predicted(qtool: str, model: Path, q: Path, imatrix: Path, work: Path) -> dict[str, float]:
-    """sum alpha_L r_L, and the Linears' count, for the quantized file `q`."""
+    """sum alpha_L r_L (S), the file's joint fit of it (S when the file has none) and the
+    Linears' count, for the quantized file `q`."""
     deq = work / f"{q.name}.deq.safetensors"
     if not deq.exists():
         run([qtool, "dequantize", str(q), "-o", str(deq)])
@@ -93,7 +94,7 @@ def predicted(qtool: str, model: Path, q: Path, imatrix: Path, work: Path) -> di
         r = relative_error(w, approx[hf_name].float(), h)
         total += sens.alpha[gguf_name] * r
         linears += 1
-    return {"predicted": total, "linears": linears}
+    return {"predicted": total, "fitted": sens.predicted(total), "linears": linears}
 
 
 def measured(
@@ -134,14 +135,14 @@ def main() -> None:
                 results.setdefault(name, {})[label] = kl
             cache.write_text(json.dumps(results, indent=1))
     for name, q in files.items():
-        if "predicted" not in results[name]:
+        if "fitted" not in results[name]:
             results[name] |= predicted(args.qtool, args.model, q, args.imatrix, work)
             cache.write_text(json.dumps(results, indent=1))
-    table = [f"| plan | predicted KL | measured KL, eval default text | measured KL, "
-             f"{args.text.name} |", "|---|---|---|---|"]  # fmt: skip
+    table = [f"| plan | S | predicted KL (fit) | measured KL, eval default text | measured KL, "
+             f"{args.text.name} |", "|---|---|---|---|---|"]  # fmt: skip
     for name in files:
         r = results[name]
-        table.append(f"| {name} | {r['predicted']:.4f} | {r['default']:.4f} | "
+        table.append(f"| {name} | {r['predicted']:.4f} | {r['fitted']:.4f} | {r['default']:.4f} | "
                      f"{r[args.text.name]:.4f} |")  # fmt: skip
     (work / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
@@ -159,13 +160,13 @@ def plot(results: dict[str, Any], names: list[str], other: str, out: Path) -> No
         return
     fig, ax = plt.subplots(figsize=(5, 5))
     for label, marker in (("default", "o"), (other, "s")):
-        xs = [results[n]["predicted"] for n in names]
+        xs = [results[n]["fitted"] for n in names]
         ys = [results[n][label] for n in names]
         ax.loglog(xs, ys, marker, label=f"measured on {label}")
-    lo = min(min(results[n][k] for n in names) for k in ("predicted", "default", other))
-    hi = max(max(results[n][k] for n in names) for k in ("predicted", "default", other))
+    lo = min(min(results[n][k] for n in names) for k in ("fitted", "default", other))
+    hi = max(max(results[n][k] for n in names) for k in ("fitted", "default", other))
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
-    ax.set_xlabel("predicted KL (sum alpha r), nats/token")
+    ax.set_xlabel("predicted KL (the joint fit of sum alpha r), nats/token")
     ax.set_ylabel("measured KL (qtool eval), nats/token")
     ax.legend()
     fig.tight_layout()

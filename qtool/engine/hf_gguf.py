@@ -18,6 +18,7 @@ from qtool.engine.plan import QuantizeOptions, quantized_output
 from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
+from qtool.engine.source import protected_paths
 from qtool.errors import OutputError, QtoolError
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
@@ -39,7 +40,8 @@ def quantize_hf(
     """Convert the model directory `src` to a float GGUF beside the output, then quantize that
     as engine.run.quantize does; the summary names `src` as the input."""
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
-    preflight([target, *run.also], [src], force=run.force, needed_bytes=_needed_bytes(src))
+    needed = _needed_bytes(src)
+    preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=needed)
     with scratch_beside(target) as scratch:
         float_gguf = scratch / _FLOAT_NAME
         try:
@@ -52,6 +54,17 @@ def quantize_hf(
         except QtoolError as err:
             raise _named_for_user(err, float_gguf, src) from None
     return replace(summary, inputs=[str(src)])
+
+
+def read_files(src: Path) -> list[Path]:
+    """The directory and every file in it the conversion may read (weights, index, config,
+    tokenizer files, chat templates), links resolved by preflight's device-and-inode check: no
+    output may replace one (a weight file linked from elsewhere is the user's weights)."""
+    templates = src / "additional_chat_templates"
+    found = [src, *(p for p in src.iterdir() if not p.is_dir())]
+    if templates.is_dir():
+        found += [p for p in templates.iterdir() if not p.is_dir()]
+    return protected_paths(found)
 
 
 def _needed_bytes(src: Path) -> int:

@@ -205,7 +205,7 @@ def merge_imatrices(inputs: Sequence[Path], out: Path, force: bool = False) -> M
 
 def eval_kind(float_dir: Path) -> str:
     """ "causal-lm" or "encoder", from FLOAT's config.json alone (torch-free)."""
-    from qtool.engine.evaluate.config import float_source, kind_of
+    from qtool.engine.model.config import float_source, kind_of
 
     return kind_of(float_source(float_dir)[1])[0]
 

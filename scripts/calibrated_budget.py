@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_smollm2 import CT, figures, run  # noqa: E402
 
-from qtool.engine.evaluate.text import default_text, windows  # noqa: E402
+from qtool.engine.model.text import default_text, windows  # noqa: E402
 from qtool.numerics.kernels import dequantize, quantize_tensor  # noqa: E402
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, Scheme, StorageDtype  # noqa: E402
 

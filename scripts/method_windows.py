@@ -21,9 +21,9 @@ import torch
 
 from qtool.calibration import DEFAULT_TOKENS, Calibration
 from qtool.engine.calibrate.run import MODEL
-from qtool.engine.evaluate.config import float_source
-from qtool.engine.evaluate.models import float_parts
 from qtool.engine.methods import run
+from qtool.engine.model.config import float_source
+from qtool.engine.model.models import float_parts
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qtool.engine.hooks import Hooks
+from qtool.engine.model.hooks import Hooks
 from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats
 from qtool.numerics.imatrix_sums import column_squares
 

@@ -28,9 +28,9 @@ from qtool.engine.calibrate.run import (  # noqa: E402
     calibrate,
     merge_files,
 )
-from qtool.engine.evaluate import hf  # noqa: E402
-from qtool.engine.evaluate.text import read_text  # noqa: E402
 from qtool.engine.imatrix_hooks import ImatrixProbe  # noqa: E402
+from qtool.engine.model import hf  # noqa: E402
+from qtool.engine.model.text import read_text  # noqa: E402
 from qtool.formats.imatrix import read_imatrix, read_imatrix_file  # noqa: E402
 from qtool.formats.imatrix.provenance import dataset_infos  # noqa: E402
 from tests.eval_models import VOCAB, build, save_tokenizer  # noqa: E402

@@ -21,8 +21,8 @@ from qtool.calibrate_results import CalibrateSummary  # noqa: E402
 from qtool.engine.calibrate import sensitivity as sens  # noqa: E402
 from qtool.engine.calibrate.data import take_windows  # noqa: E402
 from qtool.engine.calibrate.run import CalibrateOptions, calibrate  # noqa: E402
-from qtool.engine.evaluate import hf  # noqa: E402
-from qtool.engine.evaluate.text import read_text  # noqa: E402
+from qtool.engine.model import hf  # noqa: E402
+from qtool.engine.model.text import read_text  # noqa: E402
 from qtool.formats.imatrix import read_imatrix, read_imatrix_file  # noqa: E402
 from qtool.formats.imatrix.sensitivity import read_sensitivities  # noqa: E402
 from qtool.numerics.allocate import relative_error  # noqa: E402

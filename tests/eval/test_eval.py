@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from qtool import api  # noqa: E402
-from qtool.engine.evaluate.text import windows  # noqa: E402
+from qtool.engine.model.text import windows  # noqa: E402
 from qtool.errors import InputError  # noqa: E402
 from qtool.eval_results import EvalSummary  # noqa: E402
 from qtool.spec import PerChannel, PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402

@@ -76,7 +76,7 @@ def test_device_text_is_refused(invoke: Invoke) -> None:
 def test_text_over_the_bound_is_refused(
     invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qtool.engine.evaluate import text
+    from qtool.engine.model import text
 
     monkeypatch.setattr(text, "MAX_TEXT_BYTES", 10)
     path = tmp_path / "long.txt"

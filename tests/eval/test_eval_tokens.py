@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from qtool.engine.evaluate import tokens  # noqa: E402
-from qtool.engine.evaluate.hf import Tokenizer  # noqa: E402
-from qtool.engine.evaluate.text import default_text  # noqa: E402
+from qtool.engine.model import tokens  # noqa: E402
+from qtool.engine.model.hf import Tokenizer  # noqa: E402
+from qtool.engine.model.text import default_text  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -19,7 +19,7 @@ from safetensors import safe_open  # noqa: E402
 
 from qtool import api  # noqa: E402
 from qtool.calibration import Calibration  # noqa: E402
-from qtool.engine.evaluate.text import default_text  # noqa: E402
+from qtool.engine.model.text import default_text  # noqa: E402
 from qtool.engine.plan import QuantizeOptions  # noqa: E402
 from qtool.spec import FormatName, PerGroup, QSpec, RangeMethod, Scheme, StorageDtype  # noqa: E402
 from tests import gguf_models as M  # noqa: E402

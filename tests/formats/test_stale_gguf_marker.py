@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qtool.engine.evaluate.config import float_source
+from qtool.engine.model.config import float_source
 from qtool.errors import InputError
 from qtool.formats import stale_config
 from tests.conftest import Invoke

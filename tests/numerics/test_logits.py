@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.engine.evaluate.text import sentences, windows
+from qtool.engine.model.text import sentences, windows
 from qtool.eval_results import (
     CAUSAL_LM,
     ENCODER,

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from qtool.engine.evaluate import tokens  # noqa: E402
-from qtool.engine.evaluate.hf import Tokenizer  # noqa: E402
+from qtool.engine.model import tokens  # noqa: E402
+from qtool.engine.model.hf import Tokenizer  # noqa: E402
 from tests.eval.test_eval_tokens import TEXTS, _trained  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -15,9 +15,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtool.engine.evaluate.hf import Tokenizer, first_line, guarded, quiet
-from qtool.engine.evaluate.text import Text, read_text
-from qtool.engine.evaluate.tokens import leading_ids
+from qtool.engine.model.hf import Tokenizer, first_line, guarded, quiet
+from qtool.engine.model.text import Text, read_text
+from qtool.engine.model.tokens import leading_ids
 from qtool.errors import InputError, UsageError
 from qtool.io.jsonfile import parse_json
 

@@ -20,11 +20,11 @@ from qtool.calibrate_results import CalibrateSummary, DatasetInfo, MergeSummary
 from qtool.engine.calibrate.data import Source, default_text, load_text, take_windows
 from qtool.engine.calibrate.sensitivity import sensitivity_of
 from qtool.engine.calibrate.sequential import run_blocks
-from qtool.engine.evaluate.config import Role, float_source, kind_of, window_length
-from qtool.engine.evaluate.models import empty_model, float_parts
-from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.layout import check_files
 from qtool.engine.loop import resolve_device
+from qtool.engine.model.config import Role, float_source, kind_of, window_length
+from qtool.engine.model.models import empty_model, float_parts
+from qtool.engine.model.tokens import check_vocabulary
 from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM

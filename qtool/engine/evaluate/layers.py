@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from qtool.engine.hooks import Hooks
+from qtool.engine.model.hooks import Hooks
 from qtool.eval_results import LayerRow
 from qtool.results import sqnr_db
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from qtool.engine.evaluate.config import FLOAT, window_length
-from qtool.engine.evaluate.models import FloatModel, float_shell, load_float
 from qtool.engine.evaluate.passes import float_pass, scored_pass
 from qtool.engine.evaluate.quant import CONFIG_NOISE, load_quant
 from qtool.engine.evaluate.run import DTYPES, EvalOptions, evaluate, in_sample, in_sample_note
-from qtool.engine.evaluate.text import Text, default_text, read_text, windows
-from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary
 from qtool.engine.loop import resolve_device
+from qtool.engine.model.config import FLOAT, window_length
+from qtool.engine.model.models import FloatModel, float_shell, load_float
+from qtool.engine.model.text import Text, default_text, read_text, windows
+from qtool.engine.model.tokens import causal_tokens, check_vocabulary
 from qtool.engine.source import protected_paths
 from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError

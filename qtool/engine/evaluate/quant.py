@@ -27,9 +27,9 @@ import torch
 
 from qtool.calibration import TextUse
 from qtool.dtypes import FLOAT_DTYPES
-from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.models import FloatModel, listed, loading_problem
-from qtool.engine.evaluate.readers import read_tensors
+from qtool.engine.model import hf
+from qtool.engine.model.models import FloatModel, listed, loading_problem
+from qtool.engine.model.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.formats.detect import Detected, detect

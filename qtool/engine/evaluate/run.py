@@ -12,14 +12,14 @@ from time import perf_counter
 import torch
 
 from qtool.calibration import Role, TextUse
-from qtool.engine.evaluate.config import FLOAT, window_length
 from qtool.engine.evaluate.layers import LayerProbe, changed_parameters
-from qtool.engine.evaluate.models import FloatModel, load_float
 from qtool.engine.evaluate.passes import causal_pass, encoder_pass
 from qtool.engine.evaluate.quant import QuantModel, load_quant
-from qtool.engine.evaluate.text import Text, default_text, read_text, windows
-from qtool.engine.evaluate.tokens import causal_tokens, check_vocabulary, encoder_pieces
 from qtool.engine.loop import resolve_device
+from qtool.engine.model.config import FLOAT, window_length
+from qtool.engine.model.models import FloatModel, load_float
+from qtool.engine.model.text import Text, default_text, read_text, windows
+from qtool.engine.model.tokens import causal_tokens, check_vocabulary, encoder_pieces
 from qtool.engine.threads import using_threads
 from qtool.eval_results import CAUSAL_LM, EvalSummary
 from qtool.results import Progress

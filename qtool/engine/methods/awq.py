@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from qtool.calibration import Calibration, Guard
-from qtool.engine.hooks import Hooks
 from qtool.engine.methods.gptq import STREAMS, Chosen, HessianProbe, Target, output_change, restored
 from qtool.engine.methods.guard import change, describe, describe_figures, judge, rounded
+from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
 from qtool.numerics import awq, gptq, kernels
 from qtool.numerics.metrics import error_stats

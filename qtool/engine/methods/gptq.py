@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from qtool.calibration import Calibration, Guard
-from qtool.engine.hooks import Hooks
 from qtool.engine.methods.guard import change, describe, judge, rounded
+from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
 from qtool.numerics import gptq, kernels
 from qtool.numerics.metrics import error_stats

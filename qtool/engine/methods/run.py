@@ -17,17 +17,17 @@ from qtool.engine.calibrate.data import check_text, default_text, load_text, tak
 from qtool.engine.calibrate.run import MODEL, check_activations, check_tokens, interleaved
 from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, run_sequential, spilled
 from qtool.engine.decision import Calibrated, Keep, Quantize, TensorPlan
-from qtool.engine.evaluate.config import float_source, kind_of, window_length
-from qtool.engine.evaluate.hf import Tokenizer
-from qtool.engine.evaluate.models import empty_model, float_parts
-from qtool.engine.evaluate.text import Text
-from qtool.engine.evaluate.tokens import check_vocabulary
 from qtool.engine.job import Job
 from qtool.engine.loop import quantize_one
 from qtool.engine.methods.awq import METHOD as AWQ
 from qtool.engine.methods.awq import AwqPolicy, output_buffers
 from qtool.engine.methods.gptq import GptqPolicy, Target
 from qtool.engine.methods.verdict import ModelStreams
+from qtool.engine.model.config import float_source, kind_of, window_length
+from qtool.engine.model.hf import Tokenizer
+from qtool.engine.model.models import empty_model, float_parts
+from qtool.engine.model.text import Text
+from qtool.engine.model.tokens import check_vocabulary
 from qtool.engine.nonfinite import kept_nonfinite
 from qtool.engine.plan import ModelPlan
 from qtool.engine.spill import Spill

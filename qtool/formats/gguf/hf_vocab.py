@@ -139,7 +139,7 @@ appears twice, the later entry wins, as its chain of ifs does)."""
 
 
 MAX_TOKENIZER_BYTES = 64_000_000
-"""Per tokenizer file, as eval's (engine/evaluate/checked.py): the largest real tokenizer.json
+"""Per tokenizer file, as eval's (engine/model/checked.py): the largest real tokenizer.json
 files are a few tens of MB (Gemma 3's 33 MB, Llama 3's 9 MB); each is read whole."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "chat_template.json", "merges.txt")  # fmt: skip

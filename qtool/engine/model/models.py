@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from qtool.engine.evaluate import hf
-from qtool.engine.evaluate.config import FLOAT, Role, float_source, kind_of
-from qtool.engine.evaluate.readers import read_tensors
+from qtool.engine.model import hf
+from qtool.engine.model.config import FLOAT, Role, float_source, kind_of
+from qtool.engine.model.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
 from qtool.eval_results import CAUSAL_LM

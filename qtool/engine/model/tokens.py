@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from qtool.engine.evaluate.hf import Tokenizer
-from qtool.engine.evaluate.text import Text, iter_sentences
+from qtool.engine.model.hf import Tokenizer
+from qtool.engine.model.text import Text, iter_sentences
 from qtool.errors import InputError
 
 CHARS_PER_TOKEN = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from qtool.engine.evaluate.checked import checked_copy
+from qtool.engine.model.checked import checked_copy
 from qtool.errors import InputError, QtoolError
 from qtool.io.safeopen import InputDir
 

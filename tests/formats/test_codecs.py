@@ -46,7 +46,7 @@ def test_reports_and_eval_ask_the_registry_not_a_format_name() -> None:
     naming = re.compile(r"FormatName\.[A-Z_]+|== \"(qtool|gguf|compressed-tensors)\"")
     found = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-        for where in ("report", "engine/evaluate")
+        for where in ("report", "engine/evaluate", "engine/model")
         for path in sorted((ROOT / where).rglob("*.py"))
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if naming.search(line)

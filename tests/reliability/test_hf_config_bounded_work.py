@@ -1,8 +1,9 @@
 """quantize HF_DIR --format gguf reads config.json's vocab_size and num_hidden_layers before
 any weight: a vocab_size of 10^12 made the token list loop 10^12 times (and hold as many
-strings), a num_hidden_layers of 10^9 built gguf's name map for 10^9 blocks. Both are checked
-against what the checkpoint holds (the embedding's rows; llama.cpp's 512-block limit) before
-any work in proportion to them: refused in one line, exit 1, nothing written."""
+strings; 4 * 10^9 here, since over 2^32 - 1 is now refused as a type), a num_hidden_layers
+of 10^9 built gguf's name map for 10^9 blocks. Both are checked against what the checkpoint
+holds (the embedding's rows; llama.cpp's 512-block limit) before any work in proportion
+to them: refused in one line, exit 1, nothing written."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ UNBOUNDED = 300  # seconds: only the unbounded loop takes this long (the refusal
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("vocab_size", 10**12, f"but model.embed_tokens.weight has {VOCAB_SIZE} rows"),
+        ("vocab_size", 4 * 10**9, f"but model.embed_tokens.weight has {VOCAB_SIZE} rows"),
         ("num_hidden_layers", 10**9, "over llama.cpp's limit of 512 blocks"),
     ],
 )

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from qtool.errors import InputError, UsageError
+from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
 from qtool.formats.gguf.hf_vocab import CONVERTER, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
 from qtool.gguf_types import GGML_TYPES, ValueType
@@ -74,9 +75,7 @@ def read_config(directory: Path) -> tuple[dict[str, Any], str]:
         known = ", ".join(ARCHITECTURES)
         raise InputError(path, f"architectures is {archs!r}: qtool converts {known} to GGUF; "
                          f"for others {CONVERTER}")  # fmt: skip
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
-            raise InputError(path, f"{key} is {config.get(key)!r}, not a positive integer")
+    check_config(config, path)
     if config["num_hidden_layers"] > MAX_BLOCKS:  # the name map's work grows with it
         raise InputError(path, f"num_hidden_layers is {config['num_hidden_layers']:,}, over "
                          f"llama.cpp's limit of {MAX_BLOCKS} blocks")  # fmt: skip
@@ -107,6 +106,7 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
                     (name, file, tuple(sl.get_shape()), _dtype(sl.get_dtype(), file, name))
                 )
     _check_vocab(config, found, directory)
+    check_shapes(config, [(name, shape) for name, _, shape, _ in found], directory / "config.json")
     chosen = float_type or _auto(found)
     mapped = gguf_names(arch, int(config["num_hidden_layers"]), [n for n, *_ in found])
     out: list[HFTensor] = []
@@ -173,24 +173,10 @@ def metadata(directory: Path, config: dict[str, Any], arch: str, float_type: str
     writer.add_file_type(FLOAT_FILE_TYPES[float_type])
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(head_dim(config))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_vocab(writer, directory, int(config["vocab_size"]), arch)
     return {key: _value(key, v) for key, v in writer.kv_data[0].items()}
-
-
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """transformers' rope parameters: `rope_parameters` (v5), else rope_scaling and rope_theta."""
-    found = config.get("rope_parameters")
-    if isinstance(found, dict):
-        return found
-    params = dict(config.get("rope_scaling") or {})
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params["type"]
-    if config.get("rope_theta") is not None:
-        params["rope_theta"] = config["rope_theta"]
-    return params
 
 
 def _hparams(writer: Any, config: dict[str, Any], directory: Path) -> None:
@@ -222,9 +208,9 @@ def _hparams(writer: Any, config: dict[str, Any], directory: Path) -> None:
         writer.add_rope_freq_base(theta)
     if (eps := config.get("rms_norm_eps")) is not None:
         writer.add_layer_norm_rms_eps(eps)
-    if (head_dim := config.get("head_dim")) is not None:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    if (dim := config.get("head_dim")) is not None:
+        writer.add_key_length(dim)
+        writer.add_value_length(dim)
 
 
 def rope_freqs(config: dict[str, Any]) -> torch.Tensor | None:
@@ -233,7 +219,7 @@ def rope_freqs(config: dict[str, Any]) -> torch.Tensor | None:
     if str(rope.get("rope_type", "")).lower() != "llama3":
         return None
     base = rope.get("rope_theta", 10000.0)
-    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    dim = head_dim(config)
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor = rope.get("factor", 8.0)
     low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)

@@ -4,6 +4,7 @@ README.md and docs/cli.md. Commands are read from the app, so a new command is c
 
 from __future__ import annotations
 
+import enum
 import re
 from pathlib import Path
 from typing import Any
@@ -169,14 +170,35 @@ def test_every_input_the_help_names_is_accepted(
     assert code == 0, stderr
 
 
+def _named(word: str, text: str) -> bool:
+    """`word` in `text` as a whole word (`--logits` is not named by `--save-logits`)."""
+    return re.search(rf"(?<![\w+-]){re.escape(word)}(?![\w+-])", text) is not None
+
+
+def _choices(param: Any) -> list[enum.Enum]:
+    """The values of an option whose type is an enum (a choice), else none."""
+    kind = getattr(param.type_descriptor, "annotation", None)
+    return list(kind) if isinstance(kind, type) and issubclass(kind, enum.Enum) else []
+
+
 def test_docs_cli_names_every_option_and_no_stale_one() -> None:
     """Every visible option of every command is in docs/cli.md, and every option docs/cli.md
     shows in backticks exists (a few named on purpose: the hidden old spelling, other tools')."""
     options = {o for c in COMMANDS for p in _visible_options(c) for o in p.opts + p.secondary_opts}
     long_options = {o for o in options if o.startswith("--")}
-    missing = sorted(o for o in long_options if o not in CLI_DOC)
+    missing = sorted(o for o in long_options if not _named(o, CLI_DOC))
     assert not missing, f"docs/cli.md does not describe {missing}"
-    shown = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]+)", CLI_DOC))
+    choices = {
+        (p.opts[0], str(c.value))
+        for cmd in COMMANDS
+        for p in _visible_options(cmd)
+        for c in _choices(p)
+    }
+    unnamed = sorted(f"{o} {c}" for o, c in choices if not _named(c, CLI_DOC))
+    assert not unnamed, f"docs/cli.md does not name the choices {unnamed}"
+    # link targets dropped first: a heading's anchor (`#allocation---target-size`) is no option
+    prose = re.sub(r"\]\([^)\s]*\)", "]", CLI_DOC)
+    shown = set(re.findall(r"`[^`]*?(--[a-z][a-z0-9-]+)", prose))
     unknown = {"--bits", "--output", "--symmetric"}  # examples of what suggestions answer
     elsewhere = {"--dtype", "--allow-requantize", "--help", "--version", *unknown}
     stale = sorted(shown - long_options - elsewhere)

@@ -182,8 +182,10 @@ def quantize(
         options = dataclasses.replace(options, calibration=calibrated, allocation=target,
                                       save_recipe=save_recipe,
                                       save_tensor_types=tensor_type_file)  # fmt: skip
-        if target_sqnr is not None:
-            warn_budget_overrides(ctx, options)
+        if options.budgeted:
+            warn_budget_overrides(
+                ctx, options, "--target-sqnr" if target is None else f"--target-{target.kind}"
+            )
         plot = plot_target(plot, src, "quantize")
         if allow_requantize:
             _warn_requantize(src)

@@ -377,9 +377,10 @@ _SPEC_FLAGS = {
 _PATCH_FIELD = {"scheme": "scheme", "dtype": "dtype", "range_method": "range_method"}
 
 
-def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions) -> None:
-    """One stderr line naming the spec options given with --target-sqnr, which the budget's
-    ladder overrides (an option still applies where a recipe rule leaves its field open)."""
+def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions, target: str) -> None:
+    """One stderr line naming the spec options given with `target` (--target-sqnr or an
+    allocation target), whose ladder overrides them (an option still applies where a recipe
+    rule leaves its field open)."""
     sources = {p: ctx.get_parameter_source(p) for p in _SPEC_FLAGS}
     given = [p for p, source in sources.items() if source and source.name == "COMMANDLINE"]
     recipe = options.recipe.rules if options.recipe is not None else ()
@@ -391,7 +392,7 @@ def warn_budget_overrides(ctx: typer.Context, options: api.QuantizeOptions) -> N
     ]
     if ignored:
         report.print_warning(
-            f"{', '.join(ignored)} ignored: --target-sqnr picks each tensor's spec from its "
+            f"{', '.join(ignored)} ignored: {target} picks each tensor's spec from its "
             "ladder (docs/recipes.md)"
         )
 

@@ -235,3 +235,23 @@ def test_a_recipe_narrows_the_ladder_and_pins_tensors(invoke: Invoke, tmp_path: 
     }
     assert labels and labels <= {"int8 channel", "int4 g32 mse", "float"}
     assert doc["totals"]["bytes_out"] <= 70 * 1024
+
+
+@pytest.mark.parametrize(
+    "target",
+    [("--target-sqnr", "30"), ("--target-size", "60KiB"), ("--target-bpw", "5")],
+    ids=["sqnr", "size", "bpw"],
+)
+def test_every_target_names_the_spec_options_it_overrides(
+    invoke: Invoke, tmp_path: Path, target: tuple[str, str]
+) -> None:
+    """A target picks each tensor's spec from its ladder: spec options given with it are
+    ignored, and one warning names them and the target (an allocation ignored them silently)."""
+    src = [str(TINY / "tiny-llama"), *target, "--threads", "1"]
+    spec = ["--scheme", "asym", "--dtype", "uint4", "--group-size", "32", "--range", "mse"]
+    code, _, err = invoke("quantize", *src, *spec, "-o", str(tmp_path / "a"))
+    warnings = [line for line in err.splitlines() if "ignored" in line]
+    assert code == 0 and len(warnings) == 1, err
+    assert f"--scheme, --dtype, --group-size, --range ignored: {target[0]} picks" in warnings[0]
+    code, _, err = invoke("quantize", *src, "-o", str(tmp_path / "b"))
+    assert code == 0 and "ignored" not in err

@@ -37,6 +37,7 @@ from qtool.io.atomic import OutputSet
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
 from qtool.io.jsonfile import read_json_object
+from qtool.io.stformat import Header, HeaderError, not_safetensors_message, read_header
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2"}  # fmt: skip
@@ -93,18 +94,17 @@ def weight_files(directory: Path) -> list[Path]:
 def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type: str | None
                  ) -> tuple[list[HFTensor], str]:  # fmt: skip
     """Every tensor the GGUF holds, in the converter's order, and the 2-D float type."""
-    from safetensors import safe_open
-
     found: list[tuple[str, Path, tuple[int, ...], torch.dtype]] = []
+    first: dict[str, Path] = {}
     for file in weight_files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            for name in sorted(f.keys()):
-                if name.endswith(SKIPPED):
-                    continue
-                sl = f.get_slice(name)
-                found.append(
-                    (name, file, tuple(sl.get_shape()), _dtype(sl.get_dtype(), file, name))
-                )
+        for t in sorted(_header(file).tensors, key=lambda t: t.name):
+            if t.name.endswith(SKIPPED):
+                continue
+            if t.name in first:
+                raise InputError(file, f"holds it, and so does {first[t.name].name}: which is the "
+                                 "model's? remove the stray file", t.name)  # fmt: skip
+            first[t.name] = file
+            found.append((t.name, file, t.shape, _dtype(t.dtype, file, t.name)))
     _check_vocab(config, found, directory)
     check_shapes(config, [(name, shape) for name, _, shape, _ in found], directory / "config.json")
     chosen = float_type or _auto(found)
@@ -118,6 +118,17 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
             )
         out.append(HFTensor(name, file, target, "F32" if len(shape) < 2 else chosen, shape))
     return out, chosen
+
+
+def _header(file: Path) -> Header:
+    """The shard's header, checked as every safetensors input is (qtool's parser: offsets
+    within the file, so a truncated shard is refused here, not half-way through the copy)."""
+    try:
+        return read_header(file)
+    except HeaderError as err:
+        raise InputError(file, not_safetensors_message(file, err)) from None
+    except OSError as err:
+        raise InputError(file, f"cannot read: {err.strerror or err}") from None
 
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -307,12 +318,15 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
 
 def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
     """Each tensor's values, one at a time, each file opened once."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     by_file: dict[Path, list[HFTensor]] = {}
     for t in tensors:
         by_file.setdefault(t.file, []).append(t)
     for file, items in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for t in items:
-                yield t, f.get_tensor(t.hf)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for t in items:
+                    yield t, f.get_tensor(t.hf)
+        except (SafetensorError, OSError) as err:  # changed since its header was checked
+            raise InputError(file, f"cannot read it: {err}; did it change?") from None

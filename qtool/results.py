@@ -262,6 +262,21 @@ class CompareRow:
 
 
 @dataclass(frozen=True)
+class AllocationPlan:
+    """An allocation target's plan (engine/allocate.py): what it aimed at, the output's tensor
+    payload it plans (bytes, bits per weight), its predicted loss and how it splits by spec."""
+
+    target: str  # 'size', 'bpw' or 'kl'
+    target_value: float  # bytes, bits per weight, or nats per token
+    nbytes: int
+    bpw: float
+    loss: float
+    measured: bool  # the loss is a predicted KL (sensitivities given), else relative error
+    granularity: int  # the solver's byte unit (1: exact optimum)
+    by_spec: tuple[tuple[str, int, int], ...]  # (candidate label, tensors, bytes), by label
+
+
+@dataclass(frozen=True)
 class ModelKL:
     """A calibrated run's model-level figure on one stream (engine/methods/verdict.py): the mean
     KL(float || quantized) per scored token, in nats, of the result the guard chose and of
@@ -300,6 +315,7 @@ class QuantizeSummary:
     imatrix: dict[str, object] | None = None  # --imatrix: its provenance (engine/importance.py)
     texts: tuple[TextUse, ...] = ()  # the texts a method or an imatrix used (calibration.py)
     model_kl: tuple[ModelKL, ...] = ()  # --method: the model's KL at the end of the run
+    allocation: AllocationPlan | None = None  # --target-size/--target-bpw/--target-kl's plan
 
     @property
     def weighted_overall(self) -> WeightedError | None:

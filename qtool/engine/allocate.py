@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,7 +29,7 @@ from qtool.errors import InputError, UsageError
 from qtool.numerics import allocate as solver
 from qtool.numerics import budget, kernels
 from qtool.numerics.range_methods import GridOverflow
-from qtool.results import Trial
+from qtool.results import AllocationPlan, Trial
 from qtool.spec import Codec, QSpec, spec_label
 
 if TYPE_CHECKING:
@@ -120,25 +120,23 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         label = picks[m.plan.entry.name]
         n, b = spent.get(label, (0, 0))
         spent[label] = (n + 1, b + m.options[label][1])
-    note = summary_line(target, chosen, total, elements, alpha is not None, spent)
-    return ModelPlan(plan.shards, tuple(out), plan.counts, (*plan.notes, note), plan.texts)
+    found = AllocationPlan(
+        target.kind, target.value, total, 8 * total / max(1, elements), chosen.loss,
+        alpha is not None, chosen.granularity,
+        tuple((label, n, b) for label, (n, b) in sorted(spent.items())),
+    )  # fmt: skip
+    notes = (*plan.notes, summary_line(target, found))
+    return replace(plan, plans=tuple(out), notes=notes, allocation=found)
 
 
-def summary_line(
-    target: solver.Target,
-    plan: solver.Plan,
-    total: int,
-    elements: int,
-    measured: bool,
-    spent: Mapping[str, tuple[int, int]],
-) -> str:
+def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
     """'allocation (size 100 MiB ...): 99.9 MiB (...), 4.41 bpw, predicted KL 0.0312; by spec:
-    int4 g64 mse x140 60.1 MiB (...), ...': `spent` label -> (tensors, bytes)."""
-    what = "predicted KL" if measured else "predicted loss (relative output error, alpha = 1)"
-    parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, (n, b) in sorted(spent.items())]
+    int4 g64 mse x140 60.1 MiB (...), ...'."""
+    what = "predicted KL" if plan.measured else "predicted loss (relative output error, alpha = 1)"
+    parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, n, b in plan.by_spec]
     return (
-        f"allocation ({target.describe()}): {solver.human_bytes(total)}, "
-        f"{8 * total / max(1, elements):.3f} bpw, {what} {plan.loss:.6g}; "
+        f"allocation ({target.describe()}): {solver.human_bytes(plan.nbytes)}, "
+        f"{plan.bpw:.3f} bpw, {what} {plan.loss:.6g}; "
         f"by spec: {', '.join(parts)} (granularity {plan.granularity} bytes)"
     )
 

@@ -49,7 +49,7 @@ from qtool.formats.registry import refuses
 from qtool.io.atomic import resolve_output
 from qtool.io.stformat import TensorEntry
 from qtool.recipe.rules import Recipe, Rule, RuleKind, resolve, rules_from_cli
-from qtool.results import ErrorStats, ModelKL, QuantizeRow
+from qtool.results import AllocationPlan, ErrorStats, ModelKL, QuantizeRow
 from qtool.spec import (
     INT8_CHANNEL,
     Codec,
@@ -119,6 +119,7 @@ class ModelPlan:
     notes: tuple[str, ...] = ()  # what a data pass has to say (a calibration text too short)
     texts: tuple[TextUse, ...] = ()  # the texts a method or an imatrix used (the outputs say)
     model_kl: tuple[ModelKL, ...] = ()  # a calibrated method's model-level figures
+    allocation: AllocationPlan | None = None  # an allocation target's plan (engine/allocate.py)
 
     def per_shard(self) -> Iterator[tuple[Path, list[TensorPlan]]]:
         start = 0

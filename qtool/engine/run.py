@@ -320,6 +320,7 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
         imatrix=_provenance(job),
         texts=done.plan.texts,
         model_kl=done.plan.model_kl,
+        allocation=done.plan.allocation,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from qtool.calibration import TEXTS_KEY, texts_json
 from qtool.gates import GateResult
 from qtool.results import (
+    AllocationPlan,
     CompareRow,
     CompareSummary,
     DecidedBy,
@@ -240,7 +241,22 @@ def quantize_json(
         **({"imatrix": summary.imatrix} if summary.imatrix is not None else {}),
         **({TEXTS_KEY: texts_json(summary.texts)} if summary.texts else {}),
         **({"model_kl": [_model_kl_json(k) for k in summary.model_kl]} if summary.model_kl else {}),
+        **({"allocation": _allocation_json(summary.allocation)} if summary.allocation else {}),
         "warnings": summary.notes,
+    }
+
+
+def _allocation_json(plan: AllocationPlan) -> dict[str, object]:
+    """An allocation target's plan (engine/allocate.py), as its console note says it."""
+    value = int(plan.target_value) if plan.target == "size" else json_number(plan.target_value)
+    return {
+        "target": {"kind": plan.target, "value": value},
+        "bytes": plan.nbytes,
+        "bpw": json_number(plan.bpw),
+        "predicted_loss": json_number(plan.loss),
+        "loss": "kl" if plan.measured else "relative_output_error",
+        "granularity_bytes": plan.granularity,
+        "by_spec": [{"spec": s, "tensors": n, "bytes": b} for s, n, b in plan.by_spec],
     }
 
 

@@ -76,11 +76,29 @@ def test_the_plan_fits_as_written_and_its_recipe_reproduces_it(
     assert sum(int(n) for n in re.findall(r" x(\d+) ", _note(doc))) == len(decided)
     limit = parse_size(target[1]) if target[0] == "--target-size" else 5 * _elements(doc) // 8
     assert planned <= limit
+    _structured_plan_is_the_note(doc, target, len(decided))
     assert planned > 0.9 * limit  # it spends the budget (the ladder is fine enough here)
     _run(invoke, *common, *target, "-o", str(out[1]))
     any_type = ["--dtype", "Q8_0"] if fmt == "gguf" else []  # every decided tensor is pinned
     _run(invoke, *common, *any_type, "--recipe", str(recipe), "-o", str(out[2]))
     assert _files(out[0]) == _files(out[1]) == _files(out[2])
+
+
+def _structured_plan_is_the_note(doc: Any, target: tuple[str, str], decided: int) -> None:
+    """The JSON's `allocation` says what the console note says, as numbers (it was only the
+    note's string in `warnings`)."""
+    plan, note = doc["allocation"], _note(doc)
+    kind = target[0].removeprefix("--target-")
+    value = parse_size(target[1]) if kind == "size" else float(target[1])
+    assert plan["target"] == {"kind": kind, "value": value}
+    assert plan["bytes"] == doc["totals"]["bytes_out"] == int(_find(r"\((\d+) bytes\), ", note))
+    assert f"{plan['bpw']:.3f} bpw" in note and f"{plan['predicted_loss']:.6g};" in note
+    assert plan["loss"] == "relative_output_error"  # no sensitivities here
+    assert f"(granularity {plan['granularity_bytes']} bytes)" in note
+    assert sum(s["tensors"] for s in plan["by_spec"]) == decided
+    assert sum(s["bytes"] for s in plan["by_spec"]) <= plan["bytes"]
+    for s in plan["by_spec"]:
+        assert f"{s['spec']} x{s['tensors']} " in note
 
 
 def _elements(doc: Any) -> int:
@@ -155,6 +173,7 @@ def test_a_kl_target_with_sensitivities_is_met(invoke: Invoke, tmp_path: Path) -
                str(tmp_path / "s.gguf"), "-o", str(tmp_path / "o"))  # fmt: skip
     kl = float(_find(r"predicted KL ([0-9.e-]+);", _note(doc)))
     assert 0 < kl <= 0.002
+    assert doc["allocation"]["loss"] == "kl" and 0 < doc["allocation"]["predicted_loss"] <= 0.002
 
 
 @pytest.mark.parametrize(

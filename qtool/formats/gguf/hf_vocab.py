@@ -16,12 +16,15 @@ text and looks the hash up (get_vocab_base_pre); PRE_TOKENIZERS is its table.
 
 from __future__ import annotations
 
+import os
+import stat
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 from qtool.errors import InputError, UsageError
 from qtool.io.jsonfile import read_json_object
+from qtool.io.safeopen import file_kind, read_bounded
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # gguf.TokenType
 CONVERTER = "convert it with llama.cpp's convert_hf_to_gguf.py"
@@ -149,6 +152,8 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
     """tokenizer.json, checked to be a byte-level BPE tokenizer (InputError otherwise), after
     every tokenizer file the conversion reads was checked to be at most MAX_TOKENIZER_BYTES."""
     path = directory / "tokenizer.json"
+    for name in TOKENIZER_FILES:
+        _regular_or_absent(directory / name)
     if (directory / "tokenizer.model").is_file():
         raise InputError(directory / "tokenizer.model", "a SentencePiece tokenizer: qtool "
                          f"writes byte-level BPE vocabularies only; {CONVERTER}")  # fmt: skip
@@ -163,7 +168,10 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
         if size > MAX_TOKENIZER_BYTES:
             why = f"is {size:,} bytes, over the limit of {MAX_TOKENIZER_BYTES:,} for its kind"
             raise InputError(file, f"{why}; is it intact?")
+    for file in extra:
+        _regular_or_absent(file)
     data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
+    _check_side_files(directory, extra)
     model, decoder = data.get("model"), data.get("decoder")
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
         raise InputError(path, "not a byte-level BPE tokenizer (its model is "
@@ -174,7 +182,98 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
                          f"{CONVERTER}")  # fmt: skip
     if not isinstance(model.get("vocab"), dict):
         raise InputError(path, "its model has no vocab")
+    _check_ids(data, path)
     return data
+
+
+SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask", "eot", "eom")
+"""gguf-py SpecialVocab's special_token_types: tokenizer_config.json's X_token, add_X_token."""
+
+
+def _regular_or_absent(path: Path) -> None:
+    """A tokenizer file is a regular file (or a link to one) or absent: gguf-py skips one that
+    is not (a FIFO, /dev/zero), losing what it holds (a chat template) without a word."""
+    if not os.path.lexists(path):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise InputError(path, f"cannot read: {err.strerror or err}") from None
+    if not stat.S_ISREG(mode):
+        raise InputError(path, f"not a regular file ({file_kind(mode)}); give the file itself "
+                         "or remove it")  # fmt: skip
+
+
+def _check_ids(data: dict[str, Any], path: Path) -> None:
+    """The vocab's ids and the added tokens as token_list and gguf-py read them."""
+    for text, i in data["model"]["vocab"].items():
+        if type(i) is not int or i < 0:
+            raise InputError(path, f"model.vocab[{text!r}] is {i!r}, expected a token id (an "
+                             "integer from 0)")  # fmt: skip
+    added = data.get("added_tokens")
+    if added is None:
+        return
+    if not isinstance(added, list):
+        raise InputError(path, f"added_tokens is {_short(added)}, expected a list")
+    for n, item in enumerate(added):
+        ok = isinstance(item, dict) and type(item.get("id")) is int and item["id"] >= 0
+        if not ok or not isinstance(item.get("content"), str):
+            raise InputError(path, f"added_tokens[{n}] is {_short(item)}, expected "
+                             "{'id': an integer from 0, 'content': a string, ...}")  # fmt: skip
+
+
+def _check_side_files(directory: Path, templates: list[Path]) -> None:
+    """tokenizer_config.json, chat_template.json and the .jinja templates as gguf-py's
+    SpecialVocab reads them (json.load, open(encoding='utf-8')): its errors were internal
+    ones, and values of a type it does not take were dropped silently."""
+    config = directory / "tokenizer_config.json"
+    if config.exists():
+        found = _json(config)
+        for typ in SPECIAL_TYPES:
+            _special_token(found, f"{typ}_token", config)
+            add = found.get(f"add_{typ}_token")
+            if add is not None and not isinstance(add, bool):
+                raise InputError(config, f"add_{typ}_token is {_short(add)}, expected true or "
+                                 "false")  # fmt: skip
+        _chat_template(found.get("chat_template"), "chat_template", config)
+    alt = directory / "chat_template.json"
+    if alt.exists():
+        _chat_template(_json(alt).get("chat_template"), "chat_template", alt)
+    for file in [directory / "chat_template.jinja", *templates]:
+        if file.exists():
+            try:
+                read_bounded(file, MAX_TOKENIZER_BYTES, "chat template").decode()
+            except UnicodeDecodeError as err:
+                raise InputError(file, f"not UTF-8 text (byte {err.start:,}); a chat template "
+                                 "is text") from None  # fmt: skip
+
+
+def _special_token(config: dict[str, Any], key: str, path: Path) -> None:
+    value = config.get(key)
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str):
+        raise InputError(path, f"{key} is {_short(value)}, expected a token's text or "
+                         "{'content': its text, ...}")  # fmt: skip
+
+
+def _chat_template(value: object, key: str, path: Path) -> None:
+    """A template string, or a list of {'name': ..., 'template': ...} (named templates)."""
+    if value is None or isinstance(value, str):
+        return
+    named = isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in value
+    )  # fmt: skip
+    if not named:
+        raise InputError(path, f"{key} is {_short(value)}, expected a template string or a "
+                         "list of {'name': string, 'template': string}")  # fmt: skip
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kind(model: object) -> str:

@@ -28,7 +28,6 @@ from qtool.engine.spill import Figures
 from qtool.io.checkpoint import Checkpoint
 from qtool.numerics import kernels, metrics
 from qtool.numerics.packing import unpack_nibbles
-from qtool.numerics.quantize import family
 from qtool.numerics.views import row_group_length
 from qtool.results import ErrorStats
 from qtool.spec import (
@@ -156,7 +155,7 @@ def layout(plan: TensorPlan) -> Layout | None:
     spec, entry = plan.spec, plan.entry
     if plan.decision.budget:  # the error budget quantized it already (engine/spill.py)
         return None
-    if spec is None or not family(spec).stacks:  # GGUF blocks: numerics/gguf, one by one
+    if spec is None or not kernels.family(spec).stacks:  # GGUF blocks: numerics/gguf, one by one
         return None
     assert isinstance(spec, QSpec)  # the one family that stacks: the grid's kernels
     if not entry.shape or entry.numel == 0 or entry.numel > TINY_ELEMS:

@@ -280,6 +280,6 @@ def _restored(
     """Rows a:b (of the first dim) of the tensor as its codes restore it: a grid's in x's dtype
     (as the error figures measure it; the whole tensor when its qparams are not per row), a GGUF
     type's as ggml dequantizes its blocks (float32)."""
-    from qtool.numerics.quantize import restored_rows
+    from qtool.numerics.kernels import restored_rows
 
     return restored_rows(result, spec, a, b, x)

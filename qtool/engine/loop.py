@@ -28,8 +28,7 @@ from qtool.formats.base import ShardWriter
 from qtool.io.checkpoint import Checkpoint, tensor_bytes
 from qtool.io.writer import BackgroundWriter
 from qtool.numerics import select
-from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.quantize import expect, quantize_tensor
+from qtool.numerics.kernels import QuantizedTensor, Workspace, expect, quantize_with
 from qtool.numerics.range_methods import ColumnWeights, GridOverflow
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, QuantizeRow, WeightedError
@@ -59,7 +58,7 @@ class Kernels:
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
         """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
-        go through the torch kernels a batch at a time: numerics/quantize.py)."""
+        go through the torch kernels a batch at a time: numerics/kernels.py)."""
         expect(self.device, [
             (p.entry.shape, p.entry.dtype in ("BF16", "F16"), p.spec)
             for p in plans
@@ -249,6 +248,6 @@ def _quantize_whole(
     x = ckpt.tensor(plan.entry, reader.buffer if reader is not None else None)
     x = x.to(workspace.device)
     scale_dtype = x.dtype if scales_in_weight_dtype else torch.float32
-    return quantize_tensor(
+    return quantize_with(
         x, plan.spec, workspace=workspace, scale_dtype=scale_dtype, weights=weights
     )

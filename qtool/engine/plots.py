@@ -278,7 +278,7 @@ def _requantize(
 
 def _roundtrip(x: torch.Tensor, spec: Codec) -> torch.Tensor:
     """x_hat as restored (x's own dtype; a GGUF type as ggml dequantizes it), as float32."""
-    from qtool.numerics.quantize import restored
+    from qtool.numerics.kernels import restored
 
     return restored(x, spec)
 

@@ -27,8 +27,7 @@ from qtool.engine.decision import TensorPlan
 from qtool.io.checkpoint import ST_TO_TORCH, Checkpoint
 from qtool.io.readbuffer import ReadBuffer
 from qtool.numerics import kernels
-from qtool.numerics.kernels import QuantizedTensor
-from qtool.numerics.quantize import quantize_tensor
+from qtool.numerics.kernels import QuantizedTensor, quantize_with
 from qtool.numerics.range_methods import ColumnWeights
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Progress, combine
@@ -86,7 +85,7 @@ def quantize_by_slabs(
         stop = min(start + rows, entry.shape[0])
         x = ckpt.rows(entry, start, stop, reader.buffer)
         try:
-            part = quantize_tensor(
+            part = quantize_with(
                 x, spec, workspace=reader.slab_workspace, scale_dtype=scale_dtype,
                 weights=weights.rows(start, stop) if weights is not None else None,
             )  # fmt: skip

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.quantize import quantize_tensor
+from qtool.numerics.kernels import QuantizedTensor, Workspace, quantize_with
 from qtool.numerics.range_methods import GridOverflow
 from qtool.results import Trial
 from qtool.spec import (
@@ -93,7 +92,7 @@ def choose(
     trials: list[Trial] = []
     for spec in candidates(ladder, shape):
         try:
-            result = quantize_tensor(x, spec, scale_dtype=scale_dtype, workspace=workspace)
+            result = quantize_with(x, spec, scale_dtype=scale_dtype, workspace=workspace)
         except GridOverflow:  # its scales overflow (a GGUF type's fp16 ones): it reaches nothing
             trials.append(Trial(spec, -math.inf, bytes_per_tensor(spec, shape)))
             continue

@@ -34,7 +34,6 @@ from types import ModuleType
 import torch
 
 from qtool.errors import UsageError
-from qtool.numerics import kernels
 from qtool.spec import PerChannel, PerGroup, QSpec, RangeMethod, matrix_shape
 
 ENV = "QTOOL_KERNEL"
@@ -295,22 +294,15 @@ def measured(x: torch.Tensor, spec: QSpec, started: float) -> None:
         _measured(_cost(spec, tuple(x.shape), x.numel(), wide), started)
 
 
-def dequantize(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor,
-    spec: QSpec,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-) -> torch.Tensor:
-    """kernels.dequantize through the chosen kernels (same results, bit for bit)."""
-    module = _fused_for(q.device, len(shape), spec)
-    if module is None:
-        started = time.perf_counter()
-        out = kernels.dequantize(q, scale, zero_point, spec, dtype, shape=shape)
-        if q.device.type == "cpu" and requested() is Kernel.AUTO and shape:
-            slow, fast = COSTS["restore"]
-            _measured((q.numel() * slow * 1e-9, q.numel() * (slow - fast) * 1e-9), started)
-        return out
-    fused_out: torch.Tensor = module.dequantize_tensor(q, scale, zero_point, spec, dtype, shape)
-    return fused_out
+def restorer_for(device: torch.device, ndim: int, spec: QSpec) -> ModuleType | None:
+    """The fused module when it should dequantize a tensor of `ndim` dims with `spec` on
+    `device`, else None (the torch kernels)."""
+    return _fused_for(device, ndim, spec)
+
+
+def restore_measured(q: torch.Tensor, shape: tuple[int, ...], started: float) -> None:
+    """The torch kernels dequantized the codes `q` of a tensor of `shape` since `started`: in
+    auto on the CPU, the call counts towards loading the fused kernels."""
+    if q.device.type == "cpu" and requested() is Kernel.AUTO and shape:
+        slow, fast = COSTS["restore"]
+        _measured((q.numel() * slow * 1e-9, q.numel() * (slow - fast) * 1e-9), started)

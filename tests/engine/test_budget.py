@@ -15,8 +15,11 @@ from qtool.numerics.budget import (
     candidates,
     choose,
 )
-from qtool.numerics.kernels import Workspace, dequantize
-from qtool.numerics.quantize import quantize_tensor  # what the budget runs (QTOOL_KERNEL)
+from qtool.numerics.kernels import (
+    Workspace,
+    dequantize,
+    quantize_with,  # what the budget runs (QTOOL_KERNEL)
+)
 from qtool.numerics.ranges import NonFiniteInput
 from qtool.results import Trial
 from qtool.spec import QSpec, parse_spec_label, spec_label
@@ -153,7 +156,7 @@ def test_chosen_result_is_what_the_kernel_writes_and_its_sqnr_is_real() -> None:
     workspace = Workspace()
     choice = choose(x, DEFAULT_LADDER, 30.0, workspace=workspace)
     assert choice.spec is not None and choice.result is not None
-    alone = quantize_tensor(x, choice.spec)
+    alone = quantize_with(x, choice.spec)
     assert torch.equal(choice.result.q, alone.q) and torch.equal(choice.result.scale, alone.scale)
     r = choice.result
     x_hat = dequantize(r.q, r.scale, r.zero_point, choice.spec, shape=tuple(x.shape))
@@ -178,7 +181,7 @@ def test_choice_is_the_first_candidate_meeting_the_target(
     )
     choice = choose(x, DEFAULT_LADDER, target)
     order = candidates(DEFAULT_LADDER, (rows, cols))
-    db = [quantize_tensor(x, s).errors.sqnr_db for s in order]  # type: ignore[union-attr]
+    db = [quantize_with(x, s).errors.sqnr_db for s in order]  # type: ignore[union-attr]
     passing = [s for s, d in zip(order, db, strict=True) if d >= target]
     assert choice.spec == (passing[0] if passing else None)
     n = len(choice.trials)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from qtool.numerics import quantize, select
+from qtool.numerics import kernels, select
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
 
 needs_numba = pytest.mark.skipif(not select.numba_installed(), reason="numba not installed")
@@ -102,7 +102,7 @@ def test_slow_torch_calls_bring_in_the_fused_kernels_mid_run(
     monkeypatch.setattr(select.time, "perf_counter", Clock(0.05))  # 10x a quiet machine
     calls = 0
     while fresh.module is None and calls < 20:
-        quantize.quantize_tensor(x, QSpec())
+        kernels.quantize_with(x, QSpec())
         calls += 1
     assert fresh.module is not None and 3 <= calls < 20  # once 10 ms of work were timed
 
@@ -115,7 +115,7 @@ def test_quiet_torch_calls_keep_the_torch_kernels(
     monkeypatch.setattr(select.time, "perf_counter", Clock(1024 * 1024 * 4e-9))
     x = torch.randn(1024, 1024)
     for _ in range(50):
-        quantize.quantize_tensor(x, QSpec())
+        kernels.quantize_with(x, QSpec())
     assert not fresh.tried
 
 
@@ -128,7 +128,7 @@ def test_a_tiny_call_slowed_by_a_busy_machine_proves_nothing(
     select.expect(CPU, select.AUTO_MIN_BYTES - 1)
     monkeypatch.setattr(select.time, "perf_counter", Clock(0.5))
     for _ in range(3):
-        quantize.quantize_tensor(torch.randn(64, 48), QSpec())
+        kernels.quantize_with(torch.randn(64, 48), QSpec())
     assert not fresh.tried
 
 
@@ -137,7 +137,7 @@ def test_without_numba_a_slow_run_says_what_it_missed_once(monkeypatch: pytest.M
     select.expect_work(CPU, [select.Work((256, 256), False, MSE)] * 10)
     monkeypatch.setattr(select.time, "perf_counter", Clock(2.0))  # 2 s per tensor
     for _ in range(10):  # 3.3 ms of quiet work each
-        quantize.quantize_tensor(torch.randn(256, 256), MSE)
+        kernels.quantize_with(torch.randn(256, 256), MSE)
     notes = select.notes()
     assert len(notes) == 1 and "pip install 'qtool[fast]'" in notes[0]
     assert "took 20 s" in notes[0]
@@ -147,7 +147,7 @@ def test_without_numba_a_slow_run_says_what_it_missed_once(monkeypatch: pytest.M
 @pytest.mark.usefixtures("no_numba")
 def test_without_numba_a_quick_run_says_nothing() -> None:
     select.expect_work(CPU, [select.Work((64, 64), False, MSE)])
-    quantize.quantize_tensor(torch.randn(64, 64), MSE)
+    kernels.quantize_with(torch.randn(64, 64), MSE)
     assert select.notes() == []
 
 
@@ -157,5 +157,5 @@ def test_a_chosen_kernel_gets_no_note(monkeypatch: pytest.MonkeyPatch) -> None:
     select.expect_work(CPU, [select.Work((256, 256), False, MSE)] * 10)
     monkeypatch.setattr(select.time, "perf_counter", Clock(2.0))
     for _ in range(10):
-        quantize.quantize_tensor(torch.randn(256, 256), MSE)
+        kernels.quantize_with(torch.randn(256, 256), MSE)
     assert select.notes() == []

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from qtool.errors import UsageError
-from qtool.numerics import kernels, quantize, select
+from qtool.numerics import kernels, select
 from qtool.spec import PerGroup, QSpec, RangeMethod
 from tests.conftest import Invoke
 
@@ -73,7 +73,7 @@ def test_unknown_choice_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_auto_without_numba_runs_the_torch_kernels(fresh_loader: select._Loader) -> None:
     select.expect(CPU, 1 << 40)
     x = weights()
-    got = quantize.quantize_tensor(x, QSpec())
+    got = kernels.quantize_with(x, QSpec())
     want = kernels.quantize_tensor(x, QSpec())
     assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
     assert not fresh_loader.tried and fresh_loader.module is None
@@ -88,7 +88,7 @@ def test_fused_without_numba_is_a_usage_error_naming_the_extra(
     with pytest.raises(UsageError, match=r"install it with pip install 'qtool\[fast\]'"):
         select.expect(CPU, 0)
     with pytest.raises(UsageError, match="QTOOL_KERNEL=fused"):
-        quantize.quantize_tensor(weights(), QSpec())
+        kernels.quantize_with(weights(), QSpec())
 
 
 @pytest.mark.slow
@@ -118,7 +118,7 @@ def _env() -> dict[str, str]:
 @needs_numba
 def test_auto_keeps_small_runs_on_torch(fresh_loader: select._Loader) -> None:
     select.expect(CPU, select.AUTO_MIN_BYTES - 1)
-    quantize.quantize_tensor(weights(), QSpec())
+    kernels.quantize_with(weights(), QSpec())
     assert not fresh_loader.tried and fresh_loader.module is None
 
 
@@ -127,7 +127,7 @@ def test_auto_uses_the_fused_kernels_for_big_runs(
     fresh_loader: select._Loader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = weights()
-    before = quantize.quantize_tensor(x, QSpec())  # nothing expected yet: torch
+    before = kernels.quantize_with(x, QSpec())  # nothing expected yet: torch
     assert not fresh_loader.tried
     select.expect(CPU, select.AUTO_MIN_BYTES)
     assert fresh_loader.module is not None and fresh_loader.error is None
@@ -139,11 +139,11 @@ def test_auto_uses_the_fused_kernels_for_big_runs(
         return real(t, spec, **kw)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(fresh_loader.module, "quantize_tensor", counting)
-    after = quantize.quantize_tensor(x, QSpec())
+    after = kernels.quantize_with(x, QSpec())
     assert calls == [QSpec()]
     assert torch.equal(before.q, after.q) and torch.equal(before.scale, after.scale)
     monkeypatch.setenv(select.ENV, "torch")
-    quantize.quantize_tensor(x, QSpec())
+    kernels.quantize_with(x, QSpec())
     assert calls == [QSpec()]  # QTOOL_KERNEL=torch wins over a loaded fused module
 
 
@@ -158,7 +158,7 @@ def test_forced_fused_covers_what_it_supports_and_leaves_the_rest_to_torch(
 ) -> None:
     monkeypatch.setenv(select.ENV, "fused")
     for x in (weights(), torch.tensor(0.5)):  # a 0-d tensor stays on torch
-        got = quantize.quantize_tensor(x, spec if x.ndim else QSpec(granularity=PerGroup(2)))
+        got = kernels.quantize_with(x, spec if x.ndim else QSpec(granularity=PerGroup(2)))
         want = kernels.quantize_tensor(x, spec if x.ndim else QSpec(granularity=PerGroup(2)))
         assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
 
@@ -174,7 +174,7 @@ def test_broken_numba_leaves_auto_on_torch(
 
     monkeypatch.setattr(select.importlib, "import_module", broken)
     select.expect(CPU, 1 << 40)
-    got = quantize.quantize_tensor(weights(), QSpec())
+    got = kernels.quantize_with(weights(), QSpec())
     assert torch.equal(got.q, kernels.quantize_tensor(weights(), QSpec()).q)
     assert isinstance(fresh_loader.error, ImportError) and fresh_loader.module is None
 

@@ -20,7 +20,7 @@ pytest.importorskip("numba")
 SCRIPT = """
 import torch
 torch.set_num_threads(1)
-from qtool.numerics import gguf, quantize
+from qtool.numerics import gguf, kernels
 from qtool.numerics.select import Kernel
 from qtool.spec import QSpec
 {call}
@@ -31,7 +31,7 @@ KERNELS = {
     "gguf dequantize": "gguf.dequantize(torch.zeros(64, 20, dtype=torch.uint8), 'Q4_1', "
     "kernel=Kernel.FUSED)",
     "gguf quantize": "gguf.quantize(torch.randn(4, 64), 'Q8_0', kernel=Kernel.FUSED)",
-    "fused quantize": "quantize.quantize_tensor(torch.randn(300, 300), QSpec())",
+    "fused quantize": "kernels.quantize_with(torch.randn(300, 300), QSpec())",
     "compare's sums": "from qtool.numerics import fused_compare\n"
     "fused_compare.error_stats(torch.randn(300, 300), torch.randn(300, 300))",
 }

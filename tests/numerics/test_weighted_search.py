@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.numerics import kernels, quantize, ranges, select
+from qtool.numerics import kernels, ranges, select
 from qtool.numerics.range_methods import ColumnWeights, search_candidates
 from qtool.numerics.ranges import IntRange
 from qtool.spec import PerChannel, PerGroup, PerTensor, QSpec, RangeMethod, Scheme, StorageDtype
@@ -155,7 +155,7 @@ def test_fused_choice_runs_the_weighted_search_on_torch(monkeypatch: pytest.Monk
     monkeypatch.setenv(select.ENV, "fused")
     x, h = _data((6, 128))
     spec = _spec(Scheme.SYM, StorageDtype.INT4, PerGroup(32))
-    got = quantize.quantize_tensor(x, spec, weights=ColumnWeights(h))
+    got = kernels.quantize_with(x, spec, weights=ColumnWeights(h))
     want = kernels.quantize_tensor(x, spec, weights=ColumnWeights(h))
     assert torch.equal(got.q, want.q)
-    assert not torch.equal(got.q, quantize.quantize_tensor(x, spec).q)
+    assert not torch.equal(got.q, kernels.quantize_with(x, spec).q)

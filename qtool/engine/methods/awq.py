@@ -32,7 +32,6 @@ from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
 from qtool.numerics import awq, gptq, kernels
 from qtool.numerics.metrics import error_stats
-from qtool.numerics.quantize import quantize_tensor
 
 METHOD = "awq"
 THEN_GPTQ = "awq+gptq"
@@ -313,7 +312,7 @@ class AwqPolicy:
         weight = linear.weight.detach().float()
         scaled = method == METHOD
         source = weight if scaled else weight.to(target.dtype)  # the loop reads the stored one
-        result = quantize_tensor(source, target.spec, scale_dtype=self._scale_dtype(target))
+        result = kernels.quantize_with(source, target.spec, scale_dtype=self._scale_dtype(target))
         reconstruction = restored(result, target.spec, target.dtype, tuple(weight.shape))
         if scaled:
             errors = error_stats(weight, reconstruction)
@@ -360,7 +359,7 @@ class AwqPolicy:
         weight = linear.weight.detach().float()
         source = weight if method == METHOD else weight.to(target.dtype)
         shape = tuple(weight.shape)
-        rtn = restored(quantize_tensor(source, spec, scale_dtype=scale_dtype), spec,
+        rtn = restored(kernels.quantize_with(source, spec, scale_dtype=scale_dtype), spec,
                        target.dtype, shape)  # fmt: skip
         result = solved.quantized(spec)
         chosen = restored(result, spec, target.dtype, shape)
@@ -402,7 +401,7 @@ class AwqPolicy:
         smoothed inputs' space) against rounding of the original weight, whose error on the
         smoothed inputs is (Q(W) - W) diag(s)."""
         source = original.float().to(target.dtype)
-        rtn = quantize_tensor(source, target.spec, scale_dtype=self._scale_dtype(target))
+        rtn = kernels.quantize_with(source, target.spec, scale_dtype=self._scale_dtype(target))
         shape = tuple(source.shape)
         baseline = restored(rtn, target.spec, target.dtype, shape) - source.float()
         columns = self.columns.get(local)

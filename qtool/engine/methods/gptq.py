@@ -23,7 +23,6 @@ from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
 from qtool.numerics import gptq, kernels
 from qtool.numerics.metrics import error_stats
-from qtool.numerics.quantize import quantize_tensor
 from qtool.spec import QSpec
 
 STREAMS = ("fit", "held", "check")
@@ -159,7 +158,7 @@ class GptqPolicy:
         spec, dtype = target.spec, target.dtype
         scale_dtype = dtype if self.scales_in_weight_dtype else torch.float32
         original = weight.to(dtype)  # the stored values (float32 holds them exactly)
-        rtn = quantize_tensor(original, spec, scale_dtype=scale_dtype)
+        rtn = kernels.quantize_with(original, spec, scale_dtype=scale_dtype)
         rtn_weight = restored(rtn, spec, dtype, tuple(weight.shape))
         why = gptq.unsupported(spec)
         if why is None and held is None and self.calibration.guard is not Guard.NONE:

@@ -25,8 +25,8 @@ from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, spilled
 from qtool.engine.methods.gptq import Target, restored
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
+from qtool.numerics.kernels import quantize_with
 from qtool.numerics.logits import kl_divergence
-from qtool.numerics.quantize import quantize_tensor
 from qtool.results import ModelKL
 
 STREAMS = {"held": "held-out", "check": "check text"}  # stream -> what the report calls it
@@ -93,7 +93,7 @@ class ModelStreams:
         """Round to nearest as the guard's baseline is (methods/gptq.GptqPolicy._choose)."""
         scale_dtype = target.dtype if self.scales_in_weight_dtype else torch.float32
         original = weight.to(target.dtype)
-        rtn = quantize_tensor(original, target.spec, scale_dtype=scale_dtype)
+        rtn = quantize_with(original, target.spec, scale_dtype=scale_dtype)
         return restored(rtn, target.spec, target.dtype, tuple(weight.shape))
 
     def figures(

@@ -31,7 +31,7 @@ from qtool.formats.qtool.manifest import (
 from qtool.io.checkpoint import ST_TO_TORCH, TORCH_TO_ST, Checkpoint, open_checkpoint
 from qtool.io.safeopen import InputDir
 from qtool.io.stformat import Header, TensorEntry
-from qtool.numerics import select
+from qtool.numerics import kernels
 from qtool.spec import QSpec, packed_shape
 
 
@@ -119,7 +119,7 @@ class QtoolReader(DenseReader):
         scale = self.sidecar.tensor(self._side_entries[scale_name(name)])
         zero_point = self.sidecar.tensor(self._side_entries[zero_point_name(name)])
         target = dtype or ST_TO_TORCH[record.orig_dtype]
-        out = select.dequantize(
+        out = kernels.dequantize_chosen(
             self.ckpt.tensor(entry), scale, zero_point, record.spec, target, record.shape
         )
         # Cheap test first (the grid's extreme in the target dtype), then the exact one.

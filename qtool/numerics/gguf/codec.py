@@ -1,4 +1,4 @@
-"""GGUFSpec's kernels as numerics/quantize.py dispatches to them: quantize a tensor to its
+"""GGUFSpec's kernels as numerics/kernels.py dispatches to them: quantize a tensor to its
 blocks, restore it as ggml does, and tell the kernel choice a run's work up front."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 from qtool.numerics import gguf
 from qtool.numerics.gguf import fast
 from qtool.numerics.gguf.tensor import ImportanceOverflow, quantize_tensor
-from qtool.numerics.kernels import QuantizedTensor, Workspace
-from qtool.numerics.quantize import Kernels, Work
+from qtool.numerics.kernels import Kernels, QuantizedTensor, Work, Workspace
 from qtool.numerics.range_methods import ColumnWeights
 from qtool.spec import GGUFSpec
 

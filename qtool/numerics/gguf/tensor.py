@@ -1,5 +1,5 @@
 """One tensor quantized to a GGUF block type as the quantize loop and the error budget take it
-(numerics/quantize.py dispatches a GGUFSpec here, through codec.py):
+(numerics/kernels.py dispatches a GGUFSpec here, through codec.py):
 
     quantize_tensor(x, gguf_spec("Q4_K"))  QuantizedTensor: q the raw ggml blocks of x's rows
                                            (uint8 (rows, row_bytes)), scale each block's scale

@@ -15,8 +15,9 @@ its range before anything is used (docs/reliability.md).
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,6 +35,8 @@ VERSION = 1
 MAX_HEADER_BYTES = 16 << 20  # the windows' lengths and a few digests; 16 MiB is far above
 MAX_PAYLOAD_BYTES = 8 << 30  # what one read may load into memory
 MAX_VOCAB = 1 << 24
+MAX_WINDOWS = 1 << 20  # each window is a few small tensors (~3 KB): at most ~3 GB of them
+CHECK_ELEMENTS = 1 << 22  # codes checked per step: bounds the float64 temporaries (~100 MB)
 _PREFIX = struct.Struct("<8sIIQ")
 
 
@@ -101,33 +104,29 @@ def write_logits(
             f.write(getattr(c, name).numpy().astype(dtype).tobytes())
 
 
-def read_logits(path: Path) -> tuple[LogitsInfo, list[int], list[FloatRows], dict[str, str]]:
+def read_logits(
+    path: Path, expect: Callable[[LogitsInfo], None] | None = None
+) -> tuple[LogitsInfo, list[int], list[FloatRows], dict[str, str]]:
     """The file's description, its token ids, each window's float rows and FLOAT's parameter
     digests; InputError naming the file for anything out of its bounds (version, counts,
-    sizes, values)."""
+    sizes, values). `expect` sees the header before any array is read (it refuses a file made
+    for another run), so what is allocated is what this run would hold anyway."""
     with open_regular(path) as f:
-        prefix = f.read(_PREFIX.size)
-        if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
-            raise InputError(path, "not a qtool logits file (made by qtool eval --save-logits)")
-        _, version, _, length = _PREFIX.unpack(prefix)
-        if version != VERSION:
-            raise InputError(path, f"logits file version {version}; this qtool reads {VERSION}")
-        if length > MAX_HEADER_BYTES:
-            raise InputError(path, f"header of {length:,} bytes is over {MAX_HEADER_BYTES:,}")
-        header = f.read(length)
-        if len(header) != length:
-            raise InputError(path, "truncated: the header ends early")
-        doc = parse_json(header, path, "logits file header")
-        info, digests = _info(doc, path), _digests(doc, path)
+        info, digests = _header(f, path)
         n_tokens, n = info.tokens, info.tokens - len(info.windows)
         sizes = [4 * n_tokens, 4 * n, 4 * n, 4 * n, 4 * n, 2 * n * info.vocab]
         if sum(sizes) > MAX_PAYLOAD_BYTES:
             raise InputError(path, f"arrays of {sum(sizes):,} bytes are over {MAX_PAYLOAD_BYTES:,}")
-        parts = [f.read(size) for size in sizes]
-        if any(len(p) != s for p, s in zip(parts, sizes, strict=True)) or f.read(1):
+        if os.fstat(f.fileno()).st_size != f.tell() + sum(sizes):
             raise InputError(path, "its size is not what its header describes (truncated?)")
+        if expect is not None:
+            expect(info)
+        parts = [_read_exactly(f, size, path) for size in sizes]
+        if f.read(1):
+            raise InputError(path, "its size is not what its header describes (truncated?)")
+    # little-endian on every platform torch runs on: astype(copy=False) is a view, not a copy
     ids, nll, argmax, scale, floor, codes = (
-        np.frombuffer(p, dtype=d).astype(d[1:])
+        np.frombuffer(p, dtype=d).astype(d[1:], copy=False)
         for p, d in zip(parts, ("<i4", "<f4", "<i4", "<f4", "<f4", "<i2"), strict=True)
     )
     codes = codes.reshape(-1, info.vocab)
@@ -143,6 +142,40 @@ def read_logits(path: Path) -> tuple[LogitsInfo, list[int], list[FloatRows], dic
                               torch.from_numpy(argmax[s:e]).long(), None, coded))  # fmt: skip
         start = e
     return info, ids.tolist(), rows, digests
+
+
+def _read_exactly(f: BinaryIO, size: int, path: Path) -> bytearray:
+    """`size` bytes into one writable buffer (no second copy, as joining reads would make)."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:  # one read(2) returns at most ~2 GiB
+        n = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise InputError(path, "its size is not what its header describes (truncated?)")
+        got += n
+    return buf
+
+
+def read_logits_info(path: Path) -> LogitsInfo:
+    """The file's description alone (its header, checked as read_logits checks it)."""
+    with open_regular(path) as f:
+        return _header(f, path)[0]
+
+
+def _header(f: BinaryIO, path: Path) -> tuple[LogitsInfo, dict[str, str]]:
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+        raise InputError(path, "not a qtool logits file (made by qtool eval --save-logits)")
+    _, version, _, length = _PREFIX.unpack(prefix)
+    if version != VERSION:
+        raise InputError(path, f"logits file version {version}; this qtool reads {VERSION}")
+    if length > MAX_HEADER_BYTES:
+        raise InputError(path, f"header of {length:,} bytes is over {MAX_HEADER_BYTES:,}")
+    header = f.read(length)
+    if len(header) != length:
+        raise InputError(path, "truncated: the header ends early")
+    doc = parse_json(header, path, "logits file header")
+    return _info(doc, path), _digests(doc, path)
 
 
 def _digests(doc: object, path: Path) -> dict[str, str]:
@@ -178,6 +211,8 @@ def _info(doc: object, path: Path) -> LogitsInfo:
     windows = doc.get("windows")
     if not isinstance(windows, list) or not windows:
         raise bad("windows is not a list of window lengths")
+    if len(windows) > MAX_WINDOWS:
+        raise bad(f"{len(windows):,} windows, over {MAX_WINDOWS:,}")
     for w in windows:
         if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= big:
             raise bad(f"windows holds {str(w)[:40]}, not a length of 2 tokens or more")
@@ -202,14 +237,34 @@ def _check_values(path: Path, info: LogitsInfo, *arrays: np.ndarray) -> None:
     for name, a in (("token id", ids), ("argmax", argmax)):
         if a.size and (a.min() < 0 or a.max() >= info.vocab):
             raise InputError(path, f"a {name} is outside the vocabulary of {info.vocab:,}")
-    if np.isnan(nll).any() or (nll < 0).any():
-        raise InputError(path, "an NLL is negative or NaN")
+    if not (np.isfinite(nll).all() and (nll >= 0).all()):
+        raise InputError(path, "an NLL is negative, infinite or NaN")
     top = floor + scale * CODE_STEPS
     if not (np.isfinite(top).all() and (scale >= 0).all() and (top <= 1e-3).all()):
         raise InputError(path, "a position's scale or floor is out of range")
-    for r in range(0, codes.shape[0], 256):  # each position's probabilities sum to 1
-        c = codes[r : r + 256].astype(np.int64) & 0xFFFF
-        logp = floor[r : r + 256, None] + (c - 1) * scale[r : r + 256, None].astype(np.float64)
-        total = np.logaddexp.reduce(np.where(c > 0, logp, -np.inf), axis=1)
-        if not np.all(np.abs(total) < 1e-2):
-            raise InputError(path, "a position's probabilities do not sum to 1")
+    firsts = np.cumsum((0, *info.windows[:-1]))  # a window's first token is never predicted
+    targets = np.delete(ids, firsts)
+    step = max(1, CHECK_ELEMENTS // info.vocab)
+    for r in range(0, codes.shape[0], step):
+        _check_rows(path, slice(r, r + step), codes, scale, floor, nll, argmax, targets)
+
+
+def _check_rows(path: Path, rows: slice, codes: np.ndarray, *per_row: np.ndarray) -> None:
+    """Positions `rows`: the probabilities sum to 1, the NLL is -ln p of the next token as the
+    codes give it (within the coding's step; at least the floor's where it is coded 0), and the
+    argmax holds the highest code: numbers that disagree with the codes are refused."""
+    scale, floor, nll, argmax, targets = (a[rows].astype(np.float64) for a in per_row)
+    c = codes[rows].astype(np.int64) & 0xFFFF
+    logp = floor[:, None] + (c - 1) * scale[:, None]
+    total = np.logaddexp.reduce(np.where(c > 0, logp, -np.inf), axis=1)
+    if not np.all(np.abs(total) < 1e-2):
+        raise InputError(path, "a position's probabilities do not sum to 1")
+    at = np.arange(c.shape[0])
+    target_code = c[at, targets.astype(np.int64)]
+    tol = scale + 1e-3  # half a step of rounding, float32's error on ln p, and margin
+    coded_nll = -(floor + (target_code - 1) * scale)
+    ok = np.where(target_code > 0, np.abs(nll - coded_nll) <= tol, nll >= -floor - tol)
+    if not ok.all():
+        raise InputError(path, "an NLL disagrees with its position's coded probabilities")
+    if not np.all(c[at, argmax.astype(np.int64)] == c.max(axis=1)):
+        raise InputError(path, "an argmax is not its position's most probable token")

@@ -9,6 +9,7 @@ import io
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,8 +123,8 @@ def payload_offsets() -> dict[str, int]:
     [
         ("ids", struct.pack("<i", VOCAB), "token id is outside the vocabulary"),
         ("argmax", struct.pack("<i", -1), "argmax is outside the vocabulary"),
-        ("nll", struct.pack("<f", float("nan")), "NLL is negative or NaN"),
-        ("nll", struct.pack("<f", -1.0), "NLL is negative or NaN"),
+        ("nll", struct.pack("<f", float("nan")), "NLL is negative, infinite or NaN"),
+        ("nll", struct.pack("<f", -1.0), "NLL is negative, infinite or NaN"),
         ("scale", struct.pack("<f", float("nan")), "scale or floor is out of range"),
         ("scale", struct.pack("<f", -1.0), "scale or floor is out of range"),
         ("floor", struct.pack("<f", 3.0), "scale or floor is out of range"),
@@ -154,3 +155,116 @@ def test_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(InputError):
         read_logits(fifo)
+
+
+def patched(payload: bytes, array: str, index: int, value: bytes) -> bytes:
+    at = payload_offsets()[array] + index * len(value)
+    return payload[:at] + value + payload[at + len(value) :]
+
+
+@pytest.mark.parametrize(
+    ("array", "index", "value", "message"),
+    [
+        ("nll", 2, struct.pack("<f", float("inf")), "NLL is negative, infinite or NaN"),
+        ("nll", 2, struct.pack("<f", 1e30), "NLL disagrees"),
+        ("nll", 7, struct.pack("<f", 0.0), "NLL disagrees"),
+        ("argmax", 3, None, "argmax is not"),
+    ],
+    ids=["nll-inf", "nll-huge", "nll-zero", "argmax-not-the-top"],
+)
+def test_figures_that_disagree_with_the_codes_are_refused(
+    tmp_path: Path, array: str, index: int, value: bytes | None, message: str
+) -> None:
+    """The NLL and argmax are stored beside the codes, so a file can make them say anything
+    (an NLL of +inf once made ln(PPL ratio) -inf and passed a gate): each is checked against
+    the codes it was written with."""
+    _, header, payload = split(valid())
+    if value is None:  # the argmax moved to the position's least probable token
+        codes = torch.frombuffer(
+            bytearray(payload[payload_offsets()["codes"] :]), dtype=torch.int16
+        )
+        row = codes.view(-1, VOCAB)[index].to(torch.int32) & 0xFFFF
+        value = struct.pack("<i", int(row.argmin()))
+    refused(tmp_path, join(header, patched(payload, array, index, value)), message)
+
+
+def test_every_nll_and_argmax_of_a_valid_file_agrees_with_its_codes(tmp_path: Path) -> None:
+    """The cross-check holds for what write_logits writes (no false refusal), at every scored
+    position of several random windows, including near-ties and near-certain positions."""
+    gen = torch.Generator().manual_seed(1)
+    windows = (64, 64, 17)
+    ids = torch.randint(0, VOCAB, (sum(windows),), generator=gen)
+    rows, start = [], 0
+    for i, n in enumerate(windows):
+        logits = torch.randn(n, VOCAB, generator=gen) * (0.01, 3.0, 40.0)[i]
+        rows.append(float_rows(logits, ids[start : start + n], coded=True))
+        start += n
+    info = LogitsInfo("a" * 64, "t", tokens_digest(ids.tolist()), len(ids), 64, "float32",
+                      "c" * 64, "d" * 64, "X", VOCAB, windows)  # fmt: skip
+    path = tmp_path / "ok.qlogits"
+    with path.open("wb") as f:
+        write_logits(f, info, ids.tolist(), rows, {})
+    assert len(read_logits(path)[2]) == 3
+
+
+def test_the_header_is_checked_against_the_run_before_any_array_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big file made for another text (or with a size its header does not describe, e.g.
+    sparse) is refused having read its header only: what the arrays take is never allocated
+    for a file this run cannot use."""
+    reads: list[int] = []
+    real = lf._read_exactly
+
+    def counted(f: Any, n: int, p: Path) -> bytearray:
+        reads.append(n)
+        return real(f, n, p)
+
+    monkeypatch.setattr(lf, "_read_exactly", counted)
+    path = tmp_path / "x.qlogits"
+    path.write_bytes(valid())
+
+    def other_text(info: LogitsInfo) -> None:
+        raise InputError(path, "its text (SHA-256) differs")
+
+    with pytest.raises(InputError, match="text"):
+        read_logits(path, other_text)
+    with path.open("r+b") as f:  # a hole: the size says more than the header does
+        f.truncate(path.stat().st_size + (1 << 30))
+    with pytest.raises(InputError, match="size is not what its header describes"):
+        read_logits(path)
+    assert reads == []
+
+
+def test_a_huge_vocabulary_is_checked_in_bounded_steps(tmp_path: Path) -> None:
+    """A file claiming 2^24 tokens of vocabulary (sparse on disk, 256 MiB of codes) is refused
+    with an InputError within 1.5 GiB more address space than the interpreter holds: the
+    probability checks go a bounded number of codes at a time (256 rows at once was 4 GiB of
+    float64 temporaries, a MemoryError)."""
+    import subprocess
+    import sys
+
+    _, header, _ = split(valid())
+    n, vocab = 8, lf.MAX_VOCAB
+    big = dict(header, windows=[n + 1], ctx=n + 1)
+    big["tokens"] = {"count": n + 1, "sha256": tokens_digest([0] * (n + 1))}
+    big["model"] = {**header["model"], "vocab": vocab}  # type: ignore[dict-item]
+    path = tmp_path / "huge.qlogits"
+    with path.open("wb") as f:
+        f.write(join(big, b""))
+        f.truncate(f.tell() + 4 * (n + 1) + 16 * n + 2 * n * vocab)
+    script = f"""
+import resource, sys
+from pathlib import Path
+from qtool.errors import InputError
+from qtool.formats.logits_file import read_logits
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (3 << 29), size + (3 << 29)))
+try:
+    read_logits(Path({str(path)!r}))
+except InputError as err:
+    print("refused:", err)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert "refused:" in done.stdout and "do not sum to 1" in done.stdout, done.stderr[-2000:]

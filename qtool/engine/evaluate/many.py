@@ -151,28 +151,36 @@ def _from_file(float_dir: Path, path: Path, text: Text, options: EvalOptions) ->
     tokens and windows, this dtype and FLOAT's config and tokenizer."""
     reference = float_shell(float_dir)
     _causal_only(reference)
-    info, saved_ids, rows, digests = read_logits(path)
     ctx = window_length(options.ctx, reference.model.config, float_dir, FLOAT, shortest=2)
     pieces = _pieces(reference, text, options.tokens, ctx)
     ids = [i for piece in pieces for i in piece]
     config, tokenizer = identity(reference)
-    checks = [
-        ("text (SHA-256)", info.text_sha256, text.info.sha256),
-        ("window length", info.ctx, ctx),
-        ("dtype", info.dtype, options.dtype),
-        ("model config (SHA-256)", info.config_sha256, config),
-        ("tokenizer (SHA-256)", info.tokenizer_sha256, tokenizer),
-        ("token count", info.tokens, len(ids)),
-        ("token ids (SHA-256)", info.tokens_sha256, tokens_digest(ids)),
-    ]
-    for what, theirs, ours in checks:
-        if theirs != ours:
-            raise InputError(
-                path, f"its {what} differs: saved {_short(theirs)}, this run's {_short(ours)}; "
-                "evaluate on what it was saved from, or save it again",
-            )  # fmt: skip
-    if saved_ids != ids or [len(p) for p in pieces] != list(info.windows):
-        raise InputError(path, "its tokens or windows are not this run's; save it again")
+    vocab = reference.model.get_input_embeddings().num_embeddings
+
+    def expect(info: LogitsInfo) -> None:  # the header, before any array is read
+        checks = [
+            ("text (SHA-256)", info.text_sha256, text.info.sha256),
+            ("window length", info.ctx, ctx),
+            ("dtype", info.dtype, options.dtype),
+            ("model config (SHA-256)", info.config_sha256, config),
+            ("tokenizer (SHA-256)", info.tokenizer_sha256, tokenizer),
+            ("vocabulary (FLOAT's embedding rows)", info.vocab, vocab),
+            ("token count", info.tokens, len(ids)),
+            ("token ids (SHA-256)", info.tokens_sha256, tokens_digest(ids)),
+            ("window count", len(info.windows), len(pieces)),
+        ]
+        for what, theirs, ours in checks:
+            if theirs != ours:
+                raise InputError(
+                    path, f"its {what} differs: saved {_short(theirs)}, this run's {_short(ours)}; "
+                    "evaluate on what it was saved from, or save it again",
+                )  # fmt: skip
+        if [len(p) for p in pieces] != list(info.windows):
+            raise InputError(path, "its windows are not this run's; save it again")
+
+    _, saved_ids, rows, digests = read_logits(path, expect)
+    if saved_ids != ids:
+        raise InputError(path, "its tokens are not this run's; save it again")
     return FloatSide(reference, pieces, rows, digests, ctx)
 
 

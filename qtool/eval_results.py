@@ -168,7 +168,8 @@ class EvalViolation:
 
 
 def check(bounds: EvalBounds, summary: EvalSummary) -> list[EvalViolation]:
-    """Every bound the figures break; a NaN figure, or one the run lacks, breaks its bound."""
+    """Every bound the figures break; a figure that is not finite (NaN, -inf: a perplexity
+    ratio of 0 from an infinite float perplexity), or one the run lacks, breaks its bound."""
     c, e = summary.causal, summary.encoder
     figures = {
         "max_kl": (c.kl.mean if c else None, "mean KL", "nats per token"),
@@ -176,13 +177,18 @@ def check(bounds: EvalBounds, summary: EvalSummary) -> list[EvalViolation]:
         "min_top1": (c.top1 if c else None, "top-1 agreement", "share of positions"),
         "min_cosine": (e.cosine_mean if e else None, "mean cosine", "of sentence embeddings"),
     }
+    # a ratio of two perplexities passes only where both are finite (5 / inf is 0)
+    parts_finite = c is None or (math.isfinite(c.ppl_float) and math.isfinite(c.ppl_quant))
     out = []
     for name, limit in bounds.as_dict().items():
         value, what, unit = figures[name]
         if limit is None:
             continue
         upper = name.startswith("max_")
-        if value is not None and (value <= limit if upper else value >= limit):
+        finite = value is not None and math.isfinite(value)
+        if name == "max_ppl_ratio":
+            finite = finite and parts_finite
+        if finite and value is not None and (value <= limit if upper else value >= limit):
             continue
         if value is None:
             detail = f"{what}: this {summary.kind} has no such figure"

@@ -1,6 +1,7 @@
 """The float model's side of `qtool eval`, kept in a file (`--save-logits`, read back by
 `--logits`): per scored position the next token's NLL, the argmax and every log-probability in
-16 bits (numerics/logits.Coded, as llama-perplexity's --kl-divergence-base), and what they were
+16 bits (numerics/logits.Coded, like llama-perplexity's --kl-divergence-base, over 24 nats),
+and what they were
 computed on (the text's
 SHA-256, the token ids, ctx, dtype, the model's config and tokenizer digests), so that a file
 made for other tokens or another model is refused rather than compared.

@@ -11,7 +11,7 @@ log p_q(v)): the float model's distribution is the reference, as in llama.cpp's
 
 The float side can also be kept apart from its logits, as `FloatRows` (what scoring needs of
 one window: the next-token NLL, the argmax, and every log-probability, in float32 or in 16 bits
-as llama-perplexity's --kl-divergence-base keeps them), so that one float pass serves many
+like llama-perplexity's --kl-divergence-base, over 24 nats), so that one float pass serves many
 quantized models (`score_against`): in float32 the figures are those of `score_window`, bit
 for bit; coded, only the KL moves, within a bound docs/eval.md states.
 """
@@ -82,8 +82,9 @@ CODE_STEPS = 65534  # codes 1..65535 span the range; 0: below it (probability < 
 
 @dataclass(frozen=True)
 class Coded:
-    """Every log-probability of n positions in 16 bits, as llama-perplexity's
-    --kl-divergence-base keeps them: ln p ~ floor + (code - 1) * scale, code 0 below floor."""
+    """Every log-probability of n positions in 16 bits, like llama-perplexity's
+    --kl-divergence-base but over 24 nats in 65,534 steps (its: 16 nats, 65,535): ln p ~
+    floor + (code - 1) * scale, code 0 below floor."""
 
     codes: torch.Tensor  # [n, V] int16 (the uint16 code's bits)
     scale: torch.Tensor  # [n] float32: CODE_RANGE / CODE_STEPS or less
@@ -157,11 +158,14 @@ def score_against(
         logp_q = torch.log_softmax(rows.float(), dim=-1)
         nlls.append(nll(logp_q, targets[r:end]).cpu())
         if reference.logp is not None:
-            logp_f = reference.logp[r:end]
+            kl = kl_divergence(reference.logp[r:end].to(logp_q.device), logp_q)
         else:
             assert reference.coded is not None
-            logp_f = reference.coded.logp(r, end)
-        kls.append(kl_divergence(logp_f.to(logp_q.device), logp_q).cpu())
+            logp_f = reference.coded.logp(r, end).to(logp_q.device)
+            # the codes' rounding can take a KL near 0 below it (-1e-7 for FLOAT against its
+            # own file); a KL is never negative, so that part of the coding error is dropped
+            kl = kl_divergence(logp_f, logp_q).clamp_min(0.0)
+        kls.append(kl.cpu())
         agree.append(reference.argmax[r:end] == rows.argmax(dim=-1).cpu())
     return WindowScores(reference.nll, torch.cat(nlls), torch.cat(kls), torch.cat(agree))
 

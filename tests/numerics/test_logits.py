@@ -199,6 +199,15 @@ def test_nan_figures_and_missing_figures_fail_their_bound() -> None:
     assert broken[0].value is None and "no such figure" in broken[0].detail
 
 
+@pytest.mark.parametrize("ppl_float", [math.inf, math.nan])
+def test_a_figure_that_is_not_finite_fails_its_bound(ppl_float: float) -> None:
+    """A gate passes only on a finite figure within the bound: an infinite float perplexity
+    made the ratio 0 (and ln ratio -inf), which passed every --max-ppl-ratio."""
+    broken_float = CausalFigures(ppl_float, 10.0, Distribution(-math.inf, 0, 0, 0, 0), 90, 100)
+    bounds = EvalBounds(max_kl=1.0, max_ppl_ratio=2.0, min_top1=0.5)
+    assert [v.bound for v in check(bounds, summary(broken_float))] == ["max_kl", "max_ppl_ratio"]
+
+
 def test_bounds_are_checked_and_placed() -> None:
     with pytest.raises(ValueError, match="min_top1"):
         EvalBounds(min_top1=1.5)
@@ -245,6 +254,16 @@ def test_argmax_ties_take_the_lowest_id_on_both_sides() -> None:
     rows = float_rows(lf, torch.tensor([0, 1]))
     assert rows.argmax.tolist() == [1]
     assert bool(score_against(rows, lf.clone(), torch.tensor([0, 1])).agree.all())
+
+
+def test_coded_kl_of_a_model_against_itself_is_never_negative() -> None:
+    """FLOAT against its own 16-bit codes: the rounding of the codes made some positions'
+    KL slightly negative (-1e-7), which no KL is; every position is at least 0."""
+    gen = torch.Generator().manual_seed(5)
+    lf = torch.randn(200, 500, generator=gen) * 4
+    ids = torch.randint(0, 500, (200,), generator=gen)
+    kl = score_against(float_rows(lf, ids, coded=True), lf, ids).kl
+    assert float(kl.min()) >= 0.0 and float(kl.max()) < 1e-3
 
 
 def coded_bound(lf: torch.Tensor, lq: torch.Tensor, scale: torch.Tensor) -> np.ndarray:

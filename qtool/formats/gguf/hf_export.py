@@ -19,6 +19,7 @@ rope_type llama3 adds rope_freqs.weight. Anything else is refused, naming what.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ import torch
 
 from qtool.errors import InputError, UsageError
 from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
-from qtool.formats.gguf.hf_vocab import CONVERTER, add_vocab
+from qtool.formats.gguf.hf_vocab import CONVERTER, INSTALL_TOKENIZERS, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
+from qtool.formats.gguf.reader import INSTALL_GGUF
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.atomic import OutputSet
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
@@ -299,6 +301,7 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
     the converter's auto)."""
     if float_type is not None and float_type not in FLOAT_FILE_TYPES:
         raise UsageError(None, f"{float_type} is not a float GGUF type (F32, F16, BF16)")
+    require_packages()
     config, arch = read_config(directory)
     tensors, chosen = plan_tensors(directory, config, arch, float_type)
     extra = rope_freqs(config)
@@ -314,6 +317,17 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
         writer.write(extra.numpy())
     writer.finish()
     return layout
+
+
+def require_packages() -> None:
+    """gguf (its key names, name map and SpecialVocab) and tokenizers (the pre-tokenizer's
+    hash) import, else UsageError naming the package to install, before any work."""
+    for name, install in (("gguf", INSTALL_GGUF), ("tokenizers", INSTALL_TOKENIZERS)):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            raise UsageError(None, f"converting a Hugging Face directory to GGUF needs the {name} "
+                             f"package; install it with {install}") from None  # fmt: skip
 
 
 def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:

@@ -175,3 +175,24 @@ def test_the_joint_fit_predicts_the_kl_of_every_tensor_perturbed_at_once(
     assert stored.predicted(total) == pytest.approx(kl, rel=1e-4 if fitted else 0.05)
     assert abs(total / kl - 1.0) > 0.1
     assert stored.sum_within(stored.predicted(total)) == pytest.approx(total, rel=1e-9)
+
+
+def test_an_untied_head_and_the_embedding_each_get_their_own_alpha(tmp_path: Path) -> None:
+    """Untied: the embedding's stream uses the float head, the head's stream the float final
+    states; each KL equals the whole model's with that one tensor perturbed, r with h = 1
+    (no imatrix entry), and both are stored under llama.cpp's names."""
+    model = build(tmp_path / "llama", "llama")
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "x.imatrix.gguf"
+    opts = CalibrateOptions((text,), tokens=8 * CTX, ctx=CTX, sensitivity_tokens=WINDOWS * CTX)
+    summary = calibrate(model, out, opts).sensitivity
+    assert summary is not None
+    rows = {row.name: row for row in summary.linears}
+    for gguf_name, hf_name in (("token_embd.weight", "model.embed_tokens.weight"),
+                               ("output.weight", "lm_head.weight")):  # fmt: skip
+        kl, (w, approx) = _whole_model_kl(model, text, hf_name, reference_error)
+        assert rows[gguf_name].kl == pytest.approx(kl, rel=1e-4), gguf_name
+        assert rows[gguf_name].r == pytest.approx(relative_error(w, approx, None), rel=1e-9)
+    stored = read_sensitivities(out, read_imatrix_file(out).metadata)
+    assert stored is not None and {"token_embd.weight", "output.weight"} <= set(stored.alpha)

@@ -190,8 +190,9 @@ def joint_kl(
         block.to_empty(device="meta")
         return_freed_memory()
     norm, weight = _head(model, base, layers_name, reader, device, path)
+    weight = weight.detach()
     head = f"{_module_name(model, model.get_output_embeddings())}.weight"
-    tied = weight is table.weight
+    tied = _head_is_tied(model, reader)
     delta = reference_error(weight) if (embedding if tied else head) in names else None
     sums: dict[float, list[tuple[float, int]]] = {k: [] for k in perturbed}
     with torch.no_grad():
@@ -406,6 +407,12 @@ def _head(model: Any, base: Any, layers_name: str, reader: FloatReader,
     return norm, model.get_input_embeddings().weight
 
 
+def _head_is_tied(model: Any, reader: FloatReader) -> bool:
+    """Whether _head uses the input embeddings' table (the checkpoint has no head of its own)."""
+    head = model.get_output_embeddings()
+    return f"{_module_name(model, head)}.weight" not in set(reader.names)
+
+
 def _divergences(
     model: Any,
     base: Any,
@@ -425,10 +432,11 @@ def _divergences(
     first) goes through the perturbed table when the head is tied to it; an untied head gets
     a stream of its own (the float states through the perturbed head, its r into `errors`)."""
     norm, weight = _head(model, base, layers_name, reader, device, path)
+    weight = weight.detach()  # a loaded head may require grad; no figure here is a graph
     heads = dict.fromkeys(streams, weight)
     if ends:
         delta = reference_error(weight)
-        if weight is model.get_input_embeddings().weight:
+        if _head_is_tied(model, reader):
             name = next(iter(streams))
         else:
             name = f"{_module_name(model, model.get_output_embeddings())}.weight"

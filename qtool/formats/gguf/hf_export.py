@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError, OutputError, UsageError
 from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
 from qtool.formats.gguf.hf_vocab import CONVERTER, INSTALL_TOKENIZERS, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
 from qtool.formats.gguf.reader import INSTALL_GGUF
 from qtool.gguf_types import GGML_TYPES, ValueType
-from qtool.io.atomic import OutputSet
+from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
 from qtool.io.jsonfile import read_json_object
@@ -311,11 +311,14 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
         specs.append(("rope_freqs.weight", GGML_TYPES["F32"], tuple(extra.shape)))
     header, layout = build_header(meta, specs)
     writer = GGUFStreamWriter(outputs.create(out), header, layout)
-    for t, values in _values(tensors):
-        writer.write(tensor_data(t, values, arch, config))
-    if extra is not None:
-        writer.write(extra.numpy())
-    writer.finish()
+    try:
+        for t, values in _values(tensors):
+            writer.write(tensor_data(t, values, arch, config))
+        if extra is not None:
+            writer.write(extra.numpy())
+        writer.finish()
+    except OSError as err:  # a full disk, a file size limit
+        raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
     return layout
 
 

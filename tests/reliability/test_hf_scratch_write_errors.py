@@ -1,0 +1,47 @@
+"""quantize HF_DIR --format gguf writes a float copy of the checkpoint beside the output first;
+a full disk or a file-size limit while writing it said "internal error: OSError: [Errno 27]
+File too large". It is the output's problem, worded as every other write's ("cannot write: file
+too large ..."), naming the output's folder; exit 1, nothing left behind."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.formats.gguf.hf_models import write_model
+
+pytest.importorskip("transformers")
+
+# the tiny tokenizer's pre-tokenizer taken as gpt-2's (the converter's table lacks it)
+RUN = (
+    "import sys; from qtool.formats.gguf import hf_vocab; "
+    "hf_vocab.pre_tokenizer = lambda directory: 'gpt-2'; "
+    "from qtool.cli import main; sys.argv[0] = 'qtool'; main()"
+)
+
+
+def _limit_file_size(limit: int) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_file_size_limit_on_the_float_copy_names_the_output_folder(tmp_path: Path) -> None:
+    src = write_model(tmp_path / "m", "llama")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "quantize", str(src), "--format", "gguf",
+         "--dtype", "Q8_0", "-o", str(out_dir / "o.gguf")],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: _limit_file_size(100_000),  # the F16 copy is ~200 KB
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "" and "internal error" not in proc.stderr
+    assert proc.stderr.startswith(f"qtool: error: {out_dir}: "), proc.stderr
+    assert "cannot write: file too large" in proc.stderr
+    assert list(out_dir.iterdir()) == []

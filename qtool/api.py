@@ -41,6 +41,7 @@ __all__ = [
     "dequantize",
     "evaluate",
     "evaluate_all",
+    "eval_inputs",
     "eval_kind",
     "inspect",
     "plot_compare",
@@ -169,6 +170,17 @@ def evaluate_all(
     from qtool.engine.evaluate.many import evaluate_all as run
 
     return run(float_dir, quants, options, progress, logits, save_logits)
+
+
+def eval_inputs(
+    logits: Path | None, text: Path | None, tokens: int | None, ctx: int | None, dtype: str | None
+) -> tuple[Path | None, int, int | None, str]:
+    """eval's text, tokens, ctx and dtype: those given, the rest from the logits file when one
+    is given (a given value that differs from the file's is refused when it is read), else
+    the defaults (the default text, 4096 tokens, FLOAT's ctx, float32)."""
+    from qtool.engine.evaluate.many import saved_defaults
+
+    return saved_defaults(logits, text, tokens, ctx, dtype)
 
 
 def calibrate(

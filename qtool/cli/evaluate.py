@@ -99,7 +99,8 @@ LogitsOpt = Annotated[
     Path | None,
     typer.Option(
         help="FLOAT's side from a --save-logits FILE: FLOAT's weights are not read (its config "
-        "and tokenizer are); refused unless text, tokens, ctx, dtype and model match.",
+        "and tokenizer are); --text, --tokens, --ctx and --dtype default to the file's, and it "
+        "is refused where they or the model differ from it.",
         metavar="FILE",
         show_default=False,
         rich_help_panel=INPUT,
@@ -108,18 +109,21 @@ LogitsOpt = Annotated[
 TextOpt = Annotated[
     Path | None,
     typer.Option(
-        help="UTF-8 text to evaluate on [default: CPython's pydoc_data topics].",
+        help="UTF-8 text to evaluate on [default: CPython's pydoc_data topics; with --logits, "
+        "the file's].",
         metavar="FILE",
         show_default=False,
         rich_help_panel=INPUT,
     ),
 ]
 TokensOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
-        help="Tokens of the text to use (its first N, at least 2).",
+        help="Tokens of the text to use (its first N, at least 2) [default: 4096; with "
+        "--logits, the file's].",
         callback=_at_least(2),
         metavar="N",
+        show_default=False,
         rich_help_panel=INPUT,
     ),
 ]
@@ -127,7 +131,7 @@ CtxOpt = Annotated[
     int | None,
     typer.Option(
         help="Window length in tokens (encoders: the longest sentence) [default: 512, or "
-        "FLOAT's max_position_embeddings if smaller].",
+        "FLOAT's max_position_embeddings if smaller; with --logits, the file's].",
         callback=_at_least(2),
         metavar="N",
         show_default=False,
@@ -135,9 +139,12 @@ CtxOpt = Annotated[
     ),
 ]
 EvalDtypeOpt = Annotated[
-    EvalDtype,
+    EvalDtype | None,
     typer.Option(
-        help="The dtype both models run in.", metavar=choices(EvalDtype), rich_help_panel=RUN
+        help="The dtype both models run in [default: float32; with --logits, the file's].",
+        metavar=choices(EvalDtype),
+        show_default=False,
+        rich_help_panel=RUN,
     ),
 ]
 EvalDeviceOpt = Annotated[
@@ -199,7 +206,7 @@ def eval_models(
     float_dir: FloatArg,
     quants: QuantArg = None,
     text: TextOpt = None,
-    tokens: TokensOpt = 4096,
+    tokens: TokensOpt = None,
     ctx: CtxOpt = None,
     max_kl: Annotated[float | None, _bound("Fail above this mean KL, nats/token.", 0.0)] = None,
     max_ppl_ratio: Annotated[
@@ -215,7 +222,7 @@ def eval_models(
     order: LayerSortOpt = LayerOrder.OUTPUT,
     top: LayerTopOpt = None,
     as_json: JsonOpt = False,
-    dtype: EvalDtypeOpt = EvalDtype.FLOAT32,
+    dtype: EvalDtypeOpt = None,
     device: EvalDeviceOpt = Device.AUTO,
     threads: EvalThreadsOpt = None,
     save_logits: SaveLogitsOpt = None,
@@ -230,8 +237,10 @@ def eval_models(
     with user_errors(as_json):
         _check_many(quants, per_layer, logits, save_logits)
         _check_bounds(bounds, api.eval_kind(float_dir))
+        run_dtype = dtype.value if dtype is not None else None
+        text_in, tokens_in, ctx_in, dtype_in = api.eval_inputs(logits, text, tokens, ctx, run_dtype)
         options = api.EvalOptions(
-            text, tokens, ctx, dtype.value, device.value, per_layer, threads=threads
+            text_in, tokens_in, ctx_in, dtype_in, device.value, per_layer, threads=threads
         )
         with eval_report.eval_progress() as progress:
             summaries = api.evaluate_all(

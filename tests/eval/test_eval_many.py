@@ -234,3 +234,33 @@ def test_each_candidate_is_checked_for_an_in_sample_text(
     assert [s.in_sample for s in got] == [(), used]
     assert not any("in sample" in n for n in got[0].notes)
     assert any("in sample" in n and "calibrated on" in n for n in got[1].notes)
+
+
+def test_cli_logits_gives_the_text_tokens_ctx_and_dtype_it_was_saved_with(
+    root: Path, invoke: Invoke, tmp_path: Path
+) -> None:
+    """--logits FILE alone runs on what the file was saved from (they had to be repeated, and a
+    --dtype or --tokens left out was refused as differing); one given that differs is still
+    refused; a saved text that is not there any more asks for --text."""
+    text = tmp_path / "saved.txt"
+    shutil.copy(root / "text.txt", text)
+    saved = tmp_path / "f.qlogits"
+    made = ["--text", str(text), "--tokens", "300", "--ctx", "48", "--dtype", "bfloat16"]
+    code, _, err = invoke("eval", str(root / "llama"), "--save-logits", str(saved), *made,
+                          "--threads", "1")  # fmt: skip
+    assert code == 0, err
+    args = ["eval", str(root / "llama"), str(root / "q-int8"), "--logits", str(saved),
+            "--threads", "1", "--json"]  # fmt: skip
+    code, out, err = invoke(*args)
+    assert code == 0, err
+    doc = json.loads(out)  # one QUANT: its own document
+    assert (doc["tokens"], doc["ctx"], doc["dtype"]) == (300, 48, "bfloat16")
+    assert doc["text"]["source"] == str(text)
+    for given, differs in ((["--tokens", "200"], "token count"), (["--ctx", "64"], "window"),
+                           (["--dtype", "float32"], "dtype"),
+                           (["--text", str(root / "other.txt")], "text")):  # fmt: skip
+        code, out, err = invoke(*args, *given)
+        assert code == 1 and out == "" and f"its {differs}" in err, (given, err)
+    text.unlink()
+    code, out, err = invoke(*args)
+    assert code == 2 and out == "" and "--text FILE" in err and str(text) in err, err

@@ -28,13 +28,19 @@ from qtool.engine.evaluate.run import DTYPES, EvalOptions, evaluate, in_sample, 
 from qtool.engine.loop import resolve_device
 from qtool.engine.model.config import FLOAT, window_length
 from qtool.engine.model.models import FloatModel, float_shell, load_float
-from qtool.engine.model.text import Text, default_text, read_text, windows
+from qtool.engine.model.text import DEFAULT_SOURCE, Text, default_text, read_text, windows
 from qtool.engine.model.tokens import causal_tokens, check_vocabulary
 from qtool.engine.source import protected_paths
 from qtool.engine.threads import using_threads
 from qtool.errors import InputError, UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
-from qtool.formats.logits_file import LogitsInfo, read_logits, tokens_digest, write_logits
+from qtool.formats.logits_file import (
+    LogitsInfo,
+    read_logits,
+    read_logits_info,
+    tokens_digest,
+    write_logits,
+)
 from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
 from qtool.numerics.logits import FloatRows, code_log_probs
 from qtool.results import Progress
@@ -205,6 +211,40 @@ def _protected(inputs: list[Path]) -> list[Path]:
     export's shards) and what belongs to each (a sidecar): never replaced by the logits file."""
     files = [c for p in inputs if p.is_dir() for c in p.iterdir()]
     return protected_paths([*inputs, *files])
+
+
+def saved_defaults(
+    path: Path | None, text: Path | None, tokens: int | None, ctx: int | None, dtype: str | None
+) -> tuple[Path | None, int, int | None, str]:
+    """text, tokens, ctx and dtype, each where not given from the logits file `path` (its text
+    from where it was read, the default text's from this Python), else the defaults; a value
+    given stays, and _from_file refuses it where it differs from the file's."""
+    base = EvalOptions()
+    if path is None:
+        return text, tokens or base.tokens, ctx, dtype or base.dtype
+    info = read_logits_info(path)
+    if dtype is None and info.dtype not in DTYPES:
+        raise InputError(path, f"its dtype {_short(info.dtype)!r} is none qtool runs models in")
+    return (
+        text if text is not None else _saved_text(path, info.text_source),
+        tokens or info.tokens,
+        ctx or info.ctx,
+        dtype or info.dtype,
+    )
+
+
+def _saved_text(path: Path, source: str) -> Path | None:
+    """The text file a logits file was saved on (None: the default text); its SHA-256 is
+    checked against the file's when the float side is read."""
+    if source.startswith(DEFAULT_SOURCE):
+        return None
+    saved = Path(source)
+    if not saved.is_file():
+        raise UsageError(
+            path, f"it was saved on the text {source[:300]!r}, which is not a file here; give "
+            "that text", hint="text",
+        )  # fmt: skip
+    return saved
 
 
 def _coded(rows: FloatRows) -> FloatRows:

@@ -16,6 +16,7 @@ from qtool.eval_results import TextInfo
 from qtool.io.safeopen import read_bounded
 
 MAX_TEXT_BYTES = 64_000_000
+DEFAULT_SOURCE = "pydoc_data topics (CPython "  # the default text's source, less the version
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def default_text() -> Text:
 
     content = "\n\n".join(topics[key] for key in sorted(topics))
     version = ".".join(str(v) for v in sys.version_info[:3])
-    return Text(content, f"pydoc_data topics (CPython {version})")
+    return Text(content, f"{DEFAULT_SOURCE}{version})")
 
 
 def read_text(path: Path, purpose: str = "evaluate on") -> Text:

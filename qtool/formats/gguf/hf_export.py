@@ -11,8 +11,9 @@ and feed-forward lengths, head counts, rope base and scaling, rms eps, key/value
 type; llama also vocab size and rope dimension count), quantization version, the vocabulary
 (hf_vocab.py), then the tensors in the checkpoint's order under gguf-py's TensorNameMap names:
 1-D ones F32, the others in `float_type` (default: the converter's "auto", the type of the first
-2-D tensor when BF16 or F16, else F16). For llama the rows of q_proj/k_proj are permuted as
-LlamaModel.permute does (llama.cpp's rotary embedding pairs rows differently); a tied model
+2-D tensor when BF16 or F16, else F16; F32 instead when an F32 value would overflow F16). For
+llama the rows of q_proj/k_proj are permuted as LlamaModel.permute does (llama.cpp's rotary
+embedding pairs rows differently); a tied model
 has no output.weight (llama.cpp reuses token_embd.weight); Qwen2's q/k/v biases are kept;
 rope_type llama3 adds rope_freqs.weight. Anything else is refused, naming what.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ class HFTensor:
     gguf: str
     type: str
     shape: tuple[int, ...]
+    source: str = ""  # the checkpoint's dtype (F32, F16, BF16)
 
 
 def is_convertible(path: Path) -> bool:
@@ -112,13 +114,14 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
     chosen = float_type or _auto(found)
     mapped = gguf_names(arch, int(config["num_hidden_layers"]), [n for n, *_ in found])
     out: list[HFTensor] = []
-    for name, file, shape, _ in found:
+    for name, file, shape, dtype in found:
         target = mapped.get(name)
         if target is None:
             raise InputError(
                 file, f"gguf's name map for {arch} has no GGUF name for it; {CONVERTER}", name
             )
-        out.append(HFTensor(name, file, target, "F32" if len(shape) < 2 else chosen, shape))
+        kind = "F32" if len(shape) < 2 else chosen
+        out.append(HFTensor(name, file, target, kind, shape, _NAMES[dtype]))
     return out, chosen
 
 
@@ -149,6 +152,9 @@ def _check_vocab(config: dict[str, Any], found: _Found, directory: Path) -> None
     if rows != config["vocab_size"]:
         raise InputError(directory / "config.json", f"vocab_size is {config['vocab_size']:,}, "
                          f"but {EMBEDDING} has {rows:,} rows; fix the config")  # fmt: skip
+
+
+_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def _dtype(text: str, file: Path, name: str) -> torch.dtype:
@@ -304,6 +310,8 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
     require_packages()
     config, arch = read_config(directory)
     tensors, chosen = plan_tensors(directory, config, arch, float_type)
+    if float_type is None and chosen == "F16" and _overflows_f16(tensors):
+        tensors, chosen = [replace(t, type="F32") for t in tensors], "F32"
     extra = rope_freqs(config)
     meta = metadata(directory, config, arch, chosen, tensors)
     specs = [(t.gguf, GGML_TYPES[t.type], tuple(reversed(t.shape))) for t in tensors]
@@ -320,6 +328,22 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
     except OSError as err:  # a full disk, a file size limit
         raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
     return layout
+
+
+F16_MAX = 65504.0
+
+
+def _overflows_f16(tensors: list[HFTensor]) -> bool:
+    """Whether a finite value of an F32 tensor the auto type writes as F16 is beyond F16's
+    range: it would become Inf in the copy (the converter's auto makes that F16 copy, Inf
+    included), and the quantizers would refuse the checkpoint for a value it does not hold.
+    One pass over the F32 tensors, one at a time; F16 and BF16 checkpoints are not read."""
+    wide = [t for t in tensors if t.type == "F16" and t.source == "F32"]
+    for _, values in _values(wide):
+        big = values.abs() > F16_MAX
+        if bool((big & values.isfinite()).any()):
+            return True
+    return False
 
 
 def require_packages() -> None:

@@ -22,7 +22,7 @@ from qtool.engine.source import protected_paths
 from qtool.errors import OutputError, QtoolError
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
-from qtool.results import QuantizeSummary
+from qtool.results import QuantizeRow, QuantizeSummary
 
 _FLOAT_NAME = "converted.gguf"
 
@@ -48,12 +48,27 @@ def quantize_hf(
             convert = entry(options.format.value).convert
             assert convert is not None  # converts() said so
             with OutputSet() as outputs:
-                convert(src, float_gguf, outputs)
+                converted = convert(src, float_gguf, outputs)
                 outputs.commit()
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:
             raise _named_for_user(err, float_gguf, src) from None
-    return replace(summary, inputs=[str(src)])
+    sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
+    return replace(summary, inputs=[str(src)], rows=_as_checkpoint(summary.rows, sources))
+
+
+def _as_checkpoint(
+    rows: list[QuantizeRow], sources: dict[str, tuple[str, int]]
+) -> list[QuantizeRow]:
+    """Each row's input dtype and size as the checkpoint holds the tensor, not as the scratch
+    copy did (an F32 checkpoint's F16 copy is half its size); a tensor the conversion made
+    (llama3's rope_freqs) keeps the copy's."""
+    return [
+        replace(r, dtype=sources[r.name][0], bytes_in=sources[r.name][1])
+        if r.name in sources
+        else r
+        for r in rows
+    ]
 
 
 def read_files(src: Path) -> list[Path]:

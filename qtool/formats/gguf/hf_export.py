@@ -3,7 +3,7 @@ convert_hf_to_gguf.py writes it (llama-cpp-python 0.3.36's vendored converter: c
 base.py's TextModel, llama.py's LlamaModel, qwen.py's Qwen2Model), for `quantize HF_DIR
 --format gguf` to quantize as any float GGUF.
 
-    header = export_float(directory, out, outputs)           # out: a temp file of `outputs`
+    converted = export_float(directory, out, outputs)        # out: a temp file of `outputs`
 
 What it writes, in the converter's order: general.* (architecture, type, name and size label
 by gguf-py's Metadata), the hyperparameters (TextModel.set_gguf_parameters: context, embedding
@@ -13,9 +13,9 @@ type; llama also vocab size and rope dimension count), quantization version, the
 1-D ones F32, the others in `float_type` (default: the converter's "auto", the type of the first
 2-D tensor when BF16 or F16, else F16; F32 instead when an F32 value would overflow F16). For
 llama the rows of q_proj/k_proj are permuted as LlamaModel.permute does (llama.cpp's rotary
-embedding pairs rows differently); a tied model
-has no output.weight (llama.cpp reuses token_embd.weight); Qwen2's q/k/v biases are kept;
-rope_type llama3 adds rope_freqs.weight. Anything else is refused, naming what.
+embedding pairs rows differently); a tied model has no output.weight (llama.cpp reuses
+token_embd.weight); Qwen2's q/k/v biases are kept; rope_type llama3 adds rope_freqs.weight.
+Anything else is refused, naming what.
 """
 
 from __future__ import annotations
@@ -300,11 +300,23 @@ def tensor_data(t: HFTensor, values: torch.Tensor, arch: str, config: dict[str, 
     return out.view(torch.uint8).numpy().reshape(-1) if out.numel() else np.empty(0, np.uint8)
 
 
+@dataclass(frozen=True)
+class Converted:
+    """What export_float wrote: the float GGUF's header, and for each GGUF tensor taken from
+    the checkpoint its dtype and size there (a report names the checkpoint as the input)."""
+
+    header: GGUFHeader
+    sources: dict[str, tuple[str, int]]
+
+
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
 def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str | None = None
-                 ) -> GGUFHeader:  # fmt: skip
+                 ) -> Converted:  # fmt: skip
     """Write the float GGUF of the model directory `directory` to `out` (a temp file of
-    `outputs`); returns its header. `float_type`: F32, F16 or BF16 for the 2-D tensors (None:
-    the converter's auto)."""
+    `outputs`); returns its header and the tensors' sources. `float_type`: F32, F16 or BF16
+    for the 2-D tensors (None: the converter's auto)."""
     if float_type is not None and float_type not in FLOAT_FILE_TYPES:
         raise UsageError(None, f"{float_type} is not a float GGUF type (F32, F16, BF16)")
     require_packages()
@@ -327,7 +339,8 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
         writer.finish()
     except OSError as err:  # a full disk, a file size limit
         raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
-    return layout
+    sources = {t.gguf: (t.source, math.prod(t.shape) * _ITEM_BYTES[t.source]) for t in tensors}
+    return Converted(layout, sources)
 
 
 F16_MAX = 65504.0

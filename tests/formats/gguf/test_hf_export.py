@@ -224,3 +224,27 @@ def test_llama3_rope_scaling_writes_the_factors_transformers_applies(tmp_path: P
     base = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     torch.testing.assert_close(got, base / scaled, rtol=1e-5, atol=0)
     assert len(set(got.tolist())) > 2  # low, high and smoothed frequencies all present
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_report_describes_the_checkpoint_not_the_scratch_copy(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """The report's input dtype and bytes are the checkpoint's: an F32 checkpoint's scratch
+    copy is F16, half its size, and the report said so (201 KiB F16 for 403 KiB of F32)."""
+    from safetensors.torch import load_file, save_file
+
+    src = write_model(tmp_path / "m", "llama")
+    state = {k: v.to(dtype) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_qtool(
+        "quantize", str(src), "--format", "gguf", "--dtype", "Q8_0",
+        "-o", str(tmp_path / "o.gguf"), "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    name = "F32" if dtype is torch.float32 else "BF16"
+    rows = report["tensors"]
+    assert {r["dtype"] for r in rows} == {name}
+    held = sum(t.numel() * t.element_size() for t in state.values())
+    assert report["totals"]["bytes_in"] == sum(r["bytes_in"] for r in rows) == held

@@ -164,12 +164,14 @@ def evaluate_all(
     progress: Progress | None = None,
     logits: Path | None = None,
     save_logits: Path | None = None,
+    force: bool = False,
 ) -> list[EvalSummary]:
     """Every QUANT against one float pass (the float side from the logits file `logits`, when
-    given, FLOAT's weights never read; its top k written to `save_logits`, when given)."""
+    given, FLOAT's weights never read; every float log-probability written to `save_logits`,
+    coded in 16 bits, when given, replacing an existing file only with `force`)."""
     from qtool.engine.evaluate.many import evaluate_all as run
 
-    return run(float_dir, quants, options, progress, logits, save_logits)
+    return run(float_dir, quants, options, progress, logits, save_logits, force)
 
 
 def eval_inputs(

@@ -95,6 +95,14 @@ SaveLogitsOpt = Annotated[
         rich_help_panel=INPUT,
     ),
 ]
+SaveForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an existing --save-logits FILE (eval writes nothing else).",
+        rich_help_panel=INPUT,
+    ),
+]
 LogitsOpt = Annotated[
     Path | None,
     typer.Option(
@@ -227,6 +235,7 @@ def eval_models(
     threads: EvalThreadsOpt = None,
     save_logits: SaveLogitsOpt = None,
     logits: LogitsOpt = None,
+    force: SaveForceOpt = False,
 ) -> None:
     """Run FLOAT and QUANT on the same tokens, window by window, and compare their outputs:
     perplexity of each, KL(FLOAT || QUANT) per token, top-1 agreement (causal LMs), or the
@@ -244,7 +253,7 @@ def eval_models(
         )
         with eval_report.eval_progress() as progress:
             summaries = api.evaluate_all(
-                float_dir, quants, options, progress, logits=logits, save_logits=save_logits
+                float_dir, quants, options, progress, logits, save_logits, force
             )
     for summary in summaries:
         print_notes([f"{summary.inputs[1]}: {n}" if len(summaries) > 1 else n

@@ -104,7 +104,9 @@ def test_from_a_logits_file_the_figures_are_the_pairs_and_kl_within_its_bound(
         for name in ("ppl_float", "ppl_quant", "agree", "predicted", "ln_ratio", "ln_ratio_se"):
             assert getattr(c, name) == getattr(p, name), name
         assert c.dp_mean == pytest.approx(p.dp_mean, rel=1e-9, abs=1e-15)
-        assert c.kl.mean == pytest.approx(p.kl.mean, rel=1e-3, abs=1e-6)
+        # each position's coded KL clamped at 0: FLOAT against itself is ~2e-6, not 0
+        assert c.kl.mean == pytest.approx(p.kl.mean, rel=1e-3, abs=1e-5)
+        assert c.kl.max >= 0 and c.kl.mean >= 0
         assert c.kl.mean != p.kl.mean  # the 16-bit codes, not an exact float side
         assert (one.changed, one.parameters) == (pair.changed, pair.parameters)
 

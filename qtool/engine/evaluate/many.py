@@ -32,7 +32,7 @@ from qtool.engine.model.text import DEFAULT_SOURCE, Text, default_text, read_tex
 from qtool.engine.model.tokens import causal_tokens, check_vocabulary
 from qtool.engine.source import protected_paths
 from qtool.engine.threads import using_threads
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError, OutputError, UsageError
 from qtool.eval_results import CAUSAL_LM, EvalSummary
 from qtool.formats.logits_file import (
     LogitsInfo,
@@ -41,7 +41,14 @@ from qtool.formats.logits_file import (
     tokens_digest,
     write_logits,
 )
-from qtool.io.atomic import OutputSet, preflight, remove_stale_temps
+from qtool.io.atomic import (
+    FileId,
+    OutputSet,
+    describe_os_error,
+    file_id,
+    preflight,
+    remove_stale_temps,
+)
 from qtool.numerics.logits import FloatRows, code_log_probs
 from qtool.results import Progress
 
@@ -53,18 +60,21 @@ def evaluate_all(
     progress: Progress | None = None,
     logits: Path | None = None,
     save_logits: Path | None = None,
+    force: bool = False,
 ) -> list[EvalSummary]:
     """Every candidate against one float pass; one candidate alone with no logits file runs as
     a pair (run.evaluate: window by window, per-layer rows possible). `logits`: the float side
-    from this file (FLOAT's weights never read); `save_logits`: it written there, coded."""
+    from this file (FLOAT's weights never read); `save_logits`: it written there, coded, once
+    every candidate is scored (an existing file replaced only with `force`)."""
+    _refuse_duplicates(quants)
     if len(quants) == 1 and logits is None and save_logits is None:
         return [evaluate(float_dir, quants[0], options, progress)]
     if options.per_layer:
         raise ValueError("per-layer rows compare one candidate with FLOAT, as a pair")
     with using_threads(options.threads):
         text = read_text(options.text) if options.text is not None else default_text()
-        return _evaluate_many(float_dir, quants, text, Files(options, logits, save_logits),
-                              progress)  # fmt: skip
+        files = Files(options, logits, save_logits, force)
+        return _evaluate_many(float_dir, quants, text, files, progress)
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class Files:
     options: EvalOptions
     logits: Path | None
     save_logits: Path | None
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,17 +105,29 @@ def _evaluate_many(
 ) -> list[EvalSummary]:
     """One summary per candidate, every one against the same float side."""
     options = files.options
-    dtype, device = DTYPES[options.dtype], resolve_device(options.device)
+    device = resolve_device(options.device)
     started = perf_counter()
     if files.save_logits is not None:
         inputs = [float_dir, *quants, *([options.text] if options.text else [])]
-        preflight([files.save_logits], _protected(inputs), force=True)
+        preflight([files.save_logits], _protected(inputs), force=files.force)
+        _refuse_in_model_dir(files.save_logits, [float_dir, *quants])
     if files.logits is not None:
         side = _from_file(float_dir, files.logits, text, options)
     else:
         side = _from_model(float_dir, text, options, device, progress)
-    if files.save_logits is not None:
-        _save(files.save_logits, side, text, options)
+    with OutputSet() as outputs:  # committed after the last candidate: an interrupt leaves none
+        if files.save_logits is not None:
+            _save(outputs, files.save_logits, side, text, options)
+        summaries = _candidates(float_dir, quants, text, options, side, started, progress)
+        outputs.commit()
+    return summaries
+
+
+def _candidates(
+    float_dir: Path, quants: Sequence[Path], text: Text, options: EvalOptions, side: FloatSide,
+    started: float, progress: Progress | None,
+) -> list[EvalSummary]:  # fmt: skip
+    dtype, device = DTYPES[options.dtype], resolve_device(options.device)
     summaries: list[EvalSummary] = []
     ids = [i for piece in side.pieces for i in piece]
     for quant in quants:
@@ -190,7 +213,9 @@ def _from_file(float_dir: Path, path: Path, text: Text, options: EvalOptions) ->
     return FloatSide(reference, pieces, rows, digests, ctx)
 
 
-def _save(path: Path, side: FloatSide, text: Text, options: EvalOptions) -> None:
+def _save(
+    outputs: OutputSet, path: Path, side: FloatSide, text: Text, options: EvalOptions
+) -> None:
     config, tokenizer = identity(side.reference)
     ids = [i for piece in side.pieces for i in piece]
     info = LogitsInfo(
@@ -201,9 +226,31 @@ def _save(path: Path, side: FloatSide, text: Text, options: EvalOptions) -> None
     )  # fmt: skip
     rows = [_coded(r) for r in side.rows]
     remove_stale_temps(path.parent)
-    with OutputSet() as outputs:
+    try:
         write_logits(outputs.create(path), info, ids, rows, side.digests)
-        outputs.commit()
+    except OSError as err:  # a full disk, a file-size limit
+        raise OutputError(path, f"cannot write: {describe_os_error(err)}") from err
+
+
+def _refuse_duplicates(quants: Sequence[Path]) -> None:
+    """The same candidate twice (another spelling, a link) would give two rows of one model."""
+    seen: dict[FileId, Path] = {}
+    for quant in quants:
+        key = file_id(quant)
+        if key is not None and key in seen:
+            raise UsageError(quant, f"is {seen[key]} again; give each QUANT once")
+        if key is not None:
+            seen[key] = quant
+
+
+def _refuse_in_model_dir(out: Path, models: list[Path]) -> None:
+    """A new file in a model's directory changes the model (a stray *.safetensors.index.json
+    makes it sharded): the output's directory is compared with each model directory by device
+    and inode, links resolved."""
+    parent = file_id(out.parent)
+    for model in models:
+        if parent is not None and model.is_dir() and file_id(model) == parent:
+            raise OutputError(out, f"is inside the model directory {model}; write it elsewhere")
 
 
 def _protected(inputs: list[Path]) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +267,24 @@ def test_cli_logits_gives_the_text_tokens_ctx_and_dtype_it_was_saved_with(
     text.unlink()
     code, out, err = invoke(*args)
     assert code == 2 and out == "" and "--text FILE" in err and str(text) in err, err
+
+
+def test_saved_defaults_default_text_and_a_dtype_qtool_does_not_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A file saved on the default text defaults to it (from any CPython: the SHA-256 check
+    then says whether the text is the same); a dtype qtool cannot run in is the file's fault."""
+    from qtool.engine.evaluate import many
+    from qtool.engine.model.text import default_text
+    from qtool.formats.logits_file import LogitsInfo
+
+    info = LogitsInfo("0" * 64, default_text().source.replace("3.", "2."), "0" * 64, 96, 48,
+                      "float16", "c", "t", "LlamaForCausalLM", 100, (48, 48))  # fmt: skip
+    monkeypatch.setattr(many, "read_logits_info", lambda path: info)
+    path = tmp_path / "f.qlogits"
+    assert many.saved_defaults(path, None, None, None, None) == (None, 96, 48, "float16")
+    assert many.saved_defaults(path, path, 50, 8, "float32") == (path, 50, 8, "float32")
+    assert many.saved_defaults(None, None, None, None, None) == (None, 4096, None, "float32")
+    monkeypatch.setattr(many, "read_logits_info", lambda path: replace(info, dtype="int3"))
+    with pytest.raises(InputError, match="its dtype 'int3'"):
+        many.saved_defaults(path, None, None, None, None)

@@ -257,7 +257,9 @@ def _run(
     plot: Path | None,
     allow_requantize: bool = False,
 ) -> QuantizeSummary:
-    also = [plot] if plot is not None else []
+    # checked with -o as outputs of the run: never an input, the recipe or imatrix included
+    named = (plot, options.save_recipe, options.save_tensor_types)
+    also = [p for p in named if p is not None]
     if mode is api.Mode.PLAN and not allow_requantize:  # headers only: no progress to show
         return api.quantize(
             src, out, options, mode=mode, device=device.value, force=force, also=also

@@ -353,12 +353,25 @@ def tensor_type_text(plans: Sequence[TensorPlan], gguf_name: Mapping[str, str]) 
 
 
 def save_plan(plans: Sequence[TensorPlan], options: QuantizeOptions, fmt: OutputFormat) -> None:
-    """The plan's recipe and llama-quantize tensor types where the options ask for them."""
+    """The plan's recipe and llama-quantize tensor types where the options ask for them, written
+    together through atomic.OutputSet (temp beside each, never through a link, renamed into
+    place when both are written). Called once the run's own outputs are committed: a run that
+    fails leaves no plan of an output that does not exist; the paths passed the run's output
+    checks with -o (layout.py)."""
+    from qtool.io.atomic import OutputSet, remove_stale_temps
+
     assert options.allocation is not None
+    texts: list[tuple[Path, str]] = []
     if options.save_recipe is not None:
-        write_text(options.save_recipe, recipe_text(plans, options.allocation))
+        texts.append((options.save_recipe, recipe_text(plans, options.allocation)))
     if options.save_tensor_types is not None:
-        write_text(options.save_tensor_types, tensor_type_text(plans, gguf_names(plans, fmt)))
+        texts.append((options.save_tensor_types, tensor_type_text(plans, gguf_names(plans, fmt))))
+    for directory in {path.parent for path, _ in texts}:
+        remove_stale_temps(directory)
+    with OutputSet() as outputs:
+        for path, text in texts:
+            outputs.create(path).write(text.encode("utf-8"))
+        outputs.commit()
 
 
 def gguf_names(plans: Sequence[TensorPlan], fmt: OutputFormat) -> dict[str, str]:
@@ -367,12 +380,3 @@ def gguf_names(plans: Sequence[TensorPlan], fmt: OutputFormat) -> dict[str, str]
     if rename is None:
         return {}
     return {p.entry.name: rename(p.entry.name) for p in plans}
-
-
-def write_text(path: Path, text: str) -> None:
-    """`text` into `path` through a temporary file beside it, renamed into place."""
-    import os
-
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

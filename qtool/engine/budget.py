@@ -53,12 +53,7 @@ def data_passes(
 
             plan = calibrated(job, plan, spill)
         data = Measured(job.shards, job.options, job.fmt, job.kernels, spill)
-        planned = plan_data(plan, job.options, job.fmt, data)
-        if job.options.allocation is not None:
-            from qtool.engine.allocate import save_plan
-
-            save_plan(planned.plans, job.options, job.fmt)
-        yield planned, spill
+        yield plan_data(plan, job.options, job.fmt, data), spill
     finally:
         if spill is not None:
             spill.close()

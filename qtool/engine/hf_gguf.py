@@ -41,7 +41,8 @@ def quantize_hf(
     as engine.run.quantize does; the summary names `src` as the input."""
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
     needed = _needed_bytes(src)
-    preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=needed)
+    protected = [*read_files(src), *options.input_files]
+    preflight([target, *run.also], protected, force=run.force, needed_bytes=needed)
     with scratch_beside(target) as scratch:
         float_gguf = scratch / _FLOAT_NAME
         try:

@@ -167,9 +167,24 @@ def _checked(
     index = [source.index.index.name] if source.index is not None else []
     finals = [*files, *(directory / rel for rel in [*found.names, *index])]
     check_out_dir(directory, protected, force)
+    _refuse_inside(also, directory)
     _refuse_clashes(also, finals)
     preflight(also, protected, force=force)
     return protected, files, found
+
+
+def _refuse_inside(also: Sequence[Path], directory: Path) -> None:
+    """A file the caller writes afterwards (a plot, a plan file) never goes inside the output
+    directory: qtool publishes that directory whole and --force replaces only what its manifest
+    lists, so a stray file there would be lost or block the next run."""
+    root = Path(os.path.realpath(directory))
+    for p in also:
+        if Path(os.path.realpath(p)).is_relative_to(root):
+            raise OutputError(
+                p,
+                f"lies inside the output directory {directory}, which qtool writes whole; "
+                "choose a path outside it",
+            )
 
 
 def _refuse_clashes(also: Sequence[Path], finals: Sequence[Path]) -> None:

@@ -102,11 +102,12 @@ class QuantizeOptions:
 
     @property
     def input_files(self) -> tuple[Path, ...]:
-        """The files the run reads besides the checkpoint (the imatrix, a method's calibration
-        and check texts): inputs no output may replace, like the checkpoint's own."""
+        """The files the run reads besides the checkpoint (the imatrix, the recipe, a method's
+        calibration and check texts): inputs no output may replace, like the checkpoint's own."""
         cal = self.calibration
         texts = (*cal.texts, *cal.check_texts) if cal is not None else ()
-        return (*((self.imatrix,) if self.imatrix is not None else ()), *texts)
+        recipe = (Path(self.recipe.path),) if self.recipe is not None else ()
+        return (*((self.imatrix,) if self.imatrix is not None else ()), *recipe, *texts)
 
 
 @dataclass(frozen=True)

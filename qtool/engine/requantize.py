@@ -64,7 +64,8 @@ def requantize(
         raise OutputError(target, f"would overwrite the input {src}; choose another output path")
     # Every check the second run makes on its output, before the long dequantize: a refusal
     # there would come after the F32 copy was written (or after it filled the disk).
-    preflight([target, *run.also], [src], force=run.force, needed_bytes=_needed_bytes(src))
+    protected = [src, *options.input_files]
+    preflight([target, *run.also], protected, force=run.force, needed_bytes=_needed_bytes(src))
     if run.mode is Mode.PLAN:  # planned from the input's headers, as the copy's: no copy
         summary = quantize_float(src, target, options, run, requantize=True)
         return replace(summary, rows=_as_input(summary.rows, src))

@@ -212,6 +212,7 @@ def _write(job: Job, plan: ModelPlan) -> Done:
                 finish_directory(outputs, source, place, files, weight_map, total, section)
 
             rows = _write_shards(job, final, placed, spill, finish)
+    _save_plan(job, final)  # once the outputs are in place: never a plan of a failed run
     return Done(final, rows, place.notes, place.stale)
 
 
@@ -252,7 +253,16 @@ def _estimate(job: Job, plan: ModelPlan) -> Done:
         for shard, plans in plan.per_shard():
             rows += estimate_rows(job.shards.checkpoint(shard), plans, job.kernels, spill)
             job.shards.done(shard)
+    _save_plan(job, plan)
     return Done(plan, rows)
+
+
+def _save_plan(job: Job, plan: ModelPlan) -> None:
+    """An allocation's plan files (--save-recipe, --tensor-type-file), if asked for."""
+    if job.options.allocation is not None:
+        from qtool.engine.allocate import save_plan
+
+        save_plan(plan.plans, job.options, job.fmt)
 
 
 def _tied(

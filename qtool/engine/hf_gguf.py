@@ -4,16 +4,18 @@ Mistral, Qwen2) converted to a float GGUF as llama.cpp's convert_hf_to_gguf.py w
 as any float GGUF is (the llama.cpp way: convert, then llama-quantize). The scratch directory
 is removed on exit, and by the next run in that directory after a kill (engine/requantize.py's
 scratch_beside). The float copy is in the checkpoint's own 16-bit type (the converter's auto:
-BF16 for a BF16 checkpoint), so the quantizers see the checkpoint's values exactly.
+BF16 for a BF16 checkpoint), so the quantizers see the checkpoint's values exactly. A dry
+run's plan writes nothing: the conversion's checks, then its header alone in a memory file.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from qtool.engine.job import RunOptions
+from qtool.engine.job import Mode, RunOptions
 from qtool.engine.plan import QuantizeOptions, quantized_output
 from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
@@ -43,17 +45,43 @@ def quantize_hf(
     needed = _needed_bytes(src)
     protected = [*read_files(src), *options.input_files]
     preflight([target, *run.also], protected, force=run.force, needed_bytes=needed)
+    convert = entry(options.format.value).convert
+    assert convert is not None  # converts() said so
+    if run.mode is Mode.PLAN and hasattr(os, "memfd_create"):
+        return _plan(src, target, options, run, convert)
     with scratch_beside(target) as scratch:
         float_gguf = scratch / _FLOAT_NAME
         try:
-            convert = entry(options.format.value).convert
-            assert convert is not None  # converts() said so
             with OutputSet() as outputs:
                 converted = convert(src, float_gguf, outputs)
                 outputs.commit()
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:
             raise _named_for_user(err, float_gguf, src) from None
+    sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
+    return replace(summary, inputs=[str(src)], rows=_as_checkpoint(summary.rows, sources))
+
+
+def _plan(
+    src: Path, target: Path, options: QuantizeOptions, run: RunOptions,
+    convert: Callable[..., object],
+) -> QuantizeSummary:  # fmt: skip
+    """A dry run's plan: every check the conversion makes, then the float GGUF's header alone
+    in a memory file (its data a hole never read), planned as the real run plans the copy;
+    nothing is written to disk and no value is read."""
+    fd = os.memfd_create("qtool-plan", os.MFD_CLOEXEC)
+    header = Path(f"/proc/self/fd/{fd}")
+    try:
+        converted = convert(src, header, None, None, True)
+        summary = quantize_float(header, target, options, run)
+    except OutputError as err:
+        if err.path == str(header):  # the memory file: no directory of the user's to name
+            err.path, err.message = None, f"planning in memory: {err.message}"
+        raise
+    except QtoolError as err:
+        raise _named_for_user(err, header, src) from None
+    finally:
+        os.close(fd)
     sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
     return replace(summary, inputs=[str(src)], rows=_as_checkpoint(summary.rows, sources))
 

@@ -312,17 +312,25 @@ class Converted:
 _ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
-def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str | None = None
-                 ) -> Converted:  # fmt: skip
+def export_float(
+    directory: Path,
+    out: Path,
+    outputs: OutputSet | None,
+    float_type: str | None = None,
+    header_only: bool = False,
+) -> Converted:
     """Write the float GGUF of the model directory `directory` to `out` (a temp file of
     `outputs`); returns its header and the tensors' sources. `float_type`: F32, F16 or BF16
-    for the 2-D tensors (None: the converter's auto)."""
+    for the 2-D tensors (None: the converter's auto). `header_only` (a dry run's plan): every
+    check the export makes, then only the header written to `out` (an existing file, such as
+    a memory file; `outputs` unused), its length set to the whole file's with no data: the
+    values are never read (an F32 checkpoint is planned as the F16 copy auto makes)."""
     if float_type is not None and float_type not in FLOAT_FILE_TYPES:
         raise UsageError(None, f"{float_type} is not a float GGUF type (F32, F16, BF16)")
     require_packages()
     config, arch = read_config(directory)
     tensors, chosen = plan_tensors(directory, config, arch, float_type)
-    if float_type is None and chosen == "F16" and _overflows_f16(tensors):
+    if not header_only and float_type is None and chosen == "F16" and _overflows_f16(tensors):
         tensors, chosen = [replace(t, type="F32") for t in tensors], "F32"
     extra = rope_freqs(config)
     meta = metadata(directory, config, arch, chosen, tensors)
@@ -330,6 +338,17 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
     if extra is not None:
         specs.append(("rope_freqs.weight", GGML_TYPES["F32"], tuple(extra.shape)))
     header, layout = build_header(meta, specs)
+    sources = {t.gguf: (t.source, math.prod(t.shape) * _ITEM_BYTES[t.source]) for t in tensors}
+    if header_only:
+        data = sum(i.nbytes + -i.nbytes % layout.alignment for i in layout.tensors)
+        try:
+            with open(out, "r+b") as f:
+                f.write(header)
+                f.truncate(len(header) + data)
+        except OSError as err:  # a file-size limit holds for memory files too
+            raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
+        return Converted(layout, sources)
+    assert outputs is not None
     writer = GGUFStreamWriter(outputs.create(out), header, layout)
     try:
         for t, values in _values(tensors):
@@ -339,7 +358,6 @@ def export_float(directory: Path, out: Path, outputs: OutputSet, float_type: str
         writer.finish()
     except OSError as err:  # a full disk, a file size limit
         raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
-    sources = {t.gguf: (t.source, math.prod(t.shape) * _ITEM_BYTES[t.source]) for t in tensors}
     return Converted(layout, sources)
 
 

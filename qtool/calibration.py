@@ -16,10 +16,10 @@ class Method(str, enum.Enum):
 
     GPTQ = "gptq"
     AWQ = "awq"
+    AWQ_GPTQ = "awq+gptq"  # GPTQ's codes of AWQ's smoothed weights (llm-compressor's pairing)
 
 
 class Guard(str, enum.Enum):
-    AWQ_GPTQ = "awq+gptq"  # GPTQ's codes of AWQ's smoothed weights (llm-compressor's pairing)
     """When a Linear keeps the method's result rather than round to nearest on the same grid.
 
     both:   it lowers the output error on the held-out calibration windows and does not raise

@@ -59,19 +59,19 @@ from qtool.cli.quantize_options import (
     QuantizeDtypeOpt,
     QuantizeOutOpt,
     RecipeOpt,
-    TargetSqnrOpt,
     SaveRecipeOpt,
     TargetBpwOpt,
     TargetKlOpt,
     TargetSizeOpt,
-    ThreadsOpt,
+    TargetSqnrOpt,
     TensorTypeFileOpt,
-    check_format_options,
+    ThreadsOpt,
     allocation_target,
+    check_format_options,
     check_format_spec,
     check_imatrix,
-    gguf_cli_spec,
     check_plan_files,
+    gguf_cli_spec,
     quantize_mode,
     warn_budget_overrides,
 )
@@ -115,12 +115,12 @@ def quantize(
     exclude: ExcludeOpt = None,
     recipe: RecipeOpt = None,
     target_sqnr: TargetSqnrOpt = None,
-    fmt: FormatOpt = FormatName.QTOOL,
     target_size: TargetSizeOpt = None,
     target_bpw: TargetBpwOpt = None,
     target_kl: TargetKlOpt = None,
     save_recipe: SaveRecipeOpt = None,
     tensor_type_file: TensorTypeFileOpt = None,
+    fmt: FormatOpt = FormatName.QTOOL,
     config: ConfigOpt = None,
     group_fallback: GroupFallbackOpt = GroupFallback.ERROR,
     allow_requantize: AllowRequantizeOpt = False,
@@ -172,7 +172,7 @@ def quantize(
     if allow_requantize and fmt != FormatName.GGUF.value:
         raise typer.BadParameter("quantizes a GGUF into a GGUF: add --format gguf",
                                  param_hint="--allow-requantize")  # fmt: skip
-    check_format_spec(fmt, spec, budget=target_sqnr is not None)
+    check_format_spec(fmt, spec, budget=target_sqnr is not None or target is not None)
     gguf, minmax = fmt == FormatName.GGUF.value, range_method is RangeMethod.MINMAX
     check_imatrix(imatrix, target_sqnr is not None, method is not None, gguf=gguf,
                   minmax=minmax and target is None, recipe=recipe is not None)  # fmt: skip

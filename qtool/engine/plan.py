@@ -252,12 +252,12 @@ def _claimed(decision: Decision, entry: TensorEntry, options: QuantizeOptions) -
     if not options.budgeted or not from_command_line:
         return decision
     spec, _ = fit_spec(INT8_CHANNEL, entry.shape)
-    return Decision(Quantize(spec), Budget(options.target_sqnr), decision)
-
     if options.allocation is not None:
         budget = Budget(math.nan, (), options.allocation.describe())
         return Decision(Quantize(spec), budget, decision)
     assert options.target_sqnr is not None
+    return Decision(Quantize(spec), Budget(options.target_sqnr), decision)
+
 
 def by_format(
     plans: list[TensorPlan] | tuple[TensorPlan, ...], fmt: OutputFormat

@@ -37,6 +37,7 @@ from qtool.formats.imatrix.sensitivity import merged, read_sensitivities, sensit
 from qtool.formats.registry import open_reader
 from qtool.gguf_types import ValueType
 from qtool.io.gguf_layout import GGUFValue
+from qtool.io.outcheck import refuse_nesting
 from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats, merge
 from qtool.results import Progress
 
@@ -82,7 +83,7 @@ def _calibrate(
 ) -> CalibrateSummary:
     if options.ctx is not None:
         check_tokens(options.tokens, options.ctx)
-    check_files([out], [model_dir, *options.texts], options.force)
+    _check_out(out, model_dir, options)
     device = resolve_device(options.device)
     started = perf_counter()
     found, config = float_source(model_dir, MODEL)
@@ -218,6 +219,17 @@ def _warn_same_file(inputs: Sequence[Path]) -> None:
                 f"{first} and {path} are the same file, merged twice: its counts count double",
                 MergedTwice, stacklevel=2,
             )  # fmt: skip
+
+
+def _check_out(out: Path, model_dir: Path, options: CalibrateOptions) -> None:
+    """The output is never inside the model's directory nor one of its files (compared by
+    device and inode: a weight file linked from elsewhere included), nor a text read."""
+    refuse_nesting(out, [model_dir])
+    try:
+        files = list(model_dir.iterdir()) if model_dir.is_dir() else []
+    except OSError:
+        files = []  # unreadable: the model's own read says so
+    check_files([out], [model_dir, *files, *options.texts], options.force)
 
 
 def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:

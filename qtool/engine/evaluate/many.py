@@ -229,7 +229,8 @@ def _save(
     try:
         write_logits(outputs.create(path), info, ids, rows, side.digests)
     except OSError as err:  # a full disk, a file-size limit
-        raise OutputError(path, f"cannot write: {describe_os_error(err)}") from err
+        why = describe_os_error(err).replace(" with -o", "")  # eval has no -o
+        raise OutputError(path, f"cannot write: {why}") from err
 
 
 def _refuse_duplicates(quants: Sequence[Path]) -> None:

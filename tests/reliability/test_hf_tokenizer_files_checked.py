@@ -48,7 +48,10 @@ def _dev_zero(path: Path) -> None:
 
 
 def _write(text: bytes) -> Callable[[Path], None]:
-    return lambda path: path.write_bytes(text)
+    def write(path: Path) -> None:
+        path.write_bytes(text)
+
+    return write
 
 
 def _first_vocab_id(value: object) -> Callable[[dict[str, Any]], None]:

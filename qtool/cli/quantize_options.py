@@ -449,6 +449,11 @@ def allocation_target(
             continue
         if not (value > 0 and value < float("inf")):
             raise typer.BadParameter(f"must be above 0, not {value}", param_hint=f"--target-{kind}")
+        if kind == "bpw" and value > (most := api.AllocationTarget.MAX_BPW):
+            raise typer.BadParameter(
+                f"is at most {most:g} (float64 kept: no plan stores more), not {value:g}",
+                param_hint="--target-bpw",
+            )
         return api.AllocationTarget(kind, value)
     return None
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -75,10 +75,13 @@ class Target:
 
     kind: str
     value: float
+    MAX_BPW: ClassVar[float] = 64.0  # no tensor stores more bits per value (float64 kept)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("size", "bpw", "kl") or not (
-            self.value > 0 and math.isfinite(self.value)
+        if (
+            self.kind not in ("size", "bpw", "kl")
+            or not (self.value > 0 and math.isfinite(self.value))
+            or (self.kind == "bpw" and self.value > self.MAX_BPW)
         ):
             raise ValueError(f"target {self.kind} {self.value}")
 

@@ -39,7 +39,7 @@ def main() -> None:
 
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     ids = tok(args.text.read_text(encoding="utf-8"), add_special_tokens=True).input_ids
     if args.ids is not None:
         ids = [int(i) for i in args.ids.read_text().strip().strip("[]").split(",")]

@@ -46,9 +46,9 @@ from qtool.engine.plan import (
 from qtool.engine.shards import Shards
 from qtool.engine.source import Source, open_source
 from qtool.engine.tied import tied_embeddings
-from qtool.errors import InputError, UsageError
+from qtool.errors import InputError, RecipeError, UsageError
 from qtool.formats.base import FormatContext, OutputFormat
-from qtool.formats.registry import entry, input_refusal, output_format
+from qtool.formats.registry import entry, input_refusal, output_format, refuses
 from qtool.io.atomic import OutputSet
 from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry
@@ -80,6 +80,7 @@ def quantize(
     source = open_source(src, options.config, requantize=requantize)
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
     fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
+    _check_ladder(options)
     target = _target(source, src, out, options, fmt)
     threads = ExitStack()  # torch's count given back to an in-process caller at the end
     kernels = None if run.mode is Mode.PLAN else _kernels(run, fmt, threads)
@@ -103,6 +104,17 @@ def quantize(
     finally:
         shards.close()
         threads.close()
+
+
+def _check_ladder(options: QuantizeOptions) -> None:
+    """A recipe's ladder holds only specs the output format stores (RecipeError, before any
+    work): a budget or an allocation over one it does not fails only when it writes."""
+    recipe = options.recipe
+    if not options.budgeted or recipe is None or not recipe.ladder:
+        return
+    for spec in recipe.ladder:
+        if (why := refuses(options.format.value, spec)) is not None:
+            raise RecipeError(Path(recipe.path), f"ladder: {why}")
 
 
 def _format(

@@ -153,7 +153,15 @@ def merged(found: Mapping[Path, Sensitivities | None]) -> Sensitivities | None:
         if set(s.alpha) != set(first.alpha) or s.reference != first.reference:
             raise InputError(path, f"its sensitivities cover other weights or another reference "
                              f"than {first_path}'s; calibrate them alike")  # fmt: skip
-    tokens = sum(s.tokens for s in have.values())
-    alpha = {n: sum(s.alpha[n] * s.tokens for s in have.values()) / tokens for n in first.alpha}
+    tokens = 0
+    for path, s in have.items():
+        tokens += s.tokens
+        if tokens >= 1 << 63:  # what a reader takes (read_sensitivities)
+            raise InputError(
+                path, "its sensitivity token count with the other files' reaches 2^63, more "
+                "than an importance matrix holds: merge fewer files",
+            )  # fmt: skip
+    # weights of at most 1: finite alphas give a finite mean (alpha x tokens could overflow)
+    alpha = {n: sum(s.alpha[n] * (s.tokens / tokens) for s in have.values()) for n in first.alpha}
     # the joint fit is of one run's windows: a merge keeps none (predicted KL = sum alpha r)
     return Sensitivities(alpha, first.reference, tokens)

@@ -274,6 +274,9 @@ class AllocationPlan:
     measured: bool  # the loss is a predicted KL (sensitivities given), else relative error
     granularity: int  # the solver's byte unit (1: exact optimum)
     by_spec: tuple[tuple[str, int, int], ...]  # (candidate label, tensors, bytes), by label
+    sum_alpha_r: float = math.nan  # S, the linear model's sum (loss is joint fit(S), else S)
+    joint_fit: bool = False  # loss is the imatrix's joint fit of S (qtool.sensitivity.joint)
+    kept_without_alpha: int = 0  # decided tensors the sensitivities lack, kept float
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
     from qtool.engine.shards import Shards
     from qtool.formats.base import OutputFormat
+    from qtool.formats.imatrix.sensitivity import Sensitivities
     from qtool.io.checkpoint import Checkpoint
     from qtool.io.stformat import TensorEntry
 
@@ -85,9 +86,9 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
     solved, each tensor given its candidate; a note says the plan's size, bpw and loss."""
     target = data.options.allocation
     assert target is not None and data.run is not None
-    alpha = sensitivities(data)
-    if target.kind == "kl" and alpha is None:
-        where = data.options.imatrix
+    where = data.options.imatrix
+    alpha, found = sensitivities(plan, data)
+    if target.kind == "kl" and found is None:
         raise UsageError(
             where,
             "a KL target needs sensitivities (alpha per Linear): "
@@ -95,17 +96,31 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
             + "; calibrate with sensitivities, or aim at a size",
             hint="sensitivity",
         )
-    measured = _measure(plan, data)
+    if found is not None and not alpha:
+        if target.kind == "kl":
+            raise UsageError(
+                where, "its sensitivities name none of the tensors the target decides (a file "
+                "of another model?): calibrate this model with sensitivities, or aim at a size",
+                hint="sensitivity",
+            )  # fmt: skip
+        found = None  # a size target: relative error, alpha = 1, as without sensitivities
+    # a tensor the file has no alpha for has no KL cost to weigh: kept float, outside the plan
+    unmeasured = set() if found is None else _without_alpha(plan, alpha, data.fmt)
+    measured = _measure(plan, data, unmeasured)
     fixed = sum(p.out_nbytes + p.qparam_nbytes for p in plan.plans if not p.decision.budget)
-    items = _items(measured, alpha or {}, data.fmt)
+    fixed += sum(stored_bytes(data.fmt, p.entry, None) for p in plan.plans
+                 if p.entry.name in unmeasured)  # fmt: skip
+    items = _items(measured, alpha, data.fmt)
     elements = sum(p.entry.numel for p in plan.plans)
     try:
         if target.kind == "kl":
-            chosen = solver.within_loss(items, target.value)
+            assert found is not None
+            chosen = solver.within_loss(items, found.sum_within(target.value))
         else:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
-        raise UsageError(None, _infeasible(target, err.least, fixed), hint="target") from None
+        least = err.least if found is None else found.predicted(err.least)
+        raise UsageError(None, _infeasible(target, least, fixed), hint="target") from None
     except ValueError as err:  # a KL target over more tensors than the table has units
         raise UsageError(None, f"{err}; aim at a size", hint="target") from None
     picks = _picks(measured, chosen, data.fmt)
@@ -113,41 +128,56 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
     out = []
     for p in plan.plans:
         m = by_name.get(p.entry.name)
-        out.append(p if m is None else _decided(m, picks[p.entry.name], target))
+        if p.entry.name in unmeasured:
+            out.append(_kept_unmeasured(p, target, where))
+        else:
+            out.append(p if m is None else _decided(m, picks[p.entry.name], target))
     total = fixed + chosen.nbytes
     spent: dict[str, tuple[int, int]] = {}  # label -> (tensors, bytes), fused members each
     for m in measured:
         label = picks[m.plan.entry.name]
         n, b = spent.get(label, (0, 0))
         spent[label] = (n + 1, b + m.options[label][1])
-    found = AllocationPlan(
-        target.kind, target.value, total, 8 * total / max(1, elements), chosen.loss,
-        alpha is not None, chosen.granularity,
+    predicted = chosen.loss if found is None else found.predicted(chosen.loss)
+    result = AllocationPlan(
+        target.kind, target.value, total, 8 * total / max(1, elements), predicted,
+        found is not None, chosen.granularity,
         tuple((label, n, b) for label, (n, b) in sorted(spent.items())),
+        sum_alpha_r=chosen.loss, joint_fit=found is not None and found.joint is not None,
+        kept_without_alpha=len(unmeasured),
     )  # fmt: skip
-    notes = (*plan.notes, summary_line(target, found))
-    return replace(plan, plans=tuple(out), notes=notes, allocation=found)
+    notes = (*plan.notes, summary_line(target, result))
+    return replace(plan, plans=tuple(out), notes=notes, allocation=result)
 
 
 def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
     """'allocation (size 100 MiB ...): 99.9 MiB (...), 4.41 bpw, predicted KL 0.0312; by spec:
     int4 g64 mse x140 60.1 MiB (...), ...'."""
     what = "predicted KL" if plan.measured else "predicted loss (relative output error, alpha = 1)"
+    if plan.measured:
+        fit = "the imatrix's joint fit" if plan.joint_fit else "no joint fit in the imatrix: KL = S"
+        what = f"{what} {plan.loss:.6g} (S = sum alpha r {plan.sum_alpha_r:.6g}, {fit})"
+        if plan.kept_without_alpha:
+            what += f", {plan.kept_without_alpha} tensor(s) with no alpha kept float"
+    else:
+        what = f"{what} {plan.loss:.6g}"
     parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, n, b in plan.by_spec]
     return (
         f"allocation ({target.describe()}): {solver.human_bytes(plan.nbytes)}, "
-        f"{plan.bpw:.3f} bpw, {what} {plan.loss:.6g}; "
+        f"{plan.bpw:.3f} bpw, {what}; "
         f"by spec: {', '.join(parts)} (granularity {plan.granularity} bytes)"
     )
 
 
-def sensitivities(data: Measured) -> dict[str, float] | None:
-    """alpha by checkpoint tensor name from the run's imatrix (its entries' names mapped to the
-    checkpoint's as its statistics are), or None when there is no imatrix or it holds none.
-    The file is read again for its metadata, and refused if it changed since the first read."""
+def sensitivities(plan: ModelPlan, data: Measured) -> tuple[dict[str, float], Sensitivities | None]:
+    """alpha of each tensor the budget decides, by checkpoint name, and the sensitivities the
+    run's imatrix holds (None: no imatrix, or none in it). A tensor's alpha is looked up under
+    its llama.cpp name (calibrate's map, whether or not the file has statistics for it: the
+    embedding's and the head's alpha have none), its entry's name, and its own. The file is read
+    again for its metadata, and refused if it changed since the first read."""
     importance = data.run.importance
     if importance is None:
-        return None
+        return {}, None
     from qtool.formats.imatrix import read_imatrix_file
     from qtool.formats.imatrix.sensitivity import read_sensitivities
 
@@ -156,17 +186,32 @@ def sensitivities(data: Measured) -> dict[str, float] | None:
         raise InputError(importance.path, "changed while the run read it; run again")
     found = read_sensitivities(importance.path, read.metadata)
     if found is None:
-        return None
-    names = importance.entry_names or {}
-    return {
-        name: found.alpha[names.get(name, name)]
-        for name in importance.stats
-        if names.get(name, name) in found.alpha
-    }
+        return {}, None
+    keyed = (importance.llama or {}, importance.entry_names or {})
+    alpha = {}
+    for p in plan.plans:
+        name = p.entry.name
+        held = [k for k in (*(m.get(name, name) for m in keyed), name) if k in found.alpha]
+        if p.decision.budget and held:
+            alpha[name] = found.alpha[held[0]]
+    return alpha, found
 
 
-def _measure(plan: ModelPlan, data: Measured) -> list[Measurement]:
-    """Each tensor the budget decides, read once, every candidate's bytes and r."""
+def _without_alpha(plan: ModelPlan, alpha: Mapping[str, float], fmt: OutputFormat) -> set[str]:
+    """The tensors the budget decides that have no alpha, with their fused siblings (one spec
+    for all: a set is allocated whole or kept whole)."""
+    decided = [p.entry.name for p in plan.plans if p.decision.budget]
+    missing = {fmt.fused_key(n) or n for n in decided if n not in alpha}
+    return {n for n in decided if (fmt.fused_key(n) or n) in missing}
+
+
+def _kept_unmeasured(p: TensorPlan, target: solver.Target, imatrix: Path | None) -> TensorPlan:
+    why = f"kept float: allocation: {imatrix} has no sensitivity (alpha) for it"
+    return TensorPlan(p.entry, p.decision.then(Keep(why), Budget(math.nan, (), target.describe())))
+
+
+def _measure(plan: ModelPlan, data: Measured, skip: set[str]) -> list[Measurement]:
+    """Each tensor the budget decides (but `skip`), read once, every candidate's bytes and r."""
     run = data.run
     run.expect(plan.plans)
     out: list[Measurement] = []
@@ -174,7 +219,7 @@ def _measure(plan: ModelPlan, data: Measured) -> list[Measurement]:
         ckpt = data.shards.checkpoint(shard)
         workspace = kernels.Workspace(run.device)
         for p in plans:
-            if not p.decision.budget:
+            if not p.decision.budget or p.entry.name in skip:
                 continue
             ladder = budget.candidates(ladder_of(data.options), p.entry.shape)
             fitting = [s for s in ladder if data.fmt.supports(p.entry, s) is None]
@@ -231,7 +276,8 @@ def _items(
     measured: Sequence[Measurement], alpha: Mapping[str, float], fmt: OutputFormat
 ) -> list[solver.TensorLadder]:
     """One knapsack item per tensor, or per set of fused siblings (the labels all of them
-    have, bytes and alpha x r summed), in plan order; each candidate's r is alpha x r."""
+    have, bytes and alpha x r summed), in plan order; each candidate's r is alpha x r (alpha 1
+    for a tensor `alpha` lacks: only without sensitivities, the relative error alone)."""
     groups: dict[str, list[Measurement]] = {}
     for m in measured:
         key = fmt.fused_key(m.plan.entry.name)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qtool.calibrate_results import DatasetInfo
-from qtool.errors import InputError
+from qtool.errors import InputError, QtoolError
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
 from qtool.spec import Codec, PerChannel, PerGroup, QSpec
@@ -74,6 +74,7 @@ class Importance:
     provenance: Provenance
     unused: tuple[str, ...] = ()  # entries naming no tensor of the input (another model's blocks)
     entry_names: Mapping[str, str] | None = None  # checkpoint name -> the file's entry name
+    llama: Mapping[str, str] | None = None  # checkpoint name -> llama.cpp's, every tensor mapped
 
     def weights(self, name: str, shape: tuple[int, ...]) -> ColumnWeights | None:
         """The column weights of tensor `name` of `shape` (None: the file has no entry for it),
@@ -164,7 +165,23 @@ def match_importance(
     unused = tuple(n for n in imatrix.entries if n not in used)
     entry_of = {id(s): n for n, s in imatrix.entries.items()}
     names_in_file = {name: entry_of[id(s)] for name, s in stats.items()}
-    return Importance(path, stats, provenance, unused, names_in_file)
+    return Importance(path, stats, provenance, unused, names_in_file, _llama(names, config))
+
+
+def _llama(names: list[str], config: Mapping[str, object] | None) -> dict[str, str]:
+    """llama.cpp's name of each of the checkpoint's `names` (calibrate's map), whether or not the
+    file has an entry for it: sensitivities are keyed so for tensors the statistics never see
+    (the embedding, the head). Empty without config.json or a name map for its architecture."""
+    model_type = (config or {}).get("model_type")
+    if not isinstance(model_type, str):
+        return {}
+    from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
+
+    try:
+        return llama_names(GGUF_ARCHS.get(model_type, model_type), _block_count(config, names),
+                           names)  # fmt: skip
+    except (ValueError, KeyError, QtoolError):
+        return {}
 
 
 def _refuse_weightless(path: Path, name: str, stats: MatrixStats) -> None:

@@ -255,6 +255,9 @@ def _allocation_json(plan: AllocationPlan) -> dict[str, object]:
         "bpw": json_number(plan.bpw),
         "predicted_loss": json_number(plan.loss),
         "loss": "kl" if plan.measured else "relative_output_error",
+        "sum_alpha_r": json_number(plan.sum_alpha_r) if plan.measured else None,
+        "joint_fit": plan.joint_fit,
+        "kept_without_alpha": plan.kept_without_alpha,
         "granularity_bytes": plan.granularity,
         "by_spec": [{"spec": s, "tensors": n, "bytes": b} for s, n, b in plan.by_spec],
     }

@@ -119,9 +119,11 @@ def test_more_bytes_never_predict_more_loss(invoke: Invoke, tmp_path: Path) -> N
     assert losses[0] > losses[-1]
 
 
-def _imatrix(path: Path, alpha: dict[str, float] | None) -> None:
+def _imatrix(
+    path: Path, alpha: dict[str, float] | None, joint: tuple[float, float, float] | None = None
+) -> None:
     """An imatrix for tiny-llama under llama.cpp's names (h = 1 everywhere), with sensitivities
-    `alpha` (llama.cpp names) when given."""
+    `alpha` (llama.cpp names) and their joint fit when given."""
     widths = {"attn_q": 64, "attn_k": 64, "attn_v": 64, "attn_output": 64, "ffn_gate": 64,
               "ffn_up": 64, "ffn_down": 128}  # fmt: skip
     entries = {
@@ -131,7 +133,7 @@ def _imatrix(path: Path, alpha: dict[str, float] | None) -> None:
     }
     extra = None
     if alpha is not None:
-        extra = sensitivity_keys(Sensitivities(alpha, "test", 100))
+        extra = sensitivity_keys(Sensitivities(alpha, "test", 100, joint))
     write_imatrix(path, ImportanceMatrix(entries, 512, 1, ("t.txt",)), extra)
 
 
@@ -139,7 +141,7 @@ def test_sensitivities_move_bytes_to_the_sensitive_tensor(invoke: Invoke, tmp_pa
     """With alpha large for one Linear (by its llama.cpp name in the imatrix, mapped to the
     checkpoint's) the allocation spends more on it than with no sensitivities at the same size."""
     _imatrix(tmp_path / "flat.gguf", None)
-    alpha = {f"blk.{b}.{k}.weight": 1e-3 for b in range(2) for k in ("attn_q", "ffn_up")}
+    alpha = _every_linear(1e-3)
     alpha["blk.1.ffn_down.weight"] = 1e3
     _imatrix(tmp_path / "steep.gguf", alpha)
     src = [str(TINY / "tiny-llama"), "--target-size", "56KiB"]
@@ -154,6 +156,13 @@ def test_sensitivities_move_bytes_to_the_sensitive_tensor(invoke: Invoke, tmp_pa
     assert spent["steep"] > spent["flat"]
 
 
+def _every_linear(value: float) -> dict[str, float]:
+    """alpha `value` for each of tiny-llama's Linears, the embedding and the head."""
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    alpha = {f"blk.{b}.{k}.weight": value for b in range(2) for k in kinds}
+    return alpha | {"token_embd.weight": value, "output.weight": value}
+
+
 def test_a_kl_target_without_sensitivities_is_refused(invoke: Invoke, tmp_path: Path) -> None:
     _imatrix(tmp_path / "flat.gguf", None)
     for extra in ([], ["--imatrix", str(tmp_path / "flat.gguf")]):
@@ -164,16 +173,100 @@ def test_a_kl_target_without_sensitivities_is_refused(invoke: Invoke, tmp_path: 
         assert not (tmp_path / "o").exists()
 
 
+def _kl_run(invoke: Invoke, tmp_path: Path, name: str, kl: str = "0.002") -> Any:
+    return _run(invoke, str(TINY / "tiny-llama"), "--target-kl", kl, "--imatrix",
+                str(tmp_path / f"{name}.gguf"), "-o", str(tmp_path / name))  # fmt: skip
+
+
+def _sum_alpha_r(doc: Any, alpha: dict[str, float]) -> float:
+    """S recomputed from the output's rows: alpha (by llama.cpp name) x the r of the spec each
+    decided tensor was written with (its trial's SQNR; 0 for one kept float)."""
+    llama = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+    kinds = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj":
+             "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for b in range(2):
+        for hf, ll in kinds.items():
+            llama[f"model.layers.{b}.{hf}.weight"] = f"blk.{b}.{ll}.weight"
+    total = 0.0
+    for row in doc["tensors"]:
+        decided = row["decided_by"]
+        if decided["origin"] != "budget" or decided["action"] != "quantize":
+            continue
+        db = next(t["sqnr_db"] for t in decided["trials"] if t["spec"] == decided["spec"])
+        total += alpha[llama[row["name"]]] * 10 ** (-db / 10)
+    return total
+
+
 def test_a_kl_target_with_sensitivities_is_met(invoke: Invoke, tmp_path: Path) -> None:
-    alpha = {f"blk.{b}.{k}.weight": 0.5 for b in range(2)
-             for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                       "ffn_down")}  # fmt: skip
+    """The predicted KL is the sum of alpha x r over what the output holds (recomputed from its
+    rows, not the solver's own figure) and within the target."""
+    alpha = _every_linear(0.5)
     _imatrix(tmp_path / "s.gguf", alpha)
-    doc = _run(invoke, str(TINY / "tiny-llama"), "--target-kl", "0.002", "--imatrix",
-               str(tmp_path / "s.gguf"), "-o", str(tmp_path / "o"))  # fmt: skip
-    kl = float(_find(r"predicted KL ([0-9.e-]+);", _note(doc)))
-    assert 0 < kl <= 0.002
-    assert doc["allocation"]["loss"] == "kl" and 0 < doc["allocation"]["predicted_loss"] <= 0.002
+    doc = _kl_run(invoke, tmp_path, "s")
+    kl = float(_find(r"predicted KL ([0-9.e-]+) ", _note(doc)))
+    found = doc["allocation"]
+    assert found["loss"] == "kl" and not found["joint_fit"] and found["kept_without_alpha"] == 0
+    assert 0 < kl <= 0.002 and found["predicted_loss"] == found["sum_alpha_r"]
+    assert _sum_alpha_r(doc, alpha) == pytest.approx(found["sum_alpha_r"], rel=1e-6)
+    assert found["sum_alpha_r"] <= 0.002
+
+
+def test_the_embedding_and_head_alphas_reach_the_plan(invoke: Invoke, tmp_path: Path) -> None:
+    """alpha stored under token_embd.weight / output.weight (no imatrix entry of theirs) weighs
+    the checkpoint's embedding and head: a steep one buys them more bytes (they weighed 1)."""
+    steep = _every_linear(0.5) | {"token_embd.weight": 1e3, "output.weight": 1e3}
+    _imatrix(tmp_path / "flat.gguf", _every_linear(0.5))
+    _imatrix(tmp_path / "steep.gguf", steep)
+    spent = {}
+    for name in ("flat", "steep"):
+        doc = _kl_run(invoke, tmp_path, name, "0.01")
+        rows = {t["name"]: t for t in doc["tensors"]}
+        spent[name] = [int(_find(r"(\d+) bytes$", rows[t]["decided_by"]["reason"]))
+                       for t in ("model.embed_tokens.weight", "lm_head.weight")]  # fmt: skip
+        alpha = steep if name == "steep" else _every_linear(0.5)
+        assert _sum_alpha_r(doc, alpha) == pytest.approx(doc["allocation"]["sum_alpha_r"])
+    assert spent["steep"][0] > spent["flat"][0] and spent["steep"][1] > spent["flat"][1]
+
+
+def test_a_tensor_without_alpha_is_kept_float(invoke: Invoke, tmp_path: Path) -> None:
+    """Sensitivities that lack a decided tensor (here the embedding and head) leave it out of
+    the allocation, kept float (no KL cost to weigh), not weighed as alpha 1 in KL units."""
+    alpha = _every_linear(0.5)
+    del alpha["token_embd.weight"], alpha["output.weight"]
+    _imatrix(tmp_path / "s.gguf", alpha)
+    doc = _kl_run(invoke, tmp_path, "s")
+    rows = {t["name"]: t for t in doc["tensors"]}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert rows[name]["decided_by"]["action"] == "keep"
+        assert "no sensitivity" in rows[name]["decided_by"]["reason"]
+    assert doc["allocation"]["kept_without_alpha"] == 2
+    assert "2 tensor(s) with no alpha kept float" in _note(doc)
+    assert _sum_alpha_r(doc, alpha) == pytest.approx(doc["allocation"]["sum_alpha_r"])
+
+
+def test_sensitivities_of_another_model_refuse_a_kl_target(invoke: Invoke, tmp_path: Path) -> None:
+    """alpha under names of no tensor of the input: no KL to predict (a sum of r is not one)."""
+    _imatrix(tmp_path / "s.gguf", {f"blk.{b}.attn_q.weight": 0.5 for b in range(5, 9)})
+    args = ["--target-kl", "0.01", "--imatrix", str(tmp_path / "s.gguf")]
+    code, out, err = invoke("quantize", str(TINY / "tiny-llama"), *args, "-o", str(tmp_path / "o"))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "name none of the tensors" in err and "s.gguf" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_joint_fit_bounds_the_plan(invoke: Invoke, tmp_path: Path) -> None:
+    """With a joint fit (gain 4, saturation 50) the plan keeps S within sum_within(target),
+    not the target itself, and reports gain S / (1 + saturation S) as its predicted KL."""
+    alpha = _every_linear(0.5)
+    _imatrix(tmp_path / "plain.gguf", alpha)
+    _imatrix(tmp_path / "fit.gguf", alpha, (4.0, 50.0, 1.0))
+    plain, fit = (_kl_run(invoke, tmp_path, n)["allocation"] for n in ("plain", "fit"))
+    bound = 0.002 / (4.0 - 50.0 * 0.002)
+    assert fit["joint_fit"] and 0 < fit["sum_alpha_r"] <= bound < plain["sum_alpha_r"]
+    s = fit["sum_alpha_r"]
+    assert fit["predicted_loss"] == pytest.approx(4 * s / (1 + 50 * s)) and s < 0.002
+    assert fit["bytes"] > plain["bytes"]
 
 
 @pytest.mark.parametrize(

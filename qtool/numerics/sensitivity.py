@@ -49,13 +49,20 @@ def alpha(kl: float, r: float) -> float:
     return kl / r if 0.0 < r < math.inf else 0.0
 
 
-def joint_fit(s1: float, j1: float, s2: float, j2: float) -> tuple[float, float]:
+def joint_fit(s1: float, j1: float, s2: float, j2: float) -> tuple[float, float] | None:
     """(gain, saturation) of joint KL = gain S / (1 + saturation S) through two points
     (S = sum alpha r, J = the joint KL measured there): 1/J is linear in 1/S. gain takes the
     sum to the level of the joint measurement's windows; saturation is how much less than
-    additive the KL of many perturbed tensors grows (0: additive)."""
+    additive the KL of many perturbed tensors grows (0: additive). None when the points fit
+    no such curve of positive gain (J not growing with S: equal KLs, or less KL at the larger
+    error, which measurement noise on near-zero KLs can give) or the result is not finite."""
+    if not all(0.0 < v < math.inf for v in (s1, j1, s2, j2)) or s1 == s2:
+        return None
     slope = (1 / j2 - 1 / j1) / (1 / s2 - 1 / s1)
-    return 1 / slope, (1 / j1 - slope / s1) / slope
+    if not (slope > 0.0 and math.isfinite(slope)):
+        return None
+    gain, saturation = 1 / slope, (1 / j1 - slope / s1) / slope
+    return (gain, saturation) if math.isfinite(gain) and math.isfinite(saturation) else None
 
 
 def joint_kl(total: float, gain: float, saturation: float) -> float:

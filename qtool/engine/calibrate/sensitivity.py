@@ -84,12 +84,14 @@ class Joint:
     def fit(self, found: Mapping[str, Sensitivity]) -> tuple[float, float, float] | None:
         """numerics.sensitivity.joint_fit's (gain, saturation) through the two joint points,
         S = sum of the single KLs at the reference, and the additivity kl_few / S; None when
-        nothing was perturbed or a KL is 0."""
+        nothing was perturbed, a KL is 0, or the two points fit no curve (kl_half >= kl)."""
         single = sum(s.kl for s in found.values())
         if not (0.0 < single < math.inf and self.kl > 0.0 and self.kl_half > 0.0):
             return None
-        gain, saturation = joint_fit(single, self.kl, single / 4, self.kl_half)
-        return gain, saturation, self.kl_few / single
+        fit = joint_fit(single, self.kl, single / 4, self.kl_half)
+        if fit is None or not math.isfinite(self.kl_few / single):
+            return None
+        return fit[0], fit[1], self.kl_few / single
 
 
 @dataclass(frozen=True)

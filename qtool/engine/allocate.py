@@ -351,7 +351,7 @@ def recipe_text(plans: Sequence[TensorPlan], target: solver.Target) -> str:
         if not p.decision.budget:
             continue
         lines.append("[[rule]]")
-        lines.append(f"match = {_toml_str(p.entry.name)}")
+        lines.append(f"match = {_toml_str(exact_pattern(p.entry.name))}")
         spec = p.spec
         if spec is None:
             lines.append('keep = "allocation: float"')
@@ -378,24 +378,73 @@ def _grid_keys(spec: QSpec) -> list[str]:
     return keys
 
 
+def exact_pattern(name: str) -> str:
+    """A recipe pattern matching `name` alone: the name itself, or where it holds a glob
+    wildcard (or starts with `re:`) the escaped name after `re:`."""
+    import re
+
+    from qtool.recipe.rules import is_wildcard
+
+    pattern = name.startswith("re:") or is_wildcard(name)
+    return f"re:{re.escape(name)}" if pattern else name
+
+
 def _toml_str(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A TOML basic string: quote, backslash and every control character escaped."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch < " " or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def llama_pattern(name: str) -> str | None:
+    """`^name$` as llama-quantize reads it from a --tensor-type-file: whitespace-separated, cut
+    at the first `=`, lowercased, then std::regex-searched in the unchanged name. Letters other
+    than lowercase, `=`, and every other ASCII character but `.`, `_` and digits are written as
+    \\xHH (which lowercasing keeps); None for a name it cannot express (non-ASCII, NUL)."""
+    if not name.isascii() or "\0" in name:
+        return None
+    out = []
+    for ch in name:
+        if ch.isdigit() or ch == "_" or "a" <= ch <= "z":
+            out.append(ch)
+        elif ch == ".":
+            out.append("\\.")
+        else:
+            out.append(f"\\x{ord(ch):02x}")
+    return "^" + "".join(out) + "$"
 
 
 def tensor_type_text(plans: Sequence[TensorPlan], gguf_name: Mapping[str, str]) -> str:
     """llama-quantize's --tensor-type-file: `^name$=type` per tensor the allocation decided,
-    name as the GGUF file holds it (regex-escaped, anchored: llama.cpp takes each as a
-    regex_search, the first match wins), type lowercase."""
-    import re
-
+    name as the GGUF file holds it (llama_pattern: anchored, escaped; llama.cpp takes each as a
+    regex_search, the first match wins), type lowercase. The names were checked before the run
+    (inexpressible_name)."""
     out = []
     for p in plans:
         if not p.decision.budget:
             continue
-        name = gguf_name.get(p.entry.name, p.entry.name).lower()
+        pattern = llama_pattern(gguf_name.get(p.entry.name, p.entry.name))
+        assert pattern is not None  # inexpressible_name refused it before the run
         kind = spec_label(p.spec) if p.spec is not None else p.entry.dtype
-        out.append(f"^{re.escape(name)}$={kind.lower()}")
+        out.append(f"{pattern}={kind.lower()}")
     return "\n".join(out) + "\n"
+
+
+def inexpressible_name(plans: Sequence[TensorPlan], fmt: OutputFormat) -> str | None:
+    """The first tensor the allocation may decide whose GGUF name a --tensor-type-file cannot
+    express (llama_pattern), or None."""
+    names = gguf_names(plans, fmt)
+    for p in plans:
+        name = names.get(p.entry.name, p.entry.name)
+        if p.decision.budget and llama_pattern(name) is None:
+            return name
+    return None
 
 
 def save_plan(plans: Sequence[TensorPlan], options: QuantizeOptions, fmt: OutputFormat) -> None:

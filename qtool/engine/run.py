@@ -90,6 +90,7 @@ def quantize(
         headers = list(shards.headers())
         tied = _tied(source, headers)
         plan = plan_headers(headers, options, fmt, tied)
+        _check_type_names(plan, options, fmt)
         if imatrix is not None:
             job = _with_importance(job, imatrix, headers, plan)
             plan = replace(plan, texts=_imatrix_texts(imatrix[1]))
@@ -115,6 +116,22 @@ def _check_ladder(options: QuantizeOptions) -> None:
     for spec in recipe.ladder:
         if (why := refuses(options.format.value, spec)) is not None:
             raise RecipeError(Path(recipe.path), f"ladder: {why}")
+
+
+def _check_type_names(plan: ModelPlan, options: QuantizeOptions, fmt: OutputFormat) -> None:
+    """A tensor-type file names each tensor the allocation decides: one whose name it cannot
+    express (non-ASCII, NUL) is refused before any work."""
+    if options.save_tensor_types is None:
+        return
+    from qtool.engine.allocate import inexpressible_name
+
+    name = inexpressible_name(plan.plans, fmt)
+    if name is not None:
+        raise UsageError(
+            options.save_tensor_types,
+            f"llama-quantize's tensor-type file cannot name the tensor {name!r} (it reads "
+            "ASCII names without NUL); write the plan as a recipe instead",
+        )
 
 
 def _format(

@@ -24,8 +24,10 @@ import torch
 REFERENCE_BITS = 4
 REFERENCE_GROUP = 32
 REFERENCE = f"rtn int{REFERENCE_BITS} g{REFERENCE_GROUP} symmetric absmax"
-"""The known perturbation: each group of 32 inputs of a row rounded to the nearest of 16 levels
-(-8..7 times max|w| / 7), as ggml's Q4_0 does; its error is what alpha is measured with."""
+"""The known perturbation: each group of 32 inputs of a row rounded to the nearest of 15 levels,
+-7..7 times max|w| / 7 (the symmetric absmax int4 grid; not ggml's Q4_0, whose scale is the
+signed max / -8 and uses 16 levels); its error is what alpha is measured with. alpha is KL per
+unit r, so any such reference serves; this one is what the stored files were measured with."""
 
 
 def reference_error(weight: torch.Tensor) -> torch.Tensor:

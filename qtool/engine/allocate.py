@@ -338,15 +338,23 @@ def _infeasible(target: solver.Target, least: float, fixed: int) -> str:
 # ---- files that reproduce the plan ------------------------------------------------------------
 
 
-def recipe_text(plans: Sequence[TensorPlan], target: solver.Target) -> str:
+def recipe_text(
+    plans: Sequence[TensorPlan], target: solver.Target, imatrix: Path | None = None
+) -> str:
     """A recipe (TOML) whose rules pin each tensor the allocation decided to its spec (or keep
-    it): quantize --recipe FILE with the same input and format writes the same plan."""
+    it): quantize --recipe FILE with the same input and format writes the same plan (with an
+    importance matrix, which weighs each spec's range search, only given it again)."""
     lines = [
         f"# qtool allocation ({target.describe()}): one rule per tensor it decided.",
         "# quantize INPUT --recipe THIS_FILE with the same --format (GGUF: any --dtype, which",
         "# the rules override) writes the same plan.",
-        "",
     ]
+    if imatrix is not None:
+        lines += [
+            f"# Made with --imatrix {_comment_safe(imatrix.name)}: the same bytes need that",
+            "# --imatrix again (it weighs each spec's range search; the rules pin only the specs).",
+        ]
+    lines.append("")
     for p in plans:
         if not p.decision.budget:
             continue
@@ -376,6 +384,11 @@ def _grid_keys(spec: QSpec) -> list[str]:
         keys.append('granularity = "tensor"')
     keys.append(f'range = "{spec.range_method.value}"')
     return keys
+
+
+def _comment_safe(text: str) -> str:
+    """`text` on one TOML comment line: control characters shown as `?`."""
+    return "".join("?" if ch < " " or ch == "\x7f" else ch for ch in text)
 
 
 def exact_pattern(name: str) -> str:
@@ -458,7 +471,8 @@ def save_plan(plans: Sequence[TensorPlan], options: QuantizeOptions, fmt: Output
     assert options.allocation is not None
     texts: list[tuple[Path, str]] = []
     if options.save_recipe is not None:
-        texts.append((options.save_recipe, recipe_text(plans, options.allocation)))
+        recipe = recipe_text(plans, options.allocation, options.imatrix)
+        texts.append((options.save_recipe, recipe))
     if options.save_tensor_types is not None:
         texts.append((options.save_tensor_types, tensor_type_text(plans, gguf_names(plans, fmt))))
     for directory in {path.parent for path, _ in texts}:

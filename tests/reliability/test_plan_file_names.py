@@ -56,3 +56,17 @@ def test_each_tensor_type_line_matches_exactly_its_tensor() -> None:
         assert [n for n in expressible if re.search(read, n)] == [name], read
     assert llama_pattern("f\x00nul.weight") is None
     assert llama_pattern("caf\u00e9.weight") is None
+
+
+def test_a_recipe_made_with_an_imatrix_says_it_needs_it_again() -> None:
+    """The rules pin the specs; the imatrix weighs their range search, so the same bytes need
+    it again: the header says so (its name on one comment line, whatever it holds)."""
+    from pathlib import Path
+
+    from qtool.engine.allocate import recipe_text
+    from qtool.numerics.allocate import Target
+
+    weighted = recipe_text([], Target("bpw", 5), Path("/x/cal\nib.imatrix"))
+    assert "--imatrix cal?ib.imatrix" in weighted
+    assert parse_recipe(weighted).rules == ()
+    assert "--imatrix" not in recipe_text([], Target("bpw", 5))

@@ -49,8 +49,12 @@ def _warning_line(
     file: object = None,
     line: str | None = None,
 ) -> None:
-    """A library warning (torch's UserWarnings) as one qtool line: its first sentence."""
+    """A library warning (torch's UserWarnings) as one qtool line: its first sentence; one of
+    qtool's own as its message alone (its class name means nothing to a user)."""
     text = " ".join(str(message).split())
+    if category.__module__.split(".")[0] == "qtool":
+        report.print_warning(text)
+        return
     first = text.split(". ", 1)[0].split(" (Triggered internally", 1)[0].rstrip(".")
     origin = "torch" if f"{os.sep}torch{os.sep}" in filename else category.__name__
     report.print_warning(f"{origin}: {first or category.__name__}")

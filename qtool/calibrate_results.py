@@ -24,6 +24,17 @@ class LinearSensitivity:
 
 
 @dataclass(frozen=True)
+class JointSummary:
+    """The joint pass: every measured tensor perturbed at once, at the reference and at half."""
+
+    kl: float  # mean KL at the reference, nats per scored token
+    kl_half: float  # at half the reference (a quarter of every r)
+    tokens: int  # the joint pass's tokens (all the calibration windows that fit)
+    kl_few: float  # at the reference, on the sensitivity windows alone
+    fit: tuple[float, float, float] | None  # gain, saturation, additivity (None: no curve fits)
+
+
+@dataclass(frozen=True)
 class SensitivitySummary:
     reference: str  # the perturbation
     tokens: int
@@ -32,6 +43,7 @@ class SensitivitySummary:
     block_loads: int
     seconds: float
     linears: tuple[LinearSensitivity, ...]  # in the model's order
+    joint: JointSummary | None = None
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from qtool.calibrate_results import (
     CalibrateSummary,
     DatasetInfo,
+    JointSummary,
     MergeSummary,
     SensitivitySummary,
 )
@@ -44,7 +45,7 @@ def print_calibrate(s: CalibrateSummary) -> None:
 
 
 def _sensitivity(s: SensitivitySummary | None) -> list[str]:
-    """Two lines: what was measured and how, then the Linears with the largest alpha."""
+    """What was measured and how, the Linears with the largest alpha, then the joint fit."""
     if s is None:
         return []
     top = sorted(s.linears, key=lambda x: -x.alpha)[:3]
@@ -54,7 +55,22 @@ def _sensitivity(s: SensitivitySummary | None) -> list[str]:
         f"{s.passes} {passes} over the blocks, {s.block_loads} block loads, {s.seconds:.1f} s",
         "most sensitive (KL per unit of output error): "
         + ", ".join(f"{safe(x.name)} {x.alpha:.3g}" for x in top),
+        *_joint(s.joint),
     ]
+
+
+def _joint(j: JointSummary | None) -> list[str]:
+    if j is None:
+        return []
+    measured = (f"joint KL of every tensor at once on {j.tokens:,} tokens: {j.kl:.4g} at the "
+                f"reference, {j.kl_half:.4g} at half of it")  # fmt: skip
+    if j.fit is None:
+        return [f"{measured}; no curve fits them (the half's KL is not below), so the file "
+                "holds no joint fit: predicted KL = sum alpha r"]  # fmt: skip
+    gain, saturation, additivity = j.fit
+    return [f"{measured}; predicted KL = {gain:.4g} S / (1 + {saturation:.4g} S), S = sum "
+            f"alpha r; additivity {additivity:.3g} (joint / summed single KLs, sensitivity "
+            "windows)"]  # fmt: skip
 
 
 def print_merge(s: MergeSummary) -> None:

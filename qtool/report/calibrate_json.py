@@ -7,6 +7,7 @@ from typing import Any
 from qtool.calibrate_results import (
     CalibrateSummary,
     DatasetInfo,
+    JointSummary,
     MergeSummary,
     SensitivitySummary,
 )
@@ -52,6 +53,20 @@ def _sensitivity(s: SensitivitySummary | None) -> dict[str, Any] | None:
              "alpha": json_number(x.alpha)}
             for x in s.linears
         ],
+        "joint": _joint(s.joint),
+    }  # fmt: skip
+
+
+def _joint(j: JointSummary | None) -> dict[str, Any] | None:
+    if j is None:
+        return None
+    gain, saturation, additivity = j.fit if j.fit is not None else (None, None, None)
+    return {
+        "kl": json_number(j.kl), "kl_half": json_number(j.kl_half), "tokens": j.tokens,
+        "kl_sensitivity_windows": json_number(j.kl_few), "fitted": j.fit is not None,
+        "gain": None if gain is None else json_number(gain),
+        "saturation": None if saturation is None else json_number(saturation),
+        "additivity": None if additivity is None else json_number(additivity),
     }  # fmt: skip
 
 

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from qtool.calibrate_results import LinearSensitivity, SensitivitySummary
+from qtool.calibrate_results import JointSummary, LinearSensitivity, SensitivitySummary
 from qtool.engine.calibrate.blocks import (
     block_list,
     capture,
@@ -122,8 +122,12 @@ class Measured:
             LinearSensitivity(self.llama.get(n, n), s.r, s.kl, s.alpha)
             for n, s in self.found.items()
         )  # fmt: skip
+        joint = None
+        if self.joint is not None:
+            j = self.joint
+            joint = JointSummary(j.kl, j.kl_half, j.tokens, j.kl_few, j.fit(self.found))
         return SensitivitySummary(REFERENCE, self.tokens, self.windows, self.count.passes,
-                                  self.count.block_loads, self.seconds, rows)  # fmt: skip
+                                  self.count.block_loads, self.seconds, rows, joint)  # fmt: skip
 
 
 def sensitivity_of(
@@ -144,7 +148,8 @@ def sensitivity_of(
     started = perf_counter()
     count = PassCount()
     found = measure(model, reader, taken, device, path, stats, progress, count=count)
-    joint = joint_kl(model, reader, windows, len(taken), device, path, set(found), count)
+    joint = joint_kl(model, reader, windows, len(taken), device, path, set(found), count,
+                     progress)  # fmt: skip
     return Measured(found, len(taken), len(taken) * len(taken[0]), count,
                     perf_counter() - started, joint)  # fmt: skip
 
@@ -158,6 +163,7 @@ def joint_kl(
     path: Any,
     names: set[str],
     count: PassCount,
+    progress: Progress | None = None,
 ) -> Joint:
     """One more pass: every tensor of `names` at the reference at once, and at half of it (the
     embedding's table too, tied head included), on as many of `windows` as three streams fit
@@ -177,6 +183,8 @@ def joint_kl(
                 perturbed[k], _ = capture(base, layers, taken, device)
     _free_base(base)
     count.passes += 1
+    if progress is not None:  # three streams (float, reference, half) through every block
+        progress.start(3 * len(layers) * len(taken) * len(taken[0]))
     for i, block in enumerate(layers):
         prefix = f"{layers_name}.{i}."
         load_module(block, prefix, reader, device, path)
@@ -185,10 +193,12 @@ def joint_kl(
         with torch.no_grad():
             for x in clean:
                 x.copy_(block(x, **kwargs[i]))
+            _advance(progress, f"joint, block {i}", clean)
             for k, xs in perturbed.items():
                 with _at_reference(*mine, factor=k):
                     for x in xs:
                         x.copy_(block(x, **kwargs[i]))
+                _advance(progress, f"joint, block {i}", clean)
         block.to_empty(device="meta")
         return_freed_memory()
     norm, weight = _head(model, base, layers_name, reader, device, path)

@@ -37,13 +37,13 @@ from qtool.engine.calibrate.blocks import (
     prepare_base,
     return_freed_memory,
 )
+from qtool.engine.model.head_kl import window_kl
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 from qtool.formats.imatrix.sensitivity import Sensitivities, sensitivity_keys
 from qtool.io.gguf_layout import GGUFValue
 from qtool.numerics.allocate import relative_error
 from qtool.numerics.imatrix import MatrixStats
-from qtool.numerics.logits import ROWS_PER_CHUNK, kl_divergence
 from qtool.numerics.sensitivity import REFERENCE, alpha, joint_fit, reference_error
 from qtool.results import Progress
 
@@ -207,17 +207,13 @@ def joint_kl(
     tied = _head_is_tied(model, reader)
     delta = reference_error(weight) if (embedding if tied else head) in names else None
     sums: dict[float, list[tuple[float, int]]] = {k: [] for k in perturbed}
-    with torch.no_grad():
-        for k, xs in perturbed.items():
-            moved = weight if delta is None else weight + k * delta
-            for w in range(len(taken)):
-                scored, total = clean[w].shape[-2] - 1, 0.0
-                for r in range(0, scored, ROWS_PER_CHUNK):
-                    rows = slice(r, min(r + ROWS_PER_CHUNK, scored))
-                    ref = torch.log_softmax(norm(clean[w][0, rows]) @ weight.T, dim=-1)
-                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ moved.T, dim=-1)
-                    total += float(kl_divergence(ref, logp).double().sum())
-                sums[k].append((total, scored))
+    moved = {k: weight if delta is None else weight + k * delta for k in perturbed}
+    for w in range(len(taken)):
+        scored = clean[w].shape[-2] - 1
+        kls = window_kl(norm, clean[w], weight,
+                        [(xs[w], moved[k]) for k, xs in perturbed.items()], scored)  # fmt: skip
+        for k, total in zip(perturbed, kls, strict=True):
+            sums[k].append((total, scored))
     _free_base(base)
     out_head = model.get_output_embeddings()
     if out_head is not None and not out_head.weight.is_meta:
@@ -457,16 +453,13 @@ def _divergences(
         heads[name] = weight + delta
     sums = dict.fromkeys(streams, 0.0)
     positions = 0
-    with torch.no_grad():
-        for w in range(len(windows)):
-            scored = clean[w].shape[-2] - 1
-            positions += scored
-            for r in range(0, scored, ROWS_PER_CHUNK):
-                rows = slice(r, min(r + ROWS_PER_CHUNK, scored))
-                ref = torch.log_softmax(norm(clean[w][0, rows]) @ weight.T, dim=-1)
-                for name, xs in streams.items():
-                    logp = torch.log_softmax(norm(xs[w][0, rows]) @ heads[name].T, dim=-1)
-                    sums[name] += float(kl_divergence(ref, logp).double().sum())
+    for w in range(len(windows)):
+        scored = clean[w].shape[-2] - 1
+        positions += scored
+        kls = window_kl(norm, clean[w], weight,
+                        [(xs[w], heads[name]) for name, xs in streams.items()], scored)  # fmt: skip
+        for name, kl in zip(streams, kls, strict=True):
+            sums[name] += kl
     _free_base(base)
     head = model.get_output_embeddings()
     if head is not None and not head.weight.is_meta:

@@ -23,17 +23,13 @@ import torch
 from qtool.engine.calibrate.blocks import block_list, load_module
 from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, spilled
 from qtool.engine.methods.gptq import Target, restored
+from qtool.engine.model.head_kl import window_kl
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 from qtool.numerics.kernels import quantize_with
-from qtool.numerics.logits import kl_divergence
 from qtool.results import ModelKL
 
 STREAMS = {"held": "held-out", "check": "check text"}  # stream -> what the report calls it
-HEAD_ROWS = 32
-"""Positions through the head at a time: 3 streams x HEAD_ROWS x vocabulary float32 logits and
-their temporaries (SmolLM2: the head phase raised the peak resident set by 419 MiB with 128
-rows, 166 MiB with 32, the head's own 108 MiB included; the same CPU time)."""
 
 
 class ModelStreams:
@@ -114,7 +110,7 @@ class ModelStreams:
             sums, scored = [0.0, 0.0], 0
             for i, ids in enumerate(windows[stream]):
                 xs = (self.float[stream][i], self.chosen[stream][i], self.rounded[stream][i])
-                kls = _window_kl(norm, head, xs, len(ids))
+                kls = window_kl(norm, xs[0], head, [(x, head) for x in xs[1:]], len(ids) - 1)
                 sums = [a + b for a, b in zip(sums, kls, strict=True)]
                 scored += len(ids) - 1
             chosen, rounding = (s / scored if scored else float("nan") for s in sums)
@@ -150,18 +146,3 @@ def _head(
     head = reader.values(name).to(device=device, dtype=torch.float32, copy=True)
     reader.release(name)
     return norm, head
-
-
-def _window_kl(
-    norm: torch.nn.Module, head: torch.Tensor, xs: tuple[torch.Tensor, ...], length: int
-) -> tuple[float, float]:
-    """Sum over the window's scored positions (all but the last) of KL(float || chosen) and
-    KL(float || rounding); `xs` the three streams' last hidden states [1, L, hidden]."""
-    sums = [0.0, 0.0]
-    with torch.no_grad():
-        for r in range(0, length - 1, HEAD_ROWS):
-            end = min(r + HEAD_ROWS, length - 1)
-            logp = [torch.log_softmax(norm(x[0, r:end]) @ head.T, dim=-1) for x in xs]
-            for k in (0, 1):
-                sums[k] += float(kl_divergence(logp[0], logp[k + 1]).double().sum())
-    return sums[0], sums[1]

@@ -1,0 +1,47 @@
+"""engine/model/head_kl.window_kl, the one norm + head + log-softmax + KL loop of calibration's
+model KL and sensitivity passes: it equals the KL computed over the whole window at once, for
+every stream with its own head, over windows that are not a multiple of the chunk, and never
+puts more than HEAD_ROWS positions through the head at a time (its memory bound)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qtool.engine.model.head_kl import HEAD_ROWS, window_kl
+from qtool.numerics.logits import kl_divergence
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.scale = torch.linspace(0.5, 1.5, hidden)
+        self.most = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.most = max(self.most, x.shape[0])
+        return x * self.scale
+
+
+@pytest.mark.parametrize("scored", [1, HEAD_ROWS, 2 * HEAD_ROWS + 5])
+def test_window_kl_is_the_whole_windows_kl_in_chunks(scored: int) -> None:
+    torch.manual_seed(0)
+    hidden, vocab = 16, 50
+    ref, head = torch.randn(1, scored + 1, hidden), torch.randn(vocab, hidden)
+    streams = [
+        (ref + 0.1 * torch.randn_like(ref), head),
+        (ref, head + 0.2 * torch.randn_like(head)),
+    ]
+    norm = Norm(hidden)
+    got = window_kl(norm, ref, head, streams, scored)
+    base = torch.log_softmax(norm(ref[0, :scored]) @ head.T, dim=-1)
+    for (x, w), kl in zip(streams, got, strict=True):
+        whole = kl_divergence(base, torch.log_softmax(norm(x[0, :scored]) @ w.T, dim=-1))
+        assert kl == pytest.approx(float(whole.double().sum()), rel=1e-6) and kl > 0
+
+
+def test_window_kl_bounds_the_rows_through_the_head() -> None:
+    norm = Norm(8)
+    x = torch.randn(1, 200, 8)
+    window_kl(norm, x, torch.randn(30, 8), [(x, torch.randn(30, 8))] * 3, 199)
+    assert norm.most == HEAD_ROWS

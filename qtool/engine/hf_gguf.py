@@ -24,6 +24,7 @@ from qtool.engine.source import protected_paths
 from qtool.errors import OutputError, QtoolError
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
+from qtool.io.outcheck import refuse_nesting
 from qtool.results import QuantizeRow, QuantizeSummary
 
 _FLOAT_NAME = "converted.gguf"
@@ -44,6 +45,8 @@ def quantize_hf(
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
     needed = _needed_bytes(src)
     protected = [*read_files(src), *options.input_files]
+    for p in run.also:  # a new file in the model's directory changes the model
+        refuse_nesting(p, [src])
     preflight([target, *run.also], protected, force=run.force, needed_bytes=needed)
     convert = entry(options.format.value).convert
     assert convert is not None  # converts() said so

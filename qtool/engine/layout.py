@@ -154,6 +154,9 @@ def _checked(
     for a directory, the companions to copy along."""
     protected = [*source.protected, *protect]
     files = [f for out in target.shard_outputs for f in layout(out)]
+    if source.directory is not None:  # a new file in a model's directory changes the model
+        for p in also:
+            refuse_nesting(p, [source.directory])
     if target.directory is None:
         if source.directory is not None:  # one file out of a directory: never inside it
             for f in files:

@@ -303,6 +303,21 @@ def _notes(summary: QuantizeSummary, as_json: bool) -> None:
         report.print_note(report.ignore_note(summary.ignore))
 
 
+def _kept_by_allocation(summary: QuantizeSummary, options: QuantizeOptions) -> str | None:
+    """A run that quantizes nothing because the allocation target kept float every tensor it
+    decided (a target at or above their float size), not because no tensor was selected."""
+    target = options.allocation
+    decided = [r for r in summary.rows if r.decided_by and r.decided_by.origin == "budget"]
+    if target is None or not decided:
+        return None
+    lower = "allow a larger KL" if target.kind == "kl" else "aim lower"
+    return (
+        f"0 of {len(summary.rows)} tensors quantized: --target-{target.kind}'s allocation "
+        f"({target.describe()}) kept float all {len(decided)} tensors it decided, as their float "
+        f"size meets it (see the kept reasons); {lower} to quantize them"
+    )
+
+
 def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
     """One stderr line for globs and rules that select nothing, for runs that quantize
     nothing, and for a budget that decided nothing."""
@@ -320,12 +335,16 @@ def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
             )
     if not any(r.quantized for r in summary.rows):
         flags = "--include/--exclude/--recipe" + ("/--target-sqnr" if options.target_sqnr else "")
+        kept = _kept_by_allocation(summary, options)
         report.print_warning(
-            f"0 of {len(summary.rows)} tensors selected for quantization; see the kept reasons "
-            f"and check {flags}"
+            kept
+            if kept is not None
+            else f"0 of {len(summary.rows)} tensors selected for quantization; see the kept "
+            f"reasons and check {flags}"
         )
     if summary.budget_sizes is not None and len(set(summary.budget_sizes)) == 1:
+        target = options.allocation
+        flag = "--target-sqnr" if target is None else f"--target-{target.kind}"
         report.print_warning(
-            "--target-sqnr decided no tensor: the recipe or --include/--exclude fixed or kept "
-            "every one"
+            f"{flag} decided no tensor: the recipe or --include/--exclude fixed or kept every one"
         )

@@ -120,7 +120,8 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
         least = err.least if found is None else found.predicted(err.least)
-        raise UsageError(None, _infeasible(target, least, fixed), hint="target") from None
+        why = _infeasible(target, least, fixed, _unstorable(measured, data))
+        raise UsageError(None, why, hint="target") from None
     except ValueError as err:  # a KL target over more tensors than the table has units
         raise UsageError(None, f"{err}; aim at a size", hint="target") from None
     picks = _picks(measured, chosen, data.fmt)
@@ -322,7 +323,26 @@ def _db(r: float) -> float:
     return math.inf if r == 0.0 else -10.0 * math.log10(r)
 
 
-def _infeasible(target: solver.Target, least: float, fixed: int) -> str:
+def _unstorable(measured: Sequence[Measurement], data: Measured) -> str | None:
+    """Why the ladder gave no tensor it decides a spec (every one only float: the format
+    stores none of its specs for them), shown for the first; None when some tensor has one."""
+    if not measured or any(len(m.options) > 1 for m in measured):
+        return None
+    entry = measured[0].plan.entry
+    ladder = budget.candidates(ladder_of(data.options), entry.shape)
+    whys = [why for spec in ladder if (why := data.fmt.supports(entry, spec)) is not None]
+    shape = list(entry.shape)
+    return f"{entry.name} {shape}: {whys[0]}" if whys else f"{entry.name} {shape}"
+
+
+def _infeasible(target: solver.Target, least: float, fixed: int, unstorable: str | None) -> str:
+    if unstorable is not None:
+        goal = f"predicted KL {target.value:g}" if target.kind == "kl" else target.describe()
+        return (
+            f"no plan reaches {goal}: the output format stores none of the ladder's specs for "
+            f"the tensors it decides ({unstorable}), so every one stays float; give a ladder "
+            "with specs these tensors take"
+        )
     if target.kind == "kl":
         return (
             f"no plan reaches predicted KL {target.value:g}: the least the ladder reaches is "

@@ -282,8 +282,7 @@ def _estimate(job: Job, plan: ModelPlan) -> Done:
         for shard, plans in plan.per_shard():
             rows += estimate_rows(job.shards.checkpoint(shard), plans, job.kernels, spill)
             job.shards.done(shard)
-    _save_plan(job, plan)
-    return Done(plan, rows)
+    return Done(plan, rows)  # a dry run writes nothing, the plan files included
 
 
 def _save_plan(job: Job, plan: ModelPlan) -> None:
@@ -292,6 +291,14 @@ def _save_plan(job: Job, plan: ModelPlan) -> None:
         from qtool.engine.allocate import save_plan
 
         save_plan(plan.plans, job.options, job.fmt)
+
+
+def _plan_files(job: Job) -> list[Path]:
+    """The plan files the run writes (or, dry, would write): outputs like the model's."""
+    options = job.options
+    if options.allocation is None:
+        return []
+    return [p for p in (options.save_recipe, options.save_tensor_types) if p is not None]
 
 
 def _tied(
@@ -337,7 +344,7 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
     named = target.named if target.directory else job.fmt.layout(target.shard_outputs[0])
     return QuantizeSummary(
         inputs=[str(job.source.path)],
-        outputs=[str(p) for p in named],
+        outputs=[str(p) for p in [*named, *_plan_files(job)]],
         rows=done.rows,
         spec=job.options.spec,
         device="none" if job.kernels is None else str(job.kernels.device),

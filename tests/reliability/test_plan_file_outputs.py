@@ -148,3 +148,27 @@ def test_a_failed_run_leaves_no_plan_file(
     assert code == 1
     assert not recipe.exists() and not types.exists()
     assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "console"])
+@pytest.mark.parametrize("dry", [(), ("--dry-run", "--estimate")], ids=["run", "dry-run"])
+def test_the_plan_files_are_listed_as_outputs_and_a_dry_run_writes_none(
+    invoke: Invoke, tmp_path: Path, model: Path, as_json: bool, dry: tuple[str, ...]
+) -> None:
+    """Every file the run writes is reported beside the model (JSON `outputs`, the console's
+    "wrote ..."); a dry run reports the same files as "would write" and writes none of them."""
+    out, recipe, types = tmp_path / "o.gguf", tmp_path / "plan.toml", tmp_path / "types.txt"
+    args = GGUF_RUN if as_json else GGUF_RUN[:-1]
+    code, stdout, err = invoke("quantize", str(model), *args, "-o", str(out), "--save-recipe",
+                               str(recipe), "--tensor-type-file", str(types), *dry)  # fmt: skip
+    assert code == 0, err
+    files = [out, recipe, types]
+    if as_json:
+        document = json.loads(stdout)
+        assert document["outputs"] == [str(p) for p in files]
+        assert document["dry_run"] is bool(dry)
+    else:
+        text = " ".join(stdout.split())
+        verb = "would write" if dry else "wrote"
+        assert f"{verb} {out}, {recipe}, {types}" in text
+    assert [p.exists() for p in files] == [not dry] * 3

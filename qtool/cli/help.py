@@ -15,6 +15,8 @@ import enum
 import re
 from typing import Any
 
+from typer._click import core as click_core
+from typer._click.formatting import HelpFormatter
 from typer.core import TyperCommand, TyperGroup
 
 # The commands in the order `qtool --help` lists them (the order of a session); a command not
@@ -52,13 +54,45 @@ def epilog(example: str, *environment: str) -> str:
     return "\n\n".join([f"Example: {example}", *environment])
 
 
+# A flag's hyphens while its text is wrapped: textwrap breaks words at hyphens ("--save-" /
+# "logits" at a narrow terminal), never at this one; it is put back before the help is shown.
+_WHOLE = "\u2011"
+_FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
+
+
+def _keep_flags_whole(text: str) -> str:
+    return _FLAG.sub(lambda m: m.group(0).replace("-", _WHOLE), text)
+
+
+class Formatter(HelpFormatter):
+    """Click's formatter, wrapping help text without breaking `--flag-names` at their hyphens."""
+
+    def write_text(self, text: str) -> None:
+        super().write_text(_keep_flags_whole(text))
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = [(first, _keep_flags_whole(second)) for first, second in rows]
+        super().write_dl(rows, col_max, col_spacing)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_WHOLE, "-")
+
+
+class Context(click_core.Context):
+    formatter_class = Formatter
+
+
 class Command(TyperCommand):
     """A qtool command's help: usage with INPUT (not Typer's {INPUT}), arguments by name alone,
     options in PANELS."""
 
+    context_class = Context
+
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces: list[str] = super().collect_usage_pieces(ctx)
-        return [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", p) for p in pieces]  # {X}... -> X...
+        pieces = [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", p) for p in pieces]  # {X}... -> X...
+        # A metavar that says "several" itself (QUANT...) gets one ellipsis, not Click's second.
+        return [re.sub(r"\.\.\.(\]?)\.\.\.$", r"\1...", p) for p in pieces]
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
         arguments: list[tuple[str, str]] = []
@@ -87,6 +121,8 @@ def _panel_order(panel: str) -> int:
 
 class Group(TyperGroup):
     """`qtool --help` lists the commands in COMMANDS order, whatever order they registered in."""
+
+    context_class = Context
 
     def list_commands(self, ctx: Any) -> list[str]:
         names: list[str] = super().list_commands(ctx)

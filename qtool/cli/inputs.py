@@ -9,7 +9,9 @@ _CHECKPOINT = (
 )
 
 QUANTIZE_INPUT = (
-    f"A float checkpoint: {_CHECKPOINT}; or a float (F32/F16/BF16) GGUF file, with --format gguf."
+    f"A float checkpoint: {_CHECKPOINT}; with --format gguf, also a float (F32/F16/BF16) GGUF "
+    "file or a Hugging Face model directory of the Llama family (Llama, Qwen2, Mistral), "
+    "converted as llama.cpp's convert_hf_to_gguf.py does."
 )
 DEQUANTIZE_INPUT = (
     "A quantized checkpoint: a file written by qtool quantize (its .qparams sidecar beside it), "

@@ -91,7 +91,7 @@ def test_help_names_the_environment_variables(invoke: Invoke, command: str) -> N
 @pytest.mark.parametrize(
     ("command", "kinds"),
     [
-        ("quantize", ("sharded", "model directory", ".pt")),
+        ("quantize", ("sharded", "model directory", ".pt", "GGUF file", "Llama, Qwen2, Mistral")),
         ("dequantize", ("sharded", "compressed-tensors model directory", "qtool quantize")),
         ("compare", ("sharded", "model directory", "compressed-tensors")),
         ("inspect", ("sharded", "model directory", "compressed-tensors", "sidecar")),
@@ -203,3 +203,31 @@ def test_docs_cli_names_every_option_and_no_stale_one() -> None:
     elsewhere = {"--dtype", "--allow-requantize", "--help", "--version", *unknown}
     stale = sorted(shown - long_options - elsewhere)
     assert not stale, f"docs/cli.md shows options no command has: {stale}"
+
+
+# A flag name cut at one of its hyphens at the end of a line ("--save-" / "logits").
+_CUT_FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*-$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("columns", [40, 56, 72])
+def test_help_never_breaks_a_flag_name_at_its_hyphens(columns: int) -> None:
+    group: Any = typer.main.get_command(app)
+    for name, command in [*_commands().items(), ("qtool", group)]:
+        ctx = command.context_class(command, info_name=name, terminal_width=columns)
+        out = command.get_help(ctx)
+        assert "--" in out and "\u2011" not in out, (name, columns)
+        assert not _CUT_FLAG.findall(out), (name, columns, _CUT_FLAG.findall(out))
+
+
+def test_usage_of_a_several_argument_has_one_ellipsis(invoke: Invoke) -> None:
+    for command in COMMANDS:
+        usage = invoke(command, "--help")[1].splitlines()[0]
+        assert "......" not in usage and "...]..." not in usage, usage
+    assert "FLOAT [QUANT]..." in invoke("eval", "--help")[1].splitlines()[0]
+
+
+def test_docs_cli_says_quantize_takes_a_hugging_face_directory_for_gguf() -> None:
+    """The inputs quantize's help names with --format gguf are in docs/cli.md's section too."""
+    section = CLI_DOC.split("## `qtool quantize`")[1].split("\n## ")[0]
+    intro = " ".join(section.split("| option |")[0].split())
+    assert "Hugging Face model directory of the Llama family (Llama, Qwen2, Mistral)" in intro

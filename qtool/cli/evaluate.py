@@ -258,8 +258,9 @@ def eval_models(
     for summary in summaries:
         print_notes([f"{summary.inputs[1]}: {n}" if len(summaries) > 1 else n
                      for n in summary.notes])  # fmt: skip
+    side = _float_side(logits, save_logits)
     if len(summaries) != 1:
-        _print_many(summaries, bounds, as_json, save_logits)
+        _print_many(summaries, bounds, as_json, side)
         return
     summary = summaries[0]
     violations = check(bounds, summary)
@@ -267,10 +268,10 @@ def eval_models(
     if summary.layers is not None:
         layers = arrange_layers(summary.layers, order.value, top)
     if as_json:
-        report.print_json(eval_json.eval_json(summary, layers, bounds, violations))
+        report.print_json(eval_json.eval_json(summary, layers, bounds, violations, side))
     else:
         shown = violations if bounds.active else None
-        eval_report.print_eval(summary, layers, shown, order.value)
+        eval_report.print_eval(summary, layers, shown, order.value, side)
     if violations:
         raise typer.Exit(GATE_FAILED)
 
@@ -291,15 +292,22 @@ def _check_many(
         )
 
 
-def _print_many(
-    summaries: list[Any], bounds: EvalBounds, as_json: bool, saved: Path | None
-) -> None:
+def _float_side(logits: Path | None, save_logits: Path | None) -> Any:
+    """The logits file FLOAT's side came from or went to (None: a float pass, nothing kept)."""
+    if logits is not None:
+        return eval_json.FloatSide(logits, read=True)
+    if save_logits is not None:
+        return eval_json.FloatSide(save_logits, read=False)
+    return None
+
+
+def _print_many(summaries: list[Any], bounds: EvalBounds, as_json: bool, side: Any) -> None:
     """A row per QUANT (console) or a document per QUANT (JSON); exit 3 when any fails a gate."""
     results = [(s, check(bounds, s)) for s in summaries]
     if as_json:
-        report.print_json(eval_json.many_json(results, bounds, saved))
+        report.print_json(eval_json.many_json(results, bounds, side))
     else:
-        eval_report.print_many(results, bounds.active, saved)
+        eval_report.print_many(results, bounds.active, side)
     if any(v for _, v in results):
         raise typer.Exit(GATE_FAILED)
 

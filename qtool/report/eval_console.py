@@ -9,7 +9,6 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.progress import Task as RichTask
@@ -19,6 +18,7 @@ from qtool.eval_results import CausalFigures, EvalSummary, EvalViolation, LayerR
 from qtool.report import layout
 from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
+from qtool.report.eval_json import FloatSide
 from qtool.report.layout import Column, Line
 
 
@@ -27,14 +27,17 @@ def print_eval(
     layers: list[LayerRow] | None,
     violations: list[EvalViolation] | None,
     order: str,
+    side: FloatSide | None = None,
 ) -> None:
-    """The report on stdout; `violations` None: no bound was given."""
+    """The report on stdout; `violations` None: no bound was given; `side`: the logits file
+    FLOAT's side was read from or written to."""
     width = width_of(sys.stdout)
     lines = _plain([piece for line in _header(summary) for piece in layout.phrases([line], width)])
     lines += layout.table(_figures(summary), width).lines
     if layers is not None:
         lines += _layer_lines(summary, layers, order, width)
-    lines += _plain(layout.phrases([_speed(summary)], width))
+    lines += _plain(layout.phrases([_speed(summary, side)], width))
+    lines += _side_lines(side, width)
     if violations is not None:
         lines += _gate_lines(violations, width)
     emit(sys.stdout, lines)
@@ -137,11 +140,31 @@ def _db(value: float, signed: bool = False) -> str:
     return f"{value:+.1f}" if signed else f"{value:.1f}"
 
 
-def _speed(s: EvalSummary) -> str:
-    return (
-        f"2 models x {s.tokens:,} tokens in {s.eval_seconds:.2f} s "
-        f"({s.tokens_per_second:,.0f} tokens/s); loading took {s.load_seconds:.1f} s"
-    )
+def _speed(s: EvalSummary, side: FloatSide | None) -> str:
+    if side is None:  # a pair run: both models over the windows, timed together
+        return (
+            f"2 models x {s.tokens:,} tokens in {s.eval_seconds:.2f} s "
+            f"({s.tokens_per_second:,.0f} tokens/s); loading took {s.load_seconds:.1f} s"
+        )
+    return f"QUANT x {s.tokens:,} tokens in {s.eval_seconds:.2f} s {_after(side)}; " \
+        f"loading took {s.load_seconds:.1f} s"  # fmt: skip
+
+
+def _after(side: FloatSide) -> str:
+    """What the float side came from: a float pass (untimed here), or a file and no pass."""
+    if side.read:
+        return f"against FLOAT's side read from {safe(str(side.path))} (no float pass)"
+    return "after one float pass"
+
+
+def _side_lines(side: FloatSide | None, width: int) -> list[Line]:
+    if side is None:
+        return []
+    if not side.read:
+        return _plain([f"wrote {safe(str(side.path))}"])
+    note = ("(KL from FLOAT's log-probabilities as the file codes them in 16 bits: each within "
+            "1.8e-4 nats, see docs/eval.md; the other figures are exact)")  # fmt: skip
+    return _plain(layout.phrases([note], width), "dim")
 
 
 def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
@@ -152,7 +175,7 @@ def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
 
 
 def print_many(
-    results: list[tuple[EvalSummary, list[EvalViolation]]], gated: bool, saved: Path | None
+    results: list[tuple[EvalSummary, list[EvalViolation]]], gated: bool, side: FloatSide | None
 ) -> None:
     """Several QUANTs against one float pass: the shared header, a row per QUANT, the gate."""
     width = width_of(sys.stdout)
@@ -166,11 +189,11 @@ def print_many(
         lines += layout.table(_many_columns([s for s, _ in results]), width).lines
         seconds = sum(s.eval_seconds for s, _ in results)
         loading = sum(s.load_seconds for s, _ in results)
-        speed = (f"{len(results)} QUANTs x {first.tokens:,} tokens in {seconds:.2f} s after one "
-                 f"float pass; loading took {loading:.1f} s")  # fmt: skip
+        after = _after(side) if side is not None else "after one float pass"
+        speed = (f"{len(results)} QUANTs x {first.tokens:,} tokens in {seconds:.2f} s {after}; "
+                 f"loading took {loading:.1f} s")  # fmt: skip
         lines += _plain(layout.phrases([speed], width))
-    if saved is not None:
-        lines += _plain([f"wrote {safe(str(saved))}"])
+    lines += _side_lines(side, width)
     if gated:
         failed = [(s, v) for s, v in results if v]
         if not failed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,24 @@ from qtool.eval_results import (
 from qtool.report.json import SCHEMA_VERSION, json_number
 
 
+@dataclass(frozen=True)
+class FloatSide:
+    """The logits file FLOAT's side was read from (`read`: no float pass ran, the KL comes from
+    its 16-bit codes) or written to."""
+
+    path: Path
+    read: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": str(self.path), "use": "read" if self.read else "written"}
+
+
 def eval_json(
     summary: EvalSummary,
     layers: list[LayerRow] | None,
     bounds: EvalBounds,
     violations: list[EvalViolation],
+    side: FloatSide | None = None,
 ) -> dict[str, Any]:
     """The figures of both models on the same tokens; `layers` as the table shows them."""
     return {
@@ -55,6 +69,7 @@ def eval_json(
         "tokens_per_second": json_number(summary.tokens_per_second),
         "notes": list(summary.notes),
         "in_sample": texts_json(summary.in_sample),
+        "logits": None if side is None else side.as_dict(),
         "gate": _gate(bounds, violations),
     }
 
@@ -85,20 +100,22 @@ def _causal(c: CausalFigures | None) -> dict[str, Any] | None:
 def many_json(
     results: list[tuple[EvalSummary, list[EvalViolation]]],
     bounds: EvalBounds,
-    saved: Path | None,
+    side: FloatSide | None,
 ) -> dict[str, Any]:
     """Several QUANTs against one float pass: `candidates` holds each one's eval document (as
     one QUANT's, without its own schema_version, ok and command), in the order given."""
     docs = []
     for summary, violations in results:
         doc = eval_json(summary, None, bounds, violations)
-        docs.append({k: v for k, v in doc.items() if k not in ("schema_version", "ok", "command")})
+        shared = ("schema_version", "ok", "command", "logits")
+        docs.append({k: v for k, v in doc.items() if k not in shared})
     return {
         "schema_version": SCHEMA_VERSION,
         "ok": True,
         "command": "eval",
         "candidates": docs,
-        "saved_logits": None if saved is None else str(saved),
+        "saved_logits": None if side is None or side.read else str(side.path),
+        "logits": None if side is None else side.as_dict(),
         "gate": None if not bounds.active else {
             "passed": not any(v for _, v in results),
             "failed": [s.inputs[1] for s, v in results if v],

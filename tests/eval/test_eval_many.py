@@ -288,3 +288,32 @@ def test_saved_defaults_default_text_and_a_dtype_qtool_does_not_run(
     monkeypatch.setattr(many, "read_logits_info", lambda path: replace(info, dtype="int3"))
     with pytest.raises(InputError, match="its dtype 'int3'"):
         many.saved_defaults(path, None, None, None, None)
+
+
+@pytest.mark.parametrize("quants", [("q-int8",), ("q-int8", "llama")])
+def test_cli_from_a_logits_file_says_so_not_a_float_pass(
+    root: Path,
+    invoke: Invoke,
+    saved: tuple[Path, list[EvalSummary]],
+    quants: tuple[str, ...],
+    tmp_path: Path,
+) -> None:
+    """With --logits no float pass runs: the report names the file FLOAT's side came from, says
+    the KL comes from its 16-bit codes, and never claims a float pass or two models' timing (it
+    did, one QUANT or several); the JSON names the file read, saving names the file written."""
+    args = ["eval", str(root / "llama"), *(str(root / q) for q in quants), "--threads", "1"]
+    code, out, err = invoke(*args, "--logits", str(saved[0]))
+    assert code == 0, err
+    out = " ".join(out.split())  # lines folded to the width joined
+    assert "float pass" not in out.replace("no float pass", "") and "2 models" not in out, out
+    assert f"read from {saved[0]}" in out and "16 bits" in out, out
+    code, out, err = invoke(*args, "--logits", str(saved[0]), "--json")
+    assert code == 0, err
+    assert json.loads(out)["logits"] == {"file": str(saved[0]), "use": "read"}
+    code, out, err = invoke(*args, "--json")
+    assert code == 0, err
+    assert json.loads(out)["logits"] is None
+    written = tmp_path / "w.qlogits"
+    code, out, err = invoke(*args, "--save-logits", str(written), "--json")
+    assert code == 0, err
+    assert json.loads(out)["logits"] == {"file": str(written), "use": "written"}

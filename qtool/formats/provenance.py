@@ -7,8 +7,10 @@ text. The records only inform a warning: what cannot be read as one is left out,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from qtool.calibration import TEXTS_KEY, Role, TextUse, parse_texts
 from qtool.errors import QtoolError
@@ -18,7 +20,8 @@ from qtool.formats.qtool.manifest import locate_sidecar
 from qtool.formats.qtool.writer import TEXTS_KEY as SIDECAR_TEXTS_KEY
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.jsonfile import parse_json
-from qtool.io.stformat import read_header
+from qtool.io.safeopen import Refused, open_regular
+from qtool.io.stformat import read_header_file
 
 
 def recorded_texts(found: Detected) -> tuple[TextUse, ...]:
@@ -37,11 +40,20 @@ def _records(found: Detected) -> Iterator[TextUse]:
         yield from parse_texts(record.get(TEXTS_KEY))
     for weights in found.weights:
         try:
-            with open(weights, "rb") as f:
+            with _open(found, weights) as f:
                 gguf = f.read(4) == b"GGUF"
-            yield from _gguf(weights) if gguf else _sidecar(weights)
-        except (OSError, ValueError, QtoolError):  # a damaged header or record: no record
+            yield from _gguf(weights) if gguf else _sidecar(found, weights)
+        except (OSError, ValueError, QtoolError, Refused):  # damaged or refused: no record
             continue
+
+
+def _open(found: Detected, path: Path) -> BinaryIO:
+    """A file of `found`: through its directory's descriptor when it lies in it (never a path
+    walked again, as the loaders read it), else opened as a regular file."""
+    within = found.within
+    if within is not None and path.parent == within.path:
+        return os.fdopen(within.open_fd(path.name), "rb")
+    return open_regular(path)
 
 
 def _gguf(path: Path) -> Iterator[TextUse]:
@@ -52,10 +64,13 @@ def _gguf(path: Path) -> Iterator[TextUse]:
         yield TextUse.of(value.value, None, None, Role.CALIBRATION)
 
 
-def _sidecar(path: Path) -> Iterator[TextUse]:
-    side, _ = locate_sidecar(path, read_header(path).metadata)
-    if not side.is_file():
+def _sidecar(found: Detected, path: Path) -> Iterator[TextUse]:
+    with _open(found, path) as f:
+        side, _ = locate_sidecar(path, read_header_file(f).metadata)
+    try:
+        with _open(found, side) as f:
+            recorded = (read_header_file(f).metadata or {}).get(SIDECAR_TEXTS_KEY)
+    except FileNotFoundError:  # no sidecar: not a qtool-format file
         return
-    recorded = (read_header(side).metadata or {}).get(SIDECAR_TEXTS_KEY)
     if recorded is not None:
         yield from parse_texts(parse_json(recorded.encode(), side, "record of texts"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.errors import InputError
 from qtool.formats.detect import Detected, already_quantized, detect
 from qtool.formats.registry import belongings, entry
 from qtool.io.index import ShardedInput
@@ -111,6 +112,8 @@ def open_source(path: Path, config: Path | None = None, *, requantize: bool = Fa
     its config.json (`config`, else the directory's); InputError when it is already quantized
     (`requantize`: a quantized GGUF is taken, read as float through its reader)."""
     found = detect(path)
+    if entry(found.format).not_a_checkpoint:
+        raise InputError(path, entry(found.format).not_a_checkpoint)
     if found.quantized and not (requantize and entry(found.format).float_output):
         fmt = entry(found.format)
         err = already_quantized(path, found.description, fmt.suffix if fmt.float_output else "")

@@ -10,6 +10,7 @@ BUILTIN = (
     "qtool.formats.qtool",
     "qtool.formats.compressed_tensors",
     "qtool.formats.gguf",
+    "qtool.formats.eval_logits",
 )
 
 

@@ -208,6 +208,8 @@ class Probe:
 
 
 PRIORITY = {
+    # a lone file starting with QTLOGITS: eval --save-logits's (formats/eval_logits.py)
+    "qtool-logits": 5,
     # a safetensors file whose metadata holds a qparams manifest
     "qtool-sidecar": 10,
     # a safetensors file whose metadata binds it to a sidecar

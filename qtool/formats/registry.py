@@ -99,6 +99,9 @@ class FormatEntry:
     help: str = ""
     reads_config: bool = False
     groups: str = ""
+    # a file qtool writes that is no checkpoint (eval's logits): why no command but inspect
+    # and the one named here reads it
+    not_a_checkpoint: str = ""
 
 
 @dataclass(frozen=True)

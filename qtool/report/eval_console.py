@@ -120,16 +120,21 @@ def _layer_lines(s: EvalSummary, layers: list[LayerRow], order: str, width: int)
         ),
     ]
     table = layout.table(columns, width)
-    out = _plain(layout.phrases([title], width)) + table.lines
-    if table.hidden:
-        how = "widen the terminal" if sys.stdout.isatty() else "set COLUMNS wider"
-        out += _plain(layout.phrases(
-            [f"({', '.join(table.hidden)} hidden to fit {width} columns; {how}, or use --json)"],
-            width,
-        ), "dim")  # fmt: skip
+    out = _plain(layout.phrases([title], width)) + table.lines + _hidden_note(table, width)
     if len(layers) < total:
         out += _plain([f"(showing {len(layers)} of {total} layers)"], "dim")
     return out
+
+
+def _hidden_note(table: layout.Table, width: int) -> list[Line]:
+    """Which columns a table hid to fit the width, and how to see them."""
+    if not table.hidden:
+        return []
+    how = "widen the terminal" if sys.stdout.isatty() else "set COLUMNS wider"
+    return _plain(layout.phrases(
+        [f"({', '.join(table.hidden)} hidden to fit {width} columns; {how}, or use --json)"],
+        width,
+    ), "dim")  # fmt: skip
 
 
 def _db(value: float, signed: bool = False) -> str:
@@ -161,7 +166,7 @@ def _side_lines(side: FloatSide | None, width: int) -> list[Line]:
     if side is None:
         return []
     if not side.read:
-        return _plain([f"wrote {safe(str(side.path))}"])
+        return _plain(layout.phrases([f"wrote {safe(str(side.path))}"], width))
     note = ("(KL from FLOAT's log-probabilities as the file codes them in 16 bits: each within "
             "1.8e-4 nats, see docs/eval.md; the other figures are exact)")  # fmt: skip
     return _plain(layout.phrases([note], width), "dim")
@@ -183,10 +188,17 @@ def print_many(
     if results:
         first = results[0][0]
         header = _header(first)
-        header = [header[0], header[2], f"perplexity FLOAT {first.causal.ppl_float:,.2f}"
+        header = [header[0], header[2], f"perplexity FLOAT {first.causal.ppl_float:,.2f}; "
+                  "KL(FLOAT ‖ QUANT) mean, median, p99, p99.9, max in nats per token"
                   if first.causal is not None else ""]  # fmt: skip
         lines += _plain([p for line in header if line for p in layout.phrases([line], width)])
-        lines += layout.table(_many_columns([s for s, _ in results]), width).lines
+        names = short_paths([s.inputs[1] for s, _ in results])
+        table = layout.table(_many_columns([s for s, _ in results], names), width)
+        lines += table.lines + _hidden_note(table, width)
+        if names != [s.inputs[1] for s, _ in results]:
+            lines += _plain(layout.phrases(["(QUANT: each path's shortest distinct ending; the "
+                                            "gate lines and --json give them whole)"], width),
+                            "dim")  # fmt: skip
         seconds = sum(s.eval_seconds for s, _ in results)
         loading = sum(s.load_seconds for s, _ in results)
         after = _after(side) if side is not None else "after one float pass"
@@ -205,13 +217,26 @@ def print_many(
     emit(sys.stdout, lines)
 
 
-def _many_columns(summaries: list[EvalSummary]) -> list[Column]:
+def short_paths(paths: list[str]) -> list[str]:
+    """Each path's last components, as few as keep them distinct (`a/q4/model.gguf` and
+    `b/q4/model.gguf` stay whole): the QUANT column shows what tells the candidates apart."""
+    parts = [p.rstrip("/").split("/") for p in paths]
+    longest = max((len(p) for p in parts), default=0)
+    for k in range(1, longest + 1):
+        ends = ["/".join(p[-k:]) for p in parts]
+        if len(set(ends)) == len(ends):
+            whole = zip(ends, parts, paths, strict=True)
+            return [end if len(p) > k else path for end, p, path in whole]
+    return paths
+
+
+def _many_columns(summaries: list[EvalSummary], names: list[str]) -> list[Column]:
     def col(title: str, cell: Callable[[CausalFigures], str], hide: int = 0) -> Column:
         cells = [(cell(s.causal) if s.causal else "", "") for s in summaries]
         return Column(title, cells, right=True, hide=hide)
 
     return [
-        Column("QUANT", [(safe(s.inputs[1]), "") for s in summaries], names=True),
+        Column("QUANT", [(safe(n), "") for n in names], fold=12, names=True),
         col("perplexity", lambda c: f"{c.ppl_quant:,.2f}"),
         col("ln ratio ± se", lambda c: f"{_signed(c.ln_ratio, 4)} ± {c.ln_ratio_se:.4f}", 1),
         col("KL mean", lambda c: _num(c.kl.mean)),

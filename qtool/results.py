@@ -319,6 +319,7 @@ class QuantizeSummary:
     texts: tuple[TextUse, ...] = ()  # the texts a method or an imatrix used (calibration.py)
     model_kl: tuple[ModelKL, ...] = ()  # --method: the model's KL at the end of the run
     allocation: AllocationPlan | None = None  # --target-size/--target-bpw/--target-kl's plan
+    remarks: list[str] = field(default_factory=list)  # notes under the table, not warnings
 
     @property
     def weighted_overall(self) -> WeightedError | None:

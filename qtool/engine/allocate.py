@@ -147,17 +147,17 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         sum_alpha_r=chosen.loss, joint_fit=found is not None and found.joint is not None,
         kept_without_alpha=len(unmeasured),
     )  # fmt: skip
-    notes = (*plan.notes, summary_line(target, result))
-    return replace(plan, plans=tuple(out), notes=notes, allocation=result)
+    # summary_line(target, result) is the report's note under the table (not a warning)
+    return replace(plan, plans=tuple(out), allocation=result)
 
 
 def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
-    """'allocation (size 100 MiB ...): 99.9 MiB (...), 4.41 bpw, predicted KL 0.0312; by spec:
-    int4 g64 mse x140 60.1 MiB (...), ...'."""
+    """'allocation (size 100 MiB ...): 99.9 MiB (...), 4.41 bpw, predicted KL 0.0312
+    nats/token; by spec: int4 g64 mse x140 60.1 MiB (...), ...'."""
     what = "predicted KL" if plan.measured else "predicted loss (relative output error, alpha = 1)"
     if plan.measured:
         fit = "the imatrix's joint fit" if plan.joint_fit else "no joint fit in the imatrix: KL = S"
-        what = f"{what} {plan.loss:.6g} (S = sum alpha r {plan.sum_alpha_r:.6g}, {fit})"
+        what = f"{what} {plan.loss:.4g} nats/token (S = sum alpha r {plan.sum_alpha_r:.4g}, {fit})"
         if plan.kept_without_alpha:
             what += f", {plan.kept_without_alpha} tensor(s) with no alpha kept float"
     else:
@@ -166,7 +166,8 @@ def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
     return (
         f"allocation ({target.describe()}): {solver.human_bytes(plan.nbytes)}, "
         f"{plan.bpw:.3f} bpw, {what}; "
-        f"by spec: {', '.join(parts)} (granularity {plan.granularity} bytes)"
+        f"by spec: {', '.join(parts)} (granularity {plan.granularity} "
+        f"byte{'' if plan.granularity == 1 else 's'})"
     )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qtool.calibrate_results import DatasetInfo
+from qtool.engine.tied import embedding_or_head
 from qtool.errors import InputError, QtoolError
 from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats, quant_weights
 from qtool.results import WeightedError
@@ -100,7 +101,10 @@ class Importance:
             quantized += 1
             stats = self.stats.get(plan.entry.name)
             if stats is None:
-                missing.append(plan.entry.name)
+                # llama.cpp's imatrix never has the embedding (a row lookup, no matmul) and may
+                # lack the head (tied to it): their absence is every imatrix's, not a mismatch
+                if not embedding_or_head(plan.entry.name):
+                    missing.append(plan.entry.name)
                 continue
             problem = _misfit(stats, plan.entry.shape)
             if problem is not None:

@@ -229,16 +229,47 @@ def _by_rules(
     return Decision(Quantize(found.action, found.note, found.asked), selection)
 
 
-def tied_warnings(plans: Iterable[TensorPlan], tied: frozenset[str]) -> list[str]:
+def tied_warnings(
+    plans: Iterable[TensorPlan], tied: frozenset[str], measured: bool = False
+) -> list[str]:
     """One line per embedding tied to the output head that a rule or the budget quantized to
-    4 bits, the costliest place for them."""
+    4 bits, the costliest place for them; not one an allocation chose by its measured
+    sensitivity (`measured`), which weighed that cost (tied_notes says so)."""
     return [
         f"{p.entry.name} is also the output head (tied embeddings) and is quantized to 4 bits "
-        f"({p.spec.describe()}), which costs the most quality of any tensor; keep it float or "
+        f"({spec.describe()}), which costs the most quality of any tensor; keep it float or "
         "at 8 bits"
-        for p in plans
-        if p.entry.name in tied and p.spec is not None and p.spec.nibbles
+        for p, spec in _tied_4bit(plans, tied)
+        if not (measured and _allocated(p))
     ]  # fmt: skip
+
+
+def tied_notes(plans: Iterable[TensorPlan], tied: frozenset[str], measured: bool) -> list[str]:
+    """One line per embedding tied to the output head that an allocation with sensitivities
+    (`measured`) quantized to 4 bits: its alpha is the KL the model loses, head included."""
+    if not measured:
+        return []
+    return [
+        f"{p.entry.name} is also the output head (tied embeddings): the allocation chose "
+        f"{spec.describe()} for it by its measured sensitivity (alpha), its KL counted in "
+        "the prediction"
+        for p, spec in _tied_4bit(plans, tied)
+        if _allocated(p)
+    ]  # fmt: skip
+
+
+def _tied_4bit(
+    plans: Iterable[TensorPlan], tied: frozenset[str]
+) -> Iterator[tuple[TensorPlan, Codec]]:
+    for p in plans:
+        if p.entry.name in tied and p.spec is not None and p.spec.nibbles:
+            yield p, p.spec
+
+
+def _allocated(plan: TensorPlan) -> bool:
+    """An allocation target chose this tensor's spec among its measured candidates."""
+    origin = plan.decision.origin
+    return isinstance(origin, Budget) and origin.allocation is not None and bool(origin.trials)
 
 
 def _claimed(decision: Decision, entry: TensorEntry, options: QuantizeOptions) -> Decision:

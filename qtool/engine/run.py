@@ -41,6 +41,7 @@ from qtool.engine.plan import (
     plan_headers,
     planned_row,
     quantized_output,
+    tied_notes,
     tied_warnings,
 )
 from qtool.engine.shards import Shards
@@ -53,7 +54,7 @@ from qtool.io.atomic import OutputSet
 from qtool.io.jsonfile import read_json_object
 from qtool.io.stformat import TensorEntry
 from qtool.numerics.imatrix import ImportanceMatrix
-from qtool.results import QuantizeRow, QuantizeSummary
+from qtool.results import AllocationPlan, QuantizeRow, QuantizeSummary
 
 if TYPE_CHECKING:
     from qtool.engine.loop import Kernels
@@ -101,7 +102,7 @@ def quantize(
             done = (
                 _estimate(job, plan) if kernels else Done(plan, list(map(planned_row, plan.plans)))
             )
-        return _summary(job, done, started, tied_warnings(done.plan.plans, tied))
+        return _summary(job, done, started, tied)
     finally:
         shards.close()
         threads.close()
@@ -337,10 +338,12 @@ def _with_importance(
     return replace(job, kernels=kernels)
 
 
-def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> QuantizeSummary:
+def _summary(job: Job, done: Done, started: float, tied: frozenset[str]) -> QuantizeSummary:
     """The run's summary: its rows, what it read and wrote, and the format's warnings (after
     the writing, which may add some) and its list of tensors kept in float."""
-    target, plans = job.target, done.plan.plans
+    target, plans, allocation = job.target, done.plan.plans, done.plan.allocation
+    measured = allocation is not None and allocation.measured
+    warnings = tied_warnings(plans, tied, measured)
     named = target.named if target.directory else job.fmt.layout(target.shard_outputs[0])
     return QuantizeSummary(
         inputs=[str(job.source.path)],
@@ -366,8 +369,19 @@ def _summary(job: Job, done: Done, started: float, warnings: list[str]) -> Quant
         imatrix=_provenance(job),
         texts=done.plan.texts,
         model_kl=done.plan.model_kl,
-        allocation=done.plan.allocation,
+        allocation=allocation,
+        remarks=[
+            *([] if allocation is None else [_allocation_line(job, allocation)]),
+            *tied_notes(plans, tied, measured),
+        ],
     )
+
+
+def _allocation_line(job: Job, allocation: AllocationPlan) -> str:
+    from qtool.engine.allocate import summary_line
+
+    assert job.options.allocation is not None
+    return summary_line(job.options.allocation, allocation)
 
 
 def _imatrix_texts(provenance: Provenance) -> tuple[TextUse, ...]:

@@ -41,6 +41,12 @@ def tied_embeddings(names: Iterable[str], config: object) -> frozenset[str]:
     return frozenset(f"{m}.weight" for m in modules if m.rpartition(".")[2] in leaves)
 
 
+def embedding_or_head(name: str) -> bool:
+    """An input embedding or an output head, by its module's last name (checkpoint or GGUF)."""
+    leaf = name.removesuffix(".weight").rpartition(".")[2]
+    return leaf in (*_EMBEDDINGS, *_HEADS, "token_embd")
+
+
 def _has_head(config: Mapping[str, object]) -> bool:
     """The class transformers builds has an output head (no `architectures`: assume it has)."""
     archs = config.get("architectures")

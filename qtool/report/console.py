@@ -383,7 +383,8 @@ def print_quantize(
     lines, width, hidden = _report(title, columns, _quantize_totals(summary), sys.stdout)
     more = len(shown) < len(summary.rows)
     _notes(lines, width, _hidden_line(hidden, sys.stdout) if hidden else None,
-           _shown_line(len(shown), len(summary.rows)) if more else None)  # fmt: skip
+           _shown_line(len(shown), len(summary.rows)) if more else None,
+           *(safe(r) for r in summary.remarks))  # fmt: skip
     verb = "would write " if summary.dry_run else "wrote "
     lines += _plain(
         layout.phrases(

@@ -243,6 +243,7 @@ def quantize_json(
         **({"model_kl": [_model_kl_json(k) for k in summary.model_kl]} if summary.model_kl else {}),
         **({"allocation": _allocation_json(summary.allocation)} if summary.allocation else {}),
         "warnings": summary.notes,
+        "notes": summary.remarks,
     }
 
 

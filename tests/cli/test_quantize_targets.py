@@ -29,8 +29,9 @@ def _run(invoke: Invoke, *args: str) -> Any:
 
 
 def _note(doc: Any) -> str:
-    notes = [n for n in doc["warnings"] if str(n).startswith("allocation (")]
+    notes = [n for n in doc["notes"] if str(n).startswith("allocation (")]
     assert len(notes) == 1
+    assert not [w for w in doc["warnings"] if "allocation (" in w]  # a plan is no warning
     return str(notes[0])
 
 
@@ -94,7 +95,8 @@ def _structured_plan_is_the_note(doc: Any, target: tuple[str, str], decided: int
     assert plan["bytes"] == doc["totals"]["bytes_out"] == int(_find(r"\((\d+) bytes\), ", note))
     assert f"{plan['bpw']:.3f} bpw" in note and f"{plan['predicted_loss']:.6g};" in note
     assert plan["loss"] == "relative_output_error"  # no sensitivities here
-    assert f"(granularity {plan['granularity_bytes']} bytes)" in note
+    unit = "byte" if plan["granularity_bytes"] == 1 else "bytes"
+    assert f"(granularity {plan['granularity_bytes']} {unit})" in note
     assert sum(s["tensors"] for s in plan["by_spec"]) == decided
     assert sum(s["bytes"] for s in plan["by_spec"]) <= plan["bytes"]
     for s in plan["by_spec"]:
@@ -367,3 +369,28 @@ def test_every_target_names_the_spec_options_it_overrides(
     assert f"--scheme, --dtype, --group-size, --range ignored: {target[0]} picks" in warnings[0]
     code, _, err = invoke("quantize", *src, "-o", str(tmp_path / "b"))
     assert code == 0 and "ignored" not in err
+
+
+def test_a_tied_embedding_the_kl_allocation_chose_is_a_note_not_a_warning(
+    invoke: Invoke, tmp_path: Path
+) -> None:
+    """An allocation with sensitivities weighs the tied embedding's KL (head included): when it
+    picks 4 bits for it, a note says so, not the warning against a rule's 4 bits; and its
+    missing imatrix entry (no imatrix has the embedding: a row lookup) is no warning either.
+    The same 4 bits by a rule still warn."""
+    alpha = _every_linear(0.5)
+    del alpha["output.weight"]
+    _imatrix(tmp_path / "s.gguf", alpha | {"token_embd.weight": 1e-9})
+    embed, src = "model.embed_tokens.weight", str(TINY / "tiny-lm")
+    doc = _run(invoke, src, "--target-kl", "0.01", "--imatrix", str(tmp_path / "s.gguf"),
+               "-o", str(tmp_path / "kl"))  # fmt: skip
+    row = next(t for t in doc["tensors"] if t["name"] == embed)
+    assert row["quantized"] and row["decided_by"]["origin"] == "budget"
+    assert doc["warnings"] == []
+    assert [n for n in doc["notes"] if n.startswith(f"{embed} is also the output head")]
+    assert "measured sensitivity" in " ".join(doc["notes"])
+    ruled = _run(invoke, src, "--dtype", "int4", "--group-size", "32", "--include", "*embed*",
+                 "--range", "mse",
+                 "--imatrix", str(tmp_path / "s.gguf"), "-o", str(tmp_path / "rule"))  # fmt: skip
+    assert [w for w in ruled["warnings"] if "keep it float or at 8 bits" in w]
+    assert not [w for w in ruled["warnings"] if "no entry" in w]

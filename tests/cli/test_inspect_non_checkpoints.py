@@ -41,3 +41,29 @@ def test_other_commands_say_what_a_logits_file_is(invoke: Invoke, tmp_path: Path
         assert code == 1 and out == "", args
         assert "eval logits file" in err and "--logits" in err, args
         assert "header length" not in err, args
+
+
+def test_inspect_shows_the_sensitivities_an_imatrix_holds(invoke: Invoke, tmp_path: Path) -> None:
+    from qtool.formats.imatrix.sensitivity import Sensitivities
+    from tests.formats.test_imatrix_sensitivity import NAMES, _write
+
+    alpha = dict.fromkeys(NAMES, 0.5)
+    files = {
+        "fit": _write(tmp_path / "fit.imatrix.gguf", Sensitivities(alpha, "rtn int4", 512,
+                                                                    (0.7, 0.4, 0.8))),
+        "plain": _write(tmp_path / "plain.imatrix.gguf", Sensitivities(alpha, "rtn int4", 64)),
+        "none": _write(tmp_path / "none.imatrix.gguf", None),
+    }  # fmt: skip
+    shown = {}
+    for name, path in files.items():
+        code, out, err = invoke("inspect", str(path), "--json")
+        assert code == 0, err
+        shown[name] = json.loads(out)["metadata"].get("qtool.sensitivity")
+        console = invoke("inspect", str(path))[1]
+        assert (shown[name] is not None) == ("sensitivities of" in console), name
+    assert shown["fit"] == (
+        f"sensitivities of {len(NAMES)} weights, reference rtn int4, 512 tokens, "
+        "joint fit: gain 0.7, saturation 0.4, additivity 0.8"
+    )
+    assert shown["plain"] is not None and "64 tokens, no joint fit" in shown["plain"]
+    assert shown["none"] is None

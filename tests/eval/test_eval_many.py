@@ -318,3 +318,28 @@ def test_cli_from_a_logits_file_says_so_not_a_float_pass(
     code, out, err = invoke(*args, "--save-logits", str(written), "--json")
     assert code == 0, err
     assert json.loads(out)["logits"] == {"file": str(written), "use": "written"}
+
+
+def test_cli_json_shape_follows_the_quant_count_as_json_md_says(
+    root: Path, invoke: Invoke, saved: tuple[Path, list[EvalSummary]], tmp_path: Path
+) -> None:
+    """json.md: one QUANT gives the one-QUANT document, with --logits too; none
+    (--save-logits alone) or several give `candidates`; both name the logits file and keep
+    schema_version 2 (the docs said --logits alone moved one QUANT under `candidates`)."""
+    floatdir, q = str(root / "llama"), str(root / "q-int8")
+    common = ["--threads", "1", "--json"]
+    written = tmp_path / "w.qlogits"
+    runs = [
+        ([q, "--logits", str(saved[0])], 1, {"file": str(saved[0]), "use": "read"}),
+        ([q, q.replace("q-int8", "llama"), "--logits", str(saved[0])], 2,
+         {"file": str(saved[0]), "use": "read"}),
+        (["--save-logits", str(written), "--text", str(root / "text.txt"), "--tokens", "100",
+          "--ctx", "64"], 0, {"file": str(written), "use": "written"}),
+    ]  # fmt: skip
+    for args, count, logits in runs:
+        code, out, err = invoke("eval", floatdir, *args, *common)
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["schema_version"] == 2 and doc["logits"] == logits
+        assert ("candidates" in doc) == (count != 1), args
+        assert len(doc.get("candidates", [doc])) == count

@@ -15,5 +15,28 @@ def inspect_path(path: Path) -> InspectSummary:
     """Describe what `path` holds (a checkpoint, a quantized file, a sidecar, a directory), its
     tensors in natural name order (`layers.2` before `layers.10`), not in the byte layout's
     order, which groups them by dtype."""
-    summary = registry.inspect(detect(path))
+    found = detect(path)
+    summary = registry.inspect(found)
+    if found.kind == "gguf":  # an imatrix GGUF: calibrate --sensitivity's keys, if it holds them
+        sensitivities = _sensitivities(found.path)
+        if sensitivities is not None:
+            summary = replace(summary, metadata={**(summary.metadata or {}),
+                                                 SENSITIVITIES: sensitivities})  # fmt: skip
     return replace(summary, rows=sorted(summary.rows, key=lambda r: natural_key(r.name)))
+
+
+SENSITIVITIES = "qtool.sensitivity"
+
+
+def _sensitivities(path: Path) -> str | None:
+    """What the file's qtool.sensitivity.* keys say; their reader (and torch, which the joint
+    fit's numerics import) is loaded only for a file that has them."""
+    from qtool.io.gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        metadata = f.header.metadata
+    if not any(key.startswith(SENSITIVITIES + ".") for key in metadata):
+        return None
+    from qtool.formats.imatrix.sensitivity import describe
+
+    return describe(metadata)

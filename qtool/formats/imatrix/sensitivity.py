@@ -165,3 +165,23 @@ def merged(found: Mapping[Path, Sensitivities | None]) -> Sensitivities | None:
     alpha = {n: sum(s.alpha[n] * (s.tokens / tokens) for s in have.values()) for n in first.alpha}
     # the joint fit is of one run's windows: a merge keeps none (predicted KL = sum alpha r)
     return Sensitivities(alpha, first.reference, tokens)
+
+
+def describe(metadata: Mapping[str, GGUFValue]) -> str | None:
+    """The sensitivities `metadata` holds, in one line for inspect (None: it holds none; keys
+    that are malformed are said to be, as inspect shows any file)."""
+    try:
+        found = parse(metadata)
+    except ValueError as err:
+        return f"malformed: {err}"
+    if found is None:
+        return None
+    joint = (
+        "no joint fit (predicted KL = sum alpha r)"
+        if found.joint is None
+        else "joint fit: gain {:.4g}, saturation {:.4g}, additivity {:.4g}".format(*found.joint)
+    )
+    return (
+        f"sensitivities of {len(found.alpha)} weights, reference {found.reference}, "
+        f"{found.tokens} tokens, {joint}"
+    )

@@ -12,7 +12,7 @@ import typer
 from qtool.cli.help import HOW, OUTPUT, RUN, SELECT, choices
 from qtool.cli.inputs import QUANTIZE_INPUT
 from qtool.cli.lazy import api, report
-from qtool.codecs.gguf import GGUF_MIXES, gguf_mix
+from qtool.codecs.gguf import GGUF_MIXES, gguf_choices, gguf_mix
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
     Codec,
@@ -50,8 +50,7 @@ def dtype_value(value: str) -> str:
         if is_gguf_name(value):  # a GGUF type qtool does not write (IQ2_XXS)
             raise typer.BadParameter(str(err)) from None
         raise typer.BadParameter(
-            f"'{value}' is not one of {', '.join(_INT_DTYPES)} nor a GGUF type "
-            f"({', '.join(GGUF_QUANTIZE_TYPES)})"
+            f"'{value}' is not one of {', '.join(_INT_DTYPES)} nor a GGUF type ({gguf_choices()})"
         ) from None
     return spec.label()
 

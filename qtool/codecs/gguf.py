@@ -22,6 +22,13 @@ GGUF_MIXES = {"Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q
 """llama.cpp's named mixes (`llama-quantize in.gguf out.gguf Q4_K_M`) qtool writes, with the
 type of the tensors no rule of the mix changes; the GGUF format gives each tensor its type
 (formats/gguf/mixes.py). A type's own name stays that type alone (llama-quantize --pure)."""
+
+
+def gguf_choices() -> str:
+    """What --dtype takes for a GGUF output, as a message lists it: the types, then the mixes."""
+    return f"{', '.join(GGUF_QUANTIZE_TYPES)}, or a mix: {', '.join(GGUF_MIXES)}"
+
+
 _NOT_BLOCKS = (*FLOAT_TYPES, "F64", "I8", "I16", "I32", "I64")
 
 
@@ -113,9 +120,7 @@ def gguf_spec(name: str | GGMLType) -> GGUFSpec:
         return GGUFSpec(name)
     found = GGML_TYPES.get(name.upper())
     if found is None:
-        raise ValueError(
-            f"'{name}' is not a GGUF type; use one of {', '.join(GGUF_QUANTIZE_TYPES)}"
-        )
+        raise ValueError(f"'{name}' is not a GGUF type; use one of {gguf_choices()}")
     return GGUFSpec(found)
 
 
@@ -133,7 +138,7 @@ def gguf_quantize_spec(name: str) -> GGUFSpec:
     found = GGML_TYPES.get(name.upper())
     if found is None or found.name not in GGUF_QUANTIZE_TYPES:
         what = "a GGUF type qtool quantizes to" if found is not None else "a GGUF type"
-        raise ValueError(f"'{name}' is not {what}; use one of {', '.join(GGUF_QUANTIZE_TYPES)}")
+        raise ValueError(f"'{name}' is not {what}; use one of {gguf_choices()}")
     return GGUFSpec(found)
 
 

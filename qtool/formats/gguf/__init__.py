@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.codecs.gguf import gguf_choices
 from qtool.errors import InputError, UsageError
 from qtool.formats import detect, registry
 from qtool.formats.detect import Detected, Probe
@@ -94,7 +95,7 @@ def _output(context: FormatContext) -> OutputFormat:
 
 def _foreign(spec: Codec) -> str:
     return (f"--format gguf stores llama.cpp's block types, not {spec.describe()}: give one "
-            f"of {', '.join(GGUF_QUANTIZE_TYPES)}")  # fmt: skip
+            f"of {gguf_choices()}")  # fmt: skip
 
 
 def _refuses(spec: Codec) -> str | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qtool.codecs.gguf import gguf_choices
 from qtool.errors import InputError, OutputError, RecipeError, UsageError
 from qtool.formats.base import Choice, OutputFormat, Planned, Ruled, ShardWriter
 from qtool.formats.gguf.mixes import MIXES, ModelFacts, mix_types
@@ -178,7 +179,7 @@ class GGUFFormat(OutputFormat):
 
 def _not_gguf(spec: Codec) -> str:
     return (f"{spec.describe()} is not a GGUF type; --format gguf stores llama.cpp's block "
-            f"types ({', '.join(GGUF_QUANTIZE_TYPES)})")  # fmt: skip
+            f"types ({gguf_choices()})")  # fmt: skip
 
 
 def output_format(

@@ -47,6 +47,11 @@ class Gate:
     def active(self) -> bool:
         return any(v is not None for v in self.bounds.values())
 
+    @property
+    def per_tensor(self) -> bool:
+        """A bound each tensor is held to (the others are the model's or the pooled figure's)."""
+        return self.max_mse is not None or self.min_sqnr is not None
+
 
 @dataclass(frozen=True)
 class Violation:
@@ -97,9 +102,15 @@ def evaluate(
 
 def _kl_violation(figure: ModelKL, bound: float) -> Violation:
     """The chosen result's model KL on one stream above `bound` times round to nearest's."""
-    detail = (f"model KL on the {figure.stream} {figure.chosen:.4g} is {figure.ratio:.3g}x "
+    where = kl_where(figure.stream)
+    detail = (f"model KL on the {where} {figure.chosen:.4g} nats/token is {figure.ratio:.3g}x "
               f"round to nearest's {figure.rounding:.4g}, above {bound:g}x")  # fmt: skip
     return Violation(None, "model_kl_ratio", figure.ratio, bound, detail)
+
+
+def kl_where(stream: str) -> str:
+    """The noun a model-KL stream is measured on ('held-out' -> 'held-out windows')."""
+    return "held-out windows" if stream == "held-out" else stream
 
 
 def _pooled_ok(overall: ErrorStats, bound: float) -> bool:

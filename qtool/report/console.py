@@ -32,8 +32,9 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from qtool.calibration import Role
 from qtool.errors import OutputError, QtoolError
-from qtool.gates import GateResult
+from qtool.gates import GateResult, kl_where
 from qtool.report import layout
 from qtool.report.json import json_text
 from qtool.report.layout import Column, Line
@@ -43,6 +44,7 @@ from qtool.results import (
     DequantizeSummary,
     ErrorStats,
     InspectSummary,
+    ModelKL,
     QuantizeRow,
     QuantizeSummary,
     Row,
@@ -266,11 +268,19 @@ def _notes(lines: list[Line], width: int, *notes: str | None) -> None:
             lines += _plain(layout.phrases([note], width), "dim")
 
 
-def _gate_lines(result: GateResult | None, width: int) -> list[Line]:
+def _gate_lines(
+    result: GateResult | None, width: int, model_kl: Sequence[ModelKL] = ()
+) -> list[Line]:
     if result is None or not result.gate.active:
         return []
     if result.passed:
-        return _plain(["gate: passed"], "green")
+        bound = result.gate.max_kl_ratio
+        ratios = [f"{k.ratio:.3g}x on the {kl_where(k.stream)}" for k in model_kl]
+        if bound is None or not ratios:
+            return _plain(["gate: passed"], "green")
+        text = (f"gate: passed (model KL {', '.join(ratios)} round to nearest's; "
+                f"bound {bound:g}x)")  # fmt: skip
+        return _plain(layout.phrases([text], width), "green")
     tensors = sorted(result.failed_tensors())
     shown = ", ".join(safe(t) for t in tensors[:5]) + (" ..." if len(tensors) > 5 else "")
     parts = [f"{len(tensors)} tensor(s) out of bounds: {shown}"] if tensors else []
@@ -377,7 +387,8 @@ def print_quantize(
     title = ["Plan (dry run, nothing written)" if summary.dry_run else "Quantization report"]
     if summary.overall is not None:
         title.append(f"errors {summary.measured}")
-    failed = gate.failed_tensors() if gate is not None and gate.gate.active else None
+    # a model-level bound alone (--max-kl-ratio) has no per-tensor verdict to show
+    failed = gate.failed_tensors() if gate is not None and gate.gate.per_tensor else None
     shown = summary.rows if rows is None else rows
     columns = quantize_columns(shown, failed, fold_names=sys.stdout.isatty())
     lines, width, hidden = _report(title, columns, _quantize_totals(summary), sys.stdout)
@@ -393,7 +404,7 @@ def print_quantize(
             ", ",
         )
     )
-    lines += _gate_lines(gate, width)
+    lines += _gate_lines(gate, width, summary.model_kl)
     emit(sys.stdout, lines)
     for name in summary.skipped[:1]:
         print_warning(f"skipped {len(summary.skipped)} non-tensor entries (e.g. {name!r})")
@@ -427,16 +438,27 @@ def _quantize_totals(summary: QuantizeSummary) -> list[str]:
 
 
 def _model_kl(summary: QuantizeSummary) -> str:
-    """'model KL, held-out: 0.152 (rounding 0.431); check text: 0.241 (rounding 0.469)'."""
+    """'model KL (nats/token): held-out windows of a.txt, 2040 positions: 0.1523 (rounding
+    0.4311); check text b.txt, 510 positions: 0.2410 (rounding 0.4690)'."""
+    texts = {t.role: t.name for t in reversed(summary.texts)}  # the first of each role
+    named = {"held-out": texts.get(Role.CALIBRATION), "check text": texts.get(Role.CHECK)}
     figures = "; ".join(
-        f"{k.stream}: {_fmt_kl(k.chosen)} (rounding {_fmt_kl(k.rounding)})"
+        f"{_kl_stream(k.stream, named.get(k.stream))}, {k.tokens} positions: "
+        f"{_fmt_kl(k.chosen)} (rounding {_fmt_kl(k.rounding)})"
         for k in summary.model_kl
     )
-    return f"model KL, {figures}"
+    return f"model KL (nats/token): {figures}"
+
+
+def _kl_stream(stream: str, text: str | None) -> str:
+    where = kl_where(stream)
+    if text is None:
+        return where
+    return f"{where} of {safe(text)}" if stream == "held-out" else f"{where} {safe(text)}"
 
 
 def _fmt_kl(value: float) -> str:
-    return f"{value:.3f}" if math.isfinite(value) else str(value)
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
 
 
 _SPECS_SHOWN = 3

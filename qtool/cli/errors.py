@@ -72,6 +72,7 @@ OPTION_HINTS = {
     "keep-nonfinite": "--keep-nonfinite",
     "qparams": "--qparams PATH",
     "restore-dtype": "--to float32",
+    "sensitivity": "qtool calibrate --sensitivity, then --imatrix FILE; or --target-size",
     "text": "--text FILE",
     "tokens": "--tokens N",
 }

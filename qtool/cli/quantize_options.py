@@ -438,9 +438,9 @@ def allocation_target(
         if value is not None
     ]  # fmt: skip
     if len(given) > 1:
-        raise typer.BadParameter(
-            f"goes without {given[0][0]}: give one target", param_hint=given[1][0]
-        )
+        flags = " and ".join(flag for flag, _ in given)
+        each = "both" if len(given) == 2 else "all"
+        raise typer.BadParameter(f"give one target: {flags} {each} given", param_hint=given[1][0])
     if size is not None:
         return api.AllocationTarget("size", parse_size(size))
     for kind, value in (("bpw", bpw), ("kl", kl)):

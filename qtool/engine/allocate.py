@@ -120,7 +120,7 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
         least = err.least if found is None else found.predicted(err.least)
-        why = _infeasible(target, least, fixed, _unstorable(measured, data))
+        why = _infeasible(target, least, fixed, _unstorable(measured, data), elements)
         raise UsageError(None, why, hint="target") from None
     except ValueError as err:  # a KL target over more tensors than the table has units
         raise UsageError(None, f"{err}; aim at a size", hint="target") from None
@@ -336,7 +336,9 @@ def _unstorable(measured: Sequence[Measurement], data: Measured) -> str | None:
     return f"{entry.name} {shape}: {whys[0]}" if whys else f"{entry.name} {shape}"
 
 
-def _infeasible(target: solver.Target, least: float, fixed: int, unstorable: str | None) -> str:
+def _infeasible(
+    target: solver.Target, least: float, fixed: int, unstorable: str | None, elements: int
+) -> str:
     if unstorable is not None:
         goal = f"predicted KL {target.value:g}" if target.kind == "kl" else target.describe()
         return (
@@ -349,8 +351,12 @@ def _infeasible(target: solver.Target, least: float, fixed: int, unstorable: str
             f"no plan reaches predicted KL {target.value:g}: the least the ladder reaches is "
             f"{least:.4g}; aim higher or give a ladder with finer specs"
         )
+    goal = target.describe()
+    if target.kind == "bpw":  # what the bits per weight come to for this model
+        allowed = target.bytes_for(elements)
+        goal += f" = {solver.human_bytes(allowed)} for its {elements} weights"
     return (
-        f"no plan fits {target.describe()}: the smallest the ladder makes is "
+        f"no plan fits {goal}: the smallest the ladder makes is "
         f"{solver.human_bytes(least + fixed)}, {fixed} bytes of it in tensors the ladder does "
         "not decide; aim higher or give a ladder with smaller specs"
     )

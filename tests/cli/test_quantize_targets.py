@@ -276,7 +276,22 @@ def test_the_joint_fit_bounds_the_plan(invoke: Invoke, tmp_path: Path) -> None:
     [
         (["--target-size", "1KiB"], "no plan fits size 1.00 KiB"),
         (["--target-size", "10 parsecs"], "is no size"),
-        (["--target-size", "1MiB", "--target-sqnr", "20"], "give one target"),
+        (
+            ["--target-size", "1MiB", "--target-sqnr", "20"],
+            "give one target: --target-sqnr and --target-size both given",
+        ),
+        (
+            ["--target-bpw", "5", "--target-size", "10KB"],
+            "give one target: --target-size and --target-bpw both given",
+        ),
+        (
+            ["--target-bpw", "1"],
+            "no plan fits bpw 1 = 11.04 KiB (11304 bytes) for its 90432 weights: the smallest",
+        ),
+        (
+            ["--target-kl", "0.1"],
+            "(qtool calibrate --sensitivity, then --imatrix FILE; or --target-size)",
+        ),
         (["--target-bpw", "0"], "must be above 0"),
         (["--save-recipe", "r.toml"], "writes an allocation's plan"),
         (["--target-bpw", "4", "--tensor-type-file", "t.txt"], "add --format gguf"),
@@ -286,6 +301,9 @@ def test_the_joint_fit_bounds_the_plan(invoke: Invoke, tmp_path: Path) -> None:
         "too-small",
         "not-a-size",
         "two-targets",
+        "bpw-and-size",
+        "bpw-too-small-in-bytes",
+        "kl-without-sensitivities",
         "bpw-0",
         "recipe-alone",
         "tt-not-gguf",

@@ -8,7 +8,7 @@ and header-only dry runs never pay for torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from qtool.engine.evaluate.run import EvalOptions
     from qtool.engine.job import Mode
     from qtool.engine.plan import QuantizeOptions
-    from qtool.eval_results import EvalSummary
+    from qtool.eval_results import EvalSummary, FloatPass
     from qtool.formats.registry import Refusal
     from qtool.numerics.allocate import Target as AllocationTarget
     from qtool.recipe.rules import Recipe, Rule
@@ -165,13 +165,15 @@ def evaluate_all(
     logits: Path | None = None,
     save_logits: Path | None = None,
     force: bool = False,
+    on_float: Callable[[FloatPass], None] | None = None,
 ) -> list[EvalSummary]:
     """Every QUANT against one float pass (the float side from the logits file `logits`, when
     given, FLOAT's weights never read; every float log-probability written to `save_logits`,
-    coded in 16 bits, when given, replacing an existing file only with `force`)."""
+    coded in 16 bits, when given, replacing an existing file only with `force`). `on_float`
+    is told what the float side was measured on and its perplexity, once it is known."""
     from qtool.engine.evaluate.many import evaluate_all as run
 
-    return run(float_dir, quants, options, progress, logits, save_logits, force)
+    return run(float_dir, quants, options, progress, logits, save_logits, force, on_float)
 
 
 def eval_inputs(

@@ -86,6 +86,23 @@ class TextInfo:
 
 
 @dataclass(frozen=True)
+class FloatPass:
+    """FLOAT's side alone (eval FLOAT --save-logits FILE, no QUANT): what it was measured on,
+    its perplexity, and the pass's seconds (0 when read from a logits file)."""
+
+    float_dir: str
+    text: TextInfo
+    tokens: int
+    ctx: int
+    windows: int
+    positions: int
+    dtype: str
+    device: str
+    ppl_float: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EvalSummary:
     inputs: tuple[str, str]  # FLOAT, QUANT
     loaded_as: str  # how QUANT was loaded, e.g. "compressed-tensors, by transformers"

@@ -251,16 +251,17 @@ def eval_models(
         options = api.EvalOptions(
             text_in, tokens_in, ctx_in, dtype_in, device.value, per_layer, threads=threads
         )
+        measured: list[Any] = []  # FLOAT's side: reported when no QUANT is
         with eval_report.eval_progress() as progress:
             summaries = api.evaluate_all(
-                float_dir, quants, options, progress, logits, save_logits, force
+                float_dir, quants, options, progress, logits, save_logits, force, measured.append
             )
     for summary in summaries:
         print_notes([f"{summary.inputs[1]}: {n}" if len(summaries) > 1 else n
                      for n in summary.notes])  # fmt: skip
     side = _float_side(logits, save_logits)
     if len(summaries) != 1:
-        _print_many(summaries, bounds, as_json, side)
+        _print_many(summaries, bounds, as_json, side, measured[0] if measured else None)
         return
     summary = summaries[0]
     violations = check(bounds, summary)
@@ -301,13 +302,16 @@ def _float_side(logits: Path | None, save_logits: Path | None) -> Any:
     return None
 
 
-def _print_many(summaries: list[Any], bounds: EvalBounds, as_json: bool, side: Any) -> None:
-    """A row per QUANT (console) or a document per QUANT (JSON); exit 3 when any fails a gate."""
+def _print_many(
+    summaries: list[Any], bounds: EvalBounds, as_json: bool, side: Any, measured: Any
+) -> None:
+    """A row per QUANT (console) or a document per QUANT (JSON); exit 3 when any fails a gate.
+    `measured`: FLOAT's side, shown alone when there is no QUANT."""
     results = [(s, check(bounds, s)) for s in summaries]
     if as_json:
-        report.print_json(eval_json.many_json(results, bounds, side))
+        report.print_json(eval_json.many_json(results, bounds, side, measured))
     else:
-        eval_report.print_many(results, bounds.active, side)
+        eval_report.print_many(results, bounds.active, side, measured)
     if any(v for _, v in results):
         raise typer.Exit(GATE_FAILED)
 

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.progress import Task as RichTask
 from rich.text import Text
 
-from qtool.eval_results import CausalFigures, EvalSummary, EvalViolation, LayerRow
+from qtool.eval_results import CausalFigures, EvalSummary, EvalViolation, FloatPass, LayerRow
 from qtool.report import layout
 from qtool.report.console import _SteadyTimeLeft as SteadyTimeLeft  # quantize's time left
 from qtool.report.console import console, emit, safe, width_of
@@ -180,11 +180,18 @@ def _gate_lines(violations: list[EvalViolation], width: int) -> list[Line]:
 
 
 def print_many(
-    results: list[tuple[EvalSummary, list[EvalViolation]]], gated: bool, side: FloatSide | None
+    results: list[tuple[EvalSummary, list[EvalViolation]]],
+    gated: bool,
+    side: FloatSide | None,
+    measured: FloatPass | None = None,
 ) -> None:
-    """Several QUANTs against one float pass: the shared header, a row per QUANT, the gate."""
+    """Several QUANTs against one float pass: the shared header, a row per QUANT, the gate;
+    FLOAT's side alone (`measured`) when there is no QUANT."""
     width = width_of(sys.stdout)
     lines: list[Line] = []
+    if not results and measured is not None:
+        lines += _plain([p for line in _float_lines(measured, side)
+                         for p in layout.phrases([line], width)])  # fmt: skip
     if results:
         first = results[0][0]
         header = _header(first)
@@ -215,6 +222,18 @@ def print_many(
             lines += _plain(layout.phrases([f"gate: FAILED {safe(s.inputs[1])} ({broken})"],
                                            width), "bold red")  # fmt: skip
     emit(sys.stdout, lines)
+
+
+def _float_lines(m: FloatPass, side: FloatSide | None) -> list[str]:
+    pieces = "window" if m.windows == 1 else "windows"
+    done = (f"read from {safe(str(side.path))} (no float pass)" if side is not None and side.read
+            else f"one float pass, loading included, in {m.seconds:.1f} s")  # fmt: skip
+    return [
+        f"FLOAT {safe(m.float_dir)}",
+        f"{m.tokens:,} tokens of {safe(m.text.source)} in {m.windows:,} {pieces} of {m.ctx}, "
+        f"{m.positions:,} positions scored; {m.dtype} on {m.device}",
+        f"perplexity FLOAT {m.ppl_float:,.2f}; {done}",
+    ]
 
 
 def short_paths(paths: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ from qtool.eval_results import (
     EvalBounds,
     EvalSummary,
     EvalViolation,
+    FloatPass,
     LayerRow,
 )
 from qtool.report.json import SCHEMA_VERSION, json_number
@@ -101,9 +102,11 @@ def many_json(
     results: list[tuple[EvalSummary, list[EvalViolation]]],
     bounds: EvalBounds,
     side: FloatSide | None,
+    measured: FloatPass | None = None,
 ) -> dict[str, Any]:
     """Several QUANTs against one float pass: `candidates` holds each one's eval document (as
-    one QUANT's, without its own schema_version, ok and command), in the order given."""
+    one QUANT's, without its own schema_version, ok and command), in the order given; `float`:
+    FLOAT's side as measured (or read), None when not given."""
     docs = []
     for summary, violations in results:
         doc = eval_json(summary, None, bounds, violations)
@@ -116,11 +119,27 @@ def many_json(
         "candidates": docs,
         "saved_logits": None if side is None or side.read else str(side.path),
         "logits": None if side is None else side.as_dict(),
+        "float": None if measured is None else _float(measured),
         "gate": None if not bounds.active else {
             "passed": not any(v for _, v in results),
             "failed": [s.inputs[1] for s, v in results if v],
         },
     }  # fmt: skip
+
+
+def _float(m: FloatPass) -> dict[str, Any]:
+    return {
+        "input": m.float_dir,
+        "text": {"source": m.text.source, "chars": m.text.chars, "sha256": m.text.sha256},
+        "tokens": m.tokens,
+        "ctx": m.ctx,
+        "windows": m.windows,
+        "positions_scored": m.positions,
+        "dtype": m.dtype,
+        "device": m.device,
+        "perplexity_float": json_number(m.ppl_float),
+        "seconds": json_number(m.seconds),
+    }
 
 
 def _encoder(e: EncoderFigures | None) -> dict[str, Any] | None:

@@ -343,3 +343,35 @@ def test_cli_json_shape_follows_the_quant_count_as_json_md_says(
         assert doc["schema_version"] == 2 and doc["logits"] == logits
         assert ("candidates" in doc) == (count != 1), args
         assert len(doc.get("candidates", [doc])) == count
+
+
+def test_cli_save_logits_alone_reports_what_the_float_pass_measured(
+    root: Path, invoke: Invoke, saved: tuple[Path, list[EvalSummary]], tmp_path: Path
+) -> None:
+    """`eval FLOAT --save-logits FILE` (no QUANT) said only 'wrote FILE': it now gives the text,
+    tokens, windows and FLOAT's perplexity, in the console and the JSON's `float`, the same as
+    a run with candidates reports for FLOAT."""
+    first = saved[1][0]
+    assert first.causal is not None
+    common = ["--text", str(root / "text.txt"), "--tokens", "500", "--ctx", "64", "--threads", "1"]
+    code, out, err = invoke("eval", str(root / "llama"), "--save-logits",
+                            str(tmp_path / "a.qlogits"), *common)  # fmt: skip
+    assert code == 0, err
+    out = " ".join(out.split())
+    ppl = f"perplexity FLOAT {first.causal.ppl_float:,.2f}"
+    scored = f"{first.causal.predicted:,} positions scored"
+    for shown in (str(root / "text.txt"), f"{first.tokens:,} tokens", ppl,
+                  f"{first.windows} windows of 64", scored):  # fmt: skip
+        assert shown in out, (shown, out)
+    code, out, err = invoke("eval", str(root / "llama"), "--save-logits",
+                            str(tmp_path / "b.qlogits"), *common, "--json")  # fmt: skip
+    assert code == 0, err
+    got = json.loads(out)["float"]
+    assert got["perplexity_float"] == first.causal.ppl_float
+    assert (got["tokens"], got["windows"], got["ctx"], got["positions_scored"]) == (
+        first.tokens,
+        first.windows,
+        64,
+        first.causal.predicted,
+    )
+    assert got["text"]["source"] == str(root / "text.txt") and got["seconds"] > 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -33,7 +33,7 @@ from qtool.engine.model.tokens import causal_tokens, check_vocabulary
 from qtool.engine.source import protected_paths
 from qtool.engine.threads import using_threads
 from qtool.errors import InputError, OutputError, UsageError
-from qtool.eval_results import CAUSAL_LM, EvalSummary
+from qtool.eval_results import CAUSAL_LM, EvalSummary, FloatPass
 from qtool.formats.logits_file import (
     LogitsInfo,
     read_logits,
@@ -49,7 +49,7 @@ from qtool.io.atomic import (
     preflight,
     remove_stale_temps,
 )
-from qtool.numerics.logits import FloatRows, code_log_probs
+from qtool.numerics.logits import FloatRows, code_log_probs, perplexity
 from qtool.results import Progress
 
 
@@ -61,11 +61,13 @@ def evaluate_all(
     logits: Path | None = None,
     save_logits: Path | None = None,
     force: bool = False,
+    on_float: Callable[[FloatPass], None] | None = None,
 ) -> list[EvalSummary]:
     """Every candidate against one float pass; one candidate alone with no logits file runs as
     a pair (run.evaluate: window by window, per-layer rows possible). `logits`: the float side
     from this file (FLOAT's weights never read); `save_logits`: it written there, coded, once
-    every candidate is scored (an existing file replaced only with `force`)."""
+    every candidate is scored (an existing file replaced only with `force`); `on_float` told
+    what the float side was measured on and its perplexity once it is known."""
     _refuse_duplicates(quants)
     if len(quants) == 1 and logits is None and save_logits is None:
         return [evaluate(float_dir, quants[0], options, progress)]
@@ -73,7 +75,7 @@ def evaluate_all(
         raise ValueError("per-layer rows compare one candidate with FLOAT, as a pair")
     with using_threads(options.threads):
         text = read_text(options.text) if options.text is not None else default_text()
-        files = Files(options, logits, save_logits, force)
+        files = Files(options, logits, save_logits, force, on_float)
         return _evaluate_many(float_dir, quants, text, files, progress)
 
 
@@ -83,6 +85,7 @@ class Files:
     logits: Path | None
     save_logits: Path | None
     force: bool = False
+    on_float: Callable[[FloatPass], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ def _evaluate_many(
         side = _from_file(float_dir, files.logits, text, options)
     else:
         side = _from_model(float_dir, text, options, device, progress)
+    if files.on_float is not None:
+        seconds = 0.0 if files.logits is not None else perf_counter() - started
+        files.on_float(_float_pass(float_dir, side, text, options, device, seconds))
     with OutputSet() as outputs:  # committed after the last candidate: an interrupt leaves none
         if files.save_logits is not None:
             _save(outputs, files.save_logits, side, text, options)
@@ -156,6 +162,17 @@ def _candidates(
         del model, candidate
         gc.collect()  # a loaded model sits in reference cycles: free it before the next loads
     return summaries
+
+
+def _float_pass(
+    float_dir: Path, side: FloatSide, text: Text, options: EvalOptions, device: torch.device,
+    seconds: float,
+) -> FloatPass:  # fmt: skip
+    nll = torch.cat([r.nll for r in side.rows])
+    return FloatPass(
+        str(float_dir), text.info, sum(map(len, side.pieces)), side.ctx, len(side.pieces),
+        len(nll), options.dtype, str(device), perplexity(nll), seconds,
+    )  # fmt: skip
 
 
 def _from_model(

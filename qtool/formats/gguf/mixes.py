@@ -262,10 +262,12 @@ def mix_types(
     facts: ModelFacts,
     *,
     imatrix: bool = False,
+    wanted: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The type llama-quantize writes for each tensor it quantizes in `mix` (tensors it keeps
     as they are absent), walking them in its order; `imatrix`: it was given an importance
-    matrix (Q4_0/Q5_0 then give the first eighth of ffn_down Q4_1/Q5_1)."""
+    matrix (Q4_0/Q5_0 then give the first eighth of ffn_down Q4_1/Q5_1); `wanted`, when given,
+    gets the mix's type of each tensor whose rows made it fall back to another."""
     by_name = {t.name: t for t in tensors}
     names = llama_order(list(by_name))
     walk = _Walk(mix, facts, names, imatrix)
@@ -275,5 +277,8 @@ def mix_types(
         if kept_by_llama(name, info.shape, facts.arch) is not None:
             continue
         nx = info.shape[0] if info.shape else 1
-        out[name] = fallback(walk.type_of(name, nx, mix.default), nx)
+        asked = walk.type_of(name, nx, mix.default)
+        out[name] = fallback(asked, nx)
+        if wanted is not None and out[name] != asked:
+            wanted[name] = asked
     return out

@@ -70,6 +70,7 @@ class GGUFFormat(OutputFormat):
         arch = self.header.metadata.get(ARCH_KEY)
         self.arch = arch.value if arch is not None and isinstance(arch.value, str) else ""
         self._mixes: dict[str, dict[str, str]] = {}
+        self._wanted: dict[str, dict[str, str]] = {}  # per mix: the types rows fell back from
         self.file_type: int | None = None  # a mix's general.file_type, once select has run
 
     def select(self, planned: Sequence[Ruled]) -> list[Choice]:
@@ -87,7 +88,10 @@ class GGUFFormat(OutputFormat):
             try:
                 facts = ModelFacts.of(self.header.metadata)
                 facts.check_blocks(self.header.tensors)
-                self._mixes[spec.mix] = mix_types(MIXES[spec.mix], self.header.tensors, facts)
+                wanted = self._wanted[spec.mix] = {}
+                self._mixes[spec.mix] = mix_types(
+                    MIXES[spec.mix], self.header.tensors, facts, wanted=wanted
+                )
             except ValueError as err:
                 raise InputError(
                     self.source, f"{spec.mix} needs the model's shape: {err}"
@@ -96,6 +100,9 @@ class GGUFFormat(OutputFormat):
         if found is None or found in FLOAT_TYPES:  # kept, or F16: supports() says why
             return GGUFSpec(spec.gguf), ""
         asked = spec.mix if found == spec.gguf.name else f"{spec.mix}: {found}"
+        fell_from = self._wanted[spec.mix].get(entry.name)
+        if fell_from is not None:
+            asked = f"{spec.mix}: {fell_from}; {_not_whole(entry.shape[-1], fell_from)}: {found}"
         fitted, note = GGUFSpec(GGML_TYPES[found]).fit(entry.shape)
         return fitted, f"{asked}, {note}" if note else asked
 
@@ -106,7 +113,10 @@ class GGUFFormat(OutputFormat):
             spec, mix_note = self._unmixed(entry, spec)
         if spec is None:
             nbytes = self._padded(entry.nbytes)
-            return GGUFChoice(entry, None, planned.decision.reason, "", nbytes, entry.dtype)
+            reason = planned.decision.reason
+            if len(entry.shape) == 1 and entry.dtype == "F32":  # a norm: F32 beside a BF16 input
+                reason = f"{reason}, in float (F32, as llama.cpp stores norms)"
+            return GGUFChoice(entry, None, reason, "", nbytes, entry.dtype)
         if not isinstance(spec, GGUFSpec):
             decision = planned.decision
             if decision.budget:  # the budget holds it (int8 per channel) until it has chosen
@@ -175,6 +185,13 @@ class GGUFFormat(OutputFormat):
         return GGUFShardWriter(
             self.header, planned, out, outputs, self.file_type, imatrix_metadata(self.imatrix)
         )
+
+
+def _not_whole(row: int, qtype: str) -> str:
+    """Why rows of `row` weights fall back from `qtype` (llama-quantize's fallback)."""
+    block = GGML_TYPES[qtype].block_size
+    what = "super-blocks" if block == 256 else "blocks"
+    return f"rows of {row} are not whole {qtype} {what} ({block})"
 
 
 def _not_gguf(spec: Codec) -> str:

@@ -375,3 +375,25 @@ def test_cli_save_logits_alone_reports_what_the_float_pass_measured(
         first.causal.predicted,
     )
     assert got["text"]["source"] == str(root / "text.txt") and got["seconds"] > 0
+
+
+def test_a_logits_file_finds_its_text_from_another_directory(
+    root: Path, invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A text given by a relative path was stored as given: --logits from another directory
+    looked for it there and asked for --text. The file stores the resolved path."""
+    from qtool.formats.logits_file import read_logits_info
+
+    (tmp_path / "here").mkdir()
+    shutil.copy(root / "text.txt", tmp_path / "here" / "t.txt")
+    monkeypatch.chdir(tmp_path / "here")
+    saved = tmp_path / "f.qlogits"
+    code, _, err = invoke("eval", str(root / "llama"), "--save-logits", str(saved), "--text",
+                          "t.txt", "--tokens", "100", "--ctx", "64", "--threads", "1")  # fmt: skip
+    assert code == 0, err
+    assert read_logits_info(saved).text_source == str(tmp_path / "here" / "t.txt")
+    monkeypatch.chdir(root)
+    code, out, err = invoke("eval", str(root / "llama"), str(root / "q-int8"), "--logits",
+                            str(saved), "--threads", "1", "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == 100

@@ -235,8 +235,10 @@ def _save(
 ) -> None:
     config, tokenizer = identity(side.reference)
     ids = [i for piece in side.pieces for i in piece]
+    # the text's absolute path: --logits finds it from any directory (its SHA-256 still checked)
+    source = text.info.source if options.text is None else str(options.text.resolve())
     info = LogitsInfo(
-        text.info.sha256, text.info.source, tokens_digest(ids), len(ids), side.ctx,
+        text.info.sha256, source, tokens_digest(ids), len(ids), side.ctx,
         options.dtype, config, tokenizer, side.reference.architecture,
         side.reference.model.get_input_embeddings().num_embeddings,
         tuple(len(p) for p in side.pieces),

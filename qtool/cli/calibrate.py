@@ -109,13 +109,15 @@ SensitivityOpt = Annotated[
         rich_help_panel=INPUT,
     ),
 ]
+SENSITIVITY_TOKENS = 2 * 512
 SensitivityTokensOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
-        help="With --sensitivity: the tokens (the first whole windows of the calibration text) "
-        "each Linear's KL is measured on.",
+        help="With --sensitivity: the tokens (the first whole windows of the calibration text, "
+        f"at most --tokens) each Linear's KL is measured on [default: {SENSITIVITY_TOKENS}].",
         callback=_at_least(1),
         metavar="N",
+        show_default=False,
         rich_help_panel=INPUT,
     ),
 ]
@@ -152,7 +154,7 @@ def calibrate(
     ctx: CtxOpt = None,
     merge: MergeOpt = False,
     sensitivity: SensitivityOpt = False,
-    sensitivity_tokens: SensitivityTokensOpt = 2 * 512,
+    sensitivity_tokens: SensitivityTokensOpt = None,
     as_json: JsonOpt = False,
     force: ForceOpt = False,
     device: DeviceOpt = Device.CPU,
@@ -162,6 +164,8 @@ def calibrate(
     of every block, the sum of squared inputs per input column and the number of token rows:
     llama.cpp's GGUF importance matrix (llama-quantize --imatrix), named as llama.cpp names the
     model's tensors. With --merge, add importance matrices together instead."""
+    if sensitivity_tokens is not None and not sensitivity:
+        raise typer.BadParameter("goes only with --sensitivity", param_hint="--sensitivity-tokens")
     with user_errors(as_json):
         if out.suffix.lower() == ".dat":  # the bytes would be GGUF under a legacy .dat name
             raise UsageError(out, "qtool writes the GGUF imatrix, not llama.cpp's legacy .dat; "
@@ -172,7 +176,7 @@ def calibrate(
             if len(inputs) != 1:
                 raise UsageError(None, f"calibrate runs one MODEL, got {len(inputs)}; to add "
                                  "importance matrices, pass --merge")  # fmt: skip
-            measure = sensitivity_tokens if sensitivity else 0
+            measure = (sensitivity_tokens or SENSITIVITY_TOKENS) if sensitivity else 0
             with calibrate_report.calibrate_progress() as progress:
                 result = api.calibrate(inputs[0], out, tuple(text or ()), tokens, ctx,
                                        device.value, force, threads, progress,
@@ -188,6 +192,12 @@ def calibrate(
         report.print_warning(f"the calibration text gave {result.tokens:,} tokens of the "
                              f"{asked:,} asked for: {result.windows} windows of "
                              f"{result.ctx}")  # fmt: skip
+    measured = result.sensitivity
+    if sensitivity_tokens is not None and measured and sensitivity_tokens > result.tokens:
+        report.print_warning(f"--sensitivity-tokens {sensitivity_tokens:,} is more than the "
+                             f"{result.tokens:,} calibration tokens: the sensitivity was "
+                             f"measured on {measured.tokens:,} (capped; raise --tokens for "
+                             "more)")  # fmt: skip
     if as_json:
         report.print_json(calibrate_json.calibrate_json(result))
     else:

@@ -51,7 +51,7 @@ def _sensitivity(s: SensitivitySummary | None) -> list[str]:
     top = sorted(s.linears, key=lambda x: -x.alpha)[:3]
     passes = "pass" if s.passes == 1 else "passes"
     return [
-        f"sensitivity of {len(s.linears)} Linears ({safe(s.reference)}) on {s.tokens:,} tokens: "
+        f"sensitivity of {len(s.linears)} tensors ({safe(s.reference)}) on {s.tokens:,} tokens: "
         f"{s.passes} {passes} over the blocks, {s.block_loads} block loads, {s.seconds:.1f} s",
         "most sensitive (KL per unit of output error): "
         + ", ".join(f"{safe(x.name)} {x.alpha:.3g}" for x in top),

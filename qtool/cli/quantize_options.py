@@ -340,8 +340,23 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
     codes, another axis) is a usage error naming the option to change; not with the error
     budget (`budget`), whose ladder chooses the specs instead."""
     refused = None if budget and not spec.whole else api.format_refuses(fmt, spec)
-    if refused is not None:
-        raise typer.BadParameter(refused.message, param_hint=f"--{refused.hint}")
+    if refused is None:
+        return
+    message = refused.message
+    if refused.hint == "dtype" and _defaulted("dtype"):  # the user gave no --dtype to blame
+        message = (f"give --dtype (the default, {spec.describe()}, is not a type --format {fmt} "
+                   "stores; a recipe's rules type their own tensors, --dtype all others): "
+                   f"{message}")  # fmt: skip
+    raise typer.BadParameter(message, param_hint=f"--{refused.hint}")
+
+
+def _defaulted(param: str) -> bool:
+    """Whether the running command's `param` took its default (not given by the user)."""
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    source = ctx.get_parameter_source(param) if ctx is not None else None
+    return source is not None and source.name == "DEFAULT"
 
 
 def check_imatrix(

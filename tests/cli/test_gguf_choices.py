@@ -45,3 +45,21 @@ def test_the_table_says_why_a_mix_fell_back_and_how_norms_are_kept(
     )
     assert detail["blk.0.ffn_up.weight"] == "Q4_K (Q4_K_M)"  # no fallback, nothing more said
     assert "in float (F32, as llama.cpp stores norms)" in detail["blk.0.attn_norm.weight"]
+
+
+def test_a_default_dtype_gguf_refuses_is_blamed_on_the_default_not_the_user(
+    invoke: Invoke, tmp_path: Path
+) -> None:
+    """With no --dtype (a recipe typing every tensor or not), the refusal says to give one,
+    since the default is not a GGUF type; a --dtype given is named as before."""
+    src = odd_gguf(tmp_path / "odd.gguf")
+    recipe = tmp_path / "all.toml"
+    recipe.write_text('[[rule]]\nmatch = "*"\ndtype = "Q8_0"\n')
+    base = ["quantize", str(src), "--format", "gguf", "--dry-run"]
+    for extra in ([], ["--recipe", str(recipe)]):
+        code, out, err = invoke(*base, *extra)
+        assert code == 2 and out == "", extra
+        assert "give --dtype (the default, sym int8 axis 0, is not a type" in err, err
+    code, _, err = invoke(*base, "--dtype", "int8")
+    assert code == 2 and "give --dtype (the default" not in err
+    assert "not sym int8 axis 0" in err

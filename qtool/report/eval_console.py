@@ -69,11 +69,11 @@ def _figures(s: EvalSummary) -> list[Column]:
             ("perplexity FLOAT", f"{c.ppl_float:,.2f}"),
             ("perplexity QUANT", f"{c.ppl_quant:,.2f} (x{c.ppl_ratio:.4f})"),
             ("KL(FLOAT ‖ QUANT) mean", f"{_num(kl.mean)} nats per token"),
-            ("KL median, p90, p99, max", ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.max)))),
-            ("KL p99.9", _num(kl.p999)),
+            ("KL median, p90, p99, p99.9, max",
+             ", ".join(map(_num, (kl.median, kl.p90, kl.p99, kl.p999, kl.max)))),
             ("top-1 agreement", f"{c.top1 * 100:.1f} % ({c.agree:,} of {c.predicted:,})"),
             ("ln(PPL ratio) ± se", f"{_signed(c.ln_ratio)} ± {_num(c.ln_ratio_se)}"),
-            ("mean Δp of next token", f"{_signed(c.dp_mean * 100, 3)} %"),
+            ("mean Δp of next token", f"{_signed(c.dp_mean * 100, 3)} percentage points"),
         ]  # fmt: skip
     if e is not None:
         rows += [
@@ -264,7 +264,7 @@ def _many_columns(summaries: list[EvalSummary], names: list[str]) -> list[Column
         col("p99.9", lambda c: _num(c.kl.p999), 3),
         col("max", lambda c: _num(c.kl.max), 3),
         col("top-1", lambda c: f"{c.top1 * 100:.1f} %"),
-        col("Δp", lambda c: f"{_signed(c.dp_mean * 100, 2)} %", 2),
+        col("Δp (pp)", lambda c: _signed(c.dp_mean * 100, 2), 2),  # percentage points
     ]
 
 

@@ -13,7 +13,8 @@ DEEP = "/very/long/directory/of/experiments/with/many/levels/2026-12-06/candidat
 
 
 def _summary(quant: str, kl: float) -> EvalSummary:
-    causal = CausalFigures(12.5, 13.25, Distribution(kl, kl / 2, kl * 3, kl * 5, kl * 9), 400, 500)
+    dist = Distribution(kl, kl / 2, kl * 3, kl * 5, kl * 9, p999=kl * 7)
+    causal = CausalFigures(12.5, 13.25, dist, 400, 500, 0.01, 0.002, -0.0004)
     return EvalSummary(("models/float", quant), "qtool reader", "LlamaForCausalLM", "causal-lm",
                        TextInfo("text.txt", 1000, "0" * 64), "FLOAT's", 512, 512, 1, "float32",
                        "cpu", 10, 20, causal, None, None, 1.0, 2.0)  # fmt: skip
@@ -44,3 +45,23 @@ def test_short_paths_keep_the_fewest_components_that_tell_them_apart() -> None:
     assert short_paths(["/x/y/a.gguf", "/x/z/b.gguf"]) == ["a.gguf", "b.gguf"]
     assert short_paths(["/x/y/m", "/x/z/m"]) == ["y/m", "z/m"]
     assert short_paths(["m"]) == ["m"]
+
+
+def test_the_kl_quantiles_in_order_and_dp_in_percentage_points(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One QUANT's report put p99.9 on a line after max, and printed Δp with '%' where
+    eval.md says percentage points; the table's Δp column likewise."""
+    from qtool.report.eval_console import print_eval
+
+    monkeypatch.setenv("COLUMNS", "120")
+    print_eval(_summary("q", 0.01), None, None, "output")
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "KL median" in line)
+    assert "KL median, p90, p99, p99.9, max" in row and "0.005, 0.03, 0.05, 0.07, 0.09" in row, out
+    assert "p99.9" not in out.replace(row, "")
+    dp = next(line for line in out.splitlines() if "Δp" in line)
+    assert dp.endswith("percentage points") and "%" not in dp, dp
+    print_many([(_summary("q", 0.01), [])], False, None)
+    out = capsys.readouterr().out
+    assert "Δp (pp)" in out and out.count("%") == 1, out  # top-1's alone

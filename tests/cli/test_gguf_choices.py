@@ -1,6 +1,6 @@
 """GGUF's words to the user: every message that refuses a GGUF --dtype lists all that --format
 gguf takes (the block types and llama.cpp's mixes, Q4_K_M ..., which --dtype accepts too), and
-the plan says why a tensor got another type than its mix's (a fallback) and why a norm is F32."""
+the plan says why a tensor got another type than its mix's (a fallback)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,9 @@ def test_the_codecs_refusals_list_the_mixes_too(read: object) -> None:
     assert all(name in str(err.value) for name in _ALL)
 
 
-def test_the_table_says_why_a_mix_fell_back_and_how_norms_are_kept(
-    invoke: Invoke, tmp_path: Path
-) -> None:
+def test_the_table_says_why_a_mix_fell_back(invoke: Invoke, tmp_path: Path) -> None:
     """A tensor whose rows are not whole blocks of its mix type names that type and why
-    (llama-quantize's fallback), not only the type it got; a 1-D norm says it stays F32."""
+    (llama-quantize's fallback), not only the type it got."""
     src = odd_gguf(tmp_path / "odd.gguf")
     code, out, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "Q4_K_M",
                             "--dry-run", "-o", str(tmp_path / "o.gguf"), "--json")  # fmt: skip
@@ -44,7 +42,6 @@ def test_the_table_says_why_a_mix_fell_back_and_how_norms_are_kept(
         "Q5_0 (Q4_K_M: Q4_K; rows of 96 are not whole Q4_K super-blocks (256): Q5_0)"
     )
     assert detail["blk.0.ffn_up.weight"] == "Q4_K (Q4_K_M)"  # no fallback, nothing more said
-    assert "in float (F32, as llama.cpp stores norms)" in detail["blk.0.attn_norm.weight"]
 
 
 def test_a_default_dtype_gguf_refuses_is_blamed_on_the_default_not_the_user(

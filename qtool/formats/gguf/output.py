@@ -113,10 +113,7 @@ class GGUFFormat(OutputFormat):
             spec, mix_note = self._unmixed(entry, spec)
         if spec is None:
             nbytes = self._padded(entry.nbytes)
-            reason = planned.decision.reason
-            if len(entry.shape) == 1 and entry.dtype == "F32":  # a norm: F32 beside a BF16 input
-                reason = f"{reason}, in float (F32, as llama.cpp stores norms)"
-            return GGUFChoice(entry, None, reason, "", nbytes, entry.dtype)
+            return GGUFChoice(entry, None, planned.decision.reason, "", nbytes, entry.dtype)
         if not isinstance(spec, GGUFSpec):
             decision = planned.decision
             if decision.budget:  # the budget holds it (int8 per channel) until it has chosen

@@ -144,7 +144,8 @@ def test_several_candidates_run_every_pass_on_the_free_cores(
         monkeypatch.setattr(many, name, spy)
     machine(4, 1.2)
     options = api.EvalOptions(tokens=64, ctx=32)
-    api.evaluate_all(models[0], [models[1], models[0]], options)  # distinct: a QUANT twice is refused
+    # two distinct candidates: the same QUANT twice is refused
+    api.evaluate_all(models[0], [models[1], models[0]], options)
     assert seen == [3, 3, 3] and torch.get_num_threads() == 2
     seen.clear()
     api.evaluate_all(

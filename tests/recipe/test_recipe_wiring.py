@@ -173,8 +173,9 @@ def test_cli_warns_once_per_unmatched_rule_and_shows_the_rule(
     assert code == 0
     assert err.count("matches no tensor") == 1
     lines = MLP_RECIPE.read_text().splitlines()
-    head = max(i for i, text in enumerate(lines[: lines.index('match = "lm_head.*"')]) if text == "[[rule]]")
-    assert f"line {head + 1}: rule 4 'lm_head.*' matches no tensor" in err  # the rule's [[rule]] line
+    before = lines[: lines.index('match = "lm_head.*"')]
+    head = max(i for i, text in enumerate(before) if text == "[[rule]]")  # the rule's own line
+    assert f"line {head + 1}: rule 4 'lm_head.*' matches no tensor" in err
     assert "[rule 1 'embed.*']" in out
 
 

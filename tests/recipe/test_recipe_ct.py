@@ -361,13 +361,15 @@ def test_a_group_the_export_takes_as_asked_drops_the_fitting_note(
     assert detail.startswith("sym int4 group 128") and "per channel" not in detail
 
 
-def test_an_unsigned_ladder_says_why_nothing_fits(
+def test_an_unsigned_ladder_is_refused_before_any_work_saying_why(
     invoke: Invoke, llama: Path, tmp_path: Path
 ) -> None:
+    """A ladder the format cannot store is a recipe error up front (ab8f8f2), not a run in
+    which every budget tensor ends up float."""
     recipe = write_recipe(tmp_path, 'ladder = ["asym uint8 channel"]\n')
     code, stdout, err = invoke("quantize", str(llama), *CT, "--recipe", str(recipe),
                                "--target-sqnr", "20", "--dry-run", "--estimate", "--json",
                                "-o", str(tmp_path / "out"))  # fmt: skip
-    assert code == 0, err
-    detail = str(json_rows(stdout)["model.layers.0.mlp.up_proj.weight"]["detail"])
-    assert "no ladder spec fits compressed-tensors" in detail and "signed codes" in detail
+    assert code == 2 and stdout == "", err
+    error = json.loads(err)["error"]  # an error under --json is JSON on stderr
+    assert error["code"] == "recipe" and "signed codes" in error["message"]

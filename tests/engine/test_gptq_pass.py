@@ -41,12 +41,17 @@ CHECK = " ".join(f"Delta{i}: epsilon zeta eta {i % 5}!" for i in range(40))
 SPEC = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(16))
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("gptq")
+def calibration_model(root: Path) -> Path:
+    """A tiny Llama with a calibration text and a check text beside it (shared by the
+    calibrated-method test files)."""
     (root / "calib.txt").write_text(TEXT)
     (root / "check.txt").write_text(CHECK)
     return build(root / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return calibration_model(tmp_path_factory.mktemp("gptq"))
 
 
 def _options(model: Path, fmt: str = "qtool", **calibration: Any) -> QuantizeOptions:

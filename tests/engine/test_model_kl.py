@@ -26,23 +26,13 @@ from qtool.engine.methods import run as method_run  # noqa: E402
 from qtool.engine.plan import QuantizeOptions  # noqa: E402
 from qtool.numerics import gptq  # noqa: E402
 from qtool.numerics.logits import kl_divergence  # noqa: E402
-from qtool.spec import PerGroup, QSpec, Scheme, StorageDtype  # noqa: E402
 from tests.conftest import Invoke  # noqa: E402
-from tests.engine.test_gptq_pass import _losing  # noqa: E402
-from tests.eval_models import build  # noqa: E402
-
-CTX = 32
-TEXT = " ".join(f"alpha {i} beta {i * 7 % 13} gamma." for i in range(80))
-CHECK = " ".join(f"Delta{i}: epsilon zeta eta {i % 5}!" for i in range(40))
-SPEC = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(16))
+from tests.engine.test_gptq_pass import CTX, SPEC, _losing, calibration_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model-kl")
-    (root / "calib.txt").write_text(TEXT)
-    (root / "check.txt").write_text(CHECK)
-    return build(root / "llama", "llama")
+    return calibration_model(tmp_path_factory.mktemp("model-kl"))
 
 
 def _options(model: Path, **calibration: Any) -> QuantizeOptions:

@@ -161,7 +161,7 @@ def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
         if plan.kept_without_alpha:
             what += f", {plan.kept_without_alpha} tensor(s) with no alpha kept float"
     else:
-        what = f"{what} {plan.loss:.6g}"
+        what = f"{what} {plan.loss:.4g}"  # as the KL figures: 4 significant digits
     parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, n, b in plan.by_spec]
     return (
         f"allocation ({target.describe()}): {solver.human_bytes(plan.nbytes)}, "

@@ -94,13 +94,27 @@ def _as_checkpoint(
 ) -> list[QuantizeRow]:
     """Each row's input dtype and size as the checkpoint holds the tensor, not as the scratch
     copy did (an F32 checkpoint's F16 copy is half its size); a tensor the conversion made
-    (llama3's rope_freqs) keeps the copy's."""
-    return [
-        replace(r, dtype=sources[r.name][0], bytes_in=sources[r.name][1])
-        if r.name in sources
-        else r
-        for r in rows
-    ]
+    (llama3's rope_freqs) keeps the copy's. A tensor kept in another type than the checkpoint's
+    says why: the format saw only the copy, where it was already F32 (a norm) or F16."""
+    out = []
+    for r in rows:
+        if r.name not in sources:
+            out.append(r)
+            continue
+        dtype, nbytes = sources[r.name]
+        detail = r.detail
+        if not r.quantized and dtype != r.out_dtype:
+            detail = f"{detail}; {_retyped(dtype, r.out_dtype, r.shape)}"
+        out.append(replace(r, dtype=dtype, bytes_in=nbytes, detail=detail))
+    return out
+
+
+def _retyped(dtype: str, written: str, shape: tuple[int, ...]) -> str:
+    """Why a kept tensor is written in another float type than the checkpoint's: the converter
+    writes 1-D tensors and norms F32, the others in its --outtype auto (F16 for F32 weights)."""
+    if written == "F32" and len(shape) <= 1:
+        return f"{dtype} widened to F32, as convert_hf_to_gguf.py writes 1-D tensors"
+    return f"{dtype} written {written}, as convert_hf_to_gguf.py's --outtype auto converts it"
 
 
 def read_files(src: Path) -> list[Path]:

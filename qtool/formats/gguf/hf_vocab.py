@@ -1,9 +1,13 @@
 """The tokenizer of a Hugging Face model directory as llama.cpp's converter writes it into a GGUF
-(convert_hf_to_gguf.py's _set_vocab_gpt2 of llama-cpp-python 0.3.36's vendored llama.cpp):
-byte-level BPE tokenizers only (tokenizer.json's model BPE with a ByteLevel decoder: SmolLM2,
-Llama 3, Qwen2, Mistral's tekken-era tokenizers exported to tokenizer.json). SentencePiece
-tokenizers (a tokenizer.model, or BPE with byte fallback: Llama 2, Mistral 7B v0.1) are refused:
-their GGUF vocabulary holds scores this module does not compute.
+(convert_hf_to_gguf.py of llama-cpp-python 0.3.36's vendored llama.cpp), by its two paths:
+
+- a tokenizer.model (SentencePiece: Llama 2, Mistral 7B v0.1, TinyLlama): _set_vocab_sentencepiece,
+  model "llama", each piece's text, score and type read by sp_model (no sentencepiece package),
+  added tokens from added_tokens.json then tokenizer_config.json's added_tokens_decoder;
+- else tokenizer.json, byte-level BPE only (model BPE with a ByteLevel decoder: SmolLM2, Llama 3,
+  Qwen2, Mistral's tekken-era tokenizers): _set_vocab_gpt2, model "gpt2" with merges. A BPE
+  tokenizer.json with byte fallback and no tokenizer.model (the converter's LlamaHfVocab) is
+  refused.
 
     keys = vocab_metadata(directory, vocab_size, writer)   # adds tokenizer.* to a gguf.GGUFWriter
 
@@ -23,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from qtool.errors import InputError, UsageError
+from qtool.formats.gguf import sp_model
+from qtool.formats.gguf.sp_model import read_pieces
 from qtool.io.jsonfile import read_json_object
 from qtool.io.safeopen import file_kind, read_bounded
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # gguf.TokenType
+PAD_SCORE, ADDED_SCORE = -10000.0, -1000.0  # _create_vocab_sentencepiece's scores
 CONVERTER = "convert it with llama.cpp's convert_hf_to_gguf.py"
 INSTALL_TOKENIZERS = "pip install tokenizers"
 
@@ -145,22 +152,38 @@ MAX_TOKENIZER_BYTES = 64_000_000
 """Per tokenizer file, as eval's (engine/model/checked.py): the largest real tokenizer.json
 files are a few tens of MB (Gemma 3's 33 MB, Llama 3's 9 MB); each is read whole."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "chat_template.json", "merges.txt")  # fmt: skip
+                   "chat_template.json", "merges.txt", "tokenizer.model",
+                   "added_tokens.json")  # fmt: skip
 
 
 def read_tokenizer(directory: Path) -> dict[str, Any]:
-    """tokenizer.json, checked to be a byte-level BPE tokenizer (InputError otherwise), after
-    every tokenizer file the conversion reads was checked to be at most MAX_TOKENIZER_BYTES."""
+    """tokenizer.json, checked to be a byte-level BPE tokenizer (InputError otherwise); call
+    check_files first."""
     path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(directory, "no tokenizer.json or tokenizer.model: qtool writes the "
+                         f"vocabulary from one; {CONVERTER}")  # fmt: skip
+    data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
+    model, decoder = data.get("model"), data.get("decoder")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise InputError(path, "not a byte-level BPE tokenizer (its model is "
+                         f"{_kind(model)}); qtool writes those, or SentencePiece ones from "
+                         f"their tokenizer.model; {CONVERTER}")  # fmt: skip
+    if not _byte_level(decoder):
+        raise InputError(path, "a BPE tokenizer without a ByteLevel decoder (a SentencePiece-"
+                         "style vocabulary without its tokenizer.model); qtool writes "
+                         f"byte-level ones and tokenizer.model ones; {CONVERTER}")  # fmt: skip
+    if not isinstance(model.get("vocab"), dict):
+        raise InputError(path, "its model has no vocab")
+    _check_ids(data, path)
+    return data
+
+
+def check_files(directory: Path) -> None:
+    """Every tokenizer file the conversion reads is a regular file (or absent) of at most
+    MAX_TOKENIZER_BYTES, and those gguf-py reads hold what it takes (InputError otherwise)."""
     for name in TOKENIZER_FILES:
         _regular_or_absent(directory / name)
-    if (directory / "tokenizer.model").is_file():
-        raise InputError(directory / "tokenizer.model", "a SentencePiece tokenizer: qtool "
-                         f"writes byte-level BPE vocabularies only; {CONVERTER}")  # fmt: skip
-    if not path.is_file():
-        raise InputError(
-            directory, f"no tokenizer.json: qtool writes the vocabulary from it; {CONVERTER}"
-        )
     extra = sorted((directory / "additional_chat_templates").glob("*.jinja"))
     for file in [*(directory / name for name in TOKENIZER_FILES), *extra]:
         # gguf-py and tokenizers read them whole, unbounded
@@ -170,22 +193,10 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
             raise InputError(file, f"{why}; is it intact?")
     for file in extra:
         _regular_or_absent(file)
-    data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
     _check_side_files(directory, extra)
-    model, decoder = data.get("model"), data.get("decoder")
-    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise InputError(path, "not a byte-level BPE tokenizer (its model is "
-                         f"{_kind(model)}); qtool writes only those; {CONVERTER}")  # fmt: skip
-    if not _byte_level(decoder):
-        raise InputError(path, "a BPE tokenizer without a ByteLevel decoder (a SentencePiece-"
-                         "style vocabulary); qtool writes byte-level ones only; "
-                         f"{CONVERTER}")  # fmt: skip
-    if not isinstance(model.get("vocab"), dict):
-        raise InputError(path, "its model has no vocab")
-    _check_ids(data, path)
-    return data
 
 
+INFILL = ("prefix", "suffix", "middle", "eot")  # CodeLlama's infill tokens, ids 32007 on
 SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask", "eot", "eom")
 """gguf-py SpecialVocab's special_token_types: tokenizer_config.json's X_token, add_X_token."""
 
@@ -210,6 +221,11 @@ def _check_ids(data: dict[str, Any], path: Path) -> None:
         if type(i) is not int or i < 0:
             raise InputError(path, f"model.vocab[{text!r}] is {i!r}, expected a token id (an "
                              "integer from 0)")  # fmt: skip
+    _check_added(data, path)
+
+
+def _check_added(data: dict[str, Any], path: Path) -> None:
+    """tokenizer.json's added_tokens, as gguf-py's SpecialVocab reads them."""
     added = data.get("added_tokens")
     if added is None:
         return
@@ -359,25 +375,115 @@ def pre_tokenizer(directory: Path) -> str:
 
 
 def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
-    """Add the tokenizer.* keys to the gguf.GGUFWriter `writer` in the converter's order."""
+    """Add the tokenizer.* keys to the gguf.GGUFWriter `writer` in the converter's order: a
+    tokenizer.model first (its _set_vocab_sentencepiece), else tokenizer.json."""
     import gguf
 
-    tokenizer = read_tokenizer(directory)
+    check_files(directory)
+    sentencepiece = (directory / "tokenizer.model").is_file()
+    tokenizer = None if sentencepiece else read_tokenizer(directory)
+    if sentencepiece and (directory / "tokenizer.json").is_file():  # SpecialVocab reads it
+        _check_added(_json(directory / "tokenizer.json"), directory / "tokenizer.json")
     config = directory / "tokenizer_config.json"
     if arch == "llama" and config.is_file():
         found = _json(config).get("add_prefix_space")
         if isinstance(found, bool):
             writer.add_add_space_prefix(found)
-    tokens, types = token_list(tokenizer, vocab_size, directory / "tokenizer.json")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(directory))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(writer, quiet=True)
+    if tokenizer is None:
+        pieces, scores, kinds = sentencepiece_list(directory, vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(pieces)
+        writer.add_token_scores(scores)
+        writer.add_token_types(kinds)
+        gguf.SpecialVocab(directory, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
+    else:
+        tokens, types = token_list(tokenizer, vocab_size, directory / "tokenizer.json")
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre_tokenizer(directory))
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(writer, quiet=True)
+    if arch == "llama" and vocab_size == 32016:  # LlamaModel.set_vocab's rule for CodeLlama
+        infill = gguf.SpecialVocab(directory, special_token_types=INFILL)
+        for n, typ in enumerate(INFILL):
+            infill._set_special_token(typ, 32007 + n)
+        infill.add_to_gguf(writer, quiet=True)
     if (
         arch == "llama" and vocab_size == 49152
     ):  # LlamaModel.set_vocab's rule for granite-sized vocabularies (SmolLM2 too)
         writer.add_add_bos_token(False)
+
+
+def sentencepiece_list(
+    directory: Path, vocab_size: int
+) -> tuple[list[str], list[float], list[int]]:
+    """Tokens, scores and types of ids 0 .. vocab_size - 1 as _create_vocab_sentencepiece
+    makes them: the tokenizer.model's pieces (a USER_DEFINED piece is NORMAL there), then
+    added_tokens.json's tokens (USER_DEFINED), then tokenizer_config.json's
+    added_tokens_decoder (CONTROL when special or when they look special, else USER_DEFINED),
+    each over what came before; ids no token has are [PADn], UNUSED. An added token past
+    vocab_size is left out, as the converter leaves it; a piece past it is refused (the
+    converter drops it, and every text that needs it)."""
+    path = directory / "tokenizer.model"
+    found = read_pieces(path)
+    if len(found) > vocab_size:
+        raise InputError(path, f"has {len(found):,} pieces, but config.json's vocab_size is "
+                         f"{vocab_size:,}: the embedding has no row for piece {vocab_size:,} "
+                         "on")  # fmt: skip
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    scores = [PAD_SCORE] * vocab_size
+    types = [TOKEN_UNUSED] * vocab_size
+    for i, piece in enumerate(found):
+        tokens[i], scores[i] = piece.text, piece.score
+        types[i] = TOKEN_NORMAL if piece.kind == sp_model.USER_DEFINED else piece.kind
+    for text, i in _added_tokens_json(directory / "added_tokens.json"):
+        if i < vocab_size:
+            tokens[i], scores[i], types[i] = text, ADDED_SCORE, TOKEN_USER_DEFINED
+    for i, item in _added_tokens_decoder(directory / "tokenizer_config.json"):
+        if i >= vocab_size:
+            continue
+        text = item["content"]
+        if item.get("special") or looks_special(text):
+            types[i] = TOKEN_CONTROL
+        else:
+            text = text.replace("\u2581", " ")  # the converter's pre-normalised spaces
+            types[i] = TOKEN_USER_DEFINED
+        tokens[i], scores[i] = text, ADDED_SCORE
+    return tokens, scores, types
+
+
+def _added_tokens_json(path: Path) -> list[tuple[str, int]]:
+    """added_tokens.json: {token text: id}."""
+    if not path.is_file():
+        return []
+    out = []
+    for text, i in _json(path).items():
+        if type(i) is not int or i < 0:
+            raise InputError(path, f"[{_short(text)}] is {_short(i)}, expected a token id (an "
+                             "integer from 0)")  # fmt: skip
+        out.append((text, i))
+    return out
+
+
+def _added_tokens_decoder(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """tokenizer_config.json's added_tokens_decoder: {"id": {"content": text, "special": ...}}."""
+    if not path.is_file():
+        return []
+    found = _json(path).get("added_tokens_decoder", {})
+    if not isinstance(found, dict):
+        raise InputError(path, f"added_tokens_decoder is {_short(found)}, expected an object "
+                         "of token ids")  # fmt: skip
+    out = []
+    for key, item in found.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InputError(path, f"added_tokens_decoder has key {_short(key)}, expected a "
+                             "token id (an integer from 0)")  # fmt: skip
+        if not isinstance(item, dict) or not isinstance(item.get("content"), str):
+            raise InputError(path, f"added_tokens_decoder[{_short(key)}] is {_short(item)}, "
+                             "expected {'content': a string, ...}")  # fmt: skip
+        out.append((int(key), item))
+    return out
 
 
 def _json(path: Path) -> dict[str, Any]:

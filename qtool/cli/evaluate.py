@@ -106,9 +106,10 @@ SaveForceOpt = Annotated[
 LogitsOpt = Annotated[
     Path | None,
     typer.Option(
-        help="FLOAT's side from a --save-logits FILE: FLOAT's weights are not read (its config "
-        "and tokenizer are); --text, --tokens, --ctx and --dtype default to the file's, and it "
-        "is refused where they or the model differ from it.",
+        help="FLOAT's side from a --save-logits FILE: FLOAT's weights are not read, but FLOAT "
+        "is still given (its config, tokenizer and tensor headers, of which the file holds only "
+        "digests, are what QUANT loads into); --text, --tokens, --ctx and --dtype default to "
+        "the file's, and it is refused where they or the model differ from it.",
         metavar="FILE",
         show_default=False,
         rich_help_panel=INPUT,
@@ -280,6 +281,11 @@ def eval_models(
 def _check_many(
     quants: list[Path], per_layer: bool, logits: Path | None, save_logits: Path | None
 ) -> None:
+    if not quants and logits is not None:  # `eval --logits FILE QUANT`: QUANT taken as FLOAT
+        raise UsageError(
+            None, "--logits FILE takes FLOAT then QUANT: the file holds only digests of FLOAT's "
+            "config and tokenizer, which QUANT loads into; give FLOAT (its weights are not read)",
+        )  # fmt: skip
     if not quants and save_logits is None:
         raise UsageError(None, "give QUANT (one or more), or --save-logits FILE")
     if per_layer and (len(quants) > 1 or logits or save_logits):

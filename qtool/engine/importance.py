@@ -6,7 +6,11 @@ checkpoint holds is taken as it is; the others are mapped to the checkpoint's Hu
 with gguf-py's map (formats/imatrix.hf_names_of: the architecture from config.json's
 model_type, the block count from num_hidden_layers). For each quantized tensor of shape
 [out, in] (or stacked experts [E, out, in]) its entry's h = sums / counts per input column
-becomes the ColumnWeights the range search takes (numerics/range_methods.py). A tensor with no
+becomes the ColumnWeights the range search takes (numerics/range_methods.py). A checkpoint
+storing each expert of a mixture-of-experts layer as its own Linear
+(`block_sparse_moe.experts.3.w1.weight`, `mlp.experts.3.gate_proj.weight`) takes row 3 of the
+stacked entry llama.cpp keys them under (`blk.N.ffn_gate_exps.weight`, one row and one count per
+expert): what llama-quantize gives expert 3's rows of the merged GGUF tensor. A tensor with no
 entry is quantized without one (one note for them all); an entry whose input width or matrix
 count does not fit the tensor is refused naming both.
 """
@@ -168,7 +172,8 @@ def match_importance(
         )
     unused = tuple(n for n in imatrix.entries if n not in used)
     entry_of = {id(s): n for n, s in imatrix.entries.items()}
-    names_in_file = {name: entry_of[id(s)] for name, s in stats.items()}
+    # an expert's row is not its entry: the entry's sensitivity is the stacked weight's
+    names_in_file = {name: entry_of[id(s)] for name, s in stats.items() if id(s) in entry_of}
     return Importance(path, stats, provenance, unused, names_in_file, _llama(names, config))
 
 
@@ -179,10 +184,10 @@ def _llama(names: list[str], config: Mapping[str, object] | None) -> dict[str, s
     model_type = (config or {}).get("model_type")
     if not isinstance(model_type, str):
         return {}
-    from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
+    from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_names
 
     try:
-        return llama_names(GGUF_ARCHS.get(model_type, model_type), _block_count(config, names),
+        return llama_names(IMATRIX_ARCHS.get(model_type, model_type), _block_count(config, names),
                            names)  # fmt: skip
     except (ValueError, KeyError, QtoolError):
         return {}
@@ -219,12 +224,16 @@ def _by_checkpoint_name(
     model_type = (config or {}).get("model_type")
     if not others or not isinstance(model_type, str):
         return found, set(found)  # no config.json: exact names only
+    from qtool.formats.gguf.names import expert_names
     from qtool.formats.imatrix import hf_names_of
-    from qtool.formats.imatrix.naming import GGUF_ARCHS
+    from qtool.formats.imatrix.naming import IMATRIX_ARCHS
 
-    arch = GGUF_ARCHS.get(model_type, model_type)
+    arch = IMATRIX_ARCHS.get(model_type, model_type)
     try:
         mapped = hf_names_of(imatrix, arch, _block_count(config, names), names)
+        experts = expert_names(
+            arch, _block_count(config, names), [n for n in names if n not in found]
+        )
     except (ValueError, KeyError, InputError):
         return found, set(found)  # no name map for this architecture: exact names only
     used = set(found)
@@ -239,7 +248,53 @@ def _by_checkpoint_name(
             )  # fmt: skip
         found[hf_name] = imatrix.entries[gguf_name]
         used.add(gguf_name)
+    n_experts = _expert_counts(config, experts)
+    for hf_name, (gguf_name, e) in experts.items():
+        stacked = imatrix.entries.get(gguf_name)
+        if stacked is None or hf_name in found:
+            continue
+        found[hf_name] = _expert_row(path, gguf_name, stacked, e, n_experts[gguf_name], hf_name)
+        used.add(gguf_name)
     return found, used
+
+
+def _expert_counts(
+    config: Mapping[str, object] | None, experts: Mapping[str, tuple[str, int]]
+) -> dict[str, int]:
+    """The experts of each stacked weight: config.json's num_local_experts (Mixtral) or
+    num_experts (Qwen MoE), else one more than the largest index the checkpoint stores."""
+    out: dict[str, int] = {}
+    for gguf_name, e in experts.values():
+        out[gguf_name] = max(out.get(gguf_name, 0), e + 1)
+    for key in ("num_local_experts", "num_experts"):
+        value = (config or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return {g: max(n, value) for g, n in out.items()}
+    return out
+
+
+def _expert_row(
+    path: Path, gguf_name: str, stacked: MatrixStats, e: int, n_experts: int, hf_name: str
+) -> MatrixStats:
+    """Expert e's statistics in the entry of its stacked weight: its row of sums and its count.
+    An entry of one count over n_experts x K sums (a legacy .dat, or a GGUF entry written
+    before llama-imatrix counted experts apart) is cut into n_experts rows of that count, as
+    llama-quantize slices it; any other number of rows is refused (llama-quantize refuses an
+    entry whose size is not the tensor's)."""
+    if stacked.n_mat == 1 and n_experts > 1 and stacked.sums.size % n_experts == 0:
+        k = stacked.sums.size // n_experts
+        in_sum = None if stacked.in_sum is None else stacked.in_sum.reshape(n_experts, k)
+        counts = np.repeat(stacked.counts, n_experts)
+        stacked = MatrixStats(stacked.sums.reshape(n_experts, k), counts, in_sum)
+    if stacked.n_mat != n_experts:
+        raise InputError(
+            path, f"its entry {gguf_name} holds statistics for {stacked.n_mat} experts of "
+            f"{stacked.k} columns, but the model has {n_experts} experts; give the imatrix "
+            "computed on this model", hf_name,
+        )  # fmt: skip
+    rows = slice(e, e + 1)
+    row_in_sum = None if stacked.in_sum is None else stacked.in_sum[rows]
+    return MatrixStats(stacked.sums[rows], stacked.counts[rows], row_in_sum)
 
 
 def _block_count(config: Mapping[str, object] | None, names: list[str]) -> int:

@@ -101,6 +101,27 @@ def gguf_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, s
     return {hf: name for hf, name in found.items() if name is not None}
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """For each of `hf_names` that is one expert's Linear of a checkpoint storing its experts
+    apart (`model.layers.0.block_sparse_moe.experts.3.w1.weight`): the GGUF name of the stacked
+    weight llama.cpp's converter merges the experts into (`blk.0.ffn_gate_exps.weight`, its
+    matrix e holding expert e) and the expert's index (3)."""
+    tmap = _name_map(arch, n_blocks)
+    out: dict[str, tuple[str, int]] = {}
+    for hf in hf_names:
+        found = _EXPERT.search(hf)
+        if found is None:
+            continue
+        merged = f"{hf[: found.start()]}.experts.{hf[found.end() :]}"
+        name = tmap.get_name(merged, try_suffixes=SUFFIXES)
+        if name is not None and "_exps." in name:
+            out[hf] = (name, int(found.group(1)))
+    return out
+
+
 TIED = "tied: the GGUF stores token_embd.weight once for both"
 
 

@@ -13,6 +13,10 @@ from collections.abc import Sequence
 # transformers' model_type -> the llama.cpp architecture its converter writes (Mistral-style
 # checkpoints are converted as llama: same tensors, same names)
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# mixture-of-experts models an importance matrix is computed for and read with (not the
+# calibrated methods): Mixtral is converted as llama, its experts stacked into *_exps weights
+MOE_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+IMATRIX_ARCHS = GGUF_ARCHS | MOE_ARCHS
 
 
 def llama_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, str]:

@@ -1,0 +1,63 @@
+"""Hostile mixture-of-experts entries, read for a checkpoint storing one Linear per expert:
+an entry holding another number of experts than the model has is refused naming the file, the
+entry and the expert's tensor (llama-quantize refuses an entry whose size is not the tensor's:
+"imatrix size ... is different from tensor size"); an expert the calibration text never routed
+to (count 0, sums 0) is weighted 1.0 on every column, as llama-quantize's imatrix loader gives
+it (tools/quantize/quantize.cpp: `e[j*ne0 + i] = 1` for a count of 0), not refused as weightless
+and not left without weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from qtool.numerics import kernels  # noqa: E402
+from qtool.numerics.range_methods import ColumnWeights  # noqa: E402
+from tests.conftest import Invoke  # noqa: E402
+from tests.engine.test_moe_imatrix import (  # noqa: E402
+    SPEC,
+    codes,
+    quantize,
+    stacked_imatrix,
+    weight,
+)
+from tests.moe_models import EXPERTS, build_moe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_moe(tmp_path_factory.mktemp("moe") / "mixtral", "mixtral")
+
+
+def test_an_entry_of_another_expert_count_is_refused(
+    mixtral: Path, tmp_path: Path, invoke: Invoke
+) -> None:
+    imatrix = stacked_imatrix(mixtral, "mixtral", tmp_path / "three.gguf", experts=EXPERTS - 1)
+    code, out, err = invoke(
+        "quantize", str(mixtral), "--dtype", "int4", "--range", "mse",
+        "--imatrix", str(imatrix), "-o", str(tmp_path / "q"),
+    )  # fmt: skip
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"qtool: error: {imatrix}: tensor 'model.layers."), err
+    assert "_exps.weight holds statistics for 3 experts" in err, err
+    assert "the model has 4 experts" in err, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_expert_never_routed_to_is_weighted_one_everywhere(
+    mixtral: Path, tmp_path: Path
+) -> None:
+    imatrix = stacked_imatrix(mixtral, "mixtral", tmp_path / "z.gguf", counts=[100, 0, 30, 7])
+    done = quantize(mixtral, tmp_path / "w", imatrix)
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.weight"
+    x = weight(mixtral, name)
+    ones = ColumnWeights(torch.ones(1, x.shape[1]))
+    want = kernels.quantize_tensor(x, SPEC, weights=ones)
+    assert torch.equal(codes(tmp_path / "w", name), want.q)
+    row = next(r for r in done.rows if r.name == name)
+    assert row.weighted is not None  # weighted (by ones), not quantized without an entry

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ SAMPLES = (
 )
 """Texts the tests tokenize: spaces, tabs, a newline, characters out of the vocabulary (byte
 fallback or <unk>), digits, chat markers."""
+
+USER, CONTROL = ["<tool>", "\u2581fox"], ["<ctl>"]  # symbols trained into some models
 
 LLAMA2_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set "
@@ -70,28 +73,28 @@ _SPECIALS = {
 
 # config.json of each model with its sizes shrunk (the real ones in comments)
 FLAVOURS: dict[str, dict[str, Any]] = {
-    "llama2": dict(
-        arch="llama", template=LLAMA2_TEMPLATE, pad=None,
-        config=dict(hidden_size=64, intermediate_size=172,  # 4096, 11008
-                    num_attention_heads=4, num_key_value_heads=4,  # 32, 32
-                    num_hidden_layers=2, max_position_embeddings=4096,  # 32
-                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-    ),
-    "mistral": dict(
-        arch="mistral", template=MISTRAL_TEMPLATE, pad=None,
-        config=dict(hidden_size=64, intermediate_size=224,  # 4096, 14336
-                    num_attention_heads=4, num_key_value_heads=1,  # 32, 8
-                    num_hidden_layers=2, max_position_embeddings=32768,  # 32
-                    rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
-                    tie_word_embeddings=False),
-    ),
-    "tinyllama": dict(
-        arch="llama", template=TINYLLAMA_TEMPLATE, pad="</s>",
-        config=dict(hidden_size=64, intermediate_size=176,  # 2048, 5632
-                    num_attention_heads=8, num_key_value_heads=1,  # 32, 4
-                    num_hidden_layers=2, max_position_embeddings=2048,  # 22
-                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-    ),
+    "llama2": {
+        "arch": "llama", "template": LLAMA2_TEMPLATE, "pad": None,
+        "config": {"hidden_size": 64, "intermediate_size": 172,  # 4096, 11008
+                    "num_attention_heads": 4, "num_key_value_heads": 4,  # 32, 32
+                    "num_hidden_layers": 2, "max_position_embeddings": 4096,  # 32
+                    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+    },
+    "mistral": {
+        "arch": "mistral", "template": MISTRAL_TEMPLATE, "pad": None,
+        "config": {"hidden_size": 64, "intermediate_size": 224,  # 4096, 14336
+                    "num_attention_heads": 4, "num_key_value_heads": 1,  # 32, 8
+                    "num_hidden_layers": 2, "max_position_embeddings": 32768,  # 32
+                    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+                    "tie_word_embeddings": False},
+    },
+    "tinyllama": {
+        "arch": "llama", "template": TINYLLAMA_TEMPLATE, "pad": "</s>",
+        "config": {"hidden_size": 64, "intermediate_size": 176,  # 2048, 5632
+                    "num_attention_heads": 8, "num_key_value_heads": 1,  # 32, 4
+                    "num_hidden_layers": 2, "max_position_embeddings": 2048,  # 22
+                    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+    },
 }  # fmt: skip
 
 
@@ -150,3 +153,37 @@ def write_sp_model(
         special_map["pad_token"] = spec["pad"]
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
     return directory
+
+
+def vocab_digest(reader: Any) -> str:
+    """sha256 of every tokenizer.* key as stored (name, type and value bytes, in file order)."""
+    digest = sha256()
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            digest.update(b"".join(part.tobytes() for part in field.parts))
+    return digest.hexdigest()
+
+
+def build(root: Path, case: str) -> Path:
+    """The directory of `case` (CASES) test_sp_vocab.GOLDEN was recorded from."""
+    if case in ("llama2", "mistral", "tinyllama"):
+        return write_sp_model(root / case, case)
+    if case == "unigram":
+        model = train("unigram", False, 100, user_defined_symbols=USER, control_symbols=CONTROL)
+        return write_sp_model(root / case, "llama2", model=model)
+    # padded: config's vocab_size past the pieces, added tokens from both files, one past the
+    # embedding, one replacing a byte piece
+    src = write_sp_model(root / case, "tinyllama", vocab_size=416)
+    added = {"<pad>": 400, "<tool\u2581call>": 401, "far": 999}
+    (src / "added_tokens.json").write_text(json.dumps(added))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"].update({
+        "401": {"content": "<tool\u2581call>", "special": False},
+        "402": {"content": "<|im_end|>", "special": False},
+        "3": {"content": "<ctl>", "special": True},
+    })  # fmt: skip
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    return src
+
+
+CASES = ("llama2", "mistral", "tinyllama", "unigram", "padded")

@@ -26,6 +26,8 @@ from qtool.codecs.gguf import gguf_quantize_spec as gguf_quantize_spec
 from qtool.codecs.gguf import gguf_spec as gguf_spec
 from qtool.codecs.gguf import gguf_stored_type as gguf_stored_type
 from qtool.codecs.gguf import is_gguf_name as is_gguf_name
+from qtool.codecs.gguf_float import GGUFFloatSpec as GGUFFloatSpec
+from qtool.codecs.gguf_float import gguf_float_spec as gguf_float_spec
 
 SEMANTICS = "qtool"
 """Name of the numerical convention below; recorded in every sidecar."""

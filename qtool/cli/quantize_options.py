@@ -13,6 +13,7 @@ from qtool.cli.help import HOW, OUTPUT, RUN, SELECT, choices
 from qtool.cli.inputs import QUANTIZE_INPUT
 from qtool.cli.lazy import api, report
 from qtool.codecs.gguf import GGUF_MIXES, gguf_choices, gguf_mix
+from qtool.gguf_types import FLOAT_TYPES
 from qtool.spec import (
     GGUF_QUANTIZE_TYPES,
     Codec,
@@ -22,6 +23,7 @@ from qtool.spec import (
     Scheme,
     SpecPatch,
     StorageDtype,
+    gguf_float_spec,
     gguf_quantize_spec,
     is_gguf_name,
 )
@@ -42,7 +44,7 @@ def dtype_value(value: str) -> str:
     """--dtype: an integer code type (int8, ...) or a GGUF block type (Q4_K, any case)."""
     if value.lower() in _INT_DTYPES:
         return value.lower()
-    if value.upper() in GGUF_MIXES:  # llama.cpp's Q4_K_M, ...
+    if value.upper() in GGUF_MIXES or value.upper() in FLOAT_TYPES:  # Q4_K_M; F16 (converted)
         return value.upper()
     try:
         spec = gguf_quantize_spec(value)
@@ -60,7 +62,8 @@ QuantizeDtypeOpt = Annotated[
     typer.Option(
         "--dtype",
         help="Integer type of the codes (int4/uint4 are packed two per byte), or a GGUF block "
-        "type for --format gguf (llama.cpp's Q8_0 ... Q6_K, which fix their own layout).",
+        "type for --format gguf (llama.cpp's Q8_0 ... Q6_K, which fix their own layout; F16, "
+        "BF16 or F32: a Hugging Face directory converted, nothing quantized).",
         metavar="|".join([*_INT_DTYPES, *GGUF_QUANTIZE_TYPES]),
         callback=dtype_value,
         rich_help_panel=HOW,
@@ -88,10 +91,44 @@ def gguf_cli_spec(
     for flag, set_ in given.items():
         if set_:
             raise typer.BadParameter(
-                f"{dtype} is a GGUF block type, which fixes its own scales and groups; drop {flag}",
+                f"{dtype} is {_what(dtype)}; drop {flag}",
                 param_hint=flag,
             )
+    if dtype in FLOAT_TYPES:
+        _only_conversion_options(dtype)
+        return gguf_float_spec(dtype)
     return gguf_mix(dtype) if dtype in GGUF_MIXES else gguf_quantize_spec(dtype)
+
+
+_CONVERSION_OPTIONS = {"src", "out", "dtype", "fmt", "dry_run", "estimate", "threads", "device",
+                       "as_json", "force", "sort", "top", "show_all"}  # fmt: skip
+"""What a float GGUF's conversion takes: the rest chooses or checks codes it does not make."""
+
+
+def _only_conversion_options(dtype: str) -> None:
+    """--dtype F16 converts a model directory and quantizes nothing: an option given that
+    selects, types, calibrates or gates tensors is a usage error naming it."""
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if param.name in _CONVERSION_OPTIONS or source is None or source.name == "DEFAULT":
+            continue
+        flag = param.opts[0] if param.opts else str(param.name)
+        raise typer.BadParameter(
+            f"does not apply to --dtype {dtype}, which writes a float GGUF (a Hugging Face "
+            "directory converted, no tensor quantized); drop it",
+            param_hint=flag,
+        )
+
+
+def _what(dtype: str) -> str:
+    if dtype in FLOAT_TYPES:
+        return "a float GGUF type, which quantizes nothing"
+    return "a GGUF block type, which fixes its own scales and groups"
 
 
 InputArg = Annotated[Path, typer.Argument(metavar="INPUT", help=QUANTIZE_INPUT, show_default=False)]

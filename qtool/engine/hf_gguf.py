@@ -11,7 +11,10 @@ run's plan writes nothing: the conversion's checks, then its header alone in a m
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,9 +24,11 @@ from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
 from qtool.engine.source import protected_paths
-from qtool.errors import OutputError, QtoolError
+from qtool.errors import OutputError, QtoolError, UsageError
 from qtool.formats.registry import entry
+from qtool.gguf_types import FLOAT_TYPES
 from qtool.io.atomic import OutputSet, preflight
+from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting
 from qtool.results import QuantizeRow, QuantizeSummary
 
@@ -32,16 +37,28 @@ _FLOAT_NAME = "converted.gguf"
 
 def converts(src: Path, options: QuantizeOptions) -> bool:
     """Whether this run converts `src` first: a model directory the output format converts
-    into its own input (GGUF: formats/gguf/hf_export.py)."""
+    into its own input (GGUF: formats/gguf/hf_export.py), or any input when the spec is a float
+    type (F16: the conversion is the whole run; write_float refuses what it cannot convert)."""
+    if float_type(options) is not None:
+        return True
     found = entry(options.format.value).converts
     return found is not None and bool(found(src))
+
+
+def float_type(options: QuantizeOptions) -> str | None:
+    """The float type a run's spec stores (F32, F16, BF16: a conversion, no codes), or None."""
+    stored = options.spec.stored_dtype()
+    return stored if stored in FLOAT_TYPES else None
 
 
 def quantize_hf(
     src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
 ) -> QuantizeSummary:
     """Convert the model directory `src` to a float GGUF beside the output, then quantize that
-    as engine.run.quantize does; the summary names `src` as the input."""
+    as engine.run.quantize does; the summary names `src` as the input. A float spec (F16) writes
+    the float GGUF itself (write_float)."""
+    if float_type(options) is not None:
+        return write_float(src, out, options, run)
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
     needed = _needed_bytes(src)
     protected = [*read_files(src), *options.input_files]
@@ -146,3 +163,89 @@ def _named_for_user(err: QtoolError, scratch_file: Path, src: Path) -> QtoolErro
     else:
         err.path = str(src)
     return err
+
+
+def write_float(
+    src: Path, out: Path | None, options: QuantizeOptions, run: RunOptions
+) -> QuantizeSummary:
+    """The float GGUF of the model directory `src` in the spec's type, written as the output
+    itself (convert_hf_to_gguf.py --outtype f16|bf16|f32, byte for byte): no scratch copy, no
+    tensor quantized. A dry run (plan or estimate) builds the header alone in a memory file:
+    its sizes are the file's, and there are no error figures to measure (a cast has none)."""
+    kind = float_type(options)
+    fmt = entry(options.format.value)
+    assert kind is not None
+    if fmt.converts is None or fmt.convert is None or not fmt.converts(src):
+        raise UsageError(src, f"is not a model directory (config.json and .safetensors weights): "
+                         f"{kind} is the float GGUF converted from one, as llama.cpp's "
+                         f"convert_hf_to_gguf.py --outtype {kind.lower()} writes it; a GGUF "
+                         "file is re-typed by `qtool dequantize`")  # fmt: skip
+    _no_choices(options, kind, src)
+    started = time.perf_counter()
+    target = quantized_output(src, out, kind, fmt.suffix)
+    for p in run.also:
+        refuse_nesting(p, [src])
+    planned, size = _header_in_memory(src, fmt.convert, kind)
+    preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=size)
+    dry = run.mode is not Mode.WRITE
+    converted = planned
+    if not dry:
+        with OutputSet() as outputs:
+            converted = fmt.convert(src, target, outputs, kind)
+            outputs.commit()
+    header = getattr(converted, "header", None)
+    assert isinstance(header, GGUFHeader)  # hf_export.Converted's
+    sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
+    return QuantizeSummary(
+        inputs=[str(src)], outputs=[str(target)], rows=_float_rows(header, sources, kind),
+        spec=options.spec, device="cpu", dry_run=dry, format=options.format.value,
+        seconds=time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def _no_choices(options: QuantizeOptions, kind: str, src: Path) -> None:
+    """What chooses or weighs codes means nothing to a conversion: refused, not ignored."""
+    given = {"rules": bool(options.rules), "a target": options.budgeted,
+             "an imatrix": options.imatrix is not None,
+             "a calibrated method": options.calibration is not None}  # fmt: skip
+    for what, set_ in given.items():
+        if set_:
+            raise UsageError(src, f"{kind} converts the model and quantizes nothing: drop "
+                             f"{what}")  # fmt: skip
+
+
+def _header_in_memory(src: Path, convert: Callable[..., object], kind: str) -> tuple[object, int]:
+    """Every check the conversion makes and its header alone, in a memory file (a temporary
+    file where memfd does not exist; its data a hole, never read): what it writes and the
+    file's size."""
+    with tempfile.TemporaryFile() if not hasattr(os, "memfd_create") else nullcontext() as tmp:
+        fd = tmp.fileno() if tmp is not None else os.memfd_create("qtool-plan", os.MFD_CLOEXEC)
+        try:
+            converted = convert(src, Path(f"/proc/self/fd/{fd}"), None, kind, True)
+            return converted, os.fstat(fd).st_size
+        except OutputError as err:
+            err.path, err.message = None, f"planning in memory: {err.message}"
+            raise
+        finally:
+            if tmp is None:
+                os.close(fd)
+
+
+def _float_rows(
+    header: GGUFHeader, sources: dict[str, tuple[str, int]], kind: str
+) -> list[QuantizeRow]:
+    """One row per tensor of the float GGUF: the checkpoint's dtype and bytes in, the type and
+    bytes written, and why (the converter keeps 1-D tensors and norms F32)."""
+    rows = []
+    for t in header.tensors:
+        dtype, nbytes = sources.get(t.name, ("F32", t.nbytes))
+        written = t.type.name
+        if t.name not in sources:
+            why = f"{written}: generated (llama3 rope factors, as the converter adds them)"
+        elif written != kind:
+            why = f"{written}: 1-D or a norm (the converter keeps them F32)"
+        else:
+            why = f"{written} (convert_hf_to_gguf.py --outtype {kind.lower()})"
+        rows.append(QuantizeRow(t.name, t.torch_shape, dtype, written, False, why, nbytes,
+                                t.nbytes))  # fmt: skip
+    return rows

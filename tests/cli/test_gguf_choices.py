@@ -16,7 +16,7 @@ from tests.gguf_files import odd_gguf
 _ALL = (*GGUF_QUANTIZE_TYPES, *GGUF_MIXES)
 
 
-@pytest.mark.parametrize("dtype", ["F16", "Q4_X", "IQ2_XXS"])
+@pytest.mark.parametrize("dtype", ["F64", "Q4_X", "IQ2_XXS"])  # F16: a conversion (test_hf_float)
 def test_a_refused_dtype_lists_the_types_and_the_mixes(invoke: Invoke, dtype: str) -> None:
     code, out, err = invoke("quantize", "x.safetensors", "--format", "gguf", "--dtype", dtype)
     assert code == 2 and out == ""

@@ -99,7 +99,8 @@ def _foreign(spec: Codec) -> str:
 
 
 def _refuses(spec: Codec) -> str | None:
-    assert isinstance(spec, GGUFSpec)  # the registry asks only of the codecs it stores
+    if not isinstance(spec, GGUFSpec):  # a float type: hf_export writes it from a directory
+        return None
     if spec.gguf.name not in GGUF_QUANTIZE_TYPES:
         types = ", ".join(GGUF_QUANTIZE_TYPES)
         return f"qtool cannot quantize to {spec.gguf.name}; use one of {types}"
@@ -130,7 +131,7 @@ detect.register("gguf", _gguf)
 registry.register(
     registry.FormatEntry(
         NAME, _reader, _inspect, _output, refuses=_refuses, suffix=".gguf", own_input=True,
-        ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf",),
+        ladder=LADDER, matcher=_matcher, dequantize_float=True, codecs=("gguf", "gguf-float"),
         foreign=_foreign, budget_reference="Q8_0",
         float_output=registry.lazy("qtool.formats.gguf.dequantized", "write_float_gguf"),
         converts=registry.lazy("qtool.formats.gguf.hf_export", "is_convertible"),

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qtool.errors import InputError, OutputError, UsageError
+from qtool.errors import InputError, NumericError, OutputError, UsageError
 from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
 from qtool.formats.gguf.hf_vocab import CONVERTER, INSTALL_TOKENIZERS, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
@@ -120,9 +120,16 @@ def plan_tensors(directory: Path, config: dict[str, Any], arch: str, float_type:
             raise InputError(
                 file, f"gguf's name map for {arch} has no GGUF name for it; {CONVERTER}", name
             )
-        kind = "F32" if len(shape) < 2 else chosen
+        kind = "F32" if kept_f32(target, shape) else chosen
         out.append(HFTensor(name, file, target, kind, shape, _NAMES[dtype]))
     return out, chosen
+
+
+def kept_f32(gguf_name: str, shape: tuple[int, ...]) -> bool:
+    """The converter's tensors that stay F32 whatever --outtype says (ModelBase.prepare_tensors:
+    1-D tensors, norms, and anything not named .weight, such as biases)."""
+    norm = gguf_name.endswith("_norm.weight")
+    return len(shape) <= 1 or norm or not gguf_name.endswith(".weight")
 
 
 def _header(file: Path) -> Header:
@@ -295,9 +302,62 @@ def tensor_data(t: HFTensor, values: torch.Tensor, arch: str, config: dict[str, 
             values = permute(values, heads)
         elif t.hf.endswith(("k_proj.weight", "k_proj.bias")):
             values = permute(values, config.get("num_key_value_heads") or heads)
-    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.type]
-    out = values.to(dtype).contiguous()
-    return out.view(torch.uint8).numpy().reshape(-1) if out.numel() else np.empty(0, np.uint8)
+    out = cast(values, t.type)
+    if t.type == "F16" and values.dtype != torch.float16:
+        _check_f16_range(values, out, t)
+    return out.view(np.uint8).reshape(-1)
+
+
+CHUNK = 1 << 22
+"""Elements cast at a time: the float32 copy a BF16 tensor passes through stays 16 MiB."""
+
+
+def cast(values: torch.Tensor, kind: str) -> np.ndarray:
+    """`values` in GGUF type `kind` as the converter casts them: a BF16 tensor through float32
+    (it converts every dtype but F16 and F32 first), then numpy's astype for F32 and F16 (round
+    to nearest even; beyond F16's range: Inf) and gguf-py's BF16 rounding (bf16_bits). A
+    chunk of elements at a time."""
+    flat = values.reshape(-1)
+    out = np.empty(flat.numel(), dtype=np.uint16 if kind == "BF16" else _NP_TYPES[kind])
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start : start + CHUNK]
+        if part.dtype not in (torch.float16, torch.float32):
+            part = part.to(torch.float32)
+        a = part.numpy()
+        with np.errstate(over="ignore", invalid="ignore"):  # Inf as the converter writes it
+            out[start : start + CHUNK] = bf16_bits(a) if kind == "BF16" else a.astype(out.dtype)
+    return out
+
+
+_NP_TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16 (gguf-py's BF16.quantize_blocks): round to nearest even on
+    the float32 bits; a NaN keeps its sign and upper payload, made quiet (bit 22 set), so it
+    stays a NaN whatever its payload."""
+    n = a.astype(np.float32, copy=False).view(np.uint32)
+    nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    n = np.where(nan, (n & np.uint32(0xFFFF0000)) | np.uint32(0x00400000), n)
+    wide = n.astype(np.uint64) + (np.uint64(0x7FFF) + ((n >> np.uint32(16)) & np.uint32(1)))
+    return (wide >> np.uint64(16)).astype(np.uint16)
+
+
+def _check_f16_range(values: torch.Tensor, out: np.ndarray, t: HFTensor) -> None:
+    """A finite value that F16 rounds to Inf (|x| >= 65520) is refused: the converter writes
+    the Inf, and llama.cpp then computes with a value the checkpoint does not hold."""
+    inf = np.isinf(out)
+    if not inf.any():
+        return
+    src = values.reshape(-1).to(torch.float32)
+    finite = torch.from_numpy(inf) & src.isfinite()
+    if bool(finite.any()):
+        big = float(src[finite].abs().max())
+        raise NumericError(
+            t.file, f"{int(finite.sum()):,} values beyond F16's range (largest |x| {big:.6g}, "
+            f"F16's largest {F16_MAX:g}) would be written as Inf; write BF16 or F32 instead",
+            t.hf,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

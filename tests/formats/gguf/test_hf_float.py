@@ -45,6 +45,7 @@ def _convert(src: Path, out: Path, kind: str, *extra: str) -> dict[str, object]:
     code, stdout, stderr = run_qtool("quantize", str(src), "--format", "gguf", "--dtype", kind,
                                      "-o", str(out), "--json", *extra)  # fmt: skip
     assert code == 0, stderr
+    assert "warning" not in stderr, stderr  # "0 of N tensors selected" is no news here
     report: dict[str, object] = json.loads(stdout)
     return report
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from qtool.engine.model.experts import router_name, stacked_experts
 from qtool.errors import InputError
 from qtool.formats.base import FloatReader
 
@@ -91,14 +92,25 @@ def load_module(
     non-persistent buffer qtool cannot rebuild."""
     names = set(reader.names)
     state: dict[str, torch.Tensor] = {}
-    for local in module.state_dict():
+    for local, meta in module.state_dict().items():
         name = f"{prefix}{local}"
-        if name not in names:
+        stored = name if name in names else router_name(name, names)
+        if stored is not None:
+            state[local] = _float32(reader, stored, device)
+            continue
+        stacked = stacked_experts(name, tuple(meta.shape), names)  # MoE Linears stored apart
+        if stacked is None:
             raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
-        stored = reader.values(name)  # as stored: one float32 copy made from it, on device
-        state[local] = stored.to(device=device, dtype=torch.float32, copy=True)
-        del stored
-        reader.release(name)
+        state[local] = torch.empty(meta.shape, dtype=torch.float32, device=device)
+        for e, parts in enumerate(stacked):
+            matrix = torch.cat([_float32(reader, n, device) for n in parts], dim=0)
+            if matrix.shape != meta.shape[1:]:
+                raise InputError(
+                    path, f"expert {e}'s Linears ({', '.join(parts)}) make a matrix of "
+                    f"{list(matrix.shape)}, where config.json's sizes make "
+                    f"{list(meta.shape[1:])}", parts[0],
+                )  # fmt: skip
+            state[local][e].copy_(matrix)
     module.load_state_dict(state, strict=True, assign=True)
     left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if left:
@@ -106,6 +118,14 @@ def load_module(
             path, f"{prefix}{left[0]} is computed, not stored, and qtool cannot rebuild it one "
             "block at a time; calibrate supports the Llama family",
         )  # fmt: skip
+
+
+def _float32(reader: FloatReader, name: str, device: torch.device) -> torch.Tensor:
+    stored = reader.values(name)  # as stored: one float32 copy made from it, on device
+    out = stored.to(device=device, dtype=torch.float32, copy=True)
+    del stored
+    reader.release(name)
+    return out
 
 
 def prepare_base(

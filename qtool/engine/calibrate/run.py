@@ -31,7 +31,7 @@ from qtool.eval_results import CAUSAL_LM
 from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected
 from qtool.formats.imatrix import read_imatrix_file, write_imatrix
-from qtool.formats.imatrix.naming import GGUF_ARCHS, llama_names
+from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_names
 from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY, dataset_infos
 from qtool.formats.imatrix.sensitivity import merged, read_sensitivities, sensitivity_keys
 from qtool.formats.registry import open_reader
@@ -88,10 +88,10 @@ def _calibrate(
     started = perf_counter()
     found, config = float_source(model_dir, MODEL)
     kind, architecture = kind_of(config)
-    arch = GGUF_ARCHS.get(str(config.get("model_type")))
+    arch = IMATRIX_ARCHS.get(str(config.get("model_type")))
     if kind != CAUSAL_LM or arch is None:
         raise InputError(
-            model_dir, f"calibrate runs the Llama family ({', '.join(GGUF_ARCHS)}), not "
+            model_dir, f"calibrate runs the Llama family ({', '.join(IMATRIX_ARCHS)}), not "
             f"{architecture} (model_type {config.get('model_type')!r})",
         )  # fmt: skip
     checkpoint, hf_config, tokenizer = float_parts(found, config, model_dir, MODEL)

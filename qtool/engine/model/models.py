@@ -16,6 +16,7 @@ import torch
 
 from qtool.engine.model import hf
 from qtool.engine.model.config import FLOAT, Role, float_source, kind_of
+from qtool.engine.model.experts import stored_apart
 from qtool.engine.model.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
@@ -196,7 +197,8 @@ def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: P
     allowed, and so are the buffers older checkpoints store that transformers now computes
     (BERT's `position_ids`, Llama's per-layer `rotary_emb.inv_freq`), which it ignores on load
     by the same rule (modeling_utils._adjust_missing_and_unexpected_keys)."""
-    used = set(built.state_dict())
+    state = built.state_dict()
+    used = set(state) | stored_apart(state, checkpoint.tensors)  # MoE experts stored apart
     ignored = [
         re.compile(p) for p in getattr(built, "_keys_to_ignore_on_load_unexpected", None) or ()
     ]

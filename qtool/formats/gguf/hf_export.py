@@ -10,8 +10,10 @@ by gguf-py's Metadata), the hyperparameters (TextModel.set_gguf_parameters: cont
 and feed-forward lengths, head counts, rope base and scaling, rms eps, key/value length, file
 type; llama also vocab size and rope dimension count), quantization version, the vocabulary
 (hf_vocab.py), then the tensors in the checkpoint's order under gguf-py's TensorNameMap names:
-1-D ones F32, the others in `float_type` (default: the converter's "auto", the type of the first
-2-D tensor when BF16 or F16, else F16; F32 instead when an F32 value would overflow F16). For
+1-D ones, norms and non-.weight ones F32 (kept_f32), the others in `float_type` (default: the
+converter's "auto", the type of the first 2-D tensor when BF16 or F16, else F16; F32 instead
+when an F32 value would overflow F16), cast as the converter casts (cast: numpy's F16/F32,
+ggml's BF16 rounding). `quantize --dtype F16` writes this file as the output itself. For
 llama the rows of q_proj/k_proj are permuted as LlamaModel.permute does (llama.cpp's rotary
 embedding pairs rows differently); a tied model has no output.weight (llama.cpp reuses
 token_embd.weight); Qwen2's q/k/v biases are kept; rope_type llama3 adds rope_freqs.weight.

@@ -136,7 +136,8 @@ def test_dry_run_gives_the_file_size_and_writes_nothing(tmp_path: Path) -> None:
 
 def test_bf16_rounding_is_ggmls_nan_included() -> None:
     """bf16_bits against gguf-py's BF16 on ties, carries into the exponent, overflow to Inf,
-    signalling and negative NaNs with payloads (torch's own cast makes every NaN 0x7FC0)."""
+    signalling and negative NaNs with payloads (torch's own cast gives other bits: 0xFFFF for
+    0xFF812345 and 0x7F800001 on this machine)."""
     rng = np.random.default_rng(0)
     special = np.array([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800001, 0xFF812345,
                         0x7FC00000, 0xFFFFFFFF, 0x80000000, 0x00008000, 0x00018000],

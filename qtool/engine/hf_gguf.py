@@ -170,8 +170,9 @@ def write_float(
 ) -> QuantizeSummary:
     """The float GGUF of the model directory `src` in the spec's type, written as the output
     itself (convert_hf_to_gguf.py --outtype f16|bf16|f32, byte for byte): no scratch copy, no
-    tensor quantized. A dry run (plan or estimate) builds the header alone in a memory file:
-    its sizes are the file's, and there are no error figures to measure (a cast has none)."""
+    tensor quantized. A dry run builds the header alone in a memory file: its sizes are the
+    file's, and there are no error figures to measure (a cast has none); with --estimate the
+    values are read and F16's range checked as the run checks it."""
     kind = float_type(options)
     fmt = entry(options.format.value)
     assert kind is not None
@@ -185,7 +186,8 @@ def write_float(
     target = quantized_output(src, out, kind, fmt.suffix)
     for p in run.also:
         refuse_nesting(p, [src])
-    planned, size = _header_in_memory(src, fmt.convert, kind)
+    estimate = run.mode is Mode.ESTIMATE  # reads the values: F16's range is checked
+    planned, size = _header_in_memory(src, fmt.convert, kind, estimate)
     preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=size)
     dry = run.mode is not Mode.WRITE
     converted = planned
@@ -214,14 +216,18 @@ def _no_choices(options: QuantizeOptions, kind: str, src: Path) -> None:
                              f"{what}")  # fmt: skip
 
 
-def _header_in_memory(src: Path, convert: Callable[..., object], kind: str) -> tuple[object, int]:
+def _header_in_memory(
+    src: Path, convert: Callable[..., object], kind: str, check_values: bool = False
+) -> tuple[object, int]:
     """Every check the conversion makes and its header alone, in a memory file (a temporary
     file where memfd does not exist; its data a hole, never read): what it writes and the
     file's size."""
-    with tempfile.TemporaryFile() if not hasattr(os, "memfd_create") else nullcontext() as tmp:
-        fd = tmp.fileno() if tmp is not None else os.memfd_create("qtool-plan", os.MFD_CLOEXEC)
+    memfd = hasattr(os, "memfd_create")
+    with nullcontext() if memfd else tempfile.NamedTemporaryFile() as tmp:
+        fd = os.memfd_create("qtool-plan", os.MFD_CLOEXEC) if tmp is None else tmp.fileno()
         try:
-            converted = convert(src, Path(f"/proc/self/fd/{fd}"), None, kind, True)
+            where = Path(f"/proc/self/fd/{fd}" if tmp is None else tmp.name)
+            converted = convert(src, where, None, kind, True, check_values)
             return converted, os.fstat(fd).st_size
         except OutputError as err:
             err.path, err.message = None, f"planning in memory: {err.message}"

@@ -380,13 +380,16 @@ def export_float(
     outputs: OutputSet | None,
     float_type: str | None = None,
     header_only: bool = False,
+    check_values: bool = False,
 ) -> Converted:
     """Write the float GGUF of the model directory `directory` to `out` (a temp file of
     `outputs`); returns its header and the tensors' sources. `float_type`: F32, F16 or BF16
     for the 2-D tensors (None: the converter's auto). `header_only` (a dry run's plan): every
     check the export makes, then only the header written to `out` (an existing file, such as
     a memory file; `outputs` unused), its length set to the whole file's with no data: the
-    values are never read (an F32 checkpoint is planned as the F16 copy auto makes)."""
+    values are never read (an F32 checkpoint is planned as the F16 copy auto makes), unless
+    `check_values` (--estimate of an F16 output): each tensor F16 may not hold is cast and
+    checked as the real run does, nothing kept."""
     if float_type is not None and float_type not in FLOAT_FILE_TYPES:
         raise UsageError(None, f"{float_type} is not a float GGUF type (F32, F16, BF16)")
     require_packages()
@@ -409,6 +412,10 @@ def export_float(
                 f.truncate(len(header) + data)
         except OSError as err:  # a file-size limit holds for memory files too
             raise OutputError(out, f"cannot write: {describe_os_error(err)}") from None
+        if check_values:
+            narrowed = [t for t in tensors if t.type == "F16" and t.source != "F16"]
+            for t, values in _values(narrowed):
+                tensor_data(t, values, arch, config)
         return Converted(layout, sources)
     assert outputs is not None
     writer = GGUFStreamWriter(outputs.create(out), header, layout)

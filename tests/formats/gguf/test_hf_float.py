@@ -162,12 +162,14 @@ def test_f16_beyond_its_range_is_refused_naming_the_tensor(tmp_path: Path) -> No
     state[name][0, 0], state[name][1, 1] = 1e5, 65519.0
     safetensors_torch.save_file(state, src / "model.safetensors", metadata={"format": "pt"})
     out = tmp_path / "o.gguf"
-    code, stdout, stderr = run_qtool("quantize", str(src), "--format", "gguf", "--dtype", "F16",
-                                     "-o", str(out))  # fmt: skip
-    assert code == 1 and stdout == ""
-    assert name in stderr and "1 values beyond F16's range" in stderr and "100000" in stderr
-    assert "BF16 or F32" in stderr and "Traceback" not in stderr
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    for dry in ((), ("--dry-run", "--estimate")):  # --estimate reads the values: it says so too
+        code, stdout, stderr = run_qtool("quantize", str(src), "--format", "gguf", "--dtype",
+                                         "F16", "-o", str(out), *dry)  # fmt: skip
+        assert code == 1 and stdout == "", dry
+        assert name in stderr and "1 values beyond F16's range" in stderr and "100000" in stderr
+        assert "BF16 or F32" in stderr and "Traceback" not in stderr
+        assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    _convert(src, out, "F16", "--dry-run")  # the plan reads no value
     _convert(src, out, "BF16")
 
 

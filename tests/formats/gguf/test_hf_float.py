@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qtool.formats.gguf import hf_vocab
-from qtool.formats.gguf.hf_export import bf16_bits, cast
+from qtool.formats.gguf.hf_export import bf16_bits, cast, kept_f32
 from tests.conftest import run_qtool
 from tests.formats.gguf.hf_models import write_model
 from tests.formats.gguf.test_hf_export import _Table
@@ -207,3 +207,23 @@ def test_a_gguf_input_is_refused_naming_dequantize(tmp_path: Path) -> None:
     assert code == 2, stderr
     assert "qtool dequantize" in stderr and "is not a model directory" in stderr
     assert stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "f32"),
+    [
+        ("blk.0.attn_norm.weight", (64,), True),
+        ("blk.0.ffn_norm.weight", (2, 64), True),  # a norm stays F32 whatever its rank
+        ("blk.0.attn_q.bias", (64,), True),
+        ("blk.0.attn_q.bias", (2, 64), True),  # not a .weight: F32 (the converter's rule)
+        ("blk.0.attn_q.weight", (64, 64), False),
+        ("token_embd.weight", (320, 64), False),
+    ],
+)
+def test_which_tensors_stay_f32_is_the_converters_rule(
+    name: str, shape: tuple[int, ...], f32: bool
+) -> None:
+    """ModelBase.prepare_tensors: n_dims <= 1, a name ending _norm.weight, or one not ending
+    .weight stays F32; the tiny models' norms and biases are all 1-D, so the rank alone would
+    pass the tests above."""
+    assert kept_f32(name, shape) is f32

@@ -20,8 +20,11 @@ text and looks the hash up (get_vocab_base_pre); PRE_TOKENIZERS is its table.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
@@ -165,6 +168,13 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
                          f"vocabulary from one; {CONVERTER}")  # fmt: skip
     data = read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
     model, decoder = data.get("model"), data.get("decoder")
+    if _llama_hf(model, decoder):
+        raise InputError(path, "a SentencePiece BPE tokenizer (byte fallback) without its "
+                         "tokenizer.model: llama.cpp's converter writes it with no scores "
+                         "(LlamaHfVocab: every score -1000, no merges), and llama.cpp then splits "
+                         "text otherwise than the model does; put the model's tokenizer.model "
+                         "beside it (qtool and convert_hf_to_gguf.py then write its "
+                         "scores)")  # fmt: skip
     if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
         raise InputError(path, "not a byte-level BPE tokenizer (its model is "
                          f"{_kind(model)}); qtool writes those, or SentencePiece ones from "
@@ -292,6 +302,15 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _llama_hf(model: object, decoder: object) -> bool:
+    """The tokenizer.json the converter gives LlamaHfVocab (its own test): BPE with byte
+    fallback and a Sequence decoder."""
+    return (
+        isinstance(model, dict) and model.get("type") == "BPE" and bool(model.get("byte_fallback"))
+        and isinstance(decoder, dict) and decoder.get("type") == "Sequence"
+    )  # fmt: skip
+
+
 def _kind(model: object) -> str:
     if not isinstance(model, dict):
         return "missing"
@@ -396,16 +415,19 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
         writer.add_token_list(pieces)
         writer.add_token_scores(scores)
         writer.add_token_types(kinds)
-        gguf.SpecialVocab(directory, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
+        with _quiet_gguf():
+            gguf.SpecialVocab(directory, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
     else:
         tokens, types = token_list(tokenizer, vocab_size, directory / "tokenizer.json")
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre_tokenizer(directory))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(writer, quiet=True)
+        with _quiet_gguf():
+            gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(writer, quiet=True)
     if arch == "llama" and vocab_size == 32016:  # LlamaModel.set_vocab's rule for CodeLlama
-        infill = gguf.SpecialVocab(directory, special_token_types=INFILL)
+        with _quiet_gguf():
+            infill = gguf.SpecialVocab(directory, special_token_types=INFILL)
         for n, typ in enumerate(INFILL):
             infill._set_special_token(typ, 32007 + n)
         infill.add_to_gguf(writer, quiet=True)
@@ -413,6 +435,19 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
         arch == "llama" and vocab_size == 49152
     ):  # LlamaModel.set_vocab's rule for granite-sized vocabularies (SmolLM2 too)
         writer.add_add_bos_token(False)
+
+
+@contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """gguf-py's vocabulary warnings (its logger's, printed raw on stderr) are about its own
+    guesses: "Unknown separator token '<s>' in TemplateProcessing<pair>" on every Llama 2."""
+    log = logging.getLogger("gguf.vocab")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def sentencepiece_list(

@@ -172,10 +172,13 @@ def _check(pieces: list[Piece], path: Path) -> None:
         seen[piece.text] = i
         if piece.kind == UNKNOWN:
             unknown.append(i)
-    if len(unknown) != 1:
-        found = "none" if not unknown else f"{len(unknown):,} (ids {unknown[0]:,}, {unknown[1]:,})"
-        raise InputError(path, f"has {found} unknown pieces, expected one (as sentencepiece "
-                         "does); is it intact?")  # fmt: skip
+    if not unknown:
+        raise InputError(path, "has no unknown piece (<unk>), which sentencepiece requires; "
+                         "is it intact?")  # fmt: skip
+    if len(unknown) > 1:
+        ids = f"ids {unknown[0]:,}, {unknown[1]:,}"
+        raise InputError(path, f"has {len(unknown):,} unknown pieces ({ids}), where "
+                         "sentencepiece takes one; is it intact?")  # fmt: skip
 
 
 def _short(text: str) -> str:

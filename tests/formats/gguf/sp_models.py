@@ -117,11 +117,12 @@ def train(
 
 def write_sp_model(
     directory: Path, flavour: str = "llama2", *, vocab_size: int | None = None,
-    model: bytes | None = None,
+    model: bytes | None = None, tokenizer_json: bool = False,
 ) -> Path:  # fmt: skip
     """A tiny model of `flavour` (FLAVOURS) saved in `directory`: tokenizer.model (`model`, or
     one trained with train()), tokenizer_config.json as the real model's, config.json with
-    vocab_size `vocab_size` (default: the tokenizer's size)."""
+    vocab_size `vocab_size` (default: the tokenizer's size); with `tokenizer_json`, the
+    tokenizer.json the real model ships beside it (write_tokenizer_json)."""
     import sentencepiece as spm
     import transformers
 
@@ -152,7 +153,37 @@ def write_sp_model(
     if spec["pad"]:
         special_map["pad_token"] = spec["pad"]
     (directory / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    if tokenizer_json:
+        write_tokenizer_json(directory, model)
     return directory
+
+
+def write_tokenizer_json(directory: Path, model: bytes) -> None:
+    """tokenizer.json as Llama 2's (transformers' LlamaConverter, legacy): BPE over the pieces
+    with byte fallback, merges from the vocabulary (transformers' generate_merges, as its
+    SentencePieceExtractor makes them), the Prepend/Replace normaliser, <s> prepended, the
+    Replace/ByteFallback/Fuse/Strip decoder; <unk> <s> </s> added special tokens."""
+    import sentencepiece as spm
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    from transformers.tokenization_utils_base import generate_merges
+
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    vocab = {sp.IdToPiece(i): i for i in range(sp.vocab_size())}
+    tok = Tokenizer(models.BPE(vocab, generate_merges(vocab), unk_token="<unk>",
+                               fuse_unk=True, byte_fallback=True))  # fmt: skip
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+    ])  # fmt: skip
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in ("<unk>", "<s>", "</s>")])  # fmt: skip
+    tok.save(str(directory / "tokenizer.json"))
 
 
 def vocab_digest(reader: Any) -> str:
@@ -167,13 +198,13 @@ def vocab_digest(reader: Any) -> str:
 def build(root: Path, case: str) -> Path:
     """The directory of `case` (CASES) test_sp_vocab.GOLDEN was recorded from."""
     if case in ("llama2", "mistral", "tinyllama"):
-        return write_sp_model(root / case, case)
+        return write_sp_model(root / case, case, tokenizer_json=True)
     if case == "unigram":
         model = train("unigram", False, 100, user_defined_symbols=USER, control_symbols=CONTROL)
         return write_sp_model(root / case, "llama2", model=model)
     # padded: config's vocab_size past the pieces, added tokens from both files, one past the
     # embedding, one replacing a byte piece
-    src = write_sp_model(root / case, "tinyllama", vocab_size=416)
+    src = write_sp_model(root / case, "tinyllama", vocab_size=416, tokenizer_json=True)
     added = {"<pad>": 400, "<tool\u2581call>": 401, "far": 999}
     (src / "added_tokens.json").write_text(json.dumps(added))
     config = json.loads((src / "tokenizer_config.json").read_text())

@@ -159,7 +159,7 @@ CHECK_TEXT_SHA256 = "a36179c1e2b1cfcfbfad1dc779addad2ffc778201e4cf0d538bddeafa2c
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ("sentencepiece", "SentencePiece tokenizer"),
+        ("sentencepiece", "without its tokenizer.model"),
         ("byte_fallback", "not a byte-level BPE tokenizer"),
         ("architecture", "qtool converts LlamaForCausalLM"),
         ("no_tokenizer", "no tokenizer.json"),
@@ -169,8 +169,11 @@ def test_what_is_refused_says_so(tmp_path: Path, change: str, match: str) -> Non
     """Each model qtool does not convert is refused in one line naming the file and what to
     do (llama.cpp's converter), exit 1, nothing written."""
     src = write_model(tmp_path / "m", "llama")
-    if change == "sentencepiece":
-        (src / "tokenizer.model").write_bytes(b"\0")
+    if change == "sentencepiece":  # the converter's LlamaHfVocab kind: it drops the scores
+        data = json.loads((src / "tokenizer.json").read_text())
+        data["model"]["byte_fallback"] = True
+        data["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]}
+        (src / "tokenizer.json").write_text(json.dumps(data))
     elif change == "byte_fallback":
         data = json.loads((src / "tokenizer.json").read_text())
         data["model"]["byte_fallback"] = True

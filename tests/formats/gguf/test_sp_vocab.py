@@ -69,11 +69,11 @@ def _export(src: Path, out: Path) -> gguf.GGUFReader:
 
 
 GOLDEN = {
-    "llama2": "324d3bcf84335667d226ba44d0aa239cb4c6a7520e9e62ea002790f049cd5fa0",
-    "mistral": "4a147dfd3f0870e680177cafb9b8b1178fbd7d57735ba8fe6406f9eabdb8a997",
-    "tinyllama": "c0a728e999cea79ef5003e45282513c399eea64df700bde435ace33cd04e5d49",
+    "llama2": "4cc21272231391970024cf8800f40649ab295e6010bc9c991acad53fe0f10a83",
+    "mistral": "e717f95def25f1abccbd3890259d7803485c389f10ae3108747cb972ed92b09c",
+    "tinyllama": "5eef5b1b36403ef7300c7d3a6281a9739619586b6b65c580070a15631f7cf43c",
     "unigram": "355e362966af90e231197387d9334b95ffc1f303f23bc20dc34cb78c018272e2",
-    "padded": "262f129bf5e974138c28834a2aff7fd027c9b327951f881184e8d3f889fedc1c",
+    "padded": "300d532eafecd8e93186db8f4b74d364a8f576ec271db2ab9b372d2d779c85b5",
 }
 """vocab_digest of convert_hf_to_gguf.py's output (llama-cpp-python 0.3.36's vendored llama.cpp,
 --outtype f32) for build(case), recorded by scripts/sp_vocab_golden.py; sentencepiece 0.2.3
@@ -122,19 +122,46 @@ def test_added_tokens_follow_the_converters_rules(tmp_path: Path) -> None:
     assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
 
 
-@pytest.mark.parametrize("case", ["llama2", "padded"])
-def test_transformers_reads_the_vocabulary_as_sentencepiece_tokenizes(
+@pytest.mark.parametrize("case", ["llama2", "tinyllama", "padded"])
+def test_transformers_reads_the_vocabulary_as_the_model_tokenizes(
     tmp_path: Path, case: str
 ) -> None:
     """transformers' GGUF tokenizer, built from the tokens, scores and types alone, gives the
-    ids sentencepiece gives from tokenizer.model (transformers 5 cannot load a tokenizer.model
-    without protobuf, so sentencepiece, the slow tokenizer's engine, is the reference). Texts
-    that start with a space are left out: transformers' GGUF Llama tokenizer differs from
-    sentencepiece there for the converter's file too (llama-tokenize does not)."""
+    ids the checkpoint's own tokenizer (tokenizer.json, as transformers loads the directory)
+    gives, with and without the special tokens it adds."""
     transformers = pytest.importorskip("transformers")
     src = build(tmp_path, case)
     _export(src, tmp_path / "o.gguf")
     got = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="o.gguf")
-    want = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    want = transformers.AutoTokenizer.from_pretrained(src)
+    for text in SAMPLES:
+        for special in (False, True):
+            ids = got(text, add_special_tokens=special).input_ids
+            assert ids == want(text, add_special_tokens=special).input_ids, (text, special)
+
+
+def test_trained_model_tokenizes_as_sentencepiece(tmp_path: Path) -> None:
+    """The tiny tokenizer.json tokenizes as sentencepiece does (so the test above compares
+    with the model's tokenizer, not with a stand-in), except where transformers' Llama
+    tokenizer itself differs: a text that starts with a space."""
+    transformers = pytest.importorskip("transformers")
+    src = build(tmp_path, "llama2")
+    hf = transformers.AutoTokenizer.from_pretrained(src)
+    sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
     for text in [t for t in SAMPLES if not t.startswith(" ")]:
-        assert got(text, add_special_tokens=False).input_ids == want.encode(text), text
+        assert hf(text, add_special_tokens=False).input_ids == sp.encode(text), text
+
+
+def test_cli_converts_a_sentencepiece_model_quietly(tmp_path: Path) -> None:
+    """quantize HF_DIR --format gguf on a Llama 2 directory (tokenizer.model beside
+    tokenizer.json, whose pair template gguf-py warns about on every Llama 2): exit 0, the
+    vocabulary the float export writes, and no gguf-py log line on stderr."""
+    from tests.conftest import run_qtool
+
+    src = build(tmp_path, "llama2")
+    out = tmp_path / "q.gguf"
+    code, _, stderr = run_qtool("quantize", str(src), "--format", "gguf", "--dtype", "Q8_0",
+                                "-o", str(out))  # fmt: skip
+    assert code == 0, stderr
+    assert "TemplateProcessing" not in stderr, stderr
+    assert vocab_digest(gguf.GGUFReader(out)) == GOLDEN["llama2"]

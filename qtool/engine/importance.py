@@ -224,14 +224,13 @@ def _by_checkpoint_name(
     model_type = (config or {}).get("model_type")
     if not others or not isinstance(model_type, str):
         return found, set(found)  # no config.json: exact names only
-    from qtool.formats.gguf.names import expert_names
     from qtool.formats.imatrix import hf_names_of
-    from qtool.formats.imatrix.naming import IMATRIX_ARCHS
+    from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_expert_names
 
     arch = IMATRIX_ARCHS.get(model_type, model_type)
     try:
         mapped = hf_names_of(imatrix, arch, _block_count(config, names), names)
-        experts = expert_names(
+        experts = llama_expert_names(
             arch, _block_count(config, names), [n for n in names if n not in found]
         )
     except (ValueError, KeyError, InputError):

@@ -40,8 +40,10 @@ def test_experts_that_do_not_make_the_configs_weights_are_refused(
 ) -> None:
     model = _edited(tmp_path / "m", change)
     out = tmp_path / "x.imatrix.gguf"
-    code, stdout, err = invoke("calibrate", str(model), "-o", str(out), "--text",
-                               str(tmp_path / "t.txt"), "--tokens", "64", "--ctx", "32")  # fmt: skip
+    text = str(tmp_path / "t.txt")
+    code, stdout, err = invoke(
+        "calibrate", str(model), "-o", str(out), "--text", text, "--tokens", "64", "--ctx", "32"
+    )
     assert code == 1 and stdout == "" and err.count("\n") == 1, err
     if change == "wider":
         assert f"tensor {W1!r}" in err and "make a matrix of [224, 64]" in err, err

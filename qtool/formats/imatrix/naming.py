@@ -28,3 +28,17 @@ def llama_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, 
     if not 0 <= n_blocks <= MAX_BLOCKS:
         raise ValueError(f"{n_blocks} blocks: llama.cpp loads models of 0 to {MAX_BLOCKS}")
     return gguf_names(arch, n_blocks, hf_names)
+
+
+def llama_expert_names(
+    arch: str, n_blocks: int, hf_names: Sequence[str]
+) -> dict[str, tuple[str, int]]:
+    """For each of `hf_names` that is one expert's Linear of a checkpoint storing its experts
+    apart, llama.cpp's name of the stacked weight its converter merges them into and the
+    expert's index (formats/gguf/names.expert_names). ValueError for more blocks than llama.cpp
+    loads."""
+    from qtool.formats.gguf.names import MAX_BLOCKS, expert_names
+
+    if not 0 <= n_blocks <= MAX_BLOCKS:
+        raise ValueError(f"{n_blocks} blocks: llama.cpp loads models of 0 to {MAX_BLOCKS}")
+    return expert_names(arch, n_blocks, hf_names)

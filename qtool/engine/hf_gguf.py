@@ -198,11 +198,24 @@ def write_float(
     header = getattr(converted, "header", None)
     assert isinstance(header, GGUFHeader)  # hf_export.Converted's
     sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
+    rows = _float_rows(header, sources, kind)
     return QuantizeSummary(
-        inputs=[str(src)], outputs=[str(target)], rows=_float_rows(header, sources, kind),
-        spec=options.spec, device="cpu", dry_run=dry, format=options.format.value,
-        seconds=time.perf_counter() - started,
+        inputs=[str(src)], outputs=[str(target)], rows=rows, spec=options.spec, device="cpu",
+        dry_run=dry, format=options.format.value, seconds=time.perf_counter() - started,
+        remarks=[_what_was_written(rows, kind)],
     )  # fmt: skip
+
+
+def _what_was_written(rows: list[QuantizeRow], kind: str) -> str:
+    """The summary's note: a conversion, so every tensor 'kept' is by design, in which types."""
+    wide = sum(r.out_dtype == kind for r in rows)
+    rest = (
+        f", {len(rows) - wide} F32 (1-D tensors and norms, as it keeps them)"
+        if kind != "F32"
+        else ""
+    )
+    return (f"a float GGUF, nothing quantized: {wide} tensors {kind} as convert_hf_to_gguf.py "
+            f"--outtype {kind.lower()} writes them{rest}")  # fmt: skip
 
 
 def _no_choices(options: QuantizeOptions, kind: str, src: Path) -> None:

@@ -132,6 +132,10 @@ def test_dry_run_gives_the_file_size_and_writes_nothing(tmp_path: Path) -> None:
     assert planned["totals"]["bytes_out"] < header_and_data  # type: ignore[index]
     done = _convert(src, tmp_path / "p.gguf", "BF16")
     assert done["tensors"] == planned["tensors"]
+    assert done["notes"] == [  # 2 layers x 7 matrices, the embedding, the head; 5 norms
+        "a float GGUF, nothing quantized: 16 tensors BF16 as convert_hf_to_gguf.py --outtype "
+        "bf16 writes them, 5 F32 (1-D tensors and norms, as it keeps them)"
+    ]
 
 
 def test_bf16_rounding_is_ggmls_nan_included() -> None:

@@ -2,7 +2,7 @@
 convert_hf_to_gguf.py --outtype f16|bf16|f32 writes, as the run's output (engine/hf_gguf.py
 write_float). Every tensor's bytes are checked against gguf-py's own numpy conversion of the
 checkpoint (gguf.quants.quantize, what the converter calls), for an F32 and a BF16 checkpoint
-of a tiny Llama and a tiny Qwen2 with biases; transformers loads each file back to the
+(and F16) of a tiny Llama and a tiny Qwen2 with biases; transformers loads each file back to the
 checkpoint's logits. The real-model proof (byte-identical files on SmolLM2) is docs/gguf.md's."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _expected(src: Path, arch: str, kind: str) -> dict[str, tuple[int, bytes]]:
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", "F32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_tensor_is_gguf_py_conversion_and_transformers_reads_it(
     tmp_path: Path, arch: str, dtype: torch.dtype, kind: str
@@ -115,8 +115,9 @@ def test_every_tensor_is_gguf_py_conversion_and_transformers_reads_it(
     ids = torch.tensor([[5, 17, 42, 99, 250, 7, 3, 288]])
     with torch.no_grad():
         want_logits, got_logits = model(ids).logits, loaded(ids).logits
-    tol = {"F32": 1e-5, "F16": 2e-3, "BF16": 2e-2}[kind] if dtype is torch.float32 else 1e-5
-    if dtype is torch.bfloat16 and kind == "F16":
+    source = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[dtype]
+    tol = 1e-5 if kind in ("F32", source) else {"F16": 2e-3, "BF16": 2e-2}[kind]
+    if source == "BF16" and kind == "F16":
         tol = 1e-3  # BF16 values F16 cannot hold exactly (tiny ones) round
     torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtool.formats.gguf import hf_vocab
+from qtool.formats.gguf import hf_export, hf_vocab
 from qtool.formats.gguf.hf_export import bf16_bits, cast, kept_f32
 from tests.conftest import run_qtool
 from tests.formats.gguf.hf_models import write_model
@@ -139,7 +139,7 @@ def test_dry_run_gives_the_file_size_and_writes_nothing(tmp_path: Path) -> None:
     ]
 
 
-def test_bf16_rounding_is_ggmls_nan_included() -> None:
+def test_bf16_rounding_is_ggmls_nan_included(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16_bits against gguf-py's BF16 on ties, carries into the exponent, overflow to Inf,
     signalling and negative NaNs with payloads (torch's own cast gives other bits: 0xFFFF for
     0xFF812345 and 0x7F800001 on this machine)."""
@@ -151,6 +151,7 @@ def test_bf16_rounding_is_ggmls_nan_included() -> None:
     a = bits.view(np.float32)
     want = gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16).view(np.uint16)
     np.testing.assert_array_equal(bf16_bits(a), want)
+    monkeypatch.setattr(hf_export, "CHUNK", 4_099)  # chunk edges mid-array, a short last one
     np.testing.assert_array_equal(cast(torch.from_numpy(a.copy()), "BF16"), want)
     with np.errstate(over="ignore", invalid="ignore"):
         f16 = a.astype(np.float16).view(np.uint16)

@@ -43,8 +43,6 @@ def _with_a_merge(self, *args, **kwargs):
 gguf.SpecialVocab.__init__ = _with_a_merge
 runpy.run_path(f"{LLAMA}/convert_hf_to_gguf.py", run_name="__main__")
 """
-TEXT = " ".join(f"alpha {i} beta {i * 7 % 13} gamma. Delta{i}: epsilon {i % 5}!" for i in range(60))
-CTX, CHUNKS = 32, 8
 
 
 def main() -> None:
@@ -65,6 +63,9 @@ def run(llama: Path, work: Path) -> None:
 
     from qtool.engine.calibrate.run import CalibrateOptions, calibrate
     from qtool.formats.imatrix import read_imatrix
+    from tests.moe_models import ORACLE_CHUNKS as CHUNKS
+    from tests.moe_models import ORACLE_CTX as CTX
+    from tests.moe_models import ORACLE_TEXT as TEXT
     from tests.moe_models import build_moe
 
     binaries = llama / "build" / "bin"

@@ -16,6 +16,11 @@ from tests.eval_models import VOCAB, save_tokenizer
 
 EXPERTS = 4
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+# the text of llama-imatrix's recorded file (scripts/moe_imatrix_oracle.py): 8 chunks of 32
+ORACLE_TEXT = " ".join(
+    f"alpha {i} beta {i * 7 % 13} gamma. Delta{i}: epsilon {i % 5}!" for i in range(60)
+)
+ORACLE_CTX, ORACLE_CHUNKS = 32, 8
 
 
 def build_moe(directory: Path, kind: str, layers: int = 2, seed: int = 0) -> Path:

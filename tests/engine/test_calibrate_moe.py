@@ -29,7 +29,14 @@ from qtool.engine.model import hf  # noqa: E402
 from qtool.engine.model.text import read_text  # noqa: E402
 from qtool.formats.imatrix import read_imatrix  # noqa: E402
 from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_names  # noqa: E402
-from tests.moe_models import EXPERTS, KINDS, build_moe  # noqa: E402
+from tests.moe_models import (  # noqa: E402
+    EXPERTS,
+    KINDS,
+    ORACLE_CHUNKS,
+    ORACLE_CTX,
+    ORACLE_TEXT,
+    build_moe,
+)
 
 CTX = 32
 TEXT = " ".join(f"alpha {i} beta {i * 7 % 13} gamma. Delta{i}: epsilon {i % 5}!" for i in range(60))
@@ -201,3 +208,53 @@ def test_quantize_reads_calibrates_file_for_the_same_checkpoint(
     experts = [r for r in done.rows if ".experts." in r.name]
     assert len(experts) == 2 * 3 * EXPERTS
     assert all(r.weighted is not None for r in experts)
+
+
+LLAMA_FILE = Path(__file__).resolve().parents[1] / "data" / "tiny_mixtral_llama_imatrix.gguf"
+"""llama-imatrix's own file for tests/moe_models.py's tiny Mixtral (seed 0), recorded by
+scripts/moe_imatrix_oracle.py: the model converted by llama.cpp's convert_hf_to_gguf.py to F32,
+llama-imatrix -c 32 -b 32 --chunks 8 -ctk f32 -ctv f32 -fa off over the script's text (the
+same 256 token ids as the model's tokenizer gives; llama.cpp source of llama-cpp-python
+0.3.36). The weights come from torch's seeded initialisation: another torch may draw others."""
+
+
+def test_calibrate_equals_llama_imatrixs_recorded_file(tmp_path: Path) -> None:
+    model = build_moe(tmp_path / "mixtral", "mixtral")
+    text = tmp_path / "t.txt"
+    text.write_text(ORACLE_TEXT)
+    out = tmp_path / "qtool.imatrix.gguf"
+    options = CalibrateOptions((text,), tokens=ORACLE_CTX * ORACLE_CHUNKS, ctx=ORACLE_CTX)
+    calibrate(model, out, options)
+    theirs, ours = read_imatrix(LLAMA_FILE), read_imatrix(out)
+    assert sorted(theirs.entries) == sorted(ours.entries)
+    assert theirs.entries["blk.1.ffn_down_exps.weight"].sums.shape == (EXPERTS, 96)
+    for name, want in theirs.entries.items():
+        got = ours.entries[name]
+        assert got.counts.tolist() == want.counts.tolist(), name
+        np.testing.assert_allclose(got.sums, want.sums, rtol=1e-5, err_msg=name)
+    assert (theirs.chunk_size, theirs.chunk_count) == (ours.chunk_size, ours.chunk_count)
+
+
+def test_quantize_weights_each_expert_by_llama_imatrixs_row(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    from qtool import api
+    from qtool.numerics import kernels
+    from qtool.numerics.range_methods import ColumnWeights
+    from qtool.spec import PerGroup, QSpec, RangeMethod, Scheme, StorageDtype
+
+    spec = QSpec(Scheme.SYM, StorageDtype.INT4, PerGroup(32), RangeMethod.MSE)
+    model = models["mixtral"]
+    done = api.quantize(model, tmp_path / "q", api.QuantizeOptions(spec, imatrix=LLAMA_FILE))
+    assert not any("no entry" in n or "not used" in n for n in done.notes), done.notes
+    stacked = read_imatrix(LLAMA_FILE).entries["blk.1.ffn_down_exps.weight"]
+    h = stacked.mean_squares()
+    stored = _stored(model)
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        for e in range(EXPERTS):
+            name = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"
+            x = stored[name].to(torch.bfloat16)
+            want = kernels.quantize_tensor(
+                x, spec, weights=ColumnWeights(torch.tensor(h[e : e + 1]))
+            )
+            assert torch.equal(f.get_tensor(name), want.q), name

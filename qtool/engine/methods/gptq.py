@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from qtool.calibration import Calibration, Guard
+from qtool.engine.calibrate.blocks import return_freed_memory
 from qtool.engine.methods.guard import change, describe, judge, rounded
 from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
@@ -146,6 +147,8 @@ class GptqPolicy:
             self.spill.put(name, target.spec, result)
             linear.weight.data.copy_(weight)
             self.chosen[name] = chosen
+            del result, weight
+            return_freed_memory()  # one Linear's solve resident at a time, not the block's
 
     def _choose(
         self,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from qtool.engine.calibrate.blocks import block_list, load_module
+from qtool.engine.calibrate.blocks import block_list, load_module, return_freed_memory
 from qtool.engine.calibrate.sequential import ACTIVATIONS_IN_MEMORY, spilled
 from qtool.engine.methods.gptq import Target, restored
 from qtool.engine.model.head_kl import window_kl
@@ -102,6 +102,7 @@ class ModelStreams:
     ) -> tuple[ModelKL, ...]:
         """Each stream's mean KL(float || chosen) and KL(float || rounding) per scored token,
         through the float final norm and head (read from the checkpoint here)."""
+        return_freed_memory()  # the pass's last block and its fit windows, freed on its return
         norm, head = _head(model, reader, device, path)
         out = []
         for stream, label in STREAMS.items():

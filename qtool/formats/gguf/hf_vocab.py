@@ -426,11 +426,11 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
         with _quiet_gguf():
             gguf.SpecialVocab(directory, load_merges=True).add_to_gguf(writer, quiet=True)
     if arch == "llama" and vocab_size == 32016:  # LlamaModel.set_vocab's rule for CodeLlama
-        with _quiet_gguf():
+        with _quiet_gguf():  # it writes add_bos_token ... again, as the converter does
             infill = gguf.SpecialVocab(directory, special_token_types=INFILL)
-        for n, typ in enumerate(INFILL):
-            infill._set_special_token(typ, 32007 + n)
-        infill.add_to_gguf(writer, quiet=True)
+            for n, typ in enumerate(INFILL):
+                infill._set_special_token(typ, 32007 + n)
+            infill.add_to_gguf(writer, quiet=True)
     if (
         arch == "llama" and vocab_size == 49152
     ):  # LlamaModel.set_vocab's rule for granite-sized vocabularies (SmolLM2 too)
@@ -439,15 +439,18 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
 
 @contextmanager
 def _quiet_gguf() -> Iterator[None]:
-    """gguf-py's vocabulary warnings (its logger's, printed raw on stderr) are about its own
-    guesses: "Unknown separator token '<s>' in TemplateProcessing<pair>" on every Llama 2."""
-    log = logging.getLogger("gguf.vocab")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """gguf-py's vocabulary warnings (its loggers', printed raw on stderr) are about its own
+    guesses and the converter's habits: "Unknown separator token '<s>' in
+    TemplateProcessing<pair>" on every Llama 2, "Duplicated key name" on CodeLlama's."""
+    logs = [logging.getLogger(name) for name in ("gguf.vocab", "gguf.gguf_writer")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
 
 
 def sentencepiece_list(

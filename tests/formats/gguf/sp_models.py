@@ -199,6 +199,8 @@ def build(root: Path, case: str) -> Path:
     """The directory of `case` (CASES) test_sp_vocab.GOLDEN was recorded from."""
     if case in ("llama2", "mistral", "tinyllama"):
         return write_sp_model(root / case, case, tokenizer_json=True)
+    if case == "codellama":  # 32,016 ids: the converter's infill ids 32007-32010 on top
+        return write_sp_model(root / case, "llama2", vocab_size=32016, tokenizer_json=True)
     if case == "unigram":
         model = train("unigram", False, 100, user_defined_symbols=USER, control_symbols=CONTROL)
         return write_sp_model(root / case, "llama2", model=model)
@@ -217,4 +219,4 @@ def build(root: Path, case: str) -> Path:
     return src
 
 
-CASES = ("llama2", "mistral", "tinyllama", "unigram", "padded")
+CASES = ("llama2", "mistral", "tinyllama", "codellama", "unigram", "padded")

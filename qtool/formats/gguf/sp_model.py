@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +31,14 @@ MAX_MODEL_BYTES = 64_000_000
 """As a tokenizer.json (hf_vocab.MAX_TOKENIZER_BYTES): real tokenizer.model files are 0.5 MB
 (Llama 2, Mistral: 32,000 pieces) to 4.5 MB (Gemma: 256,000 pieces); the file is read whole."""
 MAX_PIECES = 1_048_576
-"""Four times the largest real vocabulary (Gemma's 262,144 pieces): each piece costs about
-200 bytes of Python objects, so the bound keeps a hostile file of tiny pieces near 200 MB."""
+"""Four times the largest real vocabulary (Gemma's 262,144 pieces): reading that many takes
+about 300 MB (docs/reliability.md has the figures)."""
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     text: str
     score: float
@@ -74,10 +75,10 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise _Bad(f"a number longer than 10 bytes (byte {pos:,})")
 
 
-def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value) of one message: an int for a number, the bytes of a
-    length-delimited field (a view, not a copy)."""
-    out: list[tuple[int, int, int | memoryview]] = []
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of one message, one at a time (a million pieces' views
+    held at once cost 200 MB): an int for a number, the bytes of a length-delimited field (a
+    view, not a copy)."""
     pos = 0
     while pos < len(buf):
         start = pos
@@ -103,8 +104,7 @@ def _fields(buf: memoryview) -> list[tuple[int, int, int | memoryview]]:
             pos += length
         else:  # 3, 4: groups (not in this schema); 6, 7: undefined
             raise _Bad(f"wire type {wire} (byte {start:,})")
-        out.append((number, wire, value))
-    return out
+        yield number, wire, value
 
 
 def _model(buf: memoryview) -> list[Piece]:
@@ -114,7 +114,8 @@ def _model(buf: memoryview) -> list[Piece]:
             if number in (2, 3, 5) and wire != _LEN:  # trainer, normalizer, denormalizer specs
                 raise _Bad(f"field {number} is not a message")
             if isinstance(value, memoryview) and number in (2, 3, 5):
-                _fields(value)  # the specs' wire format, so a damaged one is not skipped quietly
+                for _ in _fields(value):  # the specs' wire format: a damaged one is refused
+                    pass
             continue
         if not isinstance(value, memoryview):
             raise _Bad("a piece is not a message")

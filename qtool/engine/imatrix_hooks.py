@@ -102,7 +102,7 @@ class ImatrixProbe(Hooks):
         """The statistics with how they were gathered; chunk_count = the largest count //
         chunk_size, as numerics.imatrix.merge counts it. ValueError if nothing ran."""
         stats = self.stats()
-        top = max((int(s.counts[0]) for s in stats.values()), default=0)
+        top = max((int(s.counts.max()) for s in stats.values()), default=0)
         count = min(top // chunk_size, MAX_CHUNK_COUNT) if chunk_size > 0 else 0
         return ImportanceMatrix(stats, chunk_size, count, datasets)
 
@@ -112,7 +112,11 @@ EXPERT_ENTRIES = ("gate_proj", "up_proj", "down_proj")
 
 def is_experts(module: Any) -> bool:
     """transformers' stacked experts (MixtralExperts, Qwen2MoeExperts, ...): 3-D gate_up_proj
-    [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I], with an act_fn."""
+    [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I], with an act_fn; not the
+    transposed, interleaved or biased layouts other models' experts declare."""
+    plain = {"is_transposed": False, "is_concatenated": True, "has_bias": False}
+    if any(getattr(module, flag, value) != value for flag, value in plain.items()):
+        return False
     gate_up, down = (getattr(module, n, None) for n in ("gate_up_proj", "down_proj"))
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
         return False

@@ -258,3 +258,20 @@ def test_quantize_weights_each_expert_by_llama_imatrixs_row(
                 x, spec, weights=ColumnWeights(torch.tensor(h[e : e + 1]))
             )
             assert torch.equal(f.get_tensor(name), want.q), name
+
+
+def test_the_probes_chunk_count_is_the_busiest_experts(models: dict[str, Path]) -> None:
+    """ImatrixProbe on the experts alone: chunk_count = the largest count // chunk_size (the
+    busiest expert's, as llama-imatrix counts chunks), not expert 0's."""
+    from qtool.engine.imatrix_hooks import ImatrixProbe
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["mixtral"])
+    torch.manual_seed(0)
+    ids = torch.randint(6, 200, (1, 256))
+    with torch.no_grad(), ImatrixProbe(model, include=lambda n: n.endswith(".experts")) as probe:
+        model(input_ids=ids)
+    matrix = probe.imatrix(chunk_size=16)
+    counts = matrix.entries["model.layers.0.mlp.experts.down_proj.weight"].counts
+    top = max(int(s.counts.max()) for s in matrix.entries.values())
+    assert counts.sum() == 2 * 256 and top > int(counts[0])
+    assert matrix.chunk_count == top // 16

@@ -105,6 +105,27 @@ def run(llama: Path, work: Path) -> None:
         print(f"  {name:28s} {list(x.sums.shape)!s:9s} counts {x.counts.tolist()} {same}; "
               f"sums within {rel:.1e}")  # fmt: skip
     print(f"largest relative difference of the sums: {worst:.2e}")
+    same_bytes(binaries, gguf, llama_file, work)
+
+
+def same_bytes(binaries: Path, gguf: Path, imatrix: Path, work: Path) -> None:
+    """llama-quantize Q4_0 and qtool quantize --format gguf --dtype Q4_0 of the F32 GGUF with
+    llama-imatrix's file: the stacked experts' bytes compared (qtool's --dtype Q4_0 is the
+    type everywhere, llama-quantize's Q4_0 a mix: the head may differ)."""
+    import gguf as gguf_py
+
+    theirs, ours = work / "llama-q4_0.gguf", work / "qtool-q4_0.gguf"
+    subprocess.run([str(binaries / "llama-quantize"), "--imatrix", str(imatrix), str(gguf),
+                    str(theirs), "Q4_0", "1"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "qtool", "quantize", str(gguf), "--format", "gguf",
+                    "--dtype", "Q4_0", "--imatrix", str(imatrix), "-o", str(ours)],
+                   check=True, capture_output=True)  # fmt: skip
+    a, b = ({t.name: t for t in gguf_py.GGUFReader(p).tensors} for p in (theirs, ours))
+    for name in [n for n in a if "_exps." in n]:
+        same = a[name].tensor_type == b[name].tensor_type and bytes(a[name].data) == bytes(
+            b[name].data
+        )
+        print(f"  {name:28s} Q4_0 with the imatrix: {'byte-identical' if same else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

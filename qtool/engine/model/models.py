@@ -16,7 +16,7 @@ import torch
 
 from qtool.engine.model import hf
 from qtool.engine.model.config import FLOAT, Role, float_source, kind_of
-from qtool.engine.model.experts import stored_apart
+from qtool.engine.model.experts import router_name, stacked_experts, stored_apart
 from qtool.engine.model.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
@@ -166,7 +166,8 @@ def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) ->
         shape = tuple(param.shape)
         stored = _stored_name(name, prefix, held)
         if stored is None:
-            unmatched.append((name, shape))
+            if router_name(name, held) is None and stacked_experts(name, shape, held) is None:
+                unmatched.append((name, shape))  # not a MoE weight stored apart either
         elif held[stored][0] != shape:
             where = checkpoint.files.get(stored, path)
             raise InputError(

@@ -124,7 +124,6 @@ def run_sequential(
                         _advance(progress, f"block {i}", x)
             method.quantize(prefix, probe)
             del probe  # its statistics are spent: not alive through pass 2 and the next load
-            return_freed_memory()  # and the solve's temporaries: pass 2 starts from what lives
             if not keeps_weights:
                 for xs in named.values():
                     for x in xs:

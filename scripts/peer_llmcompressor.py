@@ -50,6 +50,10 @@ def main() -> None:
     recipe: Any
     if args.awq:
         from llmcompressor.modifiers.awq import AWQModifier
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        if not torch.cuda.is_available():  # 0.14 pins its cache for the GPU: fails on a CPU
+            IntermediatesCache.pin_memory = lambda *_, **__: None  # type: ignore[method-assign]
 
         recipe = AWQModifier(config_groups=groups, ignore=["lm_head"])
     else:

@@ -24,7 +24,7 @@ from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
 from qtool.engine.source import protected_paths
-from qtool.errors import OutputError, QtoolError, UsageError
+from qtool.errors import InputError, OutputError, QtoolError, UsageError
 from qtool.formats.registry import entry
 from qtool.gguf_types import FLOAT_TYPES
 from qtool.io.atomic import OutputSet, preflight
@@ -176,6 +176,8 @@ def write_float(
     kind = float_type(options)
     fmt = entry(options.format.value)
     assert kind is not None
+    if not os.path.lexists(src):  # as every quantized type reports it, not 'not a directory'
+        raise InputError(src, "no such file or directory; check the path")
     if fmt.converts is None or fmt.convert is None or not fmt.converts(src):
         raise UsageError(src, f"is not a model directory (config.json and .safetensors weights): "
                          f"{kind} is the float GGUF converted from one, as llama.cpp's "

@@ -215,6 +215,18 @@ def test_a_gguf_input_is_refused_naming_dequantize(tmp_path: Path) -> None:
     assert stdout == "" and not out.exists()
 
 
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "Q8_0", "Q4_K_M"])
+def test_a_missing_input_is_named_missing_whatever_the_dtype(tmp_path: Path, dtype: str) -> None:
+    """An input path that does not exist is an input error saying so (exit 1) for a conversion
+    as for every quantized type, not a usage error calling it 'not a model directory'."""
+    out = tmp_path / "o.gguf"
+    code, stdout, stderr = run_qtool("quantize", str(tmp_path / "nowhere"), "--format", "gguf",
+                                     "--dtype", dtype, "-o", str(out))  # fmt: skip
+    assert code == 1, stderr
+    assert "no such file or directory" in stderr and "not a model directory" not in stderr
+    assert stdout == "" and not out.exists()
+
+
 @pytest.mark.parametrize(
     ("name", "shape", "f32"),
     [

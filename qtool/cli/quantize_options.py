@@ -61,10 +61,11 @@ QuantizeDtypeOpt = Annotated[
     str,
     typer.Option(
         "--dtype",
-        help="Integer type of the codes (int4/uint4 are packed two per byte), or a GGUF block "
-        "type for --format gguf (llama.cpp's Q8_0 ... Q6_K, which fix their own layout; F16, "
-        "BF16 or F32: a Hugging Face directory converted, nothing quantized).",
-        metavar="|".join([*_INT_DTYPES, *GGUF_QUANTIZE_TYPES]),
+        help=f"Integer type of the codes: {', '.join(_INT_DTYPES)} (4-bit packed two per "
+        f"byte); with --format gguf, a GGUF block type, {', '.join(GGUF_QUANTIZE_TYPES)} (they "
+        "fix their own layout), one of llama.cpp's mixes (Q4_K_M ...), or F16, BF16, F32 (a "
+        "Hugging Face directory converted, nothing quantized).",
+        metavar="TYPE",  # the choices are in the help, which wraps: 14 of them ran past 80 columns
         callback=dtype_value,
         rich_help_panel=HOW,
     ),

@@ -78,6 +78,23 @@ def test_one_metavar_style(invoke: Invoke, command: str) -> None:
     assert not re.search(r"<[a-z|-]+>", out), out  # Typer's own <path>, <float>, <sym|asym>
 
 
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_help_fits_an_80_column_terminal(invoke: Invoke, command: str) -> None:
+    """Rich wraps help text but never a metavar: a long choice list (--dtype's 14 types) ran
+    past the terminal's edge."""
+    from rich.cells import cell_len
+
+    out = invoke(*([command] if command else []), "--help", env={"COLUMNS": "80"})[1]
+    assert [line for line in out.splitlines() if cell_len(line) > 80] == []
+
+
+def test_dtype_help_names_every_kind_of_type(invoke: Invoke) -> None:
+    out = " ".join(invoke("quantize", "--help", env={"COLUMNS": "200"})[1].split())
+    line = out[out.index("--dtype") :].split("--per-channel")[0]
+    for word in ("int8", "uint8", "int4", "uint4", "Q8_0", "Q6_K", "Q4_K_M", "F16", "BF16", "F32"):
+        assert word in line, (word, line)
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_names_the_environment_variables(invoke: Invoke, command: str) -> None:
     out = invoke(command, "--help")[1]

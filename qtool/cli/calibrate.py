@@ -42,8 +42,9 @@ InputsArg = Annotated[
     typer.Argument(
         metavar="MODEL",
         help="The float model: a Hugging Face model directory of the Llama family (config.json, "
-        "safetensors weights, tokenizer); with --merge, the importance matrices to add "
-        "(GGUF or llama.cpp's legacy .dat).",
+        "safetensors weights, tokenizer), its mixture-of-experts models included (Mixtral, "
+        "Qwen2-MoE, Qwen3-MoE: one entry per stacked expert weight); with --merge, the "
+        "importance matrices to add (GGUF or llama.cpp's legacy .dat).",
         show_default=False,
     ),
 ]

@@ -113,6 +113,7 @@ def test_help_names_the_environment_variables(invoke: Invoke, command: str) -> N
         ("compare", ("sharded", "model directory", "compressed-tensors")),
         ("inspect", ("sharded", "model directory", "compressed-tensors", "sidecar")),
         ("plot", (".safetensors", ".pt")),
+        ("calibrate", ("Llama family", "Mixtral", "Qwen2-MoE", "Qwen3-MoE", ".dat")),
     ],
 )
 def test_help_says_which_inputs_a_command_takes(

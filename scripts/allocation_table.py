@@ -3,12 +3,18 @@
 `--target-size` at its exact size (GGUF), each with the predicted KL next to the measured one.
 Run by hand (not in CI: it needs the model, an imatrix with sensitivities and saved logits):
 
-    qtool calibrate MODEL -o IMATRIX --sensitivity --sensitivity-tokens 2048 --ctx 512
+    qtool calibrate MODEL -o IMATRIX --sensitivity --sensitivity-tokens 512 --ctx 512 --tokens 4096
     qtool eval MODEL --save-logits pydoc.logits                      # eval's default text
     qtool eval MODEL --text /usr/share/common-licenses/GPL-3 --save-logits gpl.logits
-    python scripts/allocation_table.py --model MODEL --imatrix IMATRIX --workdir build/alloc \\
-        --logits pydoc=pydoc.logits --logits GPL-3=gpl.logits [--only NAME ...]
+    qtool calibrate MODEL -o PLAIN --ctx 512 --tokens 4096   # the same h, without alpha
+    python scripts/allocation_table.py --model MODEL --imatrix PLAIN --sens IMATRIX \\
+        --workdir build/alloc --logits pydoc=pydoc.logits --logits GPL-3=gpl.logits \\
+        [--only NAME ...] [--plan NAME=RECIPE] [--cached]
     python scripts/plot_allocation.py build/alloc/allocation.json docs/images/allocation.png
+
+The runs without a target need only h (PLAIN, which can run while the slow sensitivity pass
+does; its h must equal IMATRIX's), the targets and every prediction need IMATRIX; --cached
+rebuilds allocation.json and table.md from what the workdir holds.
 
 Every step is a qtool command (printed before it runs); each run's quantize JSON and each
 eval's JSON are kept in the workdir, so an interrupted run resumes; allocation.json collects
@@ -61,7 +67,7 @@ def runs(ladder: Path | None) -> list[Run]:
         Run("Q4_K_M --imatrix", "gguf-mix", ["--dtype", "Q4_K_M"], gguf=True),
         Run("--target-size = Q4_K_M", "gguf-target-size", size_of("Q4_K_M"), imatrix=False,
             gguf=True),
-        Run("--target-size = Q4_K_M --imatrix", "gguf-target-size", size_of("Q4_K_M --imatrix"),
+        Run("--target-size = Q4_K_M --imatrix", "gguf-target-size", size_of("Q4_K_M"),
             gguf=True),
         Run("--target-kl 0.3", "target-kl", ["--target-kl", "0.3", *lad]),
         Run("--target-kl 0.15", "target-kl", ["--target-kl", "0.15", *lad]),
@@ -105,11 +111,13 @@ def quantize(args: Any, r: Run, done: dict[str, Any]) -> tuple[Path, dict[str, A
 
 
 def predicted(doc: dict[str, Any], sens: Sensitivities, hf_to_gguf: dict[str, str]) -> float:
-    """S = sum alpha x r over the quantized tensors with an alpha and a weighted SQNR."""
+    """S = sum alpha x r over the quantized tensors with an alpha (r from the weighted SQNR, else
+    from the plain SQNR: the allocation's r)."""
     total = 0.0
     for row in doc["tensors"]:
         alpha = sens.alpha.get(hf_to_gguf.get(row["name"], row["name"]))
-        db = row.get("weighted_sqnr_db")
+        # a tensor the imatrix has no entry for (the embedding): h = 1, as the allocation takes it
+        db = row.get("weighted_sqnr_db", row.get("sqnr_db"))
         if row.get("quantized") and alpha is not None and db is not None:
             total += alpha * 10 ** (-float(db) / 10)
     return total
@@ -223,6 +231,23 @@ def collect(args: Any, sens: Sensitivities | None) -> None:
         "runs": {v.pop("name"): v for v in recs},
     }
     (args.workdir / "allocation.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.workdir / "table.md").write_text(table(out["runs"]))
+
+
+def table(runs: dict[str, Any]) -> str:
+    """The docs' table: size, predicted and measured KL, top-1 agreement per eval text."""
+    texts = list(dict.fromkeys(t for v in runs.values() for t in v.get("measured", {})))
+    head = ["run", "format", "size (bytes)", "predicted KL"]
+    head += [f"KL {t}" for t in texts] + [f"top-1 {t}" for t in texts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, v in runs.items():
+        m = v.get("measured", {})
+        pred = "-" if v["predicted_kl"] is None else f"{v['predicted_kl']:.3f}"
+        cells = [name, "GGUF" if v["format"] == "gguf" else "c-t", f"{v['bytes']:,}", pred]
+        cells += [f"{m[t]['kl']:.4f}" if t in m else "-" for t in texts]
+        cells += [f"{m[t]['top1']:.1%}" if t in m else "-" for t in texts]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

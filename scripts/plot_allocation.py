@@ -17,7 +17,7 @@ MARKERS = {
     "target-sqnr": ("^", "--target-sqnr"),
     "target-size": ("s", "--target-size"),
     "target-kl": ("D", "--target-kl"),
-    "gguf-mix": ("x", "GGUF Q4_K_M"),
+    "gguf-mix": ("v", "GGUF Q4_K_M"),
     "gguf-target-size": ("P", "GGUF --target-size"),
 }
 COLOURS = ("tab:blue", "tab:orange", "tab:green")
@@ -33,6 +33,7 @@ def main() -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     runs: dict[str, Any] = json.loads(args.data.read_text())["runs"]
     texts = sorted({t for r in runs.values() for t in r.get("measured", {})})
@@ -65,12 +66,14 @@ def main() -> None:
     left.set_xlabel("size: tensor payload written, MiB")
     left.set_ylabel("mean KL(float || quantized), nats/token")
     left.set_title("size against measured KL", fontsize=10)
-    left.legend(fontsize=6.5, ncol=2)
+    left.legend(fontsize=6.5, ncol=2, loc="center")
     right.set_xlabel("predicted KL (joint fit of sum alpha r)")
     right.set_ylabel("measured KL")
     right.set_title("predicted against measured (runs with the imatrix)", fontsize=10)
     for ax in (left, right):
         ax.grid(True, which="both", lw=0.3, alpha=0.5)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_minor_formatter(NullFormatter())  # the minor ticks' labels overlap
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
     print(f"wrote {args.out}")

@@ -275,3 +275,35 @@ def test_the_probes_chunk_count_is_the_busiest_experts(models: dict[str, Path]) 
     top = max(int(s.counts.max()) for s in matrix.entries.values())
     assert counts.sum() == 2 * 256 and top > int(counts[0])
     assert matrix.chunk_count == top // 16
+
+
+@pytest.mark.filterwarnings("always")  # shown as the CLI shows it, not raised by pytest
+@pytest.mark.parametrize("kind", KINDS)
+def test_experts_the_text_never_reached_are_named(
+    models: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """One token goes to 2 of 4 experts per block: the others have count 0, and quantize leaves
+    them unweighted. calibrate was silent about it (llama-imatrix warns of 'partial data'); it
+    now names each, once per block, in one line. A text that reaches every expert: no warning."""
+    from tests.conftest import run_qtool
+
+    text = models[kind].parent / "t.txt"
+    out = tmp_path / "one.gguf"
+    args = ("calibrate", str(models[kind]), "--text", str(text), "--threads", "1")
+    rc, _, err = run_qtool(*args, "--tokens", "1", "--ctx", "1", "-o", str(out))
+    assert rc == 0, err
+    idle = {
+        (name.split(".ffn_")[0], e)
+        for name, s in read_imatrix(out).entries.items()
+        if len(s.counts) > 1
+        for e in np.flatnonzero(s.counts == 0).tolist()
+    }
+    assert len(idle) == 2 * 2  # two blocks, two experts each
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "never reached 4 of 8 experts" in lines[0], err
+    for block in {b for b, _ in idle}:
+        experts = ", ".join(str(e) for b, e in sorted(idle) if b == block)
+        assert f"{block} experts {experts}" in lines[0], (block, experts, err)
+    rc, _, err = run_qtool(*args, "--tokens", str(4 * CTX), "--ctx", str(CTX),
+                           "-o", str(tmp_path / "all.gguf"))  # fmt: skip
+    assert rc == 0 and "never reached" not in err, err

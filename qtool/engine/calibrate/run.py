@@ -116,6 +116,7 @@ def _calibrate(
         reader.close()
     done = perf_counter()
     imatrix = _named(stats, arch, hf_config.num_hidden_layers, ctx, sources, model_dir)
+    _warn_unrouted(imatrix)
     extra = _provenance([_info(s) for s in sources]) | measured.keys(
         llama_names(arch, hf_config.num_hidden_layers, [*stats, *measured.found])
     )
@@ -203,6 +204,35 @@ def _provenance(infos: Sequence[DatasetInfo]) -> dict[str, GGUFValue]:
 def _block_bytes(model: Any) -> int:
     base = getattr(model, getattr(model, "base_model_prefix", "") or "model")
     return max(sum(int(p.numel()) * 4 for p in block.parameters()) for block in base.layers)
+
+
+class UnroutedExperts(UserWarning):
+    """Experts the calibration text never routed a token to (count 0)."""
+
+
+def _warn_unrouted(imatrix: ImportanceMatrix, shown: int = 4) -> None:
+    """Name the experts of count 0, as llama-imatrix warns of its 'partial data': quantize gives
+    them 1.0 on every column (llama-quantize's choice), so they are not weighted at all. The
+    stacked gate, up and down of a block share one routing: counted once per block."""
+    idle: dict[str, set[int]] = {}
+    experts = 0
+    for name, stats in imatrix.entries.items():
+        if len(stats.counts) > 1:  # a stacked expert weight: one row per expert
+            block = name.split(".ffn_")[0]
+            experts = max(experts, len(stats.counts))
+            idle.setdefault(block, set()).update(int(e) for e in np.flatnonzero(stats.counts == 0))
+    blocks = sorted((b for b in idle if idle[b]), key=lambda b: (len(b), b))
+    if not blocks:
+        return
+    total = sum(len(idle[b]) for b in blocks)
+    where = "; ".join(f"{b} experts {', '.join(map(str, sorted(idle[b])))}" for b in blocks[:shown])
+    more = f"; {len(blocks) - shown} more blocks" if len(blocks) > shown else ""
+    warnings.warn(
+        f"the calibration text never reached {total} of {experts * len(idle)} experts "
+        f"({where}{more}): their count is 0 and quantize leaves them unweighted, as "
+        "llama-quantize does; more text routes tokens to them",
+        UnroutedExperts, stacklevel=2,
+    )  # fmt: skip
 
 
 class MergedTwice(UserWarning):

@@ -283,8 +283,9 @@ def _check_many(
 ) -> None:
     if not quants and logits is not None:  # `eval --logits FILE QUANT`: QUANT taken as FLOAT
         raise UsageError(
-            None, "--logits FILE takes FLOAT then QUANT: the file holds only digests of FLOAT's "
-            "config and tokenizer, which QUANT loads into; give FLOAT (its weights are not read)",
+            None, "--logits FILE takes FLOAT then QUANT, one path given: the file holds only "
+            "digests of FLOAT's config and tokenizer, which QUANT loads into; give both, FLOAT "
+            "first (its weights are not read)",
         )  # fmt: skip
     if not quants and save_logits is None:
         raise UsageError(None, "give QUANT (one or more), or --save-logits FILE")

@@ -21,6 +21,14 @@ def test_logits_without_float_asks_for_float(invoke: Invoke, tmp_path: Path) -> 
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_logits_with_float_alone_asks_for_both(invoke: Invoke, tmp_path: Path) -> None:
+    """One path given may be FLOAT (QUANT forgotten) as well as QUANT: the message asks for
+    both in order, not for FLOAT alone, which the user may have given."""
+    code, out, err = invoke("eval", str(tmp_path / "float"), "--logits", str(tmp_path / "f.ql"))
+    assert (code, out) == (2, "")
+    assert "one path given" in err and "give both, FLOAT first" in err
+
+
 def test_logits_without_float_json(invoke: Invoke, tmp_path: Path) -> None:
     code, out, err = invoke("eval", "--logits", str(tmp_path / "f.qlogits"), str(tmp_path / "q"),
                             "--json")  # fmt: skip

@@ -381,6 +381,8 @@ def check_format_spec(fmt: str, spec: Codec, budget: bool) -> None:
     if refused is None:
         return
     message = refused.message
+    if fmt == "gguf" and refused.hint == "dtype":  # the format lists the types it quantizes to
+        message += "; or F16, BF16 or F32: a Hugging Face directory converted, nothing quantized"
     if refused.hint == "dtype" and _defaulted("dtype"):  # the user gave no --dtype to blame
         message = (f"give --dtype (the default, {spec.describe()}, is not a type --format {fmt} "
                    "stores; a recipe's rules type their own tensors, --dtype all others): "

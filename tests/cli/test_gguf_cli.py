@@ -245,6 +245,19 @@ def test_option_combinations_that_cannot_work(
     assert got == code and says in err, err
 
 
+@pytest.mark.parametrize("dtype", [None, "int8", "uint4"])
+def test_a_non_gguf_dtype_is_told_every_type_gguf_takes(
+    invoke: Invoke, tiny: Path, dtype: str | None
+) -> None:
+    """The refusal of an integer --dtype (or none) for --format gguf lists what --dtype takes
+    there: the block types and mixes, and the float types a Hugging Face directory converts to
+    (they were left out, so a user after llama.cpp's F16 file was never told of them)."""
+    args = ["--dtype", dtype] if dtype else []
+    code, out, err = invoke("quantize", str(tiny / "bf16.gguf"), "--format", "gguf", *args)
+    assert (code, out) == (2, "")
+    assert all(t in err for t in ("Q8_0", "Q4_K_M", "F16, BF16 or F32")), err
+
+
 def test_inputs_the_gguf_format_does_not_take(invoke: Invoke, tiny: Path, tmp_path: Path) -> None:
     code, _, err = invoke("quantize", str(tiny / "model.safetensors"), "--format", "gguf",
                           "--dtype", "Q4_K")  # fmt: skip

@@ -212,7 +212,7 @@ class UnroutedExperts(UserWarning):
 
 def _warn_unrouted(imatrix: ImportanceMatrix, shown: int = 4) -> None:
     """Name the experts of count 0, as llama-imatrix warns of its 'partial data': quantize gives
-    them 1.0 on every column (llama-quantize's choice), so they are not weighted at all. The
+    them 1.0 on every column (llama-quantize's choice), the text telling nothing of them. The
     stacked gate, up and down of a block share one routing: counted once per block."""
     idle: dict[str, set[int]] = {}
     experts = 0
@@ -229,8 +229,8 @@ def _warn_unrouted(imatrix: ImportanceMatrix, shown: int = 4) -> None:
     more = f"; {len(blocks) - shown} more blocks" if len(blocks) > shown else ""
     warnings.warn(
         f"the calibration text never reached {total} of {experts * len(idle)} experts "
-        f"({where}{more}): their count is 0 and quantize leaves them unweighted, as "
-        "llama-quantize does; more text routes tokens to them",
+        f"({where}{more}): their count is 0, so quantize weighs them 1.0 on every column, "
+        "as llama-quantize does; more text routes tokens to them",
         UnroutedExperts, stacklevel=2,
     )  # fmt: skip
 

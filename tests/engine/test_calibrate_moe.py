@@ -282,8 +282,8 @@ def test_the_probes_chunk_count_is_the_busiest_experts(models: dict[str, Path]) 
 def test_experts_the_text_never_reached_are_named(
     models: dict[str, Path], tmp_path: Path, kind: str
 ) -> None:
-    """One token goes to 2 of 4 experts per block: the others have count 0, and quantize leaves
-    them unweighted. calibrate was silent about it (llama-imatrix warns of 'partial data'); it
+    """One token goes to 2 of 4 experts per block: the others have count 0, and quantize weighs
+    them 1.0 everywhere. calibrate was silent about it (llama-imatrix warns of 'partial data'); it
     now names each, once per block, in one line. A text that reaches every expert: no warning."""
     from tests.conftest import run_qtool
 

@@ -6,19 +6,26 @@ is removed on exit, and by the next run in that directory after a kill (engine/r
 scratch_beside). The float copy is in the checkpoint's own 16-bit type (the converter's auto:
 BF16 for a BF16 checkpoint), so the quantizers see the checkpoint's values exactly. A dry
 run's plan writes nothing: the conversion's checks, then its header alone in a memory file.
+
+The conversion (and gguf-py's SpecialVocab in it, which opens files by path) never reads the
+user's directory: it reads a private copy of the files it takes (checked_model), each read once
+through the directory's descriptor, as docs/reliability.md's "Reading a model directory" says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 from qtool.engine.job import Mode, RunOptions
+from qtool.engine.model.checked import MAX_TOKENIZER_BYTES, MAX_TOKENIZER_TOTAL
 from qtool.engine.plan import QuantizeOptions, quantized_output
 from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
@@ -30,9 +37,18 @@ from qtool.gguf_types import FLOAT_TYPES
 from qtool.io.atomic import OutputSet, preflight
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting
+from qtool.io.safeopen import InputDir, Refused
+from qtool.io.tempdirs import private_scratch
 from qtool.results import QuantizeRow, QuantizeSummary
 
 _FLOAT_NAME = "converted.gguf"
+READ_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "added_tokens.json", "chat_template.jinja", "chat_template.json", "merges.txt",
+              "README.md", "generation_config.json")  # fmt: skip
+"""The files of a model directory the conversion reads besides its .safetensors weights and
+additional_chat_templates/*.jinja: gguf-py's SpecialVocab reads the tokenizer's, its Metadata
+the model card (README.md) and generation_config.json."""
+TEMPLATES = "additional_chat_templates"
 
 
 def converts(src: Path, options: QuantizeOptions) -> bool:
@@ -72,8 +88,8 @@ def quantize_hf(
     with scratch_beside(target) as scratch:
         float_gguf = scratch / _FLOAT_NAME
         try:
-            with OutputSet() as outputs:
-                converted = convert(src, float_gguf, outputs)
+            with OutputSet() as outputs, checked_model(src) as copy:
+                converted = convert(copy, float_gguf, outputs)
                 outputs.commit()
             summary = quantize_float(float_gguf, target, options, run)
         except QtoolError as err:
@@ -92,7 +108,8 @@ def _plan(
     fd = os.memfd_create("qtool-plan", os.MFD_CLOEXEC)
     header = Path(f"/proc/self/fd/{fd}")
     try:
-        converted = convert(src, header, None, None, True)
+        with checked_model(src) as copy:
+            converted = convert(copy, header, None, None, True)
         summary = quantize_float(header, target, options, run)
     except OutputError as err:
         if err.path == str(header):  # the memory file: no directory of the user's to name
@@ -189,14 +206,15 @@ def write_float(
     for p in run.also:
         refuse_nesting(p, [src])
     estimate = run.mode is Mode.ESTIMATE  # reads the values: F16's range is checked
-    planned, size = _header_in_memory(src, fmt.convert, kind, estimate)
-    preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=size)
     dry = run.mode is not Mode.WRITE
-    converted = planned
-    if not dry:
-        with OutputSet() as outputs:
-            converted = fmt.convert(src, target, outputs, kind)
-            outputs.commit()
+    with checked_model(src) as copy:  # the files checked once, for the plan and the write
+        planned, size = _header_in_memory(copy, fmt.convert, kind, estimate)
+        preflight([target, *run.also], read_files(src), force=run.force, needed_bytes=size)
+        converted = planned
+        if not dry:
+            with OutputSet() as outputs:
+                converted = fmt.convert(copy, target, outputs, kind)
+                outputs.commit()
     header = getattr(converted, "header", None)
     assert isinstance(header, GGUFHeader)  # hf_export.Converted's
     sources: dict[str, tuple[str, int]] = getattr(converted, "sources", {})
@@ -270,3 +288,90 @@ def _float_rows(
         rows.append(QuantizeRow(t.name, t.torch_shape, dtype, written, False, why, nbytes,
                                 t.nbytes))  # fmt: skip
     return rows
+
+
+@contextlib.contextmanager
+def checked_model(src: Path) -> Iterator[Path]:
+    """A private directory (0700, removed on exit) the conversion reads instead of `src`: the
+    files of READ_FILES and additional_chat_templates/*.jinja that `src` holds, each read once
+    through `src`'s descriptor (a regular file inside it: no link out, no FIFO, at most
+    MAX_TOKENIZER_BYTES, MAX_TOKENIZER_TOTAL together) and copied; each .safetensors file a
+    link to a descriptor opened the same way (the weights are not copied). gguf-py, tokenizers
+    and safetensors then open by path only what qtool checked, and a file swapped or linked
+    out after the check is never read. Errors naming the copy name the file in `src`."""
+    with contextlib.closing(InputDir(src)) as within, _private() as private:
+        fds: list[int] = []
+        scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
+        try:
+            scratch.mkdir(mode=0o700)  # named as the model: gguf-py's Metadata names it so
+            total = _copy(within, READ_FILES, scratch, 0)
+            found = within.lstat(TEMPLATES)  # a regular file of that name: gguf-py skips it
+            if found is not None and not stat.S_ISREG(found.st_mode):
+                try:
+                    sub = within.subdir(TEMPLATES)
+                except Refused as why:
+                    where = within.file(TEMPLATES)
+                    raise InputError(where, f"{why}; qtool reads only directories inside the "
+                                     "model directory") from None  # fmt: skip
+                with contextlib.closing(sub):
+                    (scratch / TEMPLATES).mkdir(mode=0o700)
+                    jinja = [n for n in sub.names() if n.endswith(".jinja")]
+                    _copy(sub, jinja, scratch / TEMPLATES, total)
+            for name in within.names():
+                if name.endswith(".safetensors"):
+                    with within.open(name) as f:  # InputError: a link out, a FIFO, ...
+                        fds.append(os.dup(f.fileno()))
+                    os.symlink(_fd_path(fds[-1]), scratch / name)
+            yield scratch
+        except QtoolError as err:
+            raise _named_in(err, scratch, src) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total: int) -> int:
+    """Each of `names` that `within` holds, read through its descriptor into `to`; the bytes
+    copied so far (`total` and these)."""
+    present = set(within.names())
+    for name in names:
+        if name not in present:
+            continue
+        data = within.read(name, MAX_TOKENIZER_BYTES, "a tokenizer or config file")
+        total += len(data)
+        if total > MAX_TOKENIZER_TOTAL:
+            raise InputError(within.file(name), f"the config and tokenizer files are over "
+                             f"{MAX_TOKENIZER_TOTAL:,} bytes together; refusing to read "
+                             "them")  # fmt: skip
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            with os.fdopen(os.open(to / name, flags, 0o600), "wb") as f:
+                f.write(data)
+        except OSError as err:
+            raise OutputError(None, f"cannot copy the model's tokenizer files to a private "
+                              f"temporary directory: {err.strerror or err}") from None  # fmt: skip
+    return total
+
+
+@contextlib.contextmanager
+def _private() -> Iterator[Path]:
+    with contextlib.ExitStack() as stack:
+        try:
+            path = stack.enter_context(private_scratch("export"))
+        except OSError as err:
+            raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
+        yield path
+
+
+def _fd_path(fd: int) -> str:
+    """A path that opens the file of this process's descriptor `fd` (Linux: /proc/self/fd)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def _named_in(err: QtoolError, scratch: Path, src: Path) -> QtoolError:
+    """An error about the private copy as the user's directory names it."""
+    where = str(scratch)
+    if err.path is not None and str(err.path).startswith(where):
+        err.path = str(src) + str(err.path)[len(where) :]
+    err.message = err.message.replace(where, str(src))
+    return err

@@ -66,11 +66,11 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "config fifo": (_replace("tokenizer_config.json", _fifo), ("tokenizer_config.json", "FIFO")),
     "config dev zero": (
         _replace("tokenizer_config.json", _dev_zero),
-        ("tokenizer_config.json", "not a regular"),
+        ("tokenizer_config.json", "symlink to /dev/zero"),
     ),
     "tokenizer dev zero": (
         _replace("tokenizer.json", _dev_zero),
-        ("tokenizer.json", "not a regular"),
+        ("tokenizer.json", "symlink to /dev/zero"),
     ),
     "tokenizer fifo": (_replace("tokenizer.json", _fifo), ("tokenizer.json", "FIFO")),
     "bos content int": (

@@ -73,7 +73,7 @@ def runs(ladder: Path | None) -> list[Run]:
         Run("--target-kl 0.15", "target-kl", ["--target-kl", "0.15", *lad]),
         Run("int4 channel mse", "uniform", ["--dtype", "int4", "--range", "mse"]),
         Run("int4 g32 mse", "uniform", ["--dtype", "int4", "--group-size", "32", "--range", "mse"]),
-        Run("int8 channel", "uniform", ["--dtype", "int8"]),
+        Run("int8 channel", "uniform", ["--dtype", "int8", "--range", "mse"]),
         # K = 576 (q/k/v/o, gate/up) is no multiple of 128: those per channel
         Run("int4 g128 mse", "uniform", ["--dtype", "int4", "--group-size", "128", "--range",
                                          "mse", "--group-fallback", "channel"]),  # fmt: skip

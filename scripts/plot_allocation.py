@@ -37,7 +37,7 @@ def main() -> None:
 
     runs: dict[str, Any] = json.loads(args.data.read_text())["runs"]
     texts = sorted({t for r in runs.values() for t in r.get("measured", {})})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.2))
     for colour, text in zip(COLOURS, texts, strict=False):
         for family, (marker, label) in MARKERS.items():
             for imatrix in (True, False):
@@ -66,7 +66,7 @@ def main() -> None:
     left.set_xlabel("size: tensor payload written, MiB")
     left.set_ylabel("mean KL(float || quantized), nats/token")
     left.set_title("size against measured KL", fontsize=10)
-    left.legend(fontsize=6.5, ncol=2, loc="center")
+    left.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     right.set_xlabel("predicted KL (joint fit of sum alpha r)")
     right.set_ylabel("measured KL")
     right.set_title("predicted against measured (runs with the imatrix)", fontsize=10)

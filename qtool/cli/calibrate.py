@@ -15,7 +15,7 @@ from qtool.cli.app import app
 from qtool.cli.errors import user_errors
 from qtool.cli.help import DEBUG_ENV, INPUT, OUTPUT, RUN, Command, choices, epilog
 from qtool.cli.lazy import api, lazy_module, report
-from qtool.cli.options import ForceOpt, JsonOpt
+from qtool.cli.options import JsonOpt
 from qtool.cli.quantize_options import MAX_THREADS, thread_count
 from qtool.errors import UsageError
 from qtool.spec import Device
@@ -90,6 +90,10 @@ CtxOpt = Annotated[
         show_default=False,
         rich_help_panel=INPUT,
     ),
+]
+ForceOpt = Annotated[  # one file out: the shared text's "output directory" is not calibrate's
+    bool,
+    typer.Option("--force", help="Replace an existing --out file.", rich_help_panel=OUTPUT),
 ]
 MergeOpt = Annotated[
     bool,

@@ -95,6 +95,13 @@ def test_dtype_help_names_every_kind_of_type(invoke: Invoke) -> None:
         assert word in line, (word, line)
 
 
+def test_calibrate_force_speaks_of_its_one_file(invoke: Invoke) -> None:
+    """calibrate writes one file: the help shared with quantize spoke of output directories."""
+    out = " ".join(invoke("calibrate", "--help")[1].split())
+    force = out[out.index("--force") :].split("Report:")[0]
+    assert "Replace an existing --out file" in force and "directory" not in force
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_names_the_environment_variables(invoke: Invoke, command: str) -> None:
     out = invoke(command, "--help")[1]

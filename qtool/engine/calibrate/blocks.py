@@ -103,7 +103,15 @@ def load_module(
             raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
         state[local] = torch.empty(meta.shape, dtype=torch.float32, device=device)
         for e, parts in enumerate(stacked):
-            matrix = torch.cat([_float32(reader, n, device) for n in parts], dim=0)
+            linears = [_float32(reader, n, device) for n in parts]
+            cols = meta.shape[2:]
+            if any(t.dim() != meta.dim() - 1 or t.shape[1:] != cols for t in linears):
+                raise InputError(
+                    path, f"expert {e}'s Linears ({', '.join(parts)}) are of shapes "
+                    f"{', '.join(str(list(t.shape)) for t in linears)}, where config.json's "
+                    f"sizes make [rows, {', '.join(map(str, cols))}]", parts[0],
+                )  # fmt: skip
+            matrix = torch.cat(linears, dim=0)
             if matrix.shape != meta.shape[1:]:
                 raise InputError(
                     path, f"expert {e}'s Linears ({', '.join(parts)}) make a matrix of "

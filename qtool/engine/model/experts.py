@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 
@@ -53,6 +54,38 @@ def stacked_experts(
             if all(n in names for row in parts for n in row):
                 return parts
     return None
+
+
+def expert_linear_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """The shape config.json implies for each of an expert's `parts` Linears, whose rows
+    concatenated make one expert's matrix of the stacked weight of `shape` [E, rows, cols]."""
+    return (shape[1] // parts, *shape[2:])
+
+
+ROUTED_KEY = "num_experts_per_tok"
+EXPERT_KEYS = ("num_local_experts", "num_experts")
+
+
+def routing_problem(config: Any) -> str | None:
+    """What is wrong with the experts each token is routed to, `num_experts_per_tok` of a
+    mixture-of-experts config (an object with the config.json keys as attributes), or None: it
+    must be a whole number from 1 to the experts (0 routed every token to none, silently; more
+    than the experts, or negative, crashed the router's top-k)."""
+    counts = [getattr(config, key, None) for key in EXPERT_KEYS]
+    experts = next((v for v in counts if isinstance(v, int) and _whole(v) and v > 0), None)
+    routed = getattr(config, ROUTED_KEY, None)
+    if experts is None or routed is None:
+        return None
+    if not _whole(routed) or not 1 <= routed <= experts:
+        return (
+            f"{ROUTED_KEY} is {routed!r}, but each token must be routed to 1 to {experts} "
+            f"experts (the model has {experts}); fix it in config.json"
+        )
+    return None
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stored_apart(model_state: Mapping[str, torch.Tensor], names: Collection[str]) -> set[str]:

@@ -16,7 +16,13 @@ import torch
 
 from qtool.engine.model import hf
 from qtool.engine.model.config import FLOAT, Role, float_source, kind_of
-from qtool.engine.model.experts import router_name, stacked_experts, stored_apart
+from qtool.engine.model.experts import (
+    expert_linear_shape,
+    router_name,
+    routing_problem,
+    stacked_experts,
+    stored_apart,
+)
 from qtool.engine.model.readers import read_tensors
 from qtool.engine.source import Source
 from qtool.errors import InputError
@@ -159,34 +165,54 @@ def check_sizes(cls: Any, hf_config: Any, checkpoint: Checkpoint, path: Path) ->
         raise InputError(
             config_json, f"transformers cannot build the model it describes: {hf.first_line(err)}"
         ) from None
+    problem = routing_problem(hf_config)
+    if problem is not None:
+        raise InputError(config_json, problem)
     held = checkpoint.tensors
     prefix = getattr(cls, "base_model_prefix", "") or ""
     unmatched = []
     for name, param in built.named_parameters():
         shape = tuple(param.shape)
-        stored = _stored_name(name, prefix, held)
-        if stored is None:
-            if router_name(name, held) is None and stacked_experts(name, shape, held) is None:
-                unmatched.append((name, shape))  # not a MoE weight stored apart either
-        elif held[stored][0] != shape:
-            where = checkpoint.files.get(stored, path)
-            raise InputError(
-                config_json, f"config.json makes it {list(shape)}, but {where.name} holds "
-                f"{list(held[stored][0])}; config.json does not describe these weights "
-                "(another model's config?)", stored,
-            )  # fmt: skip
+        stored = _stored_name(name, prefix, held) or router_name(name, held)
+        if stored is not None:
+            _check_shape(stored, shape, checkpoint, config_json)
+            continue
+        stacked = stacked_experts(name, shape, held)  # MoE Linears stored apart
+        if stacked is None:
+            unmatched.append((name, shape))
+        for parts in stacked or ():
+            for part in parts:
+                _check_shape(part, expert_linear_shape(shape, len(parts)), checkpoint, config_json)
     wanted = sum(p.numel() for p in built.parameters())
     values = sum(math.prod(shape) for shape, _ in held.values())
     if wanted > values:
-        example = f" ({unmatched[0][0]} {list(unmatched[0][1])} is in no weight file)"
+        example = (
+            f" ({unmatched[0][0]} {list(unmatched[0][1])} is in no weight file)"
+            if unmatched
+            else ""
+        )
         raise InputError(
             config_json, f"describes a model of {wanted:,} parameters, but the weights hold "
-            f"{values:,} values{example if unmatched else ''}; config.json does not describe "
-            "these weights",
+            f"{values:,} values{example}; config.json does not describe these weights",
         )  # fmt: skip
     check_unused(built, prefix, checkpoint, config_json)
     check_buffers(built, values, config_json)
     return built
+
+
+def _check_shape(
+    stored: str, shape: tuple[int, ...], checkpoint: Checkpoint, config_json: Path
+) -> None:
+    """InputError naming tensor `stored` when the checkpoint holds it in another shape than
+    the `shape` config.json makes it (an expert's Linear narrowed, transposed, 3-D, empty)."""
+    held = checkpoint.tensors[stored][0]
+    if held != shape:
+        where = checkpoint.files.get(stored, config_json)
+        raise InputError(
+            config_json, f"config.json makes it {list(shape)}, but {where.name} holds "
+            f"{list(held)}; config.json does not describe these weights "
+            "(another model's config?)", stored,
+        )  # fmt: skip
 
 
 def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: Path) -> None:

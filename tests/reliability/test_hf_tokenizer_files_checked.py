@@ -1,9 +1,11 @@
 """quantize HF_DIR --format gguf checks every tokenizer file as gguf-py's SpecialVocab and the
 token list read it, before either does: a tokenizer_config.json that is a FIFO or /dev/zero was
 skipped (the chat template lost without a word), a bos_token of {'content': 5} or an
-add_bos_token of 'yes' dropped silently, non-integer vocab ids, malformed added_tokens, a chat
-template list of non-strings, invalid JSON in tokenizer_config.json (read only by gguf-py for
-qwen2) or chat_template.json were internal errors, and a tokenizer.json linked to /dev/zero
+add_bos_token of 'yes' dropped silently, non-integer vocab ids, a post_processor (or a part
+of one) of another type than gguf-py walks, config.json's negative bos_token_id or a
+text_config that is not an object, malformed added_tokens, a chat template list of
+non-strings, invalid JSON in tokenizer_config.json (read only by gguf-py for qwen2) or
+chat_template.json were internal errors, and a tokenizer.json linked to /dev/zero
 said "no tokenizer.json". Each is one line naming the file and key, exit 1, nothing written."""
 
 from __future__ import annotations
@@ -112,6 +114,36 @@ CASES: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
     "added tokens dict": (
         _edit("tokenizer.json", lambda d: d.update(added_tokens={"a": 1})),
         ("tokenizer.json", "added_tokens"),
+    ),
+    "post_processor list": (
+        _edit("tokenizer.json", lambda d: d.update(post_processor=[1])),
+        ("tokenizer.json", "post_processor"),
+    ),
+    "template of ints": (
+        _edit(
+            "tokenizer.json",
+            lambda d: d.update(post_processor={"type": "TemplateProcessing", "single": [1, 2]}),
+        ),
+        ("tokenizer.json", "post_processor.single"),
+    ),
+    "processors int": (
+        _edit("tokenizer.json", lambda d: d.update(post_processor={"processors": 5})),
+        ("tokenizer.json", "post_processor.processors"),
+    ),
+    "roberta cls null": (
+        _edit(
+            "tokenizer.json",
+            lambda d: d.update(post_processor={"type": "RobertaProcessing", "cls": None}),
+        ),
+        ("tokenizer.json", "post_processor.cls"),
+    ),
+    "negative bos id": (
+        _edit("config.json", lambda d: d.update(bos_token_id=-1)),
+        ("config.json", "bos_token_id"),
+    ),
+    "text_config int": (
+        _edit("config.json", lambda d: (d.pop("bos_token_id"), d.update(text_config=5))),
+        ("config.json", "text_config"),
     ),
     "added token no id": (
         _edit("tokenizer.json", lambda d: d["added_tokens"].append({"content": "x"})),

@@ -186,6 +186,7 @@ def read_tokenizer(directory: Path) -> dict[str, Any]:
     if not isinstance(model.get("vocab"), dict):
         raise InputError(path, "its model has no vocab")
     _check_ids(data, path)
+    check_post_processor(data, path)
     return data
 
 
@@ -246,6 +247,59 @@ def _check_added(data: dict[str, Any], path: Path) -> None:
         if not ok or not isinstance(item.get("content"), str):
             raise InputError(path, f"added_tokens[{n}] is {_short(item)}, expected "
                              "{'id': an integer from 0, 'content': a string, ...}")  # fmt: skip
+
+
+def check_post_processor(data: dict[str, Any], path: Path) -> None:
+    """tokenizer.json's post_processor as gguf-py's SpecialVocab walks it (`.get` on each part,
+    `[0]` of a RobertaProcessing's cls and sep, `len` of a template): a part of another type was
+    an internal error."""
+    found = data.get("post_processor")
+    if not found:
+        return
+    if not isinstance(found, dict):
+        raise InputError(path, f"post_processor is {_short(found)}, expected an object")
+    parts = found.get("processors", [found])
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        raise InputError(path, f"post_processor.processors is {_short(parts)}, expected a list "
+                         "of objects")  # fmt: skip
+    for n, part in enumerate(parts):
+        where = "post_processor" if part is found else f"post_processor.processors[{n}]"
+        for key in ("cls", "sep"):
+            value = part.get(key)
+            if key in part and not (isinstance(value, list) and value):
+                raise InputError(path, f"{where}.{key} is {_short(value)}, expected [token, "
+                                 "id]")  # fmt: skip
+        for key in ("single", "pair"):
+            items = part.get(key, [])
+            ok = isinstance(items, list) and all(
+                isinstance(i, dict)
+                and all(isinstance(i.get(k, {}), dict) for k in ("SpecialToken", "Sequence"))
+                for i in items
+            )  # fmt: skip
+            if not ok:
+                raise InputError(path, f"{where}.{key} is {_short(items)}, expected a list of "
+                                 "{'SpecialToken': {...}} or {'Sequence': {...}}")  # fmt: skip
+
+
+def check_special_ids(path: Path, extra: tuple[str, ...] = ()) -> None:
+    """config.json's X_token_id (or text_config's, where the top level has none) as gguf-py's
+    SpecialVocab takes them: a negative id and a text_config that is not an object were
+    internal errors. A list (Llama 3's eos_token_id) it skips, as the converter does."""
+    if not path.is_file():
+        return
+    config = read_json_object(path, what="model config")
+    nested = config.get("text_config")
+    for typ in (*SPECIAL_TYPES, *extra):
+        key = f"{typ}_token_id"
+        value, where = config.get(key), key
+        if value is None and "text_config" in config:
+            if not isinstance(nested, dict):
+                raise InputError(path, f"text_config is {_short(nested)}, expected an object "
+                                 f"(gguf-py looks for {key} in it)")  # fmt: skip
+            value, where = nested.get(key), f"text_config.{key}"
+        if isinstance(value, int) and value < 0:
+            raise InputError(path, f"{where} is {value}, expected a token id (an integer from "
+                             "0)")  # fmt: skip
 
 
 def _check_side_files(directory: Path, templates: list[Path]) -> None:
@@ -399,10 +453,12 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
     import gguf
 
     check_files(directory)
+    check_special_ids(directory / "config.json", INFILL if vocab_size == 32016 else ())
     sentencepiece = (directory / "tokenizer.model").is_file()
     tokenizer = None if sentencepiece else read_tokenizer(directory)
     if sentencepiece and (directory / "tokenizer.json").is_file():  # SpecialVocab reads it
         _check_added(_json(directory / "tokenizer.json"), directory / "tokenizer.json")
+        check_post_processor(_json(directory / "tokenizer.json"), directory / "tokenizer.json")
     config = directory / "tokenizer_config.json"
     if arch == "llama" and config.is_file():
         found = _json(config).get("add_prefix_space")
@@ -520,8 +576,15 @@ def _added_tokens_decoder(path: Path) -> list[tuple[int, dict[str, Any]]]:
         if not isinstance(item, dict) or not isinstance(item.get("content"), str):
             raise InputError(path, f"added_tokens_decoder[{_short(key)}] is {_short(item)}, "
                              "expected {'content': a string, ...}")  # fmt: skip
+        if len(key.lstrip("0")) > MAX_ID_DIGITS:  # past any vocab_size: left out, never int()
+            continue
         out.append((int(key), item))
     return out
+
+
+MAX_ID_DIGITS = 18
+"""An added_tokens_decoder key of more digits is past every vocabulary (left out, as any id
+past vocab_size is) and is not converted: int() of 5,000 digits was an internal error."""
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -202,3 +202,44 @@ def test_damaged_tokenizer_files_refused_by_quantize(
     assert "Traceback" not in stderr
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+BYTES = BASE + _piece(b"<0x00>", kind=6)
+FALLBACK = _field(2, 2, _field(35, 0, _varint(1)))
+ALL_BYTES = BASE + b"".join(_piece(f"<0x{b:02X}>".encode(), kind=6) for b in range(256))
+
+
+@pytest.mark.parametrize(
+    ("data", "refused"),
+    [
+        (BYTES, True),  # no trainer spec: a file cut at a piece boundary
+        (BYTES + _field(2, 2, _field(4, 0, _varint(4))), True),  # a spec without byte_fallback
+        (BYTES + _field(2, 2, _field(35, 0, _varint(0))), True),
+        (ALL_BYTES + FALLBACK + _field(2, 2, _field(35, 0, _varint(0))), True),  # the last counts
+        (BYTES + FALLBACK, True),  # byte_fallback needs all 256
+        (ALL_BYTES + FALLBACK, False),
+    ],
+    ids=["no-spec", "spec-without", "fallback-0", "last-is-0", "not-256", "fallback-256"],
+)
+def test_byte_pieces_need_byte_fallback_as_sentencepiece_does(
+    tmp_path: Path, data: bytes, refused: bool
+) -> None:
+    """A model with byte pieces loads only when its trainer spec sets byte_fallback (else
+    sentencepiece: "byte piece <0x00> is found although `byte_fallback` is false"), and then
+    only with all 256 of them: the reader
+    refuses exactly what sentencepiece refuses, so a tokenizer.model cut before its trainer
+    spec is not padded into a GGUF llama.cpp tokenizes differently."""
+    spm = pytest.importorskip("sentencepiece")
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(data)
+    try:
+        spm.SentencePieceProcessor(model_proto=data)
+        loads = True
+    except (RuntimeError, OSError):
+        loads = False
+    assert loads is not refused
+    if refused:
+        with pytest.raises(InputError, match="byte_fallback"):
+            sp_model.read_pieces(path)
+    else:
+        assert [p.kind for p in sp_model.read_pieces(path)][-1] == sp_model.BYTE

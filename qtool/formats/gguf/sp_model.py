@@ -7,9 +7,11 @@ SentencePieceProcessor's IdToPiece / GetScore / IsUnknown ... give them.
 The file is untrusted: every varint, length and count is checked against the bytes left, the
 file against MAX_MODEL_BYTES and the pieces against MAX_PIECES before anything grows with them;
 what sentencepiece itself refuses on load (an empty or duplicate piece, no or two unknown
-pieces, a type outside the enum) and what a GGUF cannot carry (a score that is not finite,
-text that is not UTF-8) is an InputError naming the file. Fields other than the pieces (the
-trainer and normalizer specs) are skipped after their wire format is checked.
+pieces, a type outside the enum, byte pieces when the trainer spec's byte_fallback is unset,
+as in a file cut before its trainer spec, or other than 256 when it is set) and what a GGUF
+cannot carry (a score that is not finite, text that is not UTF-8) is an InputError naming
+the file. Fields other than the pieces and byte_fallback (the trainer and normalizer specs)
+are skipped after their wire format is checked.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ def read_pieces(path: Path) -> list[Piece]:
     """The pieces of the tokenizer.model at `path` in id order (InputError if it is not one)."""
     data = read_bounded(path, MAX_MODEL_BYTES, "SentencePiece model")
     try:
-        pieces = _model(memoryview(data))
+        pieces, byte_fallback = _model(memoryview(data))
     except _Bad as err:
         raise InputError(path, f"not a SentencePiece model: {err}; is it intact?") from None
-    _check(pieces, path)
+    _check(pieces, path, byte_fallback)
     return pieces
 
 
@@ -107,22 +109,29 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
         yield number, wire, value
 
 
-def _model(buf: memoryview) -> list[Piece]:
+_BYTE_FALLBACK = 35
+"""TrainerSpec.byte_fallback's field number: sentencepiece refuses a BYTE piece without it."""
+
+
+def _model(buf: memoryview) -> tuple[list[Piece], bool]:
+    """The pieces and the trainer spec's byte_fallback (last value wins, as protobuf merges)."""
     pieces: list[Piece] = []
+    byte_fallback = False
     for number, wire, value in _fields(buf):
         if number != 1:
             if number in (2, 3, 5) and wire != _LEN:  # trainer, normalizer, denormalizer specs
                 raise _Bad(f"field {number} is not a message")
             if isinstance(value, memoryview) and number in (2, 3, 5):
-                for _ in _fields(value):  # the specs' wire format: a damaged one is refused
-                    pass
+                for field, kind, got in _fields(value):  # a damaged spec is refused
+                    if number == 2 and field == _BYTE_FALLBACK and kind == _VARINT:
+                        byte_fallback = bool(got)
             continue
         if not isinstance(value, memoryview):
             raise _Bad("a piece is not a message")
         if len(pieces) >= MAX_PIECES:
             raise _Bad(f"more than {MAX_PIECES:,} pieces")
         pieces.append(_piece(value, len(pieces)))
-    return pieces
+    return pieces, byte_fallback
 
 
 def _piece(buf: memoryview, index: int) -> Piece:
@@ -152,7 +161,7 @@ def _piece(buf: memoryview, index: int) -> Piece:
     return Piece(text, score, kind)
 
 
-def _check(pieces: list[Piece], path: Path) -> None:
+def _check(pieces: list[Piece], path: Path, byte_fallback: bool) -> None:
     """What SentencePieceProcessor refuses on load, and scores a GGUF cannot carry."""
     seen: dict[str, int] = {}
     unknown = []
@@ -170,9 +179,18 @@ def _check(pieces: list[Piece], path: Path) -> None:
         if piece.kind == BYTE and not _BYTE_PIECE.fullmatch(piece.text):
             raise InputError(path, f"piece {i:,} ({shown}) is a byte piece not named <0xHH>; "
                              "is it intact?")  # fmt: skip
+        if piece.kind == BYTE and not byte_fallback:  # a file cut before its trainer spec
+            raise InputError(path, f"piece {i:,} ({shown}) is a byte piece, but the trainer "
+                             "spec does not set byte_fallback (sentencepiece refuses that); "
+                             "is it intact?")  # fmt: skip
         seen[piece.text] = i
         if piece.kind == UNKNOWN:
             unknown.append(i)
+    byte_pieces = sum(piece.kind == BYTE for piece in pieces)
+    if byte_fallback and byte_pieces != 256:
+        raise InputError(path, f"has {byte_pieces:,} byte pieces, but its trainer spec sets "
+                         "byte_fallback, which needs all 256 (sentencepiece refuses it); is it "
+                         "intact?")  # fmt: skip
     if not unknown:
         raise InputError(path, "has no unknown piece (<unk>), which sentencepiece requires; "
                          "is it intact?")  # fmt: skip

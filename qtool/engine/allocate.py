@@ -119,7 +119,10 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         else:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
-        least = err.least if found is None else found.predicted(err.least)
+        # least is bytes for a size target, sum alpha r for a KL one (only that is predicted)
+        least = err.least
+        if found is not None and target.kind == "kl":
+            least = found.predicted(least)
         why = _infeasible(target, least, fixed, _unstorable(measured, data), elements)
         raise UsageError(None, why, hint="target") from None
     except ValueError as err:  # a KL target over more tensors than the table has units

@@ -271,6 +271,25 @@ def test_the_joint_fit_bounds_the_plan(invoke: Invoke, tmp_path: Path) -> None:
     assert fit["bytes"] > plain["bytes"]
 
 
+def test_a_size_target_that_fits_nothing_reports_bytes_with_sensitivities(
+    invoke: Invoke, tmp_path: Path
+) -> None:
+    """The least a size target's ladder reaches is bytes: sensitivities (a joint fit, whose
+    predicted KL of a byte count is a small number) leave the refusal's figure as it is
+    without them, not a KL added to the fixed bytes."""
+    _imatrix(tmp_path / "flat.gguf", None)
+    _imatrix(tmp_path / "fit.gguf", _every_linear(0.5), (4.0, 50.0, 1.0))
+    said = {}
+    for name in ("flat", "fit"):
+        code, out, err = invoke("quantize", str(TINY / "tiny-llama"), "--target-size", "1KiB",
+                                "--imatrix", str(tmp_path / f"{name}.gguf"),
+                                "-o", str(tmp_path / name))  # fmt: skip
+        assert code == 2 and out == "", err
+        said[name] = " ".join(err.split())
+    assert "the smallest the ladder makes is" in said["fit"]
+    assert said["fit"] == said["flat"]
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

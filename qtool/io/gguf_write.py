@@ -23,6 +23,7 @@ from typing import BinaryIO, TypeVar
 
 import numpy as np
 
+from qtool.errors import OutputError
 from qtool.gguf_types import (
     ALIGNMENT_KEY,
     GGUF_DEFAULT_ALIGNMENT,
@@ -32,7 +33,7 @@ from qtool.gguf_types import (
     ValueType,
     ggml_type,
 )
-from qtool.io.atomic import OutputSet
+from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.gguf_header import MAX_ALIGNMENT, MAX_DIMS, MAX_NAME_BYTES
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo, GGUFValue, align, tensor_nbytes
 
@@ -193,12 +194,17 @@ def write_gguf(
     datas: Iterable[Buffer],
 ) -> GGUFHeader:
     """Write a whole GGUF file atomically (temp file in the target directory, then renamed);
-    `datas` yields each tensor's bytes in `specs` order, one at a time."""
+    `datas` yields each tensor's bytes in `specs` order, one at a time. A failed write (a full
+    disk, a file-size limit) is OutputError naming `path`, the temp file removed."""
     header, layout = build_header(metadata, specs)
     with OutputSet() as outputs:
-        writer = GGUFStreamWriter(outputs.create(path), header, layout)
-        for data in datas:
-            writer.write(data)
+        handle = outputs.create(path)
+        try:
+            writer = GGUFStreamWriter(handle, header, layout)
+            for data in datas:
+                writer.write(data)
+        except OSError as err:
+            raise OutputError(path, f"cannot write: {describe_os_error(err)}") from None
         writer.finish()
         outputs.commit()
     return layout

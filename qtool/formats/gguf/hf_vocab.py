@@ -457,8 +457,9 @@ def add_vocab(writer: Any, directory: Path, vocab_size: int, arch: str) -> None:
     sentencepiece = (directory / "tokenizer.model").is_file()
     tokenizer = None if sentencepiece else read_tokenizer(directory)
     if sentencepiece and (directory / "tokenizer.json").is_file():  # SpecialVocab reads it
-        _check_added(_json(directory / "tokenizer.json"), directory / "tokenizer.json")
-        check_post_processor(_json(directory / "tokenizer.json"), directory / "tokenizer.json")
+        beside = _json(directory / "tokenizer.json")
+        _check_added(beside, directory / "tokenizer.json")
+        check_post_processor(beside, directory / "tokenizer.json")
     config = directory / "tokenizer_config.json"
     if arch == "llama" and config.is_file():
         found = _json(config).get("add_prefix_space")
@@ -520,11 +521,9 @@ def sentencepiece_list(
     vocab_size is left out, as the converter leaves it; a piece past it is refused (the
     converter drops it, and every text that needs it)."""
     path = directory / "tokenizer.model"
-    found = read_pieces(path)
-    if len(found) > vocab_size:
-        raise InputError(path, f"has {len(found):,} pieces, but config.json's vocab_size is "
-                         f"{vocab_size:,}: the embedding has no row for piece {vocab_size:,} "
-                         "on")  # fmt: skip
+    why = (f", but config.json's vocab_size is {vocab_size:,}: the embedding has no row for "
+           f"piece {vocab_size:,} on; is it this model's tokenizer?")  # fmt: skip
+    found = read_pieces(path, most=vocab_size, why=why)  # never more read than can be kept
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     scores = [PAD_SCORE] * vocab_size
     types = [TOKEN_UNUSED] * vocab_size
@@ -588,4 +587,12 @@ past vocab_size is) and is not converted: int() of 5,000 digits was an internal 
 
 
 def _json(path: Path) -> dict[str, Any]:
-    return read_json_object(path, limit=MAX_TOKENIZER_BYTES, what="tokenizer file")
+    limit = MAX_ADDED_TOKENS_BYTES if path.name in ADDED_TOKEN_FILES else MAX_TOKENIZER_BYTES
+    return read_json_object(path, limit=limit, what="tokenizer file")
+
+
+ADDED_TOKEN_FILES = ("tokenizer_config.json", "added_tokens.json")
+MAX_ADDED_TOKENS_BYTES = 16_000_000
+"""tokenizer_config.json and added_tokens.json, as config.json: the largest real ones are about
+1 MB (Gemma 3's tokenizer_config.json, 6,000 added tokens); a 63 MB added_tokens.json of 3.4
+million ids took 1.3 GB to read (a JSON object holds ~20 times its text)."""

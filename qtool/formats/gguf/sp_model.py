@@ -47,11 +47,17 @@ class Piece:
     kind: int  # NORMAL ... BYTE
 
 
-def read_pieces(path: Path) -> list[Piece]:
-    """The pieces of the tokenizer.model at `path` in id order (InputError if it is not one)."""
+def read_pieces(path: Path, most: int = MAX_PIECES, why: str = "") -> list[Piece]:
+    """The pieces of the tokenizer.model at `path` in id order (InputError if it is not one);
+    refused as soon as a piece past `most` is found (`why` says why, after "has more than N
+    pieces"), before it is read."""
     data = read_bounded(path, MAX_MODEL_BYTES, "SentencePiece model")
+    most = min(most, MAX_PIECES)
     try:
-        pieces, byte_fallback = _model(memoryview(data))
+        pieces, byte_fallback = _model(memoryview(data), most)
+    except _TooMany:
+        raise InputError(path, f"has more than {most:,} pieces{why or '; is it intact?'}"
+                         ) from None  # fmt: skip
     except _Bad as err:
         raise InputError(path, f"not a SentencePiece model: {err}; is it intact?") from None
     _check(pieces, path, byte_fallback)
@@ -60,6 +66,10 @@ def read_pieces(path: Path) -> list[Piece]:
 
 class _Bad(Exception):
     """A wire-format fault, with the byte offset it was found at."""
+
+
+class _TooMany(Exception):
+    """More pieces than the caller takes."""
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -113,7 +123,7 @@ _BYTE_FALLBACK = 35
 """TrainerSpec.byte_fallback's field number: sentencepiece refuses a BYTE piece without it."""
 
 
-def _model(buf: memoryview) -> tuple[list[Piece], bool]:
+def _model(buf: memoryview, most: int) -> tuple[list[Piece], bool]:
     """The pieces and the trainer spec's byte_fallback (last value wins, as protobuf merges)."""
     pieces: list[Piece] = []
     byte_fallback = False
@@ -128,8 +138,8 @@ def _model(buf: memoryview) -> tuple[list[Piece], bool]:
             continue
         if not isinstance(value, memoryview):
             raise _Bad("a piece is not a message")
-        if len(pieces) >= MAX_PIECES:
-            raise _Bad(f"more than {MAX_PIECES:,} pieces")
+        if len(pieces) >= most:
+            raise _TooMany
         pieces.append(_piece(value, len(pieces)))
     return pieces, byte_fallback
 

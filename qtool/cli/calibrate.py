@@ -129,7 +129,8 @@ SensitivityTokensOpt = Annotated[
 DeviceOpt = Annotated[
     Device,
     typer.Option(
-        help="Where the blocks run; auto picks CUDA when available.",
+        help="Where the blocks run: the CPU unless asked (auto: CUDA when available, else the "
+        "CPU; quantize and eval default to auto).",
         metavar=choices(Device),
         rich_help_panel=RUN,
     ),
@@ -194,9 +195,10 @@ def calibrate(
         return
     asked = tokens // result.ctx * result.ctx
     if result.tokens < asked:  # the JSON's tokens and windows say what ran
-        report.print_warning(f"the calibration text gave {result.tokens:,} tokens of the "
-                             f"{asked:,} asked for: {result.windows} windows of "
-                             f"{result.ctx}")  # fmt: skip
+        gave, windows = (calibrate_report.counted(result.tokens, "token"),
+                         calibrate_report.counted(result.windows, "window"))  # fmt: skip
+        report.print_warning(f"the calibration text gave {gave} of the {asked:,} asked for: "
+                             f"{windows} of {result.ctx}")  # fmt: skip
     measured = result.sensitivity
     if sensitivity_tokens is not None and measured and sensitivity_tokens > result.tokens:
         report.print_warning(f"--sensitivity-tokens {sensitivity_tokens:,} is more than the "

@@ -32,7 +32,7 @@ from qtool.formats import stale_config
 from qtool.formats.detect import CONFIG, Detected
 from qtool.formats.imatrix import read_imatrix_file, write_imatrix
 from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_names
-from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY, dataset_infos
+from qtool.formats.imatrix.provenance import SHA_KEY, TOKENS_KEY, dataset_infos, warn_same_text
 from qtool.formats.imatrix.sensitivity import merged, read_sensitivities, sensitivity_keys
 from qtool.formats.registry import open_reader
 from qtool.gguf_types import ValueType
@@ -106,11 +106,13 @@ def _calibrate(
     reader = open_reader(found)
     loaded = perf_counter()
     try:
-        if progress is not None:
-            progress.start(len(windows) * ctx * hf_config.num_hidden_layers)
-        stats = run_blocks(model, reader, windows, device, model_dir, progress)
+        blocks = int(hf_config.num_hidden_layers)
+        whole = None if progress is None else WholeModel(progress, blocks)
+        if whole is not None:
+            whole.start(len(windows) * ctx * blocks)
+        stats = run_blocks(model, reader, windows, device, model_dir, whole)
         measured = sensitivity_of(model, reader, windows, device, model_dir, stats,
-                                  options.sensitivity_tokens, progress)  # fmt: skip
+                                  options.sensitivity_tokens, whole)  # fmt: skip
         reader.check_unchanged()
     finally:
         reader.close()
@@ -141,12 +143,33 @@ def _calibrate(
     )
 
 
+class WholeModel:
+    """The block passes count a window's tokens at every block they pass; the bar counts tokens
+    through the whole model (one per `blocks` token-blocks), so that its tokens/s is the summary
+    line's. Integers throughout: the carry keeps the total exact."""
+
+    def __init__(self, progress: Progress, blocks: int) -> None:
+        self._progress, self._blocks = progress, max(1, blocks)
+        self._done = self._shown = 0
+
+    def start(self, total_bytes: int) -> None:
+        self._done = self._shown = 0
+        self._progress.start(total_bytes // self._blocks)
+
+    def advance(self, name: str, nbytes: int) -> None:
+        self._done += nbytes
+        step = self._done // self._blocks - self._shown
+        self._shown += step
+        self._progress.advance(name, step)
+
+
 def check_tokens(tokens: int, ctx: int) -> None:
     if ctx < 1:
         raise UsageError(None, f"a window of {ctx} tokens holds nothing; give 1 or more")
     if tokens < ctx:
+        fill = "token does" if tokens == 1 else "tokens do"
         raise UsageError(
-            None, f"{tokens} tokens do not fill one window of {ctx}; ask for at least {ctx}"
+            None, f"{tokens} {fill} not fill one window of {ctx}; ask for at least {ctx}"
         )
 
 
@@ -271,9 +294,10 @@ def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
     _warn_same_file(inputs)
     files = [read_imatrix_file(p, digest=False) for p in inputs]
     matrices = [f.imatrix for f in files]
-    infos: list[DatasetInfo] = []
-    for path, f in zip(inputs, files, strict=True):
-        infos += dataset_infos(path, f.metadata, f.imatrix.datasets)
+    per_file = [(p, dataset_infos(p, f.metadata, f.imatrix.datasets))
+                for p, f in zip(inputs, files, strict=True)]  # fmt: skip
+    warn_same_text(per_file, skip=1)
+    infos = [info for _, ds in per_file for info in ds]
     try:
         joined = merge(*matrices)
     except ValueError as err:

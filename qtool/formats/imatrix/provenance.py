@@ -5,6 +5,7 @@ quantize --imatrix read them with the same rules."""
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -53,3 +54,39 @@ def _items(value: GGUFValue | None) -> list[object]:
 
 def _is_count(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and 0 <= int(value) < 1 << 63
+
+
+class SameText(UserWarning):
+    """Two merged files made from the same text (the same SHA-256 recorded in both)."""
+
+
+def warn_same_text(files: Sequence[tuple[Path, Sequence[DatasetInfo]]], skip: int = 0) -> None:
+    """One warning line when a text's SHA-256 is recorded in two of the merged `files`: its
+    tokens are counted twice (a merge of slices wants different slices). Pairs that are one file
+    twice (by device and inode; warned of apart) are left out."""
+    first: dict[str, tuple[Path, DatasetInfo]] = {}
+    repeats: list[tuple[Path, Path, DatasetInfo]] = []
+    for path, infos in files:
+        for info in infos:
+            if info.sha256 is None:
+                continue
+            seen = first.setdefault(info.sha256, (path, info))
+            if seen[0] is not path and not _same_file(seen[0], path):
+                repeats.append((seen[0], path, info))
+    if not repeats:
+        return
+    a, b, info = repeats[0]
+    more = f" (and {len(repeats) - 1} more)" if len(repeats) > 1 else ""
+    warnings.warn(
+        f"{a} and {b} were both made from the same text ({info.name}, sha256 "
+        f"{info.sha256 and info.sha256[:16]}){more}: the merge counts its tokens twice; merge "
+        "files calibrated on different slices of the text",
+        SameText, stacklevel=2 + skip,
+    )  # fmt: skip
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False

@@ -71,6 +71,7 @@ OPTION_HINTS = {
     "group-fallback": "--group-fallback channel|keep",
     "keep-nonfinite": "--keep-nonfinite",
     "qparams": "--qparams PATH",
+    "no-sensitivity": "qtool calibrate without --sensitivity, then --imatrix FILE",
     "restore-dtype": "--to float32",
     "sensitivity": "qtool calibrate --sensitivity, then --imatrix FILE; or --target-size",
     "text": "--text FILE",

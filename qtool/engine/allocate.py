@@ -106,6 +106,7 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         found = None  # a size target: relative error, alpha = 1, as without sensitivities
     # a tensor the file has no alpha for has no KL cost to weigh: kept float, outside the plan
     unmeasured = set() if found is None else _without_alpha(plan, alpha, data.fmt)
+    _refuse_unmeasured_statistics(data, unmeasured)
     measured = _measure(plan, data, unmeasured)
     fixed = sum(p.out_nbytes + p.qparam_nbytes for p in plan.plans if not p.decision.budget)
     fixed += sum(stored_bytes(data.fmt, p.entry, None) for p in plan.plans
@@ -208,6 +209,33 @@ def _without_alpha(plan: ModelPlan, alpha: Mapping[str, float], fmt: OutputForma
     decided = [p.entry.name for p in plan.plans if p.decision.budget]
     missing = {fmt.fused_key(n) or n for n in decided if n not in alpha}
     return {n for n in decided if (fmt.fused_key(n) or n) in missing}
+
+
+def _refuse_unmeasured_statistics(data: Measured, unmeasured: set[str]) -> None:
+    """UsageError when a tensor without alpha has statistics in the imatrix: the run that
+    wrote it saw the tensor, yet its sensitivity pass measured none for it (a mixture of
+    experts: it measures attention, the embedding and the head, no expert or router). Kept
+    float, every such tensor would be left out of the budget, the bulk of the model."""
+    importance = data.run.importance
+    if importance is None or not unmeasured:
+        return
+    seen = sorted(n for n in unmeasured if n in importance.stats)
+    if not seen:
+        return
+    # an expert's statistics are a row of its stacked entry, no entry of its own
+    experts = [n for n in seen if n not in (importance.entry_names or {})]
+    what = (
+        "no expert of this mixture of experts (the sensitivity pass measures attention, the "
+        f"embedding and the head: {len(seen)} expert and router tensors have none, e.g. "
+        f"{experts[0]})"
+        if experts
+        else f"none of {len(seen)} tensors its statistics weigh (e.g. {seen[0]})"
+    )
+    raise UsageError(
+        data.options.imatrix, f"its sensitivities were measured for {what}: the allocation "
+        "would keep every one float; aim the target with an imatrix without sensitivities",
+        hint="no-sensitivity",
+    )  # fmt: skip
 
 
 def _kept_unmeasured(p: TensorPlan, target: solver.Target, imatrix: Path | None) -> TensorPlan:

@@ -247,6 +247,25 @@ def test_a_tensor_without_alpha_is_kept_float(invoke: Invoke, tmp_path: Path) ->
     assert _sum_alpha_r(doc, alpha) == pytest.approx(doc["allocation"]["sum_alpha_r"])
 
 
+def test_a_linear_the_statistics_weigh_without_alpha_refuses_a_target(
+    invoke: Invoke, tmp_path: Path
+) -> None:
+    """Sensitivities missing a Linear the imatrix has statistics for (the run saw it, its
+    sensitivity pass measured nothing for it) refuse the target, naming the tensor: kept float
+    it would be left out of the budget (a mixture of experts' experts, tests/engine)."""
+    alpha = _every_linear(0.5)
+    del alpha["blk.1.ffn_down.weight"]
+    _imatrix(tmp_path / "s.gguf", alpha)
+    for target in (["--target-kl", "0.01"], ["--target-size", "56KiB"]):
+        code, out, err = invoke("quantize", str(TINY / "tiny-llama"), *target, "--imatrix",
+                                str(tmp_path / "s.gguf"), "-o", str(tmp_path / "o"))  # fmt: skip
+        said = " ".join(err.split())
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert "measured for none of 1 tensors" in said
+        assert "model.layers.1.mlp.down_proj.weight" in said
+        assert not (tmp_path / "o").exists()
+
+
 def test_sensitivities_of_another_model_refuse_a_kl_target(invoke: Invoke, tmp_path: Path) -> None:
     """alpha under names of no tensor of the input: no KL to predict (a sum of r is not one)."""
     _imatrix(tmp_path / "s.gguf", {f"blk.{b}.attn_q.weight": 0.5 for b in range(5, 9)})

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from qtool.engine.model.experts import router_name, stacked_experts
-from qtool.errors import InputError
+from qtool.errors import InputError, NumericError
 from qtool.formats.base import FloatReader
 
 
@@ -88,22 +88,23 @@ def load_module(
     module: torch.nn.Module, prefix: str, reader: FloatReader, device: torch.device, path: Any
 ) -> None:
     """The meta `module`'s parameters and persistent buffers read from the checkpoint (float32,
-    onto `device`) under `prefix`; InputError naming a tensor the checkpoint lacks, or a
-    non-persistent buffer qtool cannot rebuild."""
+    onto `device`) under `prefix`; InputError naming a tensor the checkpoint lacks, one of
+    another shape, or a non-persistent buffer qtool cannot rebuild; NumericError naming one
+    holding NaN or infinite values."""
     names = set(reader.names)
     state: dict[str, torch.Tensor] = {}
     for local, meta in module.state_dict().items():
         name = f"{prefix}{local}"
         stored = name if name in names else router_name(name, names)
         if stored is not None:
-            state[local] = _float32(reader, stored, device)
+            state[local] = _finite(_float32(reader, stored, device), stored, path)
             continue
         stacked = stacked_experts(name, tuple(meta.shape), names)  # MoE Linears stored apart
         if stacked is None:
             raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
         state[local] = torch.empty(meta.shape, dtype=torch.float32, device=device)
         for e, parts in enumerate(stacked):
-            linears = [_float32(reader, n, device) for n in parts]
+            linears = [_finite(_float32(reader, n, device), n, path) for n in parts]
             cols = meta.shape[2:]
             if any(t.dim() != meta.dim() - 1 or t.shape[1:] != cols for t in linears):
                 raise InputError(
@@ -126,6 +127,19 @@ def load_module(
             path, f"{prefix}{left[0]} is computed, not stored, and qtool cannot rebuild it one "
             "block at a time; calibrate supports the Llama family",
         )  # fmt: skip
+
+
+def _finite(values: torch.Tensor, name: str, path: Any) -> torch.Tensor:
+    """`values`, NumericError naming tensor `name` if any is NaN or infinite: the pass runs
+    every window through the block, so one such weight makes its outputs, and every statistic
+    after it, NaN (an expert's: the rows routed to it)."""
+    bad = int(values.numel() - torch.isfinite(values).sum())
+    if bad:
+        raise NumericError(
+            path, f"has {bad:,} NaN/Inf values (as float32), through which no activation "
+            "can be measured; fix the checkpoint", name,
+        )  # fmt: skip
+    return values
 
 
 def _float32(reader: FloatReader, name: str, device: torch.device) -> torch.Tensor:

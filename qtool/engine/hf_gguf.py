@@ -76,6 +76,7 @@ def quantize_hf(
     if float_type(options) is not None:
         return write_float(src, out, options, run)
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
+    refuse_nesting(target, [src])  # a new file in the model's directory changes the model
     needed = _needed_bytes(src)
     protected = [*read_files(src), *options.input_files]
     for p in run.also:  # a new file in the model's directory changes the model
@@ -203,6 +204,7 @@ def write_float(
     _no_choices(options, kind, src)
     started = time.perf_counter()
     target = quantized_output(src, out, kind, fmt.suffix)
+    refuse_nesting(target, [src])  # `-o HF_DIR`: a new file in the model's directory
     for p in run.also:
         refuse_nesting(p, [src])
     estimate = run.mode is Mode.ESTIMATE  # reads the values: F16's range is checked

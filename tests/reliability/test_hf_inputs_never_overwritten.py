@@ -49,5 +49,23 @@ def test_output_onto_a_file_in_the_directory_is_refused(tmp_path: Path, invoke: 
         "quantize", str(src), "--format", "gguf", "--dtype", "Q8_0",
         "-o", str(src / "model.gguf"), "--force",
     )  # fmt: skip
-    assert code == 1 and "would overwrite the input" in err, err
+    assert code == 1 and "inside the input directory" in err, err  # any new file there is
     assert _sha(src / "model.gguf") == before
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("where", [".", "new.gguf", "sub"])
+def test_no_new_file_inside_the_model_directory(
+    tmp_path: Path, invoke: Invoke, dtype: str, where: str
+) -> None:
+    """`-o HF_DIR` (the default name inside it), a file inside it, or a directory inside it:
+    a new file in the model's directory changes the model, and docs/reliability.md says -o
+    equal to or inside the input is refused; it wrote HF_DIR/m.F16.gguf."""
+    src = write_model(tmp_path / "m", "llama")
+    (src / "sub").mkdir()
+    before = sorted(p.name for p in src.rglob("*"))
+    code, out, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", dtype,
+                            "-o", str(src / where))  # fmt: skip
+    assert code == 1, err
+    assert out == "" and "inside the input directory" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in src.rglob("*")) == before

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from qtool.engine.model.hooks import Hooks
+from qtool.errors import NumericError
 from qtool.numerics.imatrix import MAX_CHUNK_COUNT, ImportanceMatrix, MatrixStats
 from qtool.numerics.imatrix_sums import column_squares
 
@@ -83,19 +84,22 @@ class ImatrixProbe(Hooks):
         return hook
 
     def stats(self) -> dict[str, MatrixStats]:
-        """Per weight that saw input, in module order: sums rounded once to float32."""
+        """Per weight that saw input, in module order: sums rounded once to float32.
+        NumericError naming the weight whose sums are not finite there (inputs that overflow:
+        finite weights of huge magnitude; NaN weights are refused as they load)."""
         out = {}
         for name, _ in self._linears:
             if name in self._sums:
-                sums = self._sums[name].cpu().numpy().astype(np.float32)[None]  # [1, K]
-                out[f"{name}.weight"] = MatrixStats(sums, np.array([self._rows[name]], np.int64))
+                sums = self._sums[name].cpu().numpy()[None]  # [1, K]
+                rows = np.array([self._rows[name]], np.int64)
+                out[f"{name}.weight"] = _checked(f"{name}.weight", sums, rows)
         for name, _ in self._experts:
             for stacked in EXPERT_ENTRIES:
                 key = f"{name}.{stacked}"
                 if key in self._expert_sums:
-                    sums = self._expert_sums[key].cpu().numpy().astype(np.float32)
+                    sums = self._expert_sums[key].cpu().numpy()
                     rows = self._expert_rows[key].cpu().numpy().astype(np.int64)
-                    out[f"{key}.weight"] = MatrixStats(sums, rows)
+                    out[f"{key}.weight"] = _checked(f"{key}.weight", sums, rows)
         return out
 
     def imatrix(self, chunk_size: int, datasets: tuple[str, ...] = ()) -> ImportanceMatrix:
@@ -105,6 +109,18 @@ class ImatrixProbe(Hooks):
         top = max((int(s.counts.max()) for s in stats.values()), default=0)
         count = min(top // chunk_size, MAX_CHUNK_COUNT) if chunk_size > 0 else 0
         return ImportanceMatrix(stats, chunk_size, count, datasets)
+
+
+def _checked(name: str, sums: np.ndarray, rows: np.ndarray) -> MatrixStats:
+    with np.errstate(over="ignore"):  # a sum beyond float32 becomes inf, refused below
+        rounded = sums.astype(np.float32)
+    try:
+        return MatrixStats(rounded, rows)
+    except ValueError as err:
+        raise NumericError(
+            None, f"the squared inputs of this weight do not sum to finite float32 values "
+            f"({err}): the activations reaching it overflow; fix the checkpoint", name,
+        ) from None  # fmt: skip
 
 
 EXPERT_ENTRIES = ("gate_proj", "up_proj", "down_proj")

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
@@ -50,3 +51,24 @@ def test_a_nonfinite_weight_is_refused_naming_it(
     assert code == 1 and stdout == "" and err.count("\n") == 1, err
     assert f"tensor {name!r}" in err and "has 1 NaN/Inf values" in err, err
     assert not out.exists()
+
+
+def test_activations_that_overflow_the_sums_are_refused_naming_the_weight(
+    tmp_path: Path, invoke: Invoke
+) -> None:
+    """Finite weights of huge magnitude (a norm of 1e30): the squared inputs of the Linears
+    after it sum beyond float32; the error names the first such weight, no warning printed."""
+    model = tmp_path / "m"
+    shutil.copytree(TINY_LM, model)
+    tensors = load_file(model / "model.safetensors")
+    norm = "model.layers.0.input_layernorm.weight"
+    tensors[norm] = torch.full_like(tensors[norm], 1e30)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    text = tmp_path / "t.txt"
+    text.write_text("alpha beta gamma delta " * 40)
+    code, stdout, err = invoke(
+        "calibrate", str(model), "--text", str(text), "--tokens", "64", "--ctx", "32",
+        "-o", str(tmp_path / "x.imatrix.gguf"),
+    )  # fmt: skip
+    assert code == 1 and stdout == "" and err.count("\n") == 1, err
+    assert "self_attn.q_proj.weight'" in err and "do not sum to finite" in err, err

@@ -304,9 +304,16 @@ def tensor_data(t: HFTensor, values: torch.Tensor, arch: str, config: dict[str, 
             values = permute(values, heads)
         elif t.hf.endswith(("k_proj.weight", "k_proj.bias")):
             values = permute(values, config.get("num_key_value_heads") or heads)
-    out = cast(values, t.type)
-    if t.type == "F16" and values.dtype != torch.float16:
-        _check_f16_range(values, out, t)
+    if t.type != "F16" or values.dtype == torch.float16:
+        return cast(values, t.type).view(np.uint8).reshape(-1)
+    overflow = F16Overflow()
+    out = cast(values, t.type, overflow)
+    if overflow.count:  # A finite value F16 rounds to Inf: llama.cpp would compute with Inf
+        raise NumericError(
+            t.file, f"{overflow.count:,} values beyond F16's range (largest |x| "
+            f"{overflow.largest:.6g}, F16's largest {F16_MAX:g}) would be written as Inf; write "
+            "BF16 or F32 instead", t.hf,
+        )  # fmt: skip
     return out.view(np.uint8).reshape(-1)
 
 
@@ -314,21 +321,51 @@ CHUNK = 1 << 22
 """Elements cast at a time: the float32 copy a BF16 tensor passes through stays 16 MiB."""
 
 
-def cast(values: torch.Tensor, kind: str) -> np.ndarray:
+def cast(values: torch.Tensor, kind: str, overflow: F16Overflow | None = None) -> np.ndarray:
     """`values` in GGUF type `kind` as the converter casts them: a BF16 tensor through float32
     (it converts every dtype but F16 and F32 first), then numpy's astype for F32 and F16 (round
     to nearest even; beyond F16's range: Inf) and gguf-py's BF16 rounding (bf16_bits). A
-    chunk of elements at a time."""
+    chunk of elements at a time; `overflow` (F16) counts the finite values that became Inf."""
+    out = np.empty(values.numel(), dtype=np.uint16 if kind == "BF16" else _NP_TYPES[kind])
+    for start, a in _chunks(values):
+        with np.errstate(over="ignore", invalid="ignore"):  # Inf as the converter writes it
+            part = bf16_bits(a) if kind == "BF16" else a.astype(out.dtype)
+        if overflow is not None:
+            overflow.add(a, part)
+        out[start : start + a.size] = part
+    return out
+
+
+def _chunks(values: torch.Tensor) -> Iterator[tuple[int, np.ndarray]]:
+    """`values` flat, CHUNK elements at a time as numpy arrays (F16 and F32 as they are, any
+    other dtype through float32, as the converter casts it), each with its start."""
     flat = values.reshape(-1)
-    out = np.empty(flat.numel(), dtype=np.uint16 if kind == "BF16" else _NP_TYPES[kind])
     for start in range(0, flat.numel(), CHUNK):
         part = flat[start : start + CHUNK]
         if part.dtype not in (torch.float16, torch.float32):
             part = part.to(torch.float32)
-        a = part.numpy()
-        with np.errstate(over="ignore", invalid="ignore"):  # Inf as the converter writes it
-            out[start : start + CHUNK] = bf16_bits(a) if kind == "BF16" else a.astype(out.dtype)
-    return out
+        yield start, part.numpy()
+
+
+@dataclass
+class F16Overflow:
+    """The finite values whose F16 cast is Inf (|x| >= 65520: up to that F16 rounds to its
+    largest, 65504), counted a chunk at a time, and the largest of their magnitudes. The one
+    rule of F16's range: the refusal of an F16 output and the auto type's F32 copy both use it."""
+
+    count: int = 0
+    largest: float = 0.0
+
+    def add(self, a: np.ndarray, half: np.ndarray) -> None:
+        """Count the chunk `a` whose F16 cast is `half`."""
+        hit = np.isinf(half)  # a chunk's bools: CHUNK bytes
+        if not hit.any():
+            return
+        hit &= np.isfinite(a)
+        n = int(np.count_nonzero(hit))
+        if n:
+            self.count += n
+            self.largest = max(self.largest, float(np.abs(a[hit]).max()))
 
 
 _NP_TYPES = {"F32": np.float32, "F16": np.float16}
@@ -343,23 +380,6 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
     n = np.where(nan, (n & np.uint32(0xFFFF0000)) | np.uint32(0x00400000), n)
     wide = n.astype(np.uint64) + (np.uint64(0x7FFF) + ((n >> np.uint32(16)) & np.uint32(1)))
     return (wide >> np.uint64(16)).astype(np.uint16)
-
-
-def _check_f16_range(values: torch.Tensor, out: np.ndarray, t: HFTensor) -> None:
-    """A finite value that F16 rounds to Inf (|x| >= 65520) is refused: the converter writes
-    the Inf, and llama.cpp then computes with a value the checkpoint does not hold."""
-    inf = np.isinf(out)
-    if not inf.any():
-        return
-    src = values.reshape(-1).to(torch.float32)
-    finite = torch.from_numpy(inf) & src.isfinite()
-    if bool(finite.any()):
-        big = float(src[finite].abs().max())
-        raise NumericError(
-            t.file, f"{int(finite.sum()):,} values beyond F16's range (largest |x| {big:.6g}, "
-            f"F16's largest {F16_MAX:g}) would be written as Inf; write BF16 or F32 instead",
-            t.hf,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -434,15 +454,19 @@ F16_MAX = 65504.0
 
 
 def _overflows_f16(tensors: list[HFTensor]) -> bool:
-    """Whether a finite value of an F32 tensor the auto type writes as F16 is beyond F16's
-    range: it would become Inf in the copy (the converter's auto makes that F16 copy, Inf
-    included), and the quantizers would refuse the checkpoint for a value it does not hold.
-    One pass over the F32 tensors, one at a time; F16 and BF16 checkpoints are not read."""
+    """Whether a finite value of an F32 tensor the auto type writes as F16 becomes Inf in
+    F16 (F16Overflow's rule, as an F16 output's refusal): it would be Inf in the copy (the
+    converter's auto makes that F16 copy, Inf included), and the quantizers would refuse the
+    checkpoint for a value it does not hold. One pass over the F32 tensors, a chunk at a time;
+    F16 and BF16 checkpoints are not read."""
     wide = [t for t in tensors if t.type == "F16" and t.source == "F32"]
     for _, values in _values(wide):
-        big = values.abs() > F16_MAX
-        if bool((big & values.isfinite()).any()):
-            return True
+        overflow = F16Overflow()
+        for _, a in _chunks(values):
+            with np.errstate(over="ignore"):
+                overflow.add(a, a.astype(np.float16))
+            if overflow.count:
+                return True
     return False
 
 

@@ -37,7 +37,7 @@ from qtool.gguf_types import FLOAT_TYPES
 from qtool.io.atomic import OutputSet, preflight
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting
-from qtool.io.safeopen import InputDir, Refused
+from qtool.io.safeopen import InputDir, Refused, read_limited
 from qtool.io.tempdirs import private_scratch
 from qtool.results import QuantizeRow, QuantizeSummary
 
@@ -63,8 +63,7 @@ def converts(src: Path, options: QuantizeOptions) -> bool:
 
 def float_type(options: QuantizeOptions) -> str | None:
     """The float type a run's spec stores (F32, F16, BF16: a conversion, no codes), or None."""
-    stored = options.spec.stored_dtype()
-    return stored if stored in FLOAT_TYPES else None
+    return options.spec.stored_dtype() if options.spec.conversion else None
 
 
 def quantize_hf(
@@ -339,7 +338,12 @@ def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total:
     for name in names:
         if name not in present:
             continue
-        data = within.read(name, MAX_TOKENIZER_BYTES, "a tokenizer or config file")
+        where, what = within.file(name), "a tokenizer or config file"
+        with within.open(name) as f:  # a sparse file over the limit: refused, not read
+            if os.fstat(f.fileno()).st_size > MAX_TOKENIZER_BYTES:
+                raise InputError(where, f"{what} is over {MAX_TOKENIZER_BYTES:,} bytes; is it "
+                                 "intact?")  # fmt: skip
+            data = read_limited(f, MAX_TOKENIZER_BYTES, what, where)
         total += len(data)
         if total > MAX_TOKENIZER_TOTAL:
             raise InputError(within.file(name), f"the config and tokenizer files are over "

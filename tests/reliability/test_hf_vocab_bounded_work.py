@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,26 @@ def test_added_token_files_are_bounded_before_parsing(
     code, err = _quantize(invoke, src, out)
     assert code == 1 and name in err and f"{MAX_ADDED_TOKENS_BYTES:,} bytes" in err, err
     assert not out.exists()
+
+
+def test_a_sparse_file_over_the_limit_is_not_read(
+    tmp_path: Path, invoke: Invoke, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The private copy (engine/hf_gguf.py) refuses a file whose size is over the limit before
+    reading it: a sparse tokenizer.json was read for 64 MB of zeros first."""
+    from qtool.engine import hf_gguf
+
+    src = write_sp_model(tmp_path / "m", "llama2", tokenizer_json=True)
+    with (src / "tokenizer.json").open("r+b") as f:
+        f.truncate(hf_gguf.MAX_TOKENIZER_BYTES + 1)
+    read: list[str] = []
+    real = hf_gguf.read_limited
+
+    def counted(f: Any, limit: int, what: str, path: Path) -> bytes:
+        read.append(path.name)
+        return real(f, limit, what, path)
+
+    monkeypatch.setattr(hf_gguf, "read_limited", counted)
+    code, err = _quantize(invoke, src, tmp_path / "o.gguf")
+    assert code == 1 and "tokenizer.json" in err and "64,000,000" in err, err
+    assert "tokenizer.json" not in read

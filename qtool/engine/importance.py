@@ -153,11 +153,12 @@ def match_importance(
     read: tuple[ImportanceMatrix, Provenance],
     names: list[str],
     config: Mapping[str, object] | None,
+    config_path: Path | None = None,
 ) -> Importance:
     """The imatrix `read` from `path` keyed by the checkpoint's tensor `names` (see the module
-    doc); InputError when it names none of them."""
+    doc), `config` read from `config_path`; InputError when it names none of them."""
     imatrix, provenance = read
-    stats, used = _by_checkpoint_name(path, imatrix, names, config)
+    stats, used = _by_checkpoint_name(path, imatrix, names, config, config_path)
     if not stats:
         first = next(iter(imatrix.entries))
         model_type = (config or {}).get("model_type")
@@ -214,6 +215,7 @@ def _by_checkpoint_name(
     imatrix: ImportanceMatrix,
     names: list[str],
     config: Mapping[str, object] | None,
+    config_path: Path | None = None,
 ) -> tuple[dict[str, MatrixStats], set[str]]:
     """The entries by checkpoint name, and the imatrix names used; an entry under both its
     llama.cpp name and the checkpoint's is refused naming both (which one holds the statistics
@@ -247,7 +249,7 @@ def _by_checkpoint_name(
             )  # fmt: skip
         found[hf_name] = imatrix.entries[gguf_name]
         used.add(gguf_name)
-    n_experts = _expert_counts(config, experts)
+    n_experts = _expert_counts(config, experts, config_path)
     for hf_name, (gguf_name, e) in experts.items():
         stacked = imatrix.entries.get(gguf_name)
         if stacked is None or hf_name in found:
@@ -258,18 +260,30 @@ def _by_checkpoint_name(
 
 
 def _expert_counts(
-    config: Mapping[str, object] | None, experts: Mapping[str, tuple[str, int]]
+    config: Mapping[str, object] | None,
+    experts: Mapping[str, tuple[str, int]],
+    config_path: Path | None,
 ) -> dict[str, int]:
-    """The experts of each stacked weight: config.json's num_local_experts (Mixtral) or
-    num_experts (Qwen MoE), else one more than the largest index the checkpoint stores."""
+    """The experts of each stacked weight: one more than the largest index the checkpoint
+    stores, which config.json's num_local_experts (Mixtral) or num_experts (Qwen MoE), where
+    it has one, must equal: InputError naming config.json otherwise (a wrong count was blamed
+    on the imatrix, or 0 ignored)."""
     out: dict[str, int] = {}
     for gguf_name, e in experts.values():
         out[gguf_name] = max(out.get(gguf_name, 0), e + 1)
-    for key in ("num_local_experts", "num_experts"):
-        value = (config or {}).get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return {g: max(n, value) for g, n in out.items()}
-    return out
+    key = next((k for k in ("num_local_experts", "num_experts") if k in (config or {})), None)
+    if key is None or not out:
+        return out
+    value = (config or {})[key]
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    wrong = [(g, n) for g, n in out.items() if not whole or n != value]
+    if not wrong:
+        return out
+    gguf_name, held = wrong[0]
+    raise InputError(
+        config_path, f"{key} is {value!r}, but the checkpoint stores {held} experts for "
+        f"{gguf_name}; fix the count in config.json",
+    )  # fmt: skip
 
 
 def _expert_row(

@@ -330,7 +330,8 @@ def _with_importance(
     options = job.options
     assert options.imatrix is not None
     names = [e.name for _, entries in headers for e in entries]
-    importance = match_importance(options.imatrix, imatrix, names, _model_config(job.source))
+    config = _model_config(job.source)
+    importance = match_importance(options.imatrix, imatrix, names, config, job.source.config)
     notes = tuple(importance.check(plan.plans))
     if job.kernels is None:
         return job

@@ -8,6 +8,8 @@ and not left without weights."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,26 @@ def test_an_expert_never_routed_to_is_weighted_one_everywhere(
     assert torch.equal(codes(tmp_path / "w", name), want.q)
     row = next(r for r in done.rows if r.name == name)
     assert row.weighted is not None  # weighted (by ones), not quantized without an entry
+
+
+@pytest.mark.parametrize(("count", "in_file"), [(5, 4), (3, 3), (0, 4), (1_000_000_000, 4),
+                                                ("4", 4)])  # fmt: skip
+def test_a_config_expert_count_the_checkpoint_does_not_store_is_blamed_on_config_json(
+    mixtral: Path, tmp_path: Path, invoke: Invoke, count: object, in_file: int
+) -> None:
+    """config.json's num_local_experts is checked against the experts the checkpoint stores
+    before any entry is cut by it: a wrong count was reported as the imatrix's fault ('the
+    model has 5 experts; give the imatrix computed on this model'), 0 was ignored."""
+    model = tmp_path / "m"
+    shutil.copytree(mixtral, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"num_local_experts": count}))
+    imatrix = stacked_imatrix(mixtral, "mixtral", tmp_path / "i.gguf", experts=in_file)
+    code, out, err = invoke(
+        "quantize", str(model), "--dtype", "int4", "--range", "mse",
+        "--imatrix", str(imatrix), "-o", str(tmp_path / "q"),
+    )  # fmt: skip
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"qtool: error: {model / 'config.json'}: num_local_experts is"), err
+    assert "the checkpoint stores 4 experts" in err and "fix the count in config.json" in err
+    assert not (tmp_path / "q").exists()

@@ -333,7 +333,7 @@ def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
             report.print_warning(
                 f"{options.recipe.path}: its ladder applies only with --target-sqnr"
             )
-    converted = options.spec.stored_dtype() in ("F32", "F16", "BF16")  # --dtype F16: nothing to
+    converted = options.spec.conversion  # --dtype F16: nothing to
     if not any(r.quantized for r in summary.rows) and not converted:  # quantize, by design
         flags = "--include/--exclude/--recipe" + ("/--target-sqnr" if options.target_sqnr else "")
         kept = _kept_by_allocation(summary, options)

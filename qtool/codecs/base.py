@@ -125,6 +125,12 @@ class Codec(abc.ABC):
         return stored
 
     @property
+    def conversion(self) -> bool:
+        """A run in this spec casts the model's values to a float type and quantizes nothing
+        (`--dtype F16`): it converts the input, its tensors have no codes."""
+        return False
+
+    @property
     def nibbles(self) -> bool:
         """Codes are 4-bit integers, packed two to a byte (int4, uint4)."""
         return False

@@ -51,7 +51,11 @@ class GGUFFloatSpec(Codec, kind="gguf-float", what="a float GGUF type"):
         return self.gguf.name
 
     def code_layout(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], str, int]:
-        return shape, self.gguf.name, math.prod(shape[1:])
+        return shape, self.gguf.name, 1  # the cast values, in the tensor's own shape
+
+    @property
+    def conversion(self) -> bool:
+        return True
 
     def code_nbytes(self, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * self.gguf.type_size

@@ -33,7 +33,6 @@ from qtool.engine.run import quantize as quantize_float
 from qtool.engine.source import protected_paths
 from qtool.errors import InputError, OutputError, QtoolError, UsageError
 from qtool.formats.registry import entry
-from qtool.gguf_types import FLOAT_TYPES
 from qtool.io.atomic import OutputSet, preflight
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting

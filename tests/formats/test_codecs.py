@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qtool.codecs.base import CODECS, Codec
+from qtool.codecs.gguf_float import gguf_float_spec
 from qtool.spec import (
     GGUFSpec,
     QSpec,
@@ -37,6 +38,31 @@ def test_no_module_outside_a_codecs_own_asks_whether_a_spec_is_a_gguf_type() -> 
         if ASKING.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+def test_no_module_outside_a_codecs_own_asks_whether_a_spec_is_a_float_conversion() -> None:
+    """Whether a run converts (--dtype F16: no codes) is the spec's `conversion`; a stored
+    dtype compared with the float types' names is the family asked by another name."""
+    asking = re.compile(r"stored_dtype\(\) (not )?in\b|\bstored (not )?in FLOAT_TYPES")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if not str(path.relative_to(ROOT)).startswith("codecs")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if asking.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert gguf_float_spec("F16").conversion and not gguf_spec("Q8_0").conversion
+
+
+@pytest.mark.parametrize("label", ["int8", "int4 g32", "Q4_0", "Q6_K", "F16", "BF16"])
+def test_the_code_layout_names_the_codes_rows_per_row_of_the_tensor(label: str) -> None:
+    """code_layout's third figure is how many rows of the codes one row of the tensor's first
+    dimension gives (the slab writer's stride): the codes' rows over the tensor's."""
+    spec = gguf_float_spec(label) if label in ("F16", "BF16") else parse_spec_label(label)
+    shape = (6, 4, 256)
+    codes, _, per_row = spec.code_layout(shape)
+    assert codes[0] == shape[0] * per_row
 
 
 def test_reports_and_eval_ask_the_registry_not_a_format_name() -> None:

@@ -139,3 +139,22 @@ def test_merging_two_files_of_one_text_warns(tmp_path: Path, invoke: Invoke) -> 
     rc, out, err = invoke("calibrate", "--merge", str(files["a"]), f"{tmp_path}/./a.gguf",
                           "-o", str(tmp_path / "aa.gguf"))  # fmt: skip
     assert rc == 0 and len(err.strip().splitlines()) == 1 and "same file" in err, err
+
+
+def test_one_idle_expert_of_a_block_is_singular() -> None:
+    """'blk.1 experts 0' named one expert in the plural; two stay plural."""
+    import numpy as np
+
+    from qtool.engine.calibrate.run import UnroutedExperts, _warn_unrouted
+    from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+
+    def stacked(counts: list[int]) -> MatrixStats:
+        sums = np.outer(np.array(counts, np.float32), np.ones(8, np.float32))  # 0 where idle
+        return MatrixStats(sums, np.array(counts, np.int64))
+
+    entries = {"blk.0.ffn_up_exps.weight": stacked([3, 0, 1, 2]),
+               "blk.1.ffn_up_exps.weight": stacked([0, 0, 4, 2])}  # fmt: skip
+    with pytest.warns(UnroutedExperts) as caught:
+        _warn_unrouted(ImportanceMatrix(entries, 32, 1))
+    text = str(caught[0].message)
+    assert "blk.0 expert 1;" in text and "blk.1 experts 0, 1" in text, text

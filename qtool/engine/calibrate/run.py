@@ -248,7 +248,7 @@ def _warn_unrouted(imatrix: ImportanceMatrix, shown: int = 4) -> None:
     if not blocks:
         return
     total = sum(len(idle[b]) for b in blocks)
-    where = "; ".join(f"{b} experts {', '.join(map(str, sorted(idle[b])))}" for b in blocks[:shown])
+    where = "; ".join(_idle_experts(b, sorted(idle[b])) for b in blocks[:shown])
     more = f"; {len(blocks) - shown} more blocks" if len(blocks) > shown else ""
     warnings.warn(
         f"the calibration text never reached {total} of {experts * len(idle)} experts "
@@ -256,6 +256,11 @@ def _warn_unrouted(imatrix: ImportanceMatrix, shown: int = 4) -> None:
         "as llama-quantize does; more text routes tokens to them",
         UnroutedExperts, stacklevel=2,
     )  # fmt: skip
+
+
+def _idle_experts(block: str, experts: list[int]) -> str:
+    noun = "expert" if len(experts) == 1 else "experts"
+    return f"{block} {noun} {', '.join(map(str, experts))}"
 
 
 class MergedTwice(UserWarning):

@@ -303,10 +303,16 @@ def merge_files(inputs: Sequence[Path], out: Path, force: bool) -> MergeSummary:
                 for p, f in zip(inputs, files, strict=True)]  # fmt: skip
     warn_same_text(per_file, skip=1)
     infos = [info for _, ds in per_file for info in ds]
-    try:
-        joined = merge(*matrices)
-    except ValueError as err:
-        raise InputError(inputs[0], f"cannot be merged with the others: {err}") from None
+    joined = matrices[0]
+    for i, matrix in enumerate(matrices[1:], 1):  # one at a time: a conflict names its file
+        try:
+            joined = merge(joined, matrix)
+        except ValueError as err:
+            before = inputs[0] if i == 1 else f"{inputs[0]} .. {inputs[i - 1]}"
+            raise InputError(
+                inputs[i], f"cannot be merged with {before}: {err}; merge only files "
+                "calibrated on the same model with the same window length",
+            ) from None  # fmt: skip
     alphas = merged(
         {p: read_sensitivities(p, f.metadata) for p, f in zip(inputs, files, strict=True)}
     )

@@ -68,6 +68,8 @@ CASES: dict[str, tuple[bytes, str]] = {
     "nan-score": (BASE + _piece(b"b", float("nan")), "has score nan"),
     "inf-score": (BASE + _piece(b"b", float("-inf")), "has score -inf"),
     "type-outside-enum": (BASE + _piece(b"b", kind=9), "has type 9"),
+    "type-negative": (BASE + _piece(b"b", kind=2**64 - 1), "has type -1,"),
+    "empty": (b"", "has no pieces"),
     "byte-piece-misnamed": (BASE + _piece(b"<0xZZ>", kind=6), "byte piece not named"),
     "no-unknown": (BASE[len(_piece(b"<unk>", kind=2)) :], "has no unknown piece"),
     "two-unknown": (BASE + _piece(b"<unk2>", kind=2), "has 2 unknown pieces (ids 0, 3)"),

@@ -173,12 +173,16 @@ def _piece(buf: memoryview, index: int) -> Piece:
 
 def _check(pieces: list[Piece], path: Path, byte_fallback: bool) -> None:
     """What SentencePieceProcessor refuses on load, and scores a GGUF cannot carry."""
+    if not pieces:
+        raise InputError(path, "has no pieces (an empty or cut SentencePiece model); is it "
+                         "intact?")  # fmt: skip
     seen: dict[str, int] = {}
     unknown = []
     for i, piece in enumerate(pieces):
         shown = _short(piece.text)
         if not NORMAL <= piece.kind <= BYTE:
-            raise InputError(path, f"piece {i:,} ({shown}) has type {piece.kind}, expected 1 "
+            kind = piece.kind - (1 << 64) if piece.kind >= 1 << 63 else piece.kind  # an int32
+            raise InputError(path, f"piece {i:,} ({shown}) has type {kind}, expected 1 "
                              "to 6 (NORMAL ... BYTE); is it intact?")  # fmt: skip
         if not math.isfinite(piece.score):
             raise InputError(path, f"piece {i:,} ({shown}) has score {piece.score}, expected a "

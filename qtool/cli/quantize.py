@@ -159,7 +159,7 @@ def quantize(
     spec = (
         build_spec(scheme, StorageDtype(dtype), per_channel, axis, group_size, range_method)
         if integer_grid
-        else gguf_cli_spec(dtype, scheme, per_channel, axis, group_size, range_method)
+        else gguf_cli_spec(dtype, scheme, per_channel, axis, group_size, range_method, ctx)
     )
     calibrated = calibration(method, text, tokens, calib_ctx, check_text, guard, tolerance)
     target = allocation_target(target_size, target_bpw, target_kl, target_sqnr)

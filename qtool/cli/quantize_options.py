@@ -79,9 +79,10 @@ def gguf_cli_spec(
     axis: int | None,
     group_size: int | None,
     range_method: RangeMethod,
+    ctx: typer.Context,
 ) -> Codec:
     """--dtype Q4_K: the GGUF type's spec; typer.BadParameter naming an option that would set
-    what the block type fixes itself."""
+    what the block type fixes itself (for F16, any option `ctx` was given but a conversion's)."""
     given = {
         "--scheme": scheme is not Scheme.SYM,
         "--per-tensor": not per_channel,
@@ -96,24 +97,20 @@ def gguf_cli_spec(
                 param_hint=flag,
             )
     if dtype in FLOAT_TYPES:
-        _only_conversion_options(dtype)
+        _only_conversion_options(dtype, ctx)
         return gguf_float_spec(dtype)
     return gguf_mix(dtype) if dtype in GGUF_MIXES else gguf_quantize_spec(dtype)
 
 
-_CONVERSION_OPTIONS = {"src", "out", "dtype", "fmt", "dry_run", "estimate", "threads", "device",
-                       "as_json", "force", "sort", "top", "show_all"}  # fmt: skip
-"""What a float GGUF's conversion takes: the rest chooses or checks codes it does not make."""
+_CONVERSION_OPTIONS = {"src", "out", "dtype", "fmt", "dry_run", "estimate", "threads", "as_json",
+                       "force", "sort", "top", "show_all"}  # fmt: skip
+"""What a float GGUF's conversion takes: the rest chooses or checks codes it does not make
+(--device too: a cast computes on no device, and `--device cuda` would pass unchecked)."""
 
 
-def _only_conversion_options(dtype: str) -> None:
+def _only_conversion_options(dtype: str, ctx: typer.Context) -> None:
     """--dtype F16 converts a model directory and quantizes nothing: an option given that
-    selects, types, calibrates or gates tensors is a usage error naming it."""
-    from typer._click.globals import get_current_context
-
-    ctx = get_current_context(silent=True)
-    if ctx is None:
-        return
+    selects, types, calibrates, gates tensors or picks a device is a usage error naming it."""
     for param in ctx.command.params:
         source = ctx.get_parameter_source(param.name) if param.name else None
         if param.name in _CONVERSION_OPTIONS or source is None or source.name == "DEFAULT":

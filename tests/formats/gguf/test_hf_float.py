@@ -186,6 +186,7 @@ def test_f16_beyond_its_range_is_refused_naming_the_tensor(tmp_path: Path) -> No
         (("--include", "*"), 2, "--include"),
         (("--group-size", "32"), 2, "a float GGUF type, which quantizes nothing; drop"),
         (("--format", "qtool"), 2, "F16"),
+        (("--device", "cuda"), 2, "--device"),  # a cast computes on no device: never checked
     ],
 )
 def test_what_a_conversion_does_not_take_is_a_usage_error(

@@ -22,6 +22,8 @@ def parse_json(data: bytes, path: Path, what: str) -> object:
         return strict_json(data)
     except HeaderError as err:
         message = str(err).removeprefix("header ").replace("is not valid JSON", "invalid JSON")
+        if "Exceeds the limit" in message:  # Python's int digit limit: not the user's to raise
+            message = "invalid JSON: a number of more than 4,300 digits"
         raise InputError(path, f"not a valid {what}: {message}") from None
 
 

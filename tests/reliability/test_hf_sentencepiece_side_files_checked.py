@@ -87,3 +87,15 @@ def test_an_added_token_id_of_thousands_of_digits_is_left_out(
     tokens = [gguf.GGUFReader(o).fields["tokenizer.ggml.tokens"] for o in outs]
     texts = [[bytes(t.parts[i]) for i in t.data] for t in tokens]
     assert b"<far>" not in texts[0] and texts[0] == texts[1]
+
+
+def test_a_number_of_thousands_of_digits_is_invalid_json(tmp_path: Path, invoke: Invoke) -> None:
+    """added_tokens.json {"<x>": 5,000 digits}: refused naming the file, without telling the
+    user to call sys.set_int_max_str_digits() (Python's own message was passed on)."""
+    src = build(tmp_path, "llama2")
+    (src / "added_tokens.json").write_text('{"<x>": ' + "9" * 5000 + "}")
+    out = tmp_path / "o.gguf"
+    code, _, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "F16",
+                          "-o", str(out))  # fmt: skip
+    assert code == 1 and "added_tokens.json" in err and "4,300 digits" in err, err
+    assert "sys." not in err and len(err.strip().splitlines()) == 1, err

@@ -277,7 +277,7 @@ def _float_rows(
     bytes written, and why (the converter keeps 1-D tensors and norms F32)."""
     rows = []
     for t in header.tensors:
-        dtype, nbytes = sources.get(t.name, ("F32", t.nbytes))
+        dtype, nbytes = sources.get(t.name, ("F32", 0))  # a generated tensor: nothing read
         written = t.type.name
         if t.name not in sources:
             why = f"{written}: generated (llama3 rope factors, as the converter adds them)"

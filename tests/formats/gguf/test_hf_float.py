@@ -179,6 +179,21 @@ def test_f16_beyond_its_range_is_refused_naming_the_tensor(tmp_path: Path) -> No
     _convert(src, out, "BF16")
 
 
+def test_a_generated_tensor_reads_no_input_bytes(tmp_path: Path) -> None:
+    """A tensor the conversion generates (llama3's rope_freqs.weight) was counted as bytes of
+    the input: every row's bytes in is what the checkpoint stores of it, 0 for one it lacks."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    src = write_model(tmp_path / "m", "llama", rope_scaling=rope)
+    report = _convert(src, tmp_path / "o.gguf", "F16")
+    rows = {r["name"]: r for r in report["tensors"]}  # type: ignore[attr-defined]
+    assert rows["rope_freqs.weight"]["bytes_in"] == 0
+    stored = safetensors_torch.load_file(src / "model.safetensors").values()
+    held = sum(v.numel() * v.element_size() for v in stored)
+    assert report["totals"]["bytes_in"] == held  # type: ignore[index]
+
+
 @pytest.mark.parametrize(
     ("args", "code", "match"),
     [

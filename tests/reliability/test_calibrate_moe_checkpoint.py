@@ -54,6 +54,8 @@ def _edited(directory: Path, change: str) -> Path:
         _edit_config(model, num_local_experts=EXPERTS + 1)
     elif change.startswith("routed_"):
         _edit_config(model, num_experts_per_tok=int(change.removeprefix("routed_")))
+    elif change == "one_layer":
+        _edit_config(model, num_hidden_layers=1)
     else:
         for name in [n for n in tensors if f".experts.{EXPERTS - 1}." in n]:
             del tensors[name]
@@ -64,7 +66,16 @@ def _edited(directory: Path, change: str) -> Path:
 
 @pytest.mark.parametrize(
     "change",
-    ["wider", "missing", *_RESHAPED, "five_experts", "routed_0", "routed_8", "routed_-1"],
+    [
+        "wider",
+        "missing",
+        *_RESHAPED,
+        "five_experts",
+        "routed_0",
+        "routed_8",
+        "routed_-1",
+        "one_layer",
+    ],
 )
 def test_experts_that_do_not_make_the_configs_weights_are_refused(
     tmp_path: Path, invoke: Invoke, change: str
@@ -86,6 +97,8 @@ def test_experts_that_do_not_make_the_configs_weights_are_refused(
     elif change == "five_experts":
         assert "tensor 'model.layers.0.block_sparse_moe.gate.weight'" in err, err
         assert "makes it [5, 64], but model.safetensors holds [4, 64]" in err, err
+    elif change == "one_layer":  # the message names no other command than the one run
+        assert "no place for this tensor" in err and "eval" not in err, err
     elif change.startswith("routed_"):
         routed = change.removeprefix("routed_")
         assert f"num_experts_per_tok is {routed}" in err and "1 to 4 experts" in err, err

@@ -248,8 +248,8 @@ def check_unused(built: Any, prefix: str, checkpoint: Checkpoint, config_json: P
         raise InputError(
             config_json, f"describes a model with no place for this tensor of {where} "
             f"({len(unused):,} of the checkpoint's tensors in all); config.json does not "
-            "describe these weights (a layer count below the checkpoint's?), and eval never "
-            "drops weights", unused[0],
+            "describe these weights (a layer or expert count below the checkpoint's?), and "
+            "qtool never drops weights", unused[0],
         )  # fmt: skip
 
 

@@ -147,8 +147,8 @@ def test_the_importance_matrix_is_a_method_of_the_block_pass(
     opts = CalibrateOptions((_texts(models)[0],), tokens=4 * CTX, ctx=CTX)
     summary = calibrate(models["llama"], tmp_path / "x.gguf", opts, progress)
     assert passes == [True]
-    assert progress.done == {f"block {i}": 4 * CTX for i in range(summary.blocks)}
-    assert progress.total == 4 * CTX * summary.blocks
+    assert progress.done.keys() == {f"block {i}" for i in range(summary.blocks)}
+    assert sum(progress.done.values()) == progress.total == 4 * CTX  # tokens through the model
 
 
 def test_windows_are_taken_from_each_text_in_turn(models: dict[str, Path], tmp_path: Path) -> None:

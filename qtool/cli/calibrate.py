@@ -5,7 +5,9 @@ as llama.cpp's GGUF importance matrix. `--merge A B ... -o C` adds such files to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -35,6 +37,23 @@ def _at_least(least: int) -> Callable[[int | None], int | None]:
         return value
 
     return check
+
+
+@contextmanager
+def _kept() -> Iterator[list[str]]:
+    """The run's warnings, shown on stderr as ever once it ends; qtool's own kept for the JSON's
+    `warnings`."""
+    kept: list[str] = []
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield kept
+    finally:  # before an error's line too
+        for w in caught:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            if w.category.__module__.split(".")[0] == "qtool":
+                kept.append(" ".join(str(w.message).split()))
 
 
 InputsArg = Annotated[
@@ -172,7 +191,7 @@ def calibrate(
     model's tensors. With --merge, add importance matrices together instead."""
     if sensitivity_tokens is not None and not sensitivity:
         raise typer.BadParameter("goes only with --sensitivity", param_hint="--sensitivity-tokens")
-    with user_errors(as_json):
+    with user_errors(as_json), _kept() as warned:
         if out.suffix.lower() == ".dat":  # the bytes would be GGUF under a legacy .dat name
             raise UsageError(out, "qtool writes the GGUF imatrix, not llama.cpp's legacy .dat; "
                              "name it .gguf (llama-quantize --imatrix reads it)")  # fmt: skip
@@ -189,7 +208,7 @@ def calibrate(
                                        measure)  # fmt: skip
     if merge:
         if as_json:
-            report.print_json(calibrate_json.merge_json(summary))
+            report.print_json(calibrate_json.merge_json(summary) | {"warnings": warned})
         else:
             calibrate_report.print_merge(summary)
         return
@@ -197,15 +216,16 @@ def calibrate(
     if result.tokens < asked:  # the JSON's tokens and windows say what ran
         gave, windows = (calibrate_report.counted(result.tokens, "token"),
                          calibrate_report.counted(result.windows, "window"))  # fmt: skip
-        report.print_warning(f"the calibration text gave {gave} of the {asked:,} asked for: "
-                             f"{windows} of {result.ctx}")  # fmt: skip
+        warned.append(f"the calibration text gave {gave} of the {asked:,} asked for: "
+                      f"{windows} of {result.ctx}")  # fmt: skip
+        report.print_warning(warned[-1])
     measured = result.sensitivity
     if sensitivity_tokens is not None and measured and sensitivity_tokens > result.tokens:
-        report.print_warning(f"--sensitivity-tokens {sensitivity_tokens:,} is more than the "
-                             f"{result.tokens:,} calibration tokens: the sensitivity was "
-                             f"measured on {measured.tokens:,} (capped; raise --tokens for "
-                             "more)")  # fmt: skip
+        warned.append(f"--sensitivity-tokens {sensitivity_tokens:,} is more than the "
+                      f"{result.tokens:,} calibration tokens: the sensitivity was measured on "
+                      f"{measured.tokens:,} (capped; raise --tokens for more)")  # fmt: skip
+        report.print_warning(warned[-1])
     if as_json:
-        report.print_json(calibrate_json.calibrate_json(result))
+        report.print_json(calibrate_json.calibrate_json(result) | {"warnings": warned})
     else:
         calibrate_report.print_calibrate(result)

@@ -4,6 +4,7 @@ the default it shows, and a merge of two files made from one text says it counts
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -132,9 +133,15 @@ def test_merging_two_files_of_one_text_warns(tmp_path: Path, invoke: Invoke) -> 
     assert "b.gguf were both made from the same text" in err, err
     assert "counts its tokens twice" in err and "SameText" not in err, err
 
+    rc, out, err = invoke("calibrate", "--merge", str(files["a"]), str(files["b"]),
+                          "-o", str(tmp_path / "ab2.gguf"), "--json")  # fmt: skip
+    assert rc == 0 and err.count("same text") == 1, err  # stderr as without --json
+    (warned,) = json.loads(out)["warnings"]
+    assert "b.gguf were both made from the same text" in warned, warned
+
     rc, out, err = invoke("calibrate", "--merge", str(files["a"]), str(files["c"]),
                           "-o", str(tmp_path / "ac.gguf"), "--json")  # fmt: skip
-    assert rc == 0 and err == "", err
+    assert rc == 0 and err == "" and json.loads(out)["warnings"] == [], err
 
     rc, out, err = invoke("calibrate", "--merge", str(files["a"]), f"{tmp_path}/./a.gguf",
                           "-o", str(tmp_path / "aa.gguf"))  # fmt: skip
@@ -158,3 +165,21 @@ def test_one_idle_expert_of_a_block_is_singular() -> None:
         _warn_unrouted(ImportanceMatrix(entries, 32, 1))
     text = str(caught[0].message)
     assert "blk.0 expert 1;" in text and "blk.1 experts 0, 1" in text, text
+
+
+@pytest.mark.filterwarnings("always")
+def test_calibrates_warnings_are_in_its_json(tmp_path: Path, invoke: Invoke) -> None:
+    """--json carried none of calibrate's warnings (stderr only): each line stderr shows (here the
+    short text's) is in its `warnings` too, as quantize's JSON carries its own."""
+    from tests.moe_models import build_moe
+
+    model = build_moe(tmp_path / "m", "mixtral")
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    rc, out, err = invoke("calibrate", str(model), "--text", str(text), "--tokens", "4096",
+                          "--ctx", "1", "--threads", "1", "-o", str(tmp_path / "x.gguf"),
+                          "--json")  # fmt: skip
+    assert rc == 0, err
+    warned = json.loads(out)["warnings"]
+    assert any("the calibration text gave" in w for w in warned), warned
+    assert len(warned) == len(err.strip().splitlines()), (warned, err)

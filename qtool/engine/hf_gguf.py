@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import stat
 import tempfile
 import time
@@ -112,7 +113,7 @@ def _plan(
         summary = quantize_float(header, target, options, run)
     except OutputError as err:
         if err.path == str(header):  # the memory file: no directory of the user's to name
-            err.path, err.message = None, f"planning in memory: {err.message}"
+            err.path, err.message = None, _in_memory(err.message, "the model's float copy")
         raise
     except QtoolError as err:
         raise _named_for_user(err, header, src) from None
@@ -263,7 +264,7 @@ def _header_in_memory(
             converted = convert(src, where, None, kind, True, check_values)
             return converted, os.fstat(fd).st_size
         except OutputError as err:
-            err.path, err.message = None, f"planning in memory: {err.message}"
+            err.path, err.message = None, _in_memory(err.message, "the output")
             raise
         finally:
             if tmp is None:
@@ -380,3 +381,14 @@ def _named_in(err: QtoolError, scratch: Path, src: Path) -> QtoolError:
         err.path = str(src) + str(err.path)[len(where) :]
     err.message = err.message.replace(where, str(src))
     return err
+
+
+def _in_memory(message: str, what: str) -> str:
+    """An error writing the plan's memory file, for the user: a file-size limit holds for
+    memory files too, so a ulimit -f below the output's size stops the plan (and would stop the
+    real write): that is what to change, not the output directory."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if "too large" in message and limit != resource.RLIM_INFINITY:
+        return (f"{what} is larger than this process's file-size limit ({limit:,} bytes, "
+                "ulimit -f), so it cannot be written; raise the limit")  # fmt: skip
+    return f"planning in memory: {message}"

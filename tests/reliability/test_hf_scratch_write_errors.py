@@ -45,3 +45,21 @@ def test_file_size_limit_on_the_float_copy_names_the_output_folder(tmp_path: Pat
     assert proc.stderr.startswith(f"qtool: error: {out_dir}: "), proc.stderr
     assert "cannot write: file too large" in proc.stderr
     assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+def test_file_size_limit_on_the_plan_names_the_limit(tmp_path: Path, dtype: str) -> None:
+    """A dry run (and a float type's real run) builds the float GGUF's header in a memory file
+    sized as the whole file, which a ulimit -f stops too: the error said "planning in memory:
+    cannot write: file too large ...; write elsewhere with -o", which no -o changes."""
+    src = write_model(tmp_path / "m", "llama")
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "quantize", str(src), "--format", "gguf",
+         "--dtype", dtype, "--dry-run", "-o", str(tmp_path / "o.gguf")],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: _limit_file_size(100_000),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "" and "internal error" not in proc.stderr
+    assert "file-size limit (100,000 bytes, ulimit -f)" in proc.stderr, proc.stderr
+    assert "with -o" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -8,10 +8,11 @@ moves every 2-D weight off that grid the way an original float checkpoint would 
 it: to each element it adds noise drawn uniformly from [-step/2, +step/2), where step =
 (max - min) / 15 of the element's block of 32 (the Q4_1 step of that block). Norm weights
 (1-D) are copied unchanged; config, tokenizer and every other file are copied byte for byte.
-The noise is seeded (torch.Generator, --seed, per tensor in file order), so two runs write
-the same bytes. The result is NOT the original float SmolLM2 (that was not available
-offline): its float perplexity is somewhat worse (the noise is one more error of the size
-of Q4_1's), and it is used only as a model whose weights are not already 4-bit.
+The noise is seeded (torch.Generator, --seed; the files, and the tensors of each, in sorted
+name order), so two runs write the same bytes. The result is NOT the original float SmolLM2
+(that was not available offline): its float perplexity is somewhat worse (the noise is one
+more error of the size of Q4_1's), and it is used only as a model whose weights are not
+already 4-bit.
 
     python scripts/dither_checkpoint.py /tmp/smol/hf /tmp/A/dith [--seed 0]
 """

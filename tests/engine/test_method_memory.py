@@ -72,8 +72,9 @@ def test_each_solve_and_the_pass_give_their_memory_back_before_the_next_step(
 ) -> None:
     """Freed tensors under glibc's mmap threshold stay resident until trimmed: each Linear's
     GPTQ temporaries are given back before the next Linear's solve (not once per block: on
-    SmolLM2 the block phase's peak was 75 MiB higher), the block's before pass 2, and the
-    pass's last block and fit windows before the model KL reads the head."""
+    SmolLM2 the block phase's peak was 75 MiB higher; the last Linear's trim is the block's
+    before pass 2, with no second one there: 641d5e1), and the pass's last block and fit
+    windows before the model KL reads the head."""
     events: list[str] = []
     solve, head = gptq.gptq_quantize, verdict._head
     run_sequential = getattr(method_run, "run_sequential")  # noqa: B009 (not exported: mypy)

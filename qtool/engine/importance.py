@@ -80,6 +80,7 @@ class Importance:
     unused: tuple[str, ...] = ()  # entries naming no tensor of the input (another model's blocks)
     entry_names: Mapping[str, str] | None = None  # checkpoint name -> the file's entry name
     llama: Mapping[str, str] | None = None  # checkpoint name -> llama.cpp's, every tensor mapped
+    flat: Mapping[str, str] | None = None  # an expert's name -> its one-count entry, as it was cut
 
     def weights(self, name: str, shape: tuple[int, ...]) -> ColumnWeights | None:
         """The column weights of tensor `name` of `shape` (None: the file has no entry for it),
@@ -110,7 +111,7 @@ class Importance:
                 if not embedding_or_head(plan.entry.name):
                     missing.append(plan.entry.name)
                 continue
-            problem = _misfit(stats, plan.entry.shape)
+            problem = _misfit(stats, plan.entry.shape, (self.flat or {}).get(plan.entry.name))
             if problem is not None:
                 raise InputError(self.path, problem, plan.entry.name)
             _refuse_weightless(self.path, plan.entry.name, stats)
@@ -158,7 +159,7 @@ def match_importance(
     """The imatrix `read` from `path` keyed by the checkpoint's tensor `names` (see the module
     doc), `config` read from `config_path`; InputError when it names none of them."""
     imatrix, provenance = read
-    stats, used = _by_checkpoint_name(path, imatrix, names, config, config_path)
+    stats, used, flat = _by_checkpoint_name(path, imatrix, names, config, config_path)
     if not stats:
         first = next(iter(imatrix.entries))
         model_type = (config or {}).get("model_type")
@@ -175,7 +176,7 @@ def match_importance(
     entry_of = {id(s): n for n, s in imatrix.entries.items()}
     # an expert's row is not its entry: the entry's sensitivity is the stacked weight's
     names_in_file = {name: entry_of[id(s)] for name, s in stats.items() if id(s) in entry_of}
-    return Importance(path, stats, provenance, unused, names_in_file, _llama(names, config))
+    return Importance(path, stats, provenance, unused, names_in_file, _llama(names, config), flat)
 
 
 def _llama(names: list[str], config: Mapping[str, object] | None) -> dict[str, str]:
@@ -216,7 +217,7 @@ def _by_checkpoint_name(
     names: list[str],
     config: Mapping[str, object] | None,
     config_path: Path | None = None,
-) -> tuple[dict[str, MatrixStats], set[str]]:
+) -> tuple[dict[str, MatrixStats], set[str], dict[str, str]]:
     """The entries by checkpoint name, and the imatrix names used; an entry under both its
     llama.cpp name and the checkpoint's is refused naming both (which one holds the statistics
     is not for qtool to guess)."""
@@ -225,7 +226,7 @@ def _by_checkpoint_name(
     others = [n for n in imatrix.entries if n not in held]
     model_type = (config or {}).get("model_type")
     if not others or not isinstance(model_type, str):
-        return found, set(found)  # no config.json: exact names only
+        return found, set(found), {}  # no config.json: exact names only
     from qtool.formats.imatrix import hf_names_of
     from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_expert_names
 
@@ -236,8 +237,9 @@ def _by_checkpoint_name(
             arch, _block_count(config, names), [n for n in names if n not in found]
         )
     except (ValueError, KeyError, InputError):
-        return found, set(found)  # no name map for this architecture: exact names only
+        return found, set(found), {}  # no name map for this architecture: exact names only
     used = set(found)
+    flat: dict[str, str] = {}
     for gguf_name, hf_name in mapped.items():
         if gguf_name not in others:
             continue
@@ -254,9 +256,15 @@ def _by_checkpoint_name(
         stacked = imatrix.entries.get(gguf_name)
         if stacked is None or hf_name in found:
             continue
-        found[hf_name] = _expert_row(path, gguf_name, stacked, e, n_experts[gguf_name], hf_name)
+        n = n_experts[gguf_name]
+        found[hf_name] = _expert_row(path, gguf_name, stacked, e, n, hf_name)
         used.add(gguf_name)
-    return found, used
+        if stacked.n_mat == 1 and n > 1:  # cut as a legacy flat entry: say so if it misfits
+            flat[hf_name] = (
+                f"{gguf_name} holds one matrix of {stacked.k} columns (one count), read as "
+                f"{n} experts of {stacked.k // n}"
+            )
+    return found, used, flat
 
 
 def _expert_counts(
@@ -324,16 +332,18 @@ def _width_and_matrices(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[-1] if shape else 1), (shape[0] if len(shape) == 3 else 1)
 
 
-def _misfit(stats: MatrixStats, shape: tuple[int, ...]) -> str | None:
-    """Why an entry does not fit a tensor of `shape`, or None."""
+def _misfit(stats: MatrixStats, shape: tuple[int, ...], flat: str | None = None) -> str | None:
+    """Why an entry does not fit a tensor of `shape`, or None; `flat`: how an expert's row was
+    cut from a one-count entry (the entry's own size is what to report, not the cut's)."""
     width, matrices = _width_and_matrices(shape)
     if stats.sums.size == width * matrices:
         return None
     mats = f" x {matrices} matrices" if matrices > 1 else ""
     held = f" x {stats.n_mat} matrices" if stats.n_mat > 1 else ""
+    has = flat or f"has statistics for {stats.k} input columns{held}"
     return (
-        f"its entry has statistics for {stats.k} input columns{held}, but the tensor "
-        f"{list(shape)} takes {width}{mats}; give the imatrix computed on this model"
+        f"its entry {has}, but the tensor {list(shape)} takes {width}{mats}; give the imatrix "
+        "computed on this model"
     )
 
 

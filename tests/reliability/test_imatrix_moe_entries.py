@@ -86,3 +86,27 @@ def test_a_config_expert_count_the_checkpoint_does_not_store_is_blamed_on_config
     assert err.startswith(f"qtool: error: {model / 'config.json'}: num_local_experts is"), err
     assert "the checkpoint stores 4 experts" in err and "fix the count in config.json" in err
     assert not (tmp_path / "q").exists()
+
+
+def test_a_one_count_entry_cut_into_experts_is_reported_as_the_file_holds_it(
+    mixtral: Path, tmp_path: Path, invoke: Invoke
+) -> None:
+    """An experts entry of one matrix and one count (a dense model's [1, 64] under an _exps
+    name) is cut into 4 rows as a legacy flat entry is; when that does not fit, the message
+    says what the file holds and how it was read, not '16 input columns', which no file held."""
+    from qtool.formats.imatrix import read_imatrix_file, write_imatrix
+    from qtool.numerics.imatrix import ImportanceMatrix, MatrixStats
+
+    full = read_imatrix_file(stacked_imatrix(mixtral, "mixtral", tmp_path / "s.gguf")).imatrix
+    entries = dict(full.entries)
+    gate = entries["blk.0.ffn_gate_exps.weight"]
+    entries["blk.0.ffn_gate_exps.weight"] = MatrixStats(gate.sums[:1], gate.counts[:1])
+    flat = tmp_path / "flat.gguf"
+    write_imatrix(flat, ImportanceMatrix(entries, full.chunk_size, full.chunk_count, ()))
+    code, out, err = invoke(
+        "quantize", str(mixtral), "--dtype", "int4", "--range", "mse",
+        "--imatrix", str(flat), "-o", str(tmp_path / "q"),
+    )  # fmt: skip
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert "blk.0.ffn_gate_exps.weight holds one matrix of 64 columns (one count)" in err, err
+    assert "read as 4 experts of 16, but the tensor [96, 64] takes 64" in err, err

@@ -93,7 +93,7 @@ def _structured_plan_is_the_note(doc: Any, target: tuple[str, str], decided: int
     value = parse_size(target[1]) if kind == "size" else float(target[1])
     assert plan["target"] == {"kind": kind, "value": value}
     assert plan["bytes"] == doc["totals"]["bytes_out"] == int(_find(r"\((\d+) bytes\), ", note))
-    assert f"{plan['bpw']:.3f} bpw" in note and f"{plan['predicted_loss']:.6g};" in note
+    assert f"{plan['bpw']:.3f} bpw" in note and f"{plan['predicted_loss']:.4g};" in note
     assert plan["loss"] == "relative_output_error"  # no sensitivities here
     unit = "byte" if plan["granularity_bytes"] == 1 else "bytes"
     assert f"(granularity {plan['granularity_bytes']} {unit})" in note

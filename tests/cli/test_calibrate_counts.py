@@ -183,3 +183,22 @@ def test_calibrates_warnings_are_in_its_json(tmp_path: Path, invoke: Invoke) -> 
     warned = json.loads(out)["warnings"]
     assert any("the calibration text gave" in w for w in warned), warned
     assert len(warned) == len(err.strip().splitlines()), (warned, err)
+
+
+def test_refusals_count_one_token_in_the_singular(
+    invoke: Invoke, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'1 tokens do not fill one window of 2', 'gives 1 tokens': the refusals too."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from qtool.engine.calibrate import data
+    from qtool.engine.model.text import Text
+    from qtool.errors import InputError
+
+    rc, out, err = invoke("calibrate", "model", "--tokens", "1", "--ctx", "2", "-o", "x.gguf")
+    assert rc == 2 and out == "" and "1 token does not fill one window of 2" in err, err
+    monkeypatch.setattr(data, "leading_ids", lambda *_: [7])  # a text of one token
+    tokenizer: Any = SimpleNamespace(backend=SimpleNamespace(bos_token_id=None))
+    with pytest.raises(InputError, match="gives 1 token, fewer than one window of 4"):
+        data.take_windows([Text("x", "one.txt")], tokenizer, 8, 4)

@@ -141,8 +141,9 @@ def take_windows(texts: list[Text], tokenizer: Tokenizer, tokens: int, ctx: int)
         if windows and isinstance(bos, int) and ids[0] == bos and ctx > 1:
             windows = [[bos, *w[1:]] for w in windows]  # each window starts a sequence
         if not windows:
-            raise InputError(text.source, f"gives {len(ids)} tokens, fewer than one window of "
-                             f"{ctx}; give more text or a shorter window")  # fmt: skip
+            gives = f"{len(ids)} token" if len(ids) == 1 else f"{len(ids)} tokens"
+            raise InputError(text.source, f"gives {gives}, fewer than one window of {ctx}; "
+                             "give more text or a shorter window")  # fmt: skip
         cut.append(windows)
     taken = [0] * len(texts)
     total = 0

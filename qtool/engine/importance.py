@@ -228,7 +228,7 @@ def _by_checkpoint_name(
     if not others or not isinstance(model_type, str):
         return found, set(found), {}  # no config.json: exact names only
     from qtool.formats.imatrix import hf_names_of
-    from qtool.formats.imatrix.naming import IMATRIX_ARCHS, llama_expert_names
+    from qtool.formats.imatrix.naming import IMATRIX_ARCHS, fused_expert_entry, llama_expert_names
 
     arch = IMATRIX_ARCHS.get(model_type, model_type)
     try:
@@ -252,11 +252,14 @@ def _by_checkpoint_name(
         found[hf_name] = imatrix.entries[gguf_name]
         used.add(gguf_name)
     n_experts = _expert_counts(config, experts, config_path)
-    for hf_name, (gguf_name, e) in experts.items():
+    for hf_name, (stacked_name, e) in experts.items():
+        # gate and up fused (--fuse-gate-up-exps) when the file has no entry of their own
+        fused = fused_expert_entry(stacked_name)
+        gguf_name = fused if stacked_name not in imatrix.entries and fused else stacked_name
         stacked = imatrix.entries.get(gguf_name)
         if stacked is None or hf_name in found:
             continue
-        n = n_experts[gguf_name]
+        n = n_experts[stacked_name]
         found[hf_name] = _expert_row(path, gguf_name, stacked, e, n, hf_name)
         used.add(gguf_name)
         if stacked.n_mat == 1 and n > 1:  # cut as a legacy flat entry: say so if it misfits

@@ -185,3 +185,37 @@ def test_merge_adds_sums_and_counts_per_expert(models: dict[str, Path], tmp_path
         got.entries[entry].sums, ra.entries[entry].sums + rb.entries[entry].sums
     )
     assert got.entries[entry].sums.shape == (EXPERTS, 96)
+
+
+def test_gate_and_up_fused_take_row_e_of_the_fused_entry(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An imatrix of a GGUF converted with --fuse-gate-up-exps keys gate and up of every expert
+    under blk.N.ffn_gate_up_exps.weight (one input for both): expert e's gate and up are
+    weighted by its row e, as by separate entries holding that row; an entry name of the
+    converter's that qtool did not map left them unweighted."""
+    from qtool.formats.imatrix import read_imatrix
+
+    model = models["mixtral"]
+    read = read_imatrix(stacked_imatrix(model, "mixtral", tmp_path / "a.gguf")).entries
+    separate, fused = dict(read), dict(read)
+    for block in range(2):
+        gate, up = (f"blk.{block}.ffn_{k}_exps.weight" for k in ("gate", "up"))
+        separate[up] = read[gate]  # one input: llama-imatrix sums the same rows for both
+        fused[f"blk.{block}.ffn_gate_up_exps.weight"] = fused.pop(gate)
+        del fused[up]
+    for name, entries in (("separate", separate), ("fused", fused)):
+        write_imatrix(tmp_path / f"{name}.gguf", ImportanceMatrix(entries, 512, 1))
+    done = quantize(model, tmp_path / "fused", tmp_path / "fused.gguf")
+    assert not any("not used" in n or "no entry" in n for n in done.notes), done.notes
+    quantize(model, tmp_path / "separate", tmp_path / "separate.gguf")
+    quantize(model, tmp_path / "plain", None)
+    unweighted = 0
+    for block in range(2):
+        for e in range(EXPERTS):
+            for w in ("w1", "w3"):
+                name = f"model.layers.{block}.block_sparse_moe.experts.{e}.{w}.weight"
+                got = codes(tmp_path / "fused", name)
+                assert torch.equal(got, codes(tmp_path / "separate", name)), name
+                unweighted += torch.equal(got, codes(tmp_path / "plain", name))
+    assert unweighted < 2 * 2 * EXPERTS

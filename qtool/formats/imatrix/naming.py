@@ -30,6 +30,16 @@ def llama_names(arch: str, n_blocks: int, hf_names: Sequence[str]) -> dict[str, 
     return gguf_names(arch, n_blocks, hf_names)
 
 
+def fused_expert_entry(gguf_name: str) -> str | None:
+    """The entry an imatrix of a GGUF converted with `convert_hf_to_gguf.py --fuse-gate-up-exps`
+    holds the stacked gate or up weight `gguf_name` under (blk.N.ffn_gate_up_exps.weight: gate
+    and up of an expert take the same input, so row e weighs both), None for other names."""
+    for stacked in (".ffn_gate_exps.", ".ffn_up_exps."):
+        if stacked in gguf_name:
+            return gguf_name.replace(stacked, ".ffn_gate_up_exps.")
+    return None
+
+
 def llama_expert_names(
     arch: str, n_blocks: int, hf_names: Sequence[str]
 ) -> dict[str, tuple[str, int]]:

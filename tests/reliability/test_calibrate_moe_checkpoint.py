@@ -56,6 +56,8 @@ def _edited(directory: Path, change: str) -> Path:
         _edit_config(model, num_experts_per_tok=int(change.removeprefix("routed_")))
     elif change == "one_layer":
         _edit_config(model, num_hidden_layers=1)
+    elif change == "int32":
+        tensors[W1] = torch.zeros_like(tensors[W1], dtype=torch.int32)
     else:
         for name in [n for n in tensors if f".experts.{EXPERTS - 1}." in n]:
             del tensors[name]
@@ -75,6 +77,7 @@ def _edited(directory: Path, change: str) -> Path:
         "routed_8",
         "routed_-1",
         "one_layer",
+        "int32",
     ],
 )
 def test_experts_that_do_not_make_the_configs_weights_are_refused(
@@ -87,7 +90,7 @@ def test_experts_that_do_not_make_the_configs_weights_are_refused(
         "calibrate", str(model), "-o", str(out), "--text", text, "--tokens", "64", "--ctx", "32"
     )
     assert code == 1 and stdout == "" and err.count("\n") == 1, err
-    assert "config.json" in err, err
+    assert "config.json" in err or change == "int32", err
     if change == "wider" or change in _RESHAPED:
         held = (
             list(_RESHAPED[change](torch.empty(96, 64)).shape) if change in _RESHAPED else [128, 64]
@@ -97,6 +100,8 @@ def test_experts_that_do_not_make_the_configs_weights_are_refused(
     elif change == "five_experts":
         assert "tensor 'model.layers.0.block_sparse_moe.gate.weight'" in err, err
         assert "makes it [5, 64], but model.safetensors holds [4, 64]" in err, err
+    elif change == "int32":  # a float parameter's values stored as integers: never cast
+        assert f"model.safetensors: tensor {W1!r}: holds this weight as I32" in err, err
     elif change == "one_layer":  # the message names no other command than the one run
         assert "no place for this tensor" in err and "eval" not in err, err
     elif change.startswith("routed_"):

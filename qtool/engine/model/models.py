@@ -204,8 +204,15 @@ def _check_shape(
     stored: str, shape: tuple[int, ...], checkpoint: Checkpoint, config_json: Path
 ) -> None:
     """InputError naming tensor `stored` when the checkpoint holds it in another shape than
-    the `shape` config.json makes it (an expert's Linear narrowed, transposed, 3-D, empty)."""
-    held = checkpoint.tensors[stored][0]
+    the `shape` config.json makes it (an expert's Linear narrowed, transposed, 3-D, empty), or
+    in an integer dtype (a float parameter's values: an I32 expert was cast silently)."""
+    held, dtype = checkpoint.tensors[stored]
+    if not dtype.startswith(("F", "BF")):
+        where = checkpoint.files.get(stored, config_json)
+        raise InputError(
+            where, f"holds this weight as {dtype}, but the model's parameter is floating "
+            "point; give the unquantized checkpoint", stored,
+        )  # fmt: skip
     if held != shape:
         where = checkpoint.files.get(stored, config_json)
         raise InputError(

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from qtool.engine.job import Mode, RunOptions
-from qtool.engine.model.checked import MAX_TOKENIZER_BYTES, MAX_TOKENIZER_TOTAL
+from qtool.engine.model.checked import MAX_TOKENIZER_BYTES, MAX_TOKENIZER_TOTAL, private_dir
 from qtool.engine.plan import QuantizeOptions, quantized_output
 from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
@@ -38,7 +38,6 @@ from qtool.io.atomic import OutputSet, preflight
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting
 from qtool.io.safeopen import InputDir, Refused, read_limited
-from qtool.io.tempdirs import private_scratch
 from qtool.results import QuantizeRow, QuantizeSummary
 
 _FLOAT_NAME = "converted.gguf"
@@ -300,7 +299,7 @@ def checked_model(src: Path) -> Iterator[Path]:
     link to a descriptor opened the same way (the weights are not copied). gguf-py, tokenizers
     and safetensors then open by path only what qtool checked, and a file swapped or linked
     out after the check is never read. Errors naming the copy name the file in `src`."""
-    with contextlib.closing(InputDir(src)) as within, _private() as private:
+    with contextlib.closing(InputDir(src)) as within, private_dir("export") as private:
         fds: list[int] = []
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
         try:
@@ -357,16 +356,6 @@ def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total:
             raise OutputError(None, f"cannot copy the model's tokenizer files to a private "
                               f"temporary directory: {err.strerror or err}") from None  # fmt: skip
     return total
-
-
-@contextlib.contextmanager
-def _private() -> Iterator[Path]:
-    with contextlib.ExitStack() as stack:
-        try:
-            path = stack.enter_context(private_scratch("export"))
-        except OSError as err:
-            raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
-        yield path
 
 
 def _fd_path(fd: int) -> str:

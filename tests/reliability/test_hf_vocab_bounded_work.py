@@ -15,18 +15,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import Invoke
+from tests.formats.gguf.sp_models import varint as _varint
 from tests.formats.gguf.sp_models import write_sp_model
 
 pytest.importorskip("sentencepiece")
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _piece(text: bytes) -> bytes:

@@ -21,17 +21,9 @@ import pytest
 from qtool.errors import InputError
 from qtool.formats.gguf import sp_model
 from tests.conftest import Invoke
+from tests.formats.gguf.sp_models import varint as _varint
 
 pytest.importorskip("sentencepiece")
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _field(number: int, wire: int, payload: bytes) -> bytes:

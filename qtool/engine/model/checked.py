@@ -36,7 +36,7 @@ MAX_TOKENIZER_TOTAL = 2 * MAX_TOKENIZER_BYTES
 def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
     """A private directory holding the files `names` of the model directory `path` that exist
     there, each checked and copied (InputError naming the file otherwise); removed on exit."""
-    with contextlib.closing(InputDir(path)) as within, _scratch() as scratch:
+    with contextlib.closing(InputDir(path)) as within, private_dir("eval") as scratch:
         total = 0
         for name in sorted(set(names) & set(within.names())):
             data = within.read(name, MAX_TOKENIZER_BYTES, "a tokenizer file")
@@ -53,10 +53,11 @@ def checked_copy(path: Path, names: Iterable[str]) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def _scratch() -> Iterator[Path]:
+def private_dir(label: str) -> Iterator[Path]:
+    """A private temporary directory (OutputError if none can be made); removed on exit."""
     with contextlib.ExitStack() as stack:
         try:
-            path = stack.enter_context(private_scratch("eval"))
+            path = stack.enter_context(private_scratch(label))
         except OSError as err:
             raise OutputError(None, f"cannot make a private temporary directory: {err}") from None
         yield path

@@ -98,6 +98,16 @@ FLAVOURS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def varint(n: int) -> bytes:
+    """n as a protobuf varint (hand-made tokenizer.model files in the reliability tests)."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
 def train(
     model_type: str = "bpe", byte_fallback: bool = True, vocab_size: int = 400, **options: Any
 ) -> bytes:

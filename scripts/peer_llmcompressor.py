@@ -53,7 +53,7 @@ def main() -> None:
         from llmcompressor.pipelines.cache import IntermediatesCache
 
         if not torch.cuda.is_available():  # 0.14 pins its cache for the GPU: fails on a CPU
-            IntermediatesCache.pin_memory = lambda *_, **__: None  # type: ignore[method-assign]
+            IntermediatesCache.pin_memory = lambda *_, **__: None
 
         recipe = AWQModifier(config_groups=groups, ignore=["lm_head"])
     else:

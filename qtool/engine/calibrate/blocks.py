@@ -85,26 +85,31 @@ def block_list(model: Any, path: Any) -> tuple[Any, torch.nn.ModuleList, str]:
 
 
 def load_module(
-    module: torch.nn.Module, prefix: str, reader: FloatReader, device: torch.device, path: Any
+    module: torch.nn.Module,
+    prefix: str,
+    reader: FloatReader,
+    device: torch.device,
+    path: Any,
+    finite: bool = True,
 ) -> None:
     """The meta `module`'s parameters and persistent buffers read from the checkpoint (float32,
     onto `device`) under `prefix`; InputError naming a tensor the checkpoint lacks, one of
-    another shape, or a non-persistent buffer qtool cannot rebuild; NumericError naming one
-    holding NaN or infinite values."""
+    another shape, or a non-persistent buffer qtool cannot rebuild; with `finite`, NumericError
+    naming one holding NaN or infinite values (a method run with --keep-nonfinite loads them)."""
     names = set(reader.names)
     state: dict[str, torch.Tensor] = {}
     for local, meta in module.state_dict().items():
         name = f"{prefix}{local}"
         stored = name if name in names else router_name(name, names)
         if stored is not None:
-            state[local] = _finite(_float32(reader, stored, device), stored, path)
+            state[local] = _finite(_float32(reader, stored, device), stored, path, finite)
             continue
         stacked = stacked_experts(name, tuple(meta.shape), names)  # MoE Linears stored apart
         if stacked is None:
             raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
         state[local] = torch.empty(meta.shape, dtype=torch.float32, device=device)
         for e, parts in enumerate(stacked):
-            linears = [_finite(_float32(reader, n, device), n, path) for n in parts]
+            linears = [_finite(_float32(reader, n, device), n, path, finite) for n in parts]
             cols = meta.shape[2:]
             if any(t.dim() != meta.dim() - 1 or t.shape[1:] != cols for t in linears):
                 raise InputError(
@@ -129,11 +134,11 @@ def load_module(
         )  # fmt: skip
 
 
-def _finite(values: torch.Tensor, name: str, path: Any) -> torch.Tensor:
+def _finite(values: torch.Tensor, name: str, path: Any, check: bool) -> torch.Tensor:
     """`values`, NumericError naming tensor `name` if any is NaN or infinite: the pass runs
     every window through the block, so one such weight makes its outputs, and every statistic
     after it, NaN (an expert's: the rows routed to it)."""
-    bad = int(values.numel() - torch.isfinite(values).sum())
+    bad = int(values.numel() - torch.isfinite(values).sum()) if check else 0
     if bad:
         raise NumericError(
             path, f"has {bad:,} NaN/Inf values (as float32), through which no activation "

@@ -85,11 +85,13 @@ def run_sequential(
     directory: Path | None = None,
     tracker: Tracker | None = None,
     keeps_weights: bool = False,
+    finite: bool = True,
 ) -> None:
     """Every decoder block of `model`, in order, through `method` on the windows of each stream
     (name -> windows of token ids, all of one length); activations over `bound` bytes (None:
     ACTIVATIONS_IN_MEMORY) on the CPU spilled to a temporary file in `directory` (spilled()).
-    `keeps_weights`: the method changes no weight, so pass 1's outputs go on (no pass 2)."""
+    `keeps_weights`: the method changes no weight, so pass 1's outputs go on (no pass 2).
+    `finite`: a weight holding NaN/Inf is refused as its block loads (load_module)."""
     base, layers, layers_name = block_list(model, path)
     prepare_base(base, layers_name, reader, device, path)
     windows = [w for ws in streams.values() for w in ws]
@@ -109,7 +111,7 @@ def run_sequential(
         tracker.start(named)
     for i, block in enumerate(layers):
         prefix = f"{layers_name}.{i}."
-        load_module(block, prefix, reader, device, path)
+        load_module(block, prefix, reader, device, path, finite)
         if tracker is not None:
             tracker.before(block, kwargs[i])
         with torch.no_grad():
@@ -131,7 +133,7 @@ def run_sequential(
                         _advance(progress, f"block {i}", x)
         if tracker is not None:
             tracker.after(block, prefix, kwargs[i], partial(load_module, block, prefix, reader,
-                                                            device, path))  # fmt: skip
+                                                            device, path, finite))  # fmt: skip
         block.to_empty(device="meta")
         return_freed_memory()
 

@@ -92,7 +92,8 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
     try:
         with using_threads(job.run.threads):  # None: the idle cores (engine/threads.py)
             run_sequential(model, reader, streams, policy, device, path,
-                           directory=spill.directory, tracker=verdict)  # fmt: skip
+                           directory=spill.directory, tracker=verdict,
+                           finite=not job.options.keep_nonfinite)  # fmt: skip
             model_kl = verdict.figures(model, reader, device, path, streams)
         reader.check_unchanged()
     finally:

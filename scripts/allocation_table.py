@@ -58,6 +58,11 @@ def size_of(name: str, extra: list[str] | None = None) -> Callable[[dict[str, An
     return lambda done: ["--target-size", str(done[name]["bytes"]), *(extra or [])]
 
 
+def between(a: str, b: str, lad: list[str]) -> Callable[[dict[str, Any]], list[str]]:
+    """--target-size halfway between the bytes of two earlier runs."""
+    return lambda done: ["--target-size", str((done[a]["bytes"] + done[b]["bytes"]) // 2), *lad]
+
+
 def runs(ladder: Path | None) -> list[Run]:
     lad = [] if ladder is None else ["--recipe", str(ladder)]
     return [
@@ -79,8 +84,13 @@ def runs(ladder: Path | None) -> list[Run]:
                                          "mse", "--group-fallback", "channel"]),  # fmt: skip
         Run("--target-size = int4 channel", "target-size", size_of("int4 channel mse", lad)),
         Run("--target-size = int4 g32", "target-size", size_of("int4 g32 mse", lad)),
-        Run("--target-sqnr 20", "target-sqnr", ["--target-sqnr", "20"]),
-        Run("--target-sqnr 21", "target-sqnr", ["--target-sqnr", "21"]),
+        Run("--target-size = mid int4 channel..g64", "target-size",
+            between("int4 channel mse", "int4 g64 mse", lad)),
+        Run("--target-size = mid int4 g32..int8", "target-size",
+            between("int4 g32 mse", "int8 channel", lad)),
+        # the SQNR budget weighs no trial by h yet (quantize refuses --imatrix with it)
+        Run("--target-sqnr 20", "target-sqnr", ["--target-sqnr", "20"], imatrix=False),
+        Run("--target-sqnr 21", "target-sqnr", ["--target-sqnr", "21"], imatrix=False),
     ]  # fmt: skip
 
 
@@ -152,7 +162,7 @@ def record(r: Run, doc: dict[str, Any], sens: Sensitivities | None) -> dict[str,
     blocks = 1 + max((int(n.split(".")[2]) for n in names if n.startswith("model.layers.")),
                      default=-1)  # fmt: skip
     s = None
-    if r.imatrix and sens is not None:
+    if (r.imatrix or r.family == "target-sqnr") and sens is not None:  # r from the plain SQNR
         s = predicted(doc, sens, gguf_names("llama", blocks, names))
     alloc = doc.get("allocation")
     keys = ("target", "predicted_loss", "loss", "sum_alpha_r", "by_spec")

@@ -303,31 +303,51 @@ def checked_model(src: Path) -> Iterator[Path]:
         fds: list[int] = []
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
         try:
-            scratch.mkdir(mode=0o700)  # named as the model: gguf-py's Metadata names it so
-            total = _copy(within, READ_FILES, scratch, 0)
-            found = within.lstat(TEMPLATES)  # a regular file of that name: gguf-py skips it
-            if found is not None and not stat.S_ISREG(found.st_mode):
-                try:
-                    sub = within.subdir(TEMPLATES)
-                except Refused as why:
-                    where = within.file(TEMPLATES)
-                    raise InputError(where, f"{why}; qtool reads only directories inside the "
-                                     "model directory") from None  # fmt: skip
-                with contextlib.closing(sub):
-                    (scratch / TEMPLATES).mkdir(mode=0o700)
-                    jinja = [n for n in sub.names() if n.endswith(".jinja")]
-                    _copy(sub, jinja, scratch / TEMPLATES, total)
-            for name in within.names():
-                if name.endswith(".safetensors"):
-                    with within.open(name) as f:  # InputError: a link out, a FIFO, ...
-                        fds.append(os.dup(f.fileno()))
-                    os.symlink(_fd_path(fds[-1]), scratch / name)
+            with _setting_up(private):
+                _fill(within, scratch, fds)
             yield scratch
         except QtoolError as err:
             raise _named_in(err, scratch, src) from None
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def _setting_up(private: Path) -> Iterator[None]:
+    """OSError while the private copy is made (no space or inodes there, no descriptor left)
+    as one line naming where, and what to do."""
+    try:
+        yield
+    except OSError as err:
+        raise OutputError(
+            None, f"cannot make the private copy of the model in {private.parent}: "
+            f"{err.strerror or err}; free space there or set TMPDIR to another directory, "
+            "or raise the open-file limit (ulimit -n)",
+        ) from None  # fmt: skip
+
+
+def _fill(within: InputDir, scratch: Path, fds: list[int]) -> None:
+    """The private copy of checked_model in `scratch`, the weights' descriptors into `fds`."""
+    scratch.mkdir(mode=0o700)  # named as the model: gguf-py's Metadata names it so
+    total = _copy(within, READ_FILES, scratch, 0)
+    found = within.lstat(TEMPLATES)  # a regular file of that name: gguf-py skips it
+    if found is not None and not stat.S_ISREG(found.st_mode):
+        try:
+            sub = within.subdir(TEMPLATES)
+        except Refused as why:
+            where = within.file(TEMPLATES)
+            raise InputError(where, f"{why}; qtool reads only directories inside the "
+                             "model directory") from None  # fmt: skip
+        with contextlib.closing(sub):
+            (scratch / TEMPLATES).mkdir(mode=0o700)
+            jinja = [n for n in sub.names() if n.endswith(".jinja")]
+            _copy(sub, jinja, scratch / TEMPLATES, total)
+    for name in within.names():
+        if name.endswith(".safetensors"):
+            with within.open(name) as f:  # InputError: a link out, a FIFO, ...
+                fds.append(os.dup(f.fileno()))
+            os.symlink(_fd_path(fds[-1]), scratch / name)
 
 
 def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total: int) -> int:

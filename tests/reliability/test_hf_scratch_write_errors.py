@@ -63,3 +63,29 @@ def test_file_size_limit_on_the_plan_names_the_limit(tmp_path: Path, dtype: str)
     assert proc.stdout == "" and "internal error" not in proc.stderr
     assert "file-size limit (100,000 bytes, ulimit -f)" in proc.stderr, proc.stderr
     assert "with -o" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _limit_open_files(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+def test_no_descriptor_left_for_the_private_copy_is_one_line(tmp_path: Path) -> None:
+    """The private copy of HF_DIR (every side file copied, every weight file held open) could
+    fail with an OSError of its own (no descriptor, no space or inodes in TMPDIR): it was
+    'internal error: OSError: [Errno 24] Too many open files'. One line naming where and what
+    to do, exit 1, nothing written."""
+    src = write_model(tmp_path / "m", "llama")
+    for i in range(40):  # weight files are held open while the conversion runs
+        (src / f"extra-{i}.safetensors").write_bytes(b"")
+    out = tmp_path / "o.gguf"
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "quantize", str(src), "--format", "gguf",
+         "--dtype", "F16", "-o", str(out)],
+        capture_output=True, text=True, timeout=300, preexec_fn=lambda: _limit_open_files(40),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "private copy of the model" in lines[0], proc.stderr
+    assert "ulimit -n" in lines[0]
+    assert not out.exists()

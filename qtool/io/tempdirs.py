@@ -149,6 +149,7 @@ def private_scratch(kind: str) -> Iterator[Path]:
     nobody holds, at least SCRATCH_GRACE_S old; never another user's, never through a link).
     OSError when none can be made."""
     parent = tempfile.gettempdir()
+    _refuse_shared_parent(parent)
     _remove_dead_scratch(parent, kind)
     scratch = Path(tempfile.mkdtemp(prefix=f"qtool-{kind}-", dir=parent))
     fd = -1
@@ -160,6 +161,19 @@ def private_scratch(kind: str) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
         if fd >= 0:
             os.close(fd)
+
+
+def _refuse_shared_parent(parent: str) -> None:
+    """OSError when another user could rename the scratch directory away and put theirs in its
+    place (callers reopen files in it by path): `parent` writable by group or others without
+    the sticky bit, or owned by another user than this one or root."""
+    st = os.stat(parent)
+    shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
+    if shared or st.st_uid not in (os.getuid(), 0):
+        raise OSError(
+            f"the temporary directory {parent} is writable by other users without the sticky "
+            "bit, or owned by another user; set TMPDIR to a directory only you can write"
+        )
 
 
 SCRATCH_GRACE_S = 60.0

@@ -68,3 +68,23 @@ def test_only_the_users_own_dead_scratches_are_removed(tmpdir_: Path) -> None:
     assert all(p.is_dir() for p in [*kept, young])
     assert (target / "precious").read_text() == "x" and link.is_symlink()
     assert others.exists() == (os.getuid() == 0)  # root: another uid's is left alone
+
+
+@pytest.mark.parametrize(("mode", "refused"), [(0o777, True), (0o770, True), (0o1777, False)])
+def test_a_temp_directory_others_can_rename_in_is_refused(
+    tmpdir_: Path, mode: int, refused: bool
+) -> None:
+    """Callers reopen files in the scratch by path: in a parent others may write without the
+    sticky bit, another user could rename the 0700 scratch away and put theirs in its place
+    (the HF -> GGUF export then wrote the attacker's config and chat template, exit 0)."""
+    tmpdir_.chmod(mode)
+    if refused:
+        with (
+            pytest.raises(OSError, match="set TMPDIR to a directory only you can write"),
+            private_scratch("eval"),
+        ):
+            pass
+        assert list(tmpdir_.iterdir()) == []
+    else:
+        with private_scratch("eval") as scratch:
+            assert scratch.is_dir()

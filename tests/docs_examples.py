@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -154,9 +155,10 @@ def steps(block: Block) -> list[Step]:
     ]
 
 
-def workspace(where: Path) -> dict[str, str]:
+def workspace(where: Path, environ: Mapping[str, str]) -> dict[str, str]:
     """A fresh directory with the sample weights, the recipes and `.venv`; the environment to
-    run examples in."""
+    run examples in, from `environ` (a snapshot: pytest's main thread sets os.environ while
+    worker threads run this, and iterating os.environ then can raise KeyError)."""
     for name in ("sample_weights", "examples"):
         shutil.copytree(ROOT / name, where / name)
     bindir = Path(sys.executable).parent
@@ -168,7 +170,7 @@ def workspace(where: Path) -> dict[str, str]:
     else:  # not a venv: an activate that puts this interpreter's scripts first
         (venv / "bin").mkdir(parents=True)
         (venv / "bin" / "activate").write_text(f'export PATH="{bindir}:$PATH"\n')
-    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    env = {k: v for k, v in environ.items() if k not in UNSET}
     env.update(
         PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}",
         COLUMNS="100",

@@ -97,9 +97,10 @@ def outcomes(
         for item in request.session.items
         if getattr(item, "originalname", "") == "test_examples_run_and_print_what_the_docs_show"
     }
+    environ = dict(os.environ)  # taken here: the workers must not iterate os.environ
     with ThreadPoolExecutor(max_workers=3) as pool:
         yield {
-            doc: pool.submit(_check_document, doc, tmp_path_factory.mktemp(doc.stem))
+            doc: pool.submit(_check_document, doc, tmp_path_factory.mktemp(doc.stem), environ)
             for doc in DOCS
             if doc in selected
         }
@@ -117,9 +118,9 @@ def test_examples_run_and_print_what_the_docs_show(
     assert not problems, "\n\n".join(problems)
 
 
-def _check_document(doc: Path, tmp: Path) -> tuple[list[str], Edits]:
+def _check_document(doc: Path, tmp: Path, environ: dict[str, str]) -> tuple[list[str], Edits]:
     """The problems of a document's examples, and with QTOOL_DOCS_UPDATE=1 the new outputs."""
-    env, problems, edits = workspace(tmp), [], {}
+    env, problems, edits = workspace(tmp, environ), [], {}
     for block in blocks(doc):
         if block.lang not in RUN or block.option("not-run"):
             continue

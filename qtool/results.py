@@ -277,6 +277,9 @@ class AllocationPlan:
     sum_alpha_r: float = math.nan  # S, the linear model's sum (loss is joint fit(S), else S)
     joint_fit: bool = False  # loss is the imatrix's joint fit of S (qtool.sensitivity.joint)
     kept_without_alpha: int = 0  # decided tensors the sensitivities lack, kept float
+    measured_kl: float = math.nan  # a KL target's plan, measured (engine/plan_kl.py; NaN: not)
+    solves: int = 0  # a KL target's solves (each plan but the last measured over the target)
+    measured_on: str = ""  # where measured_kl was measured, or why it was not
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,14 @@ from qtool.results import AllocationPlan, Trial
 from qtool.spec import Codec, QSpec, spec_label
 
 if TYPE_CHECKING:
+    import torch
+
     from qtool.engine.loop import Kernels
     from qtool.engine.shards import Shards
     from qtool.formats.base import OutputFormat
     from qtool.formats.imatrix.sensitivity import Sensitivities
     from qtool.io.checkpoint import Checkpoint
+    from qtool.io.gguf_layout import GGUFValue
     from qtool.io.stformat import TensorEntry
 
 FLOAT = "float"  # the candidate that keeps a tensor as it is
@@ -87,7 +90,7 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
     target = data.options.allocation
     assert target is not None and data.run is not None
     where = data.options.imatrix
-    alpha, found = sensitivities(plan, data)
+    alpha, found, metadata = sensitivities(plan, data)
     if target.kind == "kl" and found is None:
         raise UsageError(
             where,
@@ -113,10 +116,11 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
                  if p.entry.name in unmeasured)  # fmt: skip
     items = _items(measured, alpha, data.fmt)
     elements = sum(p.entry.numel for p in plan.plans)
+    check: KlCheck | None = None
     try:
         if target.kind == "kl":
             assert found is not None
-            chosen = solver.within_loss(items, found.sum_within(target.value))
+            chosen, check = _within_kl(plan, data, measured, items, found, metadata)
         else:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
@@ -150,9 +154,119 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         tuple((label, n, b) for label, (n, b) in sorted(spent.items())),
         sum_alpha_r=chosen.loss, joint_fit=found is not None and found.joint is not None,
         kept_without_alpha=len(unmeasured),
+        measured_kl=math.nan if check is None else check.kl,
+        solves=0 if check is None else check.solves,
+        measured_on="" if check is None else check.where,
     )  # fmt: skip
     # summary_line(target, result) is the report's note under the table (not a warning)
     return replace(plan, plans=tuple(out), allocation=result)
+
+
+@dataclass(frozen=True)
+class KlCheck:
+    """What a KL target's plan measured (engine/plan_kl.py): its KL on held-out windows
+    (`where` says which), after `solves` solves; or why it was not measured (`kl` NaN)."""
+
+    kl: float
+    solves: int
+    where: str
+
+
+def _within_kl(
+    plan: ModelPlan,
+    data: Measured,
+    measured: Sequence[Measurement],
+    items: Sequence[solver.TensorLadder],
+    found: Sensitivities,
+    metadata: dict[str, GGUFValue],
+) -> tuple[solver.Plan, KlCheck]:
+    """The fewest bytes whose KL stays within the target, measured: the plan of least bytes
+    within the predicted target, its KL measured on held-out windows; while over the target,
+    solved again within a bound tightened by measured / predicted (sensitivity.tightened), at
+    most MAX_SOLVES solves; UsageError when the last is still over. A model qtool cannot run
+    keeps the first plan, predicted only (the check says why)."""
+    from qtool.engine import plan_kl
+    from qtool.numerics.sensitivity import MAX_SOLVES, tightened
+
+    target = data.options.allocation
+    assert target is not None
+    bound = target.value
+    chosen = solver.within_loss(items, found.sum_within(bound))
+    why = plan_kl.cannot_run(data.shards.source.directory)
+    if why is not None:
+        return chosen, KlCheck(math.nan, 1, f"not measured: {why}")
+    directory = data.shards.source.directory
+    assert directory is not None
+    with plan_kl.PlanKL(directory, data.run.device, metadata) as meter:
+        for solves in range(1, MAX_SOLVES + 1):
+            picks = _picks(measured, chosen, data.fmt)
+            restore = _restorer(plan, data, measured, picks)
+            kl = meter.measure(restore)
+            missing = restore.quantized - meter.placed
+            if missing:
+                why = f"{len(missing)} quantized tensor(s) it cannot place, e.g. {min(missing)}"
+                return chosen, KlCheck(math.nan, solves, f"not measured: {why}")
+            predicted = found.predicted(chosen.loss)
+            if not math.isfinite(kl):
+                raise InputError(directory, f"the plan's KL on {meter.held.describe()} is "
+                                 f"{kl} (not finite)")  # fmt: skip
+            if kl <= target.value:
+                return chosen, KlCheck(kl, solves, meter.held.describe())
+            if solves == MAX_SOLVES:
+                raise UsageError(
+                    None, f"no plan reached KL {target.value:g} in {MAX_SOLVES} solves: the "
+                    f"last, {solver.human_bytes(chosen.nbytes)} predicted {predicted:.4g}, "
+                    f"measured {kl:.4g} on {meter.held.describe()}; aim higher",
+                    hint="target",
+                )  # fmt: skip
+            bound = tightened(target.value, bound, predicted, kl)
+            chosen = solver.within_loss(items, found.sum_within(bound))
+    raise AssertionError("unreachable")
+
+
+class _Restorer:
+    """plan_kl.Restore for a plan: each tensor the plan quantizes, quantized as the writing
+    pass quantizes it (its chosen spec, the imatrix's weights) and restored from its codes."""
+
+    def __init__(
+        self,
+        plan: ModelPlan,
+        data: Measured,
+        measured: Sequence[Measurement],
+        picks: Mapping[str, str],
+    ) -> None:
+        self.data = data
+        by_name = {m.plan.entry.name: m for m in measured}
+        self.planned: dict[str, tuple[Path, TensorPlan]] = {}
+        for shard, plans in plan.per_shard():
+            for p in plans:
+                m = by_name.get(p.entry.name)
+                spec = m.options[picks[p.entry.name]][0] if m is not None else (
+                    None if p.decision.budget else p.spec)  # fmt: skip
+                if spec is not None:
+                    trial = p.decision.then(Quantize(spec), p.decision.origin)
+                    self.planned[p.entry.name] = (shard, TensorPlan(p.entry, trial))
+        self.quantized = set(self.planned)
+        self.workspace = kernels.Workspace(data.run.device)
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        found = self.planned.get(name)
+        if found is None:
+            return None
+        shard, trial = found
+        run, spec = self.data.run, trial.spec
+        assert spec is not None
+        ckpt = self.data.shards.checkpoint(shard)
+        result = quantize_one(ckpt, trial, self.workspace, run.scales_in_weight_dtype,
+                              weights=run.weights(trial))  # fmt: skip
+        x = ckpt.tensor(trial.entry)
+        try:
+            return kernels.restored_rows(result, spec, 0, x.shape[0], x).clone()
+        finally:
+            ckpt.release(trial.entry)
+
+
+_restorer = _Restorer
 
 
 def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
@@ -166,6 +280,13 @@ def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
             what += f", {plan.kept_without_alpha} tensor(s) with no alpha kept float"
     else:
         what = f"{what} {plan.loss:.4g}"  # as the KL figures: 4 significant digits
+    if plan.target == "kl" and plan.solves:
+        solves = f"{plan.solves} solve{'' if plan.solves == 1 else 's'}"
+        if math.isnan(plan.measured_kl):
+            what = f"KL {plan.measured_on} ({solves}), {what}"
+        else:
+            what = f"measured KL {plan.measured_kl:.4g} nats/token on {plan.measured_on} " \
+                f"({solves}), {what}"  # fmt: skip
     parts = [f"{lb} x{n} {solver.human_bytes(b)}" for lb, n, b in plan.by_spec]
     return (
         f"allocation ({target.describe()}): {solver.human_bytes(plan.nbytes)}, "
@@ -175,15 +296,17 @@ def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
     )
 
 
-def sensitivities(plan: ModelPlan, data: Measured) -> tuple[dict[str, float], Sensitivities | None]:
-    """alpha of each tensor the budget decides, by checkpoint name, and the sensitivities the
-    run's imatrix holds (None: no imatrix, or none in it). A tensor's alpha is looked up under
-    its llama.cpp name (calibrate's map, whether or not the file has statistics for it: the
-    embedding's and the head's alpha have none), its entry's name, and its own. The file is read
-    again for its metadata, and refused if it changed since the first read."""
+def sensitivities(
+    plan: ModelPlan, data: Measured
+) -> tuple[dict[str, float], Sensitivities | None, dict[str, GGUFValue]]:
+    """alpha of each tensor the budget decides, by checkpoint name, the sensitivities the run's
+    imatrix holds (None: no imatrix, or none in it) and its metadata. A tensor's alpha is
+    looked up under its llama.cpp name (calibrate's map, whether or not the file has statistics
+    for it: the embedding's and the head's alpha have none), its entry's name, and its own. The
+    file is read again for its metadata, and refused if it changed since the first read."""
     importance = data.run.importance
     if importance is None:
-        return {}, None
+        return {}, None, {}
     from qtool.formats.imatrix import read_imatrix_file
     from qtool.formats.imatrix.sensitivity import read_sensitivities
 
@@ -192,7 +315,7 @@ def sensitivities(plan: ModelPlan, data: Measured) -> tuple[dict[str, float], Se
         raise InputError(importance.path, "changed while the run read it; run again")
     found = read_sensitivities(importance.path, read.metadata)
     if found is None:
-        return {}, None
+        return {}, None, dict(read.metadata)
     keyed = (importance.llama or {}, importance.entry_names or {})
     alpha = {}
     for p in plan.plans:
@@ -200,7 +323,7 @@ def sensitivities(plan: ModelPlan, data: Measured) -> tuple[dict[str, float], Se
         held = [k for k in (*(m.get(name, name) for m in keyed), name) if k in found.alpha]
         if p.decision.budget and held:
             alpha[name] = found.alpha[held[0]]
-    return alpha, found
+    return alpha, found, dict(read.metadata)
 
 
 def _without_alpha(plan: ModelPlan, alpha: Mapping[str, float], fmt: OutputFormat) -> set[str]:

@@ -83,3 +83,18 @@ def sum_within(target: float, gain: float, saturation: float) -> float:
 def predicted_kl(alphas: dict[str, float], errors: dict[str, float]) -> float:
     """sum_L alpha_L r_L over the Linears of `errors` (KeyError for one without an alpha)."""
     return sum(alphas[name] * r for name, r in sorted(errors.items()))
+
+
+MAX_SOLVES = 4
+"""--target-kl: solves (each followed by a measurement of its plan) before a run that still
+measures over its target gives up."""
+
+
+def tightened(target: float, bound: float, predicted: float, measured: float) -> float:
+    """The predicted-KL bound of the next solve of a KL target after a plan within `bound`,
+    predicted `predicted`, measured `measured` > target: the predicted KL at which the measured
+    one is the target if measured / predicted holds, target x predicted / measured, taken from
+    min(bound, predicted), so that every next plan is predicted strictly lower than the last."""
+    if not (measured > target > 0.0):
+        raise ValueError(f"no bound to tighten: measured {measured} within target {target}")
+    return min(bound, predicted) * target / measured

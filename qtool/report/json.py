@@ -259,6 +259,10 @@ def _allocation_json(plan: AllocationPlan) -> dict[str, object]:
         "sum_alpha_r": json_number(plan.sum_alpha_r) if plan.measured else None,
         "joint_fit": plan.joint_fit,
         "kept_without_alpha": plan.kept_without_alpha,
+        "measured_kl": (
+            {"kl": json_number(plan.measured_kl), "solves": plan.solves, "on": plan.measured_on}
+            if plan.target == "kl" else None
+        ),  # fmt: skip
         "granularity_bytes": plan.granularity,
         "by_spec": [{"spec": s, "tensors": n, "bytes": b} for s, n, b in plan.by_spec],
     }

@@ -280,6 +280,7 @@ class AllocationPlan:
     measured_kl: float = math.nan  # a KL target's plan, measured (engine/plan_kl.py; NaN: not)
     solves: int = 0  # a KL target's solves (each plan but the last measured over the target)
     measured_on: str = ""  # where measured_kl was measured, or why it was not
+    rounds: tuple[tuple[int, float, float], ...] = ()  # per solve: bytes, predicted, measured
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ def runs(ladder: Path | None) -> list[Run]:
             gguf=True),
         Run("--target-kl 0.3", "target-kl", ["--target-kl", "0.3", *lad]),
         Run("--target-kl 0.15", "target-kl", ["--target-kl", "0.15", *lad]),
+        Run("--target-kl 0.45", "target-kl", ["--target-kl", "0.45", *lad]),
         Run("int4 channel mse", "uniform", ["--dtype", "int4", "--range", "mse"]),
         Run("int4 g32 mse", "uniform", ["--dtype", "int4", "--group-size", "32", "--range", "mse"]),
         Run("int8 channel", "uniform", ["--dtype", "int8", "--range", "mse"]),
@@ -165,7 +166,7 @@ def record(r: Run, doc: dict[str, Any], sens: Sensitivities | None) -> dict[str,
     if (r.imatrix or r.family == "target-sqnr") and sens is not None:  # r from the plain SQNR
         s = predicted(doc, sens, gguf_names("llama", blocks, names))
     alloc = doc.get("allocation")
-    keys = ("target", "predicted_loss", "loss", "sum_alpha_r", "by_spec")
+    keys = ("target", "predicted_loss", "loss", "sum_alpha_r", "by_spec", "measured_kl")
     return {
         "family": r.family,
         "format": "gguf" if r.gguf else "compressed-tensors",
@@ -173,7 +174,7 @@ def record(r: Run, doc: dict[str, Any], sens: Sensitivities | None) -> dict[str,
         "bytes": doc["totals"]["bytes_out"],
         "sum_alpha_r": s,
         "predicted_kl": None if s is None or sens is None else sens.predicted(s),
-        "allocation": None if alloc is None else {k: alloc[k] for k in keys},
+        "allocation": None if alloc is None else {k: alloc.get(k) for k in keys},
         "by_spec": doc["totals"]["by_spec"],
     }
 

@@ -157,6 +157,7 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
         measured_kl=math.nan if check is None else check.kl,
         solves=0 if check is None else check.solves,
         measured_on="" if check is None else check.where,
+        rounds=() if check is None else check.rounds,
     )  # fmt: skip
     # summary_line(target, result) is the report's note under the table (not a warning)
     return replace(plan, plans=tuple(out), allocation=result)
@@ -170,6 +171,7 @@ class KlCheck:
     kl: float
     solves: int
     where: str
+    rounds: tuple[tuple[int, float, float], ...] = ()  # (bytes, predicted, measured) per solve
 
 
 def _within_kl(
@@ -197,6 +199,7 @@ def _within_kl(
         return chosen, KlCheck(math.nan, 1, f"not measured: {why}")
     directory = data.shards.source.directory
     assert directory is not None
+    rounds: list[tuple[int, float, float]] = []
     with plan_kl.PlanKL(directory, data.run.device, metadata) as meter:
         for solves in range(1, MAX_SOLVES + 1):
             picks = _picks(measured, chosen, data.fmt)
@@ -207,11 +210,12 @@ def _within_kl(
                 why = f"{len(missing)} quantized tensor(s) it cannot place, e.g. {min(missing)}"
                 return chosen, KlCheck(math.nan, solves, f"not measured: {why}")
             predicted = found.predicted(chosen.loss)
+            rounds.append((chosen.nbytes, predicted, kl))
             if not math.isfinite(kl):
                 raise InputError(directory, f"the plan's KL on {meter.held.describe()} is "
                                  f"{kl} (not finite)")  # fmt: skip
             if kl <= target.value:
-                return chosen, KlCheck(kl, solves, meter.held.describe())
+                return chosen, KlCheck(kl, solves, meter.held.describe(), tuple(rounds))
             if solves == MAX_SOLVES:
                 raise UsageError(
                     None, f"no plan reached KL {target.value:g} in {MAX_SOLVES} solves: the "

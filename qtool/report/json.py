@@ -260,8 +260,17 @@ def _allocation_json(plan: AllocationPlan) -> dict[str, object]:
         "joint_fit": plan.joint_fit,
         "kept_without_alpha": plan.kept_without_alpha,
         "measured_kl": (
-            {"kl": json_number(plan.measured_kl), "solves": plan.solves, "on": plan.measured_on}
-            if plan.target == "kl" else None
+            {
+                "kl": json_number(plan.measured_kl),
+                "solves": plan.solves,
+                "on": plan.measured_on,
+                "rounds": [
+                    {"bytes": b, "predicted": json_number(p), "kl": json_number(k)}
+                    for b, p, k in plan.rounds
+                ],
+            }
+            if plan.target == "kl"
+            else None
         ),  # fmt: skip
         "granularity_bytes": plan.granularity,
         "by_spec": [{"spec": s, "tensors": n, "bytes": b} for s, n, b in plan.by_spec],

@@ -296,9 +296,10 @@ def checked_model(src: Path) -> Iterator[Path]:
     files of READ_FILES and additional_chat_templates/*.jinja that `src` holds, each read once
     through `src`'s descriptor (a regular file inside it: no link out, no FIFO, at most
     MAX_TOKENIZER_BYTES, MAX_TOKENIZER_TOTAL together) and copied; each .safetensors file a
-    link to a descriptor opened the same way (the weights are not copied). gguf-py, tokenizers
-    and safetensors then open by path only what qtool checked, and a file swapped or linked
-    out after the check is never read. Errors naming the copy name the file in `src`."""
+    link to a descriptor opened the same way (the weights are not copied; hf_export reads them
+    with pread, never mapped). gguf-py, tokenizers and the weights' reader then open by path
+    only what qtool checked, and a file swapped or linked out after the check is never read.
+    Errors naming the copy name the file in `src`."""
     with contextlib.closing(InputDir(src)) as within, private_dir("export") as private:
         fds: list[int] = []
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")

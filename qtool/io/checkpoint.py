@@ -291,6 +291,12 @@ def _check_regular_file(path: Path) -> None:
         raise InputError(path, "permission denied; check the file's permissions")
 
 
+def open_safetensors(path: Path) -> Checkpoint:
+    """A .safetensors file opened as one, whatever its content now (never sniffed as a pickle
+    or GGUF: for a caller that checked it was safetensors and reads it again)."""
+    return _open_safetensors(path, None)
+
+
 def _open_safetensors(path: Path, header: Header | None) -> Checkpoint:
     try:
         header = header or read_header(path)

@@ -53,6 +53,7 @@ def test_dry_run_reads_no_value_and_writes_no_file(
 
     from qtool.engine import hf_gguf
     from qtool.io.atomic import OutputSet
+    from qtool.io.checkpoint import Checkpoint
 
     src = write_model(tmp_path / "m", "llama")
     out_dir = tmp_path / "out"
@@ -61,6 +62,7 @@ def test_dry_run_reads_no_value_and_writes_no_file(
     before = {d: sorted(os.listdir(d)) for d in (src, out_dir)}
     with monkeypatch.context() as m:
         m.setattr(safetensors, "safe_open", _forbidden("read a tensor's values"))
+        m.setattr(Checkpoint, "_read", _forbidden("read a tensor's values"))  # qtool's pread
         m.setattr(OutputSet, "create", _forbidden("created a file"))
         m.setattr(hf_gguf, "scratch_beside", _forbidden("made a scratch directory"))
         planned = _plan(invoke, src, out_dir / "o.gguf", "--dry-run")

@@ -39,9 +39,11 @@ from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
 from qtool.formats.gguf.reader import INSTALL_GGUF
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.atomic import OutputSet, describe_os_error
+from qtool.io.checkpoint import open_safetensors
 from qtool.io.gguf_layout import GGUFHeader, GGUFValue
 from qtool.io.gguf_write import GGUFStreamWriter, build_header
 from qtool.io.jsonfile import read_json_object
+from qtool.io.readbuffer import ReadBuffer
 from qtool.io.stformat import Header, HeaderError, not_safetensors_message, read_header
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -482,16 +484,24 @@ def require_packages() -> None:
 
 
 def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
-    """Each tensor's values, one at a time, each file opened once."""
-    from safetensors import SafetensorError, safe_open
-
+    """Each tensor's values, one at a time, each file opened once and read with pread into one
+    reused buffer (io/checkpoint.py; the values are valid until the next is read), never mapped:
+    a file that shrinks under the run is one line naming it and the tensor, not a SIGBUS."""
     by_file: dict[Path, list[HFTensor]] = {}
     for t in tensors:
         by_file.setdefault(t.file, []).append(t)
+    buffer = ReadBuffer()
     for file, items in by_file.items():
+        ckpt = open_safetensors(file)  # InputError: no longer the file plan_tensors checked
         try:
-            with safe_open(str(file), framework="pt") as f:
-                for t in items:
-                    yield t, f.get_tensor(t.hf)
-        except (SafetensorError, OSError) as err:  # changed since its header was checked
-            raise InputError(file, f"cannot read it: {err}; did it change?") from None
+            entries = ckpt.by_name()
+            for t in items:
+                entry = entries.get(t.hf)
+                if entry is None or (entry.shape, entry.dtype) != (t.shape, t.source):
+                    raise InputError(file, "changed while reading (its header differs from the "
+                                     "one checked); run again once nothing is writing it",
+                                     t.hf)  # fmt: skip
+                yield t, ckpt.tensor(entry, buffer)
+            ckpt.check_unchanged()  # rewritten in place while read: the values may be torn
+        finally:
+            ckpt.close()

@@ -1,0 +1,130 @@
+"""quantize HF_DIR --format gguf reads the checkpoint's weights with pread (io/checkpoint.py),
+never through a mapping: a weights file truncated while the run reads it (another process
+rewriting it, a network file system dropping pages) killed the run with SIGBUS under
+safetensors' safe_open (exit -7, no message, the output's temporary file and the private copy
+left behind). Now every way the file can change under the run is one line naming the file and
+the tensor, exit 1, nothing at -o, nothing left beside it or in TMPDIR: shrunk after the
+header check (each writing path: a float output, a quantized one through its float copy, a
+dry run that reads the values), rewritten in place at the same size (torn values), and a
+different header by the time the values are read (a tensor's shape changed, same bytes).
+
+Each test runs qtool in a subprocess whose hook changes the file at a fixed point (after the
+first tensor is cast, or once the write is planned): a SIGBUS would kill pytest."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.formats.gguf.hf_models import write_model
+from tests.outputs import ERROR_LINE, leftovers
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # every test spawns a qtool process
+
+# argv: the change ("shrink", "rewrite" or "reshape"), the weights file, then qtool's argv.
+CHILD = r"""
+import os, sys
+from qtool.formats.gguf import hf_export, hf_vocab
+
+class Table(dict):  # the tiny tokenizer's pre-tokenizer taken as "gpt-2" (test_hf_export's)
+    def get(self, key, default=None):
+        return super().get(key, "gpt-2")
+
+hf_vocab.PRE_TOKENIZERS = Table(hf_vocab.PRE_TOKENIZERS)
+change, weights = sys.argv[1], sys.argv[2]
+done = []
+
+def shrink():  # to its header: every tensor's data gone, the header as checked
+    from qtool.io.stformat import read_header
+    os.truncate(weights, read_header(weights).data_start)
+
+def rewrite():  # the same size, the values zeroed in place: what was read is torn
+    from qtool.io.stformat import read_header
+    start, size = read_header(weights).data_start, os.path.getsize(weights)
+    with open(weights, "r+b") as f:
+        f.seek(start)
+        f.write(bytes(size - start))
+
+def reshape():  # a valid file of the same bytes in which one weight has another shape
+    from safetensors.torch import load_file, save
+    state = load_file(weights)
+    name = "model.layers.0.mlp.down_proj.weight"
+    state[name] = state[name].reshape(state[name].shape[::-1]).contiguous()
+    with open(weights, "r+b") as f:  # in place: the run holds the file open
+        f.write(save(state, {"format": "pt"}))
+        f.truncate()
+
+def after(name, what):
+    real = getattr(hf_export, name)
+    def hooked(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not done:
+            done.append(what())
+        return result
+    setattr(hf_export, name, hooked)
+
+if change == "reshape":  # once the write is planned (a float output plans twice)
+    after("GGUFStreamWriter", reshape)
+else:
+    after("tensor_data", shrink if change == "shrink" else rewrite)
+from qtool.cli import main
+sys.argv = ["qtool", *sys.argv[3:]]
+main()
+"""
+
+
+def _run(tmp_path: Path, change: str, *args: str) -> tuple[Path, str]:
+    """A tiny llama in tmp_path/m converted with `args` while its weights change; asserts the
+    one-line refusal with nothing left, and returns the model and the error line."""
+    src = write_model(tmp_path / "m", "llama")
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    out.mkdir()
+    scratch.mkdir()
+    weights = src / "model.safetensors"
+    cmd = [sys.executable, "-c", CHILD, change, str(weights), "quantize", str(src),
+           "--format", "gguf", *args, "-o", str(out / "m.gguf")]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.run(cmd, capture_output=True, env=env, timeout=600, check=False)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, (proc.returncode, err)  # -7: SIGBUS
+    assert proc.stdout == b"" and ERROR_LINE.match(err), err
+    assert list(out.iterdir()) == [] and leftovers(out) == []  # no output, no scratch copy
+    assert list(scratch.iterdir()) == []  # the private copy of the model removed
+    assert str(weights) in err, err  # the user's file, not the private copy's link
+    return src, err
+
+
+TENSOR = re.compile(r"tensor 'model\.[\w.]+'")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--dtype", "F16"), ("--dtype", "Q8_0"), ("--dtype", "F16", "--dry-run", "--estimate")],
+    ids=["float", "quantized", "estimate"],
+)
+def test_weights_shrunk_while_read(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """Shrunk to its header after the first tensor was cast: the next read is short."""
+    _, err = _run(tmp_path, "shrink", *args)
+    assert "changed while reading" in err and "bytes early" in err, err
+    assert TENSOR.search(err), err
+
+
+def test_weights_rewritten_in_place_while_read(tmp_path: Path) -> None:
+    """The same size, new values: the reads are whole but may mix old and new values, so the
+    file's change (size and mtime of the descriptor read) refuses the output."""
+    _, err = _run(tmp_path, "rewrite", "--dtype", "F16")
+    assert "changed while qtool was reading it" in err, err
+
+
+def test_header_changed_before_values_read(tmp_path: Path) -> None:
+    """A tensor whose shape is not the one the plan checked when its values are read: the
+    values are not written under the planned shape (its bytes would fit)."""
+    _, err = _run(tmp_path, "reshape", "--dtype", "F16")
+    assert "changed while reading" in err, err
+    assert "model.layers.0.mlp.down_proj.weight" in err, err

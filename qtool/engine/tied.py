@@ -3,8 +3,10 @@ names and config.json alone (torch-free).
 
 A tied embedding is the one tensor both ends of the model read: 4-bit codes there cost more than
 anywhere else (SmolLM2-135M, int4 group 64: perplexity x2.07 with it quantized, x1.45 with it
-float). compressed-tensors never quantizes an embedding; the qtool format keeps a tied one float
-at 4 bits by default (engine/plan.py), and a run that quantizes one to 4 bits anyway warns.
+float). qtool's compressed-tensors export never quantizes an embedding: compressed-tensors 0.20
+can describe and decompress one, but transformers 5.23 and vLLM cannot load it
+(tests/interop/test_ct_quantized_embedding.py). The qtool format keeps a tied one float at 4
+bits by default (engine/plan.py), and a run that quantizes one to 4 bits anyway warns.
 
 The rules are those transformers loads by: no output head tensor in the checkpoint (`lm_head`,
 `embed_out`, `output`), `tie_word_embeddings` not false (transformers' default is true), and a

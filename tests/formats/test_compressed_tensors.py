@@ -270,7 +270,8 @@ def test_globs_override_defaults_but_never_make_a_non_linear_quantized() -> None
     assert got["lm_head.weight"] == "q"
     # --include named it: the reason says why the format keeps it all the same
     assert got["model.embed_tokens.weight"] == (
-        "embedding: compressed-tensors quantizes nn.Linear weights only"
+        "embedding: compressed-tensors quantizes nn.Linear weights only (transformers and vLLM "
+        "load no quantized embedding from it; the qtool and GGUF formats quantize embeddings)"
     )
     assert (
         got["model.layers.0.mlp.down_proj.weight"] == "excluded by --exclude '*.down_proj.weight'"

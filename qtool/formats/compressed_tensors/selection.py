@@ -192,7 +192,11 @@ def _why_kept(kind: Kind, asked: bool) -> str:
     one (a recipe's int8 rule for BERT's word_embeddings became "kept: embedding", silently)."""
     if not asked or kind.module is not None or "nn.Linear" in kind.reason:
         return kind.reason
-    return f"{kind.reason}: compressed-tensors quantizes nn.Linear weights only"
+    why = f"{kind.reason}: compressed-tensors quantizes nn.Linear weights only"
+    if kind.reason == "embedding":  # tests/interop/test_ct_quantized_embedding.py
+        why += (" (transformers and vLLM load no quantized embedding from it; the qtool and "
+                "GGUF formats quantize embeddings)")  # fmt: skip
+    return why
 
 
 class RuleUnstorable(ValueError):

@@ -120,7 +120,7 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
     try:
         if target.kind == "kl":
             assert found is not None
-            chosen, check = _within_kl(plan, data, measured, items, found, metadata)
+            chosen, check = _within_kl(plan, data, measured, items, found, metadata, fixed)
         else:
             chosen = solver.within_bytes(items, target.bytes_for(elements) - fixed)
     except solver.Infeasible as err:
@@ -171,7 +171,7 @@ class KlCheck:
     kl: float
     solves: int
     where: str
-    rounds: tuple[tuple[int, float, float], ...] = ()  # (bytes, predicted, measured) per solve
+    rounds: tuple[tuple[int, float, float], ...] = ()  # per solve: output bytes, predicted, KL
 
 
 def _within_kl(
@@ -181,6 +181,7 @@ def _within_kl(
     items: Sequence[solver.TensorLadder],
     found: Sensitivities,
     metadata: dict[str, GGUFValue],
+    fixed: int,
 ) -> tuple[solver.Plan, KlCheck]:
     """The fewest bytes whose KL stays within the target, measured: the plan of least bytes
     within the predicted target, its KL measured on held-out windows; while over the target,
@@ -200,6 +201,7 @@ def _within_kl(
     directory = data.shards.source.directory
     assert directory is not None
     rounds: list[tuple[int, float, float]] = []
+    floor = sum(min(c.r for c in item.candidates) for item in items)  # the least loss any plan has
     with plan_kl.PlanKL(directory, data.run.device, metadata) as meter:
         for solves in range(1, MAX_SOLVES + 1):
             picks = _picks(measured, chosen, data.fmt)
@@ -210,22 +212,33 @@ def _within_kl(
                 why = f"{len(missing)} quantized tensor(s) it cannot place, e.g. {min(missing)}"
                 return chosen, KlCheck(math.nan, solves, f"not measured: {why}")
             predicted = found.predicted(chosen.loss)
-            rounds.append((chosen.nbytes, predicted, kl))
+            rounds.append((fixed + chosen.nbytes, predicted, kl))
             if not math.isfinite(kl):
                 raise InputError(directory, f"the plan's KL on {meter.held.describe()} is "
                                  f"{kl} (not finite)")  # fmt: skip
             if kl <= target.value:
                 return chosen, KlCheck(kl, solves, meter.held.describe(), tuple(rounds))
+            if chosen.loss <= floor:  # nothing left to buy: what is over is what no rule decides
+                raise UsageError(
+                    None, f"no plan reaches KL {target.value:g}: with every tensor the target "
+                    f"decides at its least error the model measures {kl:.4g} on "
+                    f"{meter.held.describe()} (the tensors rules quantize); aim higher",
+                    hint="target",
+                )  # fmt: skip
             if solves == MAX_SOLVES:
                 raise UsageError(
-                    None, f"no plan reached KL {target.value:g} in {MAX_SOLVES} solves: the "
-                    f"last, {solver.human_bytes(chosen.nbytes)} predicted {predicted:.4g}, "
+                    None, f"no plan reached KL {target.value:g} in {_solves(MAX_SOLVES)}: the "
+                    f"last, {solver.human_bytes(fixed + chosen.nbytes)} predicted {predicted:.4g}, "
                     f"measured {kl:.4g} on {meter.held.describe()}; aim higher",
                     hint="target",
                 )  # fmt: skip
             bound = tightened(target.value, bound, predicted, kl)
             chosen = solver.within_loss(items, found.sum_within(bound))
     raise AssertionError("unreachable")
+
+
+def _solves(n: int) -> str:
+    return f"{n} solve{'' if n == 1 else 's'}"
 
 
 class _Restorer:
@@ -285,7 +298,7 @@ def summary_line(target: solver.Target, plan: AllocationPlan) -> str:
     else:
         what = f"{what} {plan.loss:.4g}"  # as the KL figures: 4 significant digits
     if plan.target == "kl" and plan.solves:
-        solves = f"{plan.solves} solve{'' if plan.solves == 1 else 's'}"
+        solves = _solves(plan.solves)
         if math.isnan(plan.measured_kl):
             what = f"KL {plan.measured_on} ({solves}), {what}"
         else:

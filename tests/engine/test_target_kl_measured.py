@@ -37,7 +37,7 @@ def _imatrix(path: Path, alpha: float = 0.05) -> Path:
         for b in range(2)
         for k, w in KINDS.items()
     }
-    alphas = {name: alpha for name in entries} | {"token_embd.weight": alpha}
+    alphas = dict.fromkeys(entries, alpha) | {"token_embd.weight": alpha}
     extra = sensitivity_keys(Sensitivities(alphas, "test", 100, None))
     write_imatrix(path, ImportanceMatrix(entries, 512, 1, ("t.txt",)), extra)
     return path
@@ -65,9 +65,7 @@ class _Counted:
         monkeypatch.setattr(plan_kl.PlanKL, "measure", counted)
 
 
-def test_the_reported_kl_is_evals_kl_of_the_written_output(
-    invoke: Invoke, tmp_path: Path
-) -> None:
+def test_the_reported_kl_is_evals_kl_of_the_written_output(invoke: Invoke, tmp_path: Path) -> None:
     """The figure is a measurement of what was written, not the prediction: `qtool eval` of
     the output on the same windows (the default text's first 2,048 tokens at ctx 256, float32)
     gives the same mean KL to 1e-9."""
@@ -129,8 +127,9 @@ def test_a_target_the_solves_run_out_on_is_one_line(
     """Over the target after the last solve allowed: exit 2, one line giving the last plan's
     predicted and measured KL, nothing written."""
     monkeypatch.setattr(sensitivity, "MAX_SOLVES", 1)
+    imatrix = str(_imatrix(tmp_path / "s.gguf"))
     code, out, err = invoke("quantize", str(TINY_LM), "--target-kl", "0.005", "--imatrix",
-                            str(_imatrix(tmp_path / "s.gguf")), "-o", str(tmp_path / "o"))  # fmt: skip
+                            imatrix, "-o", str(tmp_path / "o"))  # fmt: skip
     said = " ".join(err.split())
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "no plan reached KL 0.005 in 1 solve: the last," in said and "measured 0.0" in said
@@ -164,7 +163,7 @@ def test_an_input_qtool_cannot_run_keeps_the_prediction_and_says_so(
         for b in range(2)
         for k, w in KINDS.items()
     }
-    alphas = {n: 0.05 for n in entries} | {"token_embd.weight": 0.05, "output.weight": 0.05}
+    alphas = dict.fromkeys(entries, 0.05) | {"token_embd.weight": 0.05, "output.weight": 0.05}
     write_imatrix(tmp_path / "s.gguf", ImportanceMatrix(entries, 512, 1, ("t.txt",)),
                   sensitivity_keys(Sensitivities(alphas, "test", 100, None)))  # fmt: skip
     code, out, err = invoke("quantize", str(SAMPLES / "tiny-llama"), "--target-kl", "0.01",

@@ -349,7 +349,7 @@ def _open_pickle(path: Path, kind: str) -> Checkpoint:
         )
     if kind == "zip":
         _check_zip(path)
-    loaded = _load_pickle(path, mmap_ok=kind == "zip")
+    loaded = _load_pickle(path)
     state, skipped = _state_dict(path, loaded)
     entries, offset = [], 0
     for name, t in state.items():
@@ -408,9 +408,12 @@ def _is_torchscript_member(name: str) -> bool:
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def _load_pickle(path: Path, mmap_ok: bool) -> object:
+def _load_pickle(path: Path) -> object:
+    """The pickle's objects, its tensors read into memory qtool owns: never mapped (mmap=True
+    kept the zip's storages mapped, and a file truncated under the run killed it with SIGBUS
+    when a tensor was read)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap_ok)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as err:  # the unpickler raises anything on corrupt input (pytorch#127525)
         text = str(err)
         if "Weights only load failed" in text or "Unsupported" in text:

@@ -12,6 +12,9 @@ Run by hand (not in CI: it needs the model, an imatrix with sensitivities and sa
         [--only NAME ...] [--plan NAME=RECIPE] [--cached]
     python scripts/plot_allocation.py build/alloc/allocation.json docs/images/allocation.png
 
+scripts/embedding_row.py adds one more record to the same workdir (the embedding int8, made by
+hand: qtool's compressed-tensors export keeps it float); --cached collects it too.
+
 The runs without a target need only h (PLAIN, which can run while the slow sensitivity pass
 does; its h must equal IMATRIX's), the targets and every prediction need IMATRIX; --cached
 rebuilds allocation.json and table.md from what the workdir holds.

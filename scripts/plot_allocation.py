@@ -19,6 +19,7 @@ MARKERS = {
     "target-kl": ("D", "--target-kl"),
     "gguf-mix": ("v", "GGUF Q4_K_M"),
     "gguf-target-size": ("P", "GGUF --target-size"),
+    "by-hand": ("X", "--target-size, int8 embedding (by hand)"),
 }
 COLOURS = ("tab:blue", "tab:orange", "tab:green")
 MIB = 1 << 20

@@ -212,8 +212,9 @@ TargetKlOpt = Annotated[
     float | None,
     typer.Option(
         "--target-kl",
-        help="Allocation: the smallest output whose predicted KL (nats/token) is <= X; needs "
-        "an --imatrix with sensitivities (qtool calibrate --sensitivity).",
+        help="Allocation: the smallest output whose KL (nats/token) is <= X, measured on "
+        "held-out windows of calibrate's default text (solved again while over); needs an "
+        "--imatrix with sensitivities (qtool calibrate --sensitivity).",
         metavar="X",
         show_default=False,
         rich_help_panel=SELECT,

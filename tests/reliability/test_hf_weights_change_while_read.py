@@ -6,13 +6,15 @@ left behind). Now every way the file can change under the run is one line naming
 the tensor, exit 1, nothing at -o, nothing left beside it or in TMPDIR: shrunk after the
 header check (each writing path: a float output, a quantized one through its float copy, a
 dry run that reads the values), rewritten in place at the same size (torn values), and a
-different header by the time the values are read (a tensor's shape changed, same bytes).
+different header by the time the values are read (a tensor's shape changed, same bytes). A
+read that fails (EIO) is the input's error, never "cannot write" the output.
 
 Each test runs qtool in a subprocess whose hook changes the file at a fixed point (after the
 first tensor is cast, or once the write is planned): a SIGBUS would kill pytest."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -21,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import Invoke
 from tests.formats.gguf.hf_models import write_model
 from tests.outputs import ERROR_LINE, leftovers
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # every test spawns a qtool process
 
 # argv: the change ("shrink", "rewrite" or "reshape"), the weights file, then qtool's argv.
 CHILD = r"""
@@ -100,9 +102,10 @@ def _run(tmp_path: Path, change: str, *args: str) -> tuple[Path, str]:
     return src, err
 
 
-TENSOR = re.compile(r"tensor 'model\.[\w.]+'")
+TENSOR = re.compile(r"tensor '[\w.]+'")
 
 
+@pytest.mark.slow  # spawns a qtool process
 @pytest.mark.parametrize(
     "args",
     [("--dtype", "F16"), ("--dtype", "Q8_0"), ("--dtype", "F16", "--dry-run", "--estimate")],
@@ -115,6 +118,7 @@ def test_weights_shrunk_while_read(tmp_path: Path, args: tuple[str, ...]) -> Non
     assert TENSOR.search(err), err
 
 
+@pytest.mark.slow  # spawns a qtool process
 def test_weights_rewritten_in_place_while_read(tmp_path: Path) -> None:
     """The same size, new values: the reads are whole but may mix old and new values, so the
     file's change (size and mtime of the descriptor read) refuses the output."""
@@ -122,9 +126,34 @@ def test_weights_rewritten_in_place_while_read(tmp_path: Path) -> None:
     assert "changed while qtool was reading it" in err, err
 
 
+@pytest.mark.slow  # spawns a qtool process
 def test_header_changed_before_values_read(tmp_path: Path) -> None:
     """A tensor whose shape is not the one the plan checked when its values are read: the
     values are not written under the planned shape (its bytes would fit)."""
     _, err = _run(tmp_path, "reshape", "--dtype", "F16")
     assert "changed while reading" in err, err
     assert "model.layers.0.mlp.down_proj.weight" in err, err
+
+
+def test_read_error_names_the_input(
+    tmp_path: Path, invoke: Invoke, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO reading a weight (a failing disk, a network file system): one line naming the
+    weights file and the tensor; the export's `except OSError` around its loop must not call
+    it a write error of the output."""
+    from qtool.formats.gguf import hf_vocab
+
+    src = write_model(tmp_path / "m", "llama")
+    monkeypatch.setattr(hf_vocab, "pre_tokenizer", lambda directory: "gpt-2")
+
+    def failing(*args: object) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    out = tmp_path / "m.gguf"
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "F16",
+                               "-o", str(out))  # fmt: skip
+    assert code == 1 and stdout == "" and ERROR_LINE.match(err), err
+    assert str(src / "model.safetensors") in err and "Input/output error" in err, err
+    assert TENSOR.search(err) and "cannot write" not in err, err
+    assert not out.exists() and leftovers(tmp_path) == []

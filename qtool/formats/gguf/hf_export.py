@@ -501,7 +501,12 @@ def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
                     raise InputError(file, "changed while reading (its header differs from the "
                                      "one checked); run again once nothing is writing it",
                                      t.hf)  # fmt: skip
-                yield t, ckpt.tensor(entry, buffer)
+                try:
+                    values = ckpt.tensor(entry, buffer)
+                except OSError as err:  # EIO: the input's, not the output's (export's except)
+                    raise InputError(file, f"cannot read it: {err.strerror or err}",
+                                     t.hf) from None  # fmt: skip
+                yield t, values
             ckpt.check_unchanged()  # rewritten in place while read: the values may be torn
         finally:
             ckpt.close()

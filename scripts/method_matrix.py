@@ -294,9 +294,41 @@ def collect() -> None:
         },
         "cells": recs,
     }
+    checked = goals(recs)
+    out["goals"] = checked
     (ARGS.workdir / "matrix.json").write_text(json.dumps(out, indent=1) + "\n")
     (ARGS.workdir / "table.md").write_text(table(recs))
     print(table(recs))
+    for g in checked:
+        print(f"{g['cell']} on {g['text']}: {g['goal']}: {'met' if g['met'] else 'NOT met'}")
+
+
+# issue 31's goals: int4 g64 at KL <= 0.18 whatever the calibration text, and a calibrated
+# method never above round to nearest on the same grid on a text of another domain
+G64_KL = 0.18
+
+
+def goals(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each calibrated cell against the goals, per eval text it was scored on."""
+    rtn = {(r["grid"], r["scheme"]): r for r in recs if r["method"] == "rtn"}
+    out = []
+    for r in recs:
+        if r["method"] == "rtn":
+            continue
+        cell = f"{r['grid']} {r['scheme']} {r['method']} ({r['calibration']} {r['tokens']})"
+        base = rtn.get((r["grid"], r["scheme"]), {"eval": {}})["eval"]
+        for label, e in r["eval"].items():
+            # stdlib docstrings calibrate for Python's docs: only the GPL-3 is another domain
+            other = label != "pydoc" or r["calibration"] != "stdlib"
+            if other and label in base:
+                goal = f"KL {e['kl']:.4f} <= rtn's {base[label]['kl']:.4f} (other domain)"
+                out.append(
+                    {"cell": cell, "text": label, "goal": goal, "met": e["kl"] <= base[label]["kl"]}
+                )
+            if r["grid"] == "int4 g64":
+                goal = f"KL {e['kl']:.4f} <= {G64_KL}"
+                out.append({"cell": cell, "text": label, "goal": goal, "met": e["kl"] <= G64_KL})
+    return out
 
 
 def table(recs: list[dict[str, Any]]) -> str:

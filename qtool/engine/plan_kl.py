@@ -60,6 +60,7 @@ class HeldOut:
     text: str
     windows: list[list[int]]
     skipped: int
+    in_sample: bool = False  # the imatrix read the whole text: its first windows, not held out
 
     @property
     def tokens(self) -> int:
@@ -67,11 +68,12 @@ class HeldOut:
 
     def describe(self) -> str:
         """'2,044 tokens of stdlib docstrings (CPython 3.11.7) past the imatrix's 4,096'."""
-        where = (
-            f"past the imatrix's {self.skipped:,}"
-            if self.skipped
-            else "(not the imatrix's calibration text)"
-        )
+        if self.in_sample:
+            where = f"(all read by the imatrix, {self.skipped:,} tokens: not held out)"
+        elif self.skipped:
+            where = f"past the imatrix's {self.skipped:,}"
+        else:
+            where = "(not the imatrix's calibration text)"
         return f"{self.tokens:,} tokens of {self.text} {where}"
 
 
@@ -198,7 +200,11 @@ def held_out(tokenizer: Any, hf_config: Any, imatrix: dict[str, GGUFValue]) -> H
     start = -(-skipped // ctx) * ctx  # the first window boundary past them
     ids = leading_ids(tokenizer, text.content, start + MEASURE_TOKENS)
     spans = windows(len(ids), ctx)  # as qtool eval cuts a text (no BOS put in)
-    return HeldOut(text.source, [ids[s:e] for s, e in spans if s >= start], skipped)
+    held = [ids[s:e] for s, e in spans if s >= start]
+    if held:
+        return HeldOut(text.source, held, skipped)
+    first = [ids[s:e] for s, e in windows(min(len(ids), MEASURE_TOKENS), ctx)]
+    return HeldOut(text.source, first, skipped, in_sample=True)
 
 
 def _tokens_read(imatrix: dict[str, GGUFValue], sha256: str) -> int:

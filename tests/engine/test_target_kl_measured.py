@@ -185,3 +185,69 @@ def test_tightened_scales_the_bound_below_the_last_plan() -> None:
     assert sensitivity.tightened(0.3, 0.2, 0.25, 0.4) == pytest.approx(0.2 * 0.3 / 0.4)
     with pytest.raises(ValueError):
         sensitivity.tightened(0.3, 0.3, 0.29, 0.3)
+
+
+def _recorded(path: Path, tokens: int) -> Path:
+    """_imatrix's file recording `tokens` tokens read of calibrate's default text."""
+    from qtool.engine.calibrate.data import default_text
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_layout import GGUFValue
+
+    entries = {
+        f"blk.{b}.{k}.weight": MatrixStats(np.full((1, w), 3.0, np.float32), np.array([3]))
+        for b in range(2)
+        for k, w in KINDS.items()
+    }
+    alphas = dict.fromkeys(entries, 0.05) | {"token_embd.weight": 0.05}
+    sha = default_text().info.sha256
+    extra = sensitivity_keys(Sensitivities(alphas, "test", 100, None)) | {
+        "qtool.datasets.sha256": GGUFValue(ValueType.ARRAY, (sha,), ValueType.STRING),
+        "qtool.datasets.tokens": GGUFValue(
+            ValueType.ARRAY, np.array([tokens], np.uint64), ValueType.UINT64
+        ),
+    }
+    write_imatrix(path, ImportanceMatrix(entries, 256, 1, ("t.txt",)), extra)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("read", "says"),
+    [
+        (300, "2,040 tokens of stdlib docstrings (CPython {v}) past the imatrix's 300"),
+        (10**9, "2,040 tokens of stdlib docstrings (CPython {v}) (all read by the imatrix, "
+         "1,000,000,000 tokens: not held out)"),
+    ],
+    ids=["held-out", "all-read"],
+)  # fmt: skip
+def test_the_windows_start_past_what_the_imatrix_read(
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read: int, says: str
+) -> None:
+    """An imatrix that records reading the default text: the measurement starts at the first
+    window boundary past those tokens (300 read: windows of 256 from token 512), so the KL is
+    of text none of its figures came from; one that read all of it is measured on the first
+    windows, and says they are not held out."""
+    import sys
+
+    starts = []
+    held_out = plan_kl.held_out
+
+    def recorded(*args: Any) -> plan_kl.HeldOut:
+        found = held_out(*args)
+        starts.append(found)
+        return found
+
+    monkeypatch.setattr(plan_kl, "held_out", recorded)
+    imatrix = _recorded(tmp_path / "r.gguf", read)
+    code, out, err = invoke("quantize", str(TINY_LM), "--target-kl", "0.01", "--imatrix",
+                            str(imatrix), "-o", str(tmp_path / "o"), "--json")  # fmt: skip
+    assert code == 0, err
+    version = ".".join(str(v) for v in sys.version_info[:3])
+    assert json.loads(out)["allocation"]["measured_kl"]["on"] == says.format(v=version)
+    from qtool.engine.calibrate.data import default_text
+    from qtool.engine.model.hf import tokenizer
+    from qtool.engine.model.tokens import leading_ids
+
+    ids = leading_ids(tokenizer(TINY_LM, "the model", None), default_text().content, 4096)
+    first = starts[0].windows[0]
+    offset = 512 if read == 300 else 0
+    assert first == ids[offset : offset + 256]

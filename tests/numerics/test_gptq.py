@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -375,6 +377,41 @@ def test_hessian_is_two_over_n_sum_x_xt_in_any_chunks_and_merges() -> None:
         h.add(torch.ones(4, 5))
     with pytest.raises(ValueError, match="merge"):
         h.merge(Hessian(5))
+
+
+@pytest.mark.parametrize(("k", "bands"), [(576, 8), (1536, 8), (64, 2), (7, 1)])
+def test_the_hessian_sums_its_upper_triangle_only_and_mirrors_the_whole_product(
+    k: int, bands: int
+) -> None:
+    """The accumulation does 9/16 of x^T x's multiply-adds at SmolLM2's widths (eight row
+    bands, each from its own columns on; all of them before), and what it reads is the whole
+    product's, bit for bit (each entry the same dot product over the same rows), down to one
+    band for a narrow input."""
+    gen = torch.Generator().manual_seed(k)
+    windows = [torch.randn(512, k, generator=gen) * torch.rand(k, generator=gen) for _ in "ab"]
+    products: list[int] = []
+    addmm = torch.Tensor.addmm_
+
+    def counted(self: torch.Tensor, a: torch.Tensor, b: torch.Tensor, **kw: Any) -> Any:
+        products.append(a.shape[0] * a.shape[1] * b.shape[1])
+        return addmm(self, a, b, **kw)
+
+    h = Hessian(k)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "addmm_", counted)
+        for x in windows:
+            h.add(x)
+    whole = 512 * k * k * len(windows)
+    assert len(products) == bands * len(windows)
+    assert sum(products) == sum(
+        512 * (k * (a + 1) // bands - k * a // bands) * (k - k * a // bands) for a in range(bands)
+    ) * len(windows)
+    assert sum(products) <= whole * (0.5 + 0.5 / bands) + 512 * k * len(windows)
+    summed = torch.zeros(k, k)
+    for x in windows:
+        summed.addmm_(x.T, x)
+    assert torch.equal(h.sum, summed)
+    assert torch.equal(h.matrix, summed * (2.0 / 1024))
 
 
 def test_an_inverse_overflowing_float32_tries_the_larger_dampening(

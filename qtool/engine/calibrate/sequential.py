@@ -11,9 +11,10 @@ ACTIVATIONS_IN_MEMORY)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
@@ -41,6 +42,12 @@ ACTIVATIONS_IN_MEMORY = 2 << 30
 CPU; past it they are spilled to a temporary file beside the output (spilled())."""
 
 
+class Enough(Exception):
+    """Raised by a probe's hook in pass 1 once the window gave it everything it gathers: the
+    rest of the block's forward, whose outputs pass 1 drops, is skipped (GPTQ's Hessians: the
+    down projection's product, about a fifth of a Llama block's work)."""
+
+
 class Probe(AbstractContextManager[Any], Protocol):
     stream: str
 
@@ -58,7 +65,12 @@ class BlockMethod(Protocol):
 class Tracker(Protocol):
     """More streams carried through the same block loads (engine/methods/verdict.py): `start`
     with the activations entering the first block, `before` with each block as loaded,
-    `after` once the method's outputs have run (`reload` reads the block again)."""
+    `after` once the method's outputs have run (`reload` reads the block again). `carried`: the
+    streams whose chosen activations it reads after the last block (the others' last pass 2
+    is skipped)."""
+
+    @property
+    def carried(self) -> Collection[str]: ...
 
     def start(self, streams: Mapping[str, Sequence[torch.Tensor]]) -> None: ...
 
@@ -122,12 +134,15 @@ def run_sequential(
                         if keeps_weights:  # in place: long-lived buffers stay put
                             x.copy_(block(x, **kwargs[i]))
                         else:
-                            block(x, **kwargs[i])
+                            with contextlib.suppress(Enough):
+                                block(x, **kwargs[i])
                         _advance(progress, f"block {i}", x)
             method.quantize(prefix, probe)
             del probe  # its statistics are spent: not alive through pass 2 and the next load
             if not keeps_weights:
-                for xs in named.values():
+                last = i == len(layers) - 1  # no block after it: only what the tracker reads
+                wanted = set(named) if not last else set(tracker.carried) if tracker else set()
+                for xs in (xs for name, xs in named.items() if name in wanted):
                     for x in xs:
                         x.copy_(block(x, **kwargs[i]))
                         _advance(progress, f"block {i}", x)

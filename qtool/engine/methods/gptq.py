@@ -19,6 +19,7 @@ import torch
 
 from qtool.calibration import Calibration, Guard
 from qtool.engine.calibrate.blocks import return_freed_memory
+from qtool.engine.calibrate.sequential import Enough
 from qtool.engine.methods.guard import change, describe, judge, rounded
 from qtool.engine.model.hooks import Hooks
 from qtool.engine.spill import Spill
@@ -54,20 +55,46 @@ class HessianProbe(Hooks):
     family) share one Hessian: a Linear whose first input is the object the Linear hooked just
     before it received is that one's sharer from then on (its rows are not added again), and
     each later call checks that it still is (RuntimeError otherwise: a model that feeds them
-    different inputs after all)."""
+    different inputs after all).
+
+    Given the `block`, a window whose Linears were called in the order the first whole window
+    called them, each once, stops at the last one's hook (Enough: pass 1 drops the block's
+    outputs, so the rest of its forward is not run). A Llama-family block calls each of its
+    Linears once per forward in one order; a window that does not is run to its end."""
 
     share = True  # tests compare with each Linear's own
 
-    def __init__(self, linears: dict[str, torch.nn.Linear]) -> None:
+    def __init__(
+        self, linears: dict[str, torch.nn.Linear], block: torch.nn.Module | None = None
+    ) -> None:
         self.linears = linears
+        self.block = block
         self.stream = STREAMS[0]
         self.hessians: dict[tuple[str, str], gptq.Hessian] = {}
         self.owner: dict[str, str] = {}  # Linear -> the Linear whose Hessian it uses
         self._last: tuple[Any, str] | None = None  # the input last added, and whose
         self._taken: dict[tuple[str, str], int] = {}
+        self._calls: list[str] = []  # this window's Linears so far
+        self._window: list[str] | None = None  # a whole window's, in order
 
     def _attach(self) -> list[Any]:
-        return [m.register_forward_pre_hook(self._hook(n)) for n, m in self.linears.items()]
+        hooks = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.linears.items()]
+        if self.block is not None:
+            hooks.append(self.block.register_forward_hook(self._whole))
+        return hooks
+
+    def _whole(self, module: Any, args: Any, output: Any) -> None:
+        """A window ran to the block's end: the first to call every Linear once sets the
+        order later windows stop after."""
+        calls, self._calls = self._calls, []
+        if self._window is None and len(set(calls)) == len(calls) == len(self.linears):
+            self._window = calls
+
+    def _called(self, name: str) -> None:
+        self._calls.append(name)
+        if self._window is not None and self._calls == self._window:
+            self._calls = []
+            raise Enough
 
     def _hook(self, name: str) -> Callable[[Any, tuple[Any, ...]], None]:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
@@ -80,6 +107,7 @@ class HessianProbe(Hooks):
                 if not (same and last is not None and last[1] == owner):
                     raise RuntimeError(f"{name} shares the Hessian of {owner} but was called on "
                                        "another input")  # fmt: skip
+                self._called(name)
                 return
             x = args[0].detach()
             key = (name, self.stream)
@@ -87,6 +115,7 @@ class HessianProbe(Hooks):
                 self.hessians[key] = gptq.Hessian(x.shape[-1], device=x.device)
             self.hessians[key].add(x.reshape(-1, x.shape[-1]))
             self._last = (args[0], name)
+            self._called(name)
 
         return hook
 
@@ -124,6 +153,10 @@ class GptqPolicy:
         self.targets, self.calibration, self.spill = targets, calibration, spill
         self.scales_in_weight_dtype = scales_in_weight_dtype
         self.chosen: dict[str, Chosen] = {}
+        # the block's round-to-nearest reconstructions (the guard's baseline), by weight name:
+        # the model KL's rounding stream takes them (verdict.ModelStreams), one block's at a time
+        self.rounded: dict[str, torch.Tensor] = {}
+        self._rtn: torch.Tensor | None = None  # the last _choose's
 
     def probe(self, block: torch.nn.Module, prefix: str) -> HessianProbe:
         """Pass 1's hooks: on the block's Linears the plan quantizes (an integer grid)."""
@@ -131,11 +164,12 @@ class GptqPolicy:
             name: m for name, m in block.named_modules()
             if isinstance(m, torch.nn.Linear) and f"{prefix}{name}.weight" in self.targets
         }  # fmt: skip
-        return HessianProbe(linears)
+        return HessianProbe(linears, block)
 
     def quantize(self, prefix: str, probe: HessianProbe) -> None:
         """Each probed Linear's codes chosen and spilled; its weight replaced by the chosen
         reconstruction (what the next blocks see)."""
+        self.rounded.clear()  # the last block's, if nothing took them
         for local, linear in probe.linears.items():
             name = f"{prefix}{local}.weight"
             fit, held, check = (probe.take(local, stream) for stream in STREAMS)
@@ -147,6 +181,8 @@ class GptqPolicy:
             self.spill.put(name, target.spec, result)
             linear.weight.data.copy_(weight)
             self.chosen[name] = chosen
+            if self._rtn is not None:
+                self.rounded[name], self._rtn = self._rtn, None
             del result, weight
             return_freed_memory()  # one Linear's solve resident at a time, not the block's
 
@@ -163,6 +199,7 @@ class GptqPolicy:
         original = weight.to(dtype)  # the stored values (float32 holds them exactly)
         rtn = kernels.quantize_with(original, spec, scale_dtype=scale_dtype)
         rtn_weight = restored(rtn, spec, dtype, tuple(weight.shape))
+        self._rtn = rtn_weight
         why = gptq.unsupported(spec)
         if why is None and held is None and self.calibration.guard is not Guard.NONE:
             # the fit rows' Hessian would judge GPTQ on what it was fitted to (it always wins)

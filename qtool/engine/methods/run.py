@@ -87,7 +87,8 @@ def calibrated(job: Job, plan: ModelPlan, spill: Spill) -> ModelPlan:
         for p in plan.plans if isinstance(p.spec, QSpec)
     }  # fmt: skip
     policy = _policy(plan, targets, calibration, spill, job, streams, hf_config, device)
-    verdict = ModelStreams(targets, job.kernels.scales_in_weight_dtype, spill.directory)
+    given = policy.rounded if isinstance(policy, GptqPolicy) else None  # AWQ changes norms too
+    verdict = ModelStreams(targets, job.kernels.scales_in_weight_dtype, spill.directory, given)
     reader = open_reader(found)
     try:
         with using_threads(job.run.threads):  # None: the idle cores (engine/threads.py)

@@ -36,13 +36,20 @@ class ModelStreams:
     """The float and round-to-nearest activations of the held-out and check windows, carried
     through the blocks beside the chosen result's (the sequential pass's own)."""
 
+    carried = tuple(STREAMS)  # the chosen streams figures() reads after the last block
+
     def __init__(
         self,
         targets: Mapping[str, Target],
         scales_in_weight_dtype: bool,
         directory: Path | None = None,
+        rounded: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.targets = targets
+        # `rounded`: a method that changes nothing of a block but its targets' weights and
+        # rounds each one to nearest anyway (GPTQ's guard) gives those reconstructions here;
+        # the rounding stream then takes them instead of reading and rounding the block again
+        self.given = rounded
         self.scales_in_weight_dtype = scales_in_weight_dtype
         self.directory = directory  # where the copies are mapped past ACTIVATIONS_IN_MEMORY
         self.chosen: dict[str, Sequence[torch.Tensor]] = {}
@@ -76,13 +83,20 @@ class ModelStreams:
         kwargs: dict[str, Any],
         reload: Callable[[], None],
     ) -> None:
-        """The rounding stream through the block read again, its targets rounded to nearest."""
-        reload()
+        """The rounding stream through the block with its targets rounded to nearest: the
+        block read again and rounded, or (`given`) the method's own roundings put in place of
+        its weights, a target it left alone (still as loaded) rounded here."""
+        if self.given is None:
+            reload()
         with torch.no_grad():
             for name, module in block.named_modules():
-                target = self.targets.get(f"{prefix}{name}.weight")
+                key = f"{prefix}{name}.weight"
+                target = self.targets.get(key)
                 if target is not None and isinstance(module, torch.nn.Linear):
-                    module.weight.data.copy_(self._rounded(module.weight.detach(), target))
+                    made = self.given.pop(key, None) if self.given is not None else None
+                    if made is None:
+                        made = self._rounded(module.weight.detach(), target)
+                    module.weight.data.copy_(made)
         _run(block, self.rounded, kwargs)
 
     def _rounded(self, weight: torch.Tensor, target: Target) -> torch.Tensor:

@@ -65,23 +65,32 @@ class _Counted:
         monkeypatch.setattr(plan_kl.PlanKL, "measure", counted)
 
 
-def test_the_reported_kl_is_evals_kl_of_the_written_output(invoke: Invoke, tmp_path: Path) -> None:
+def test_the_reported_kl_is_evals_kl_of_the_written_output(
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The figure is a measurement of what was written, not the prediction: `qtool eval` of
-    the output on the same windows (the default text's first 2,048 tokens at ctx 256, float32)
-    gives the same mean KL to 1e-9."""
+    the output on the same windows gives the same mean KL to 1e-9. (The default text's first
+    8,000 characters stand in for it, every whole window of 256 taken, so that the windows are
+    the ones eval cuts from the file's start.)"""
+    from qtool.engine.calibrate.data import default_text
+    from qtool.engine.model.text import Text
+
+    short = Text(default_text().content[:8000], "the default text's start")
+    monkeypatch.setattr(plan_kl, "default_text", lambda: short)
+    monkeypatch.setattr(plan_kl, "MEASURE_TOKENS", 10**6)
     doc = _quantize(invoke, tmp_path, "0.01", "o")
     measured = doc["allocation"]["measured_kl"]
-    assert measured["solves"] == 1 and "stdlib docstrings" in measured["on"]
-    text = tmp_path / "default.txt"
-    from qtool.engine.calibrate.data import default_text
-
-    text.write_text(default_text().content, encoding="utf-8")
+    assert measured["solves"] == 1 and "the default text's start" in measured["on"]
+    scored = int(measured["on"].split()[0].replace(",", ""))
+    assert scored % 255 == 0 and scored >= 4 * 255
+    text = tmp_path / "start.txt"
+    text.write_text(short.content, encoding="utf-8")
     code, out, err = invoke("eval", str(TINY_LM), str(tmp_path / "o"), "--text", str(text),
-                            "--tokens", str(plan_kl.MEASURE_TOKENS), "--ctx", "256", "--dtype",
+                            "--tokens", str(scored // 255 * 256), "--ctx", "256", "--dtype",
                             "float32", "--threads", "1", "--json")  # fmt: skip
     assert code == 0, err
     causal = json.loads(out)["causal"]
-    assert causal["positions_scored"] == int(measured["on"].split()[0].replace(",", ""))
+    assert causal["positions_scored"] == scored
     assert measured["kl"] == pytest.approx(causal["kl"]["mean"], rel=1e-9)
     # the prediction is another number (alpha is made up): the report is not it
     assert abs(measured["kl"] - doc["allocation"]["predicted_loss"]) > 1e-4
@@ -222,10 +231,10 @@ def _recorded(path: Path, tokens: int) -> Path:
 def test_the_windows_start_past_what_the_imatrix_read(
     invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read: int, says: str
 ) -> None:
-    """An imatrix that records reading the default text: the measurement starts at the first
-    window boundary past those tokens (300 read: windows of 256 from token 512), so the KL is
-    of text none of its figures came from; one that read all of it is measured on the first
-    windows, and says they are not held out."""
+    """An imatrix that records reading the default text: the measurement takes its windows
+    past the first window boundary after those tokens (300 read: from token 512), spread over
+    the rest of the text, so the KL is of text none of its figures came from; one that read all
+    of it is measured on windows spread over the whole text, said not to be held out."""
     import sys
 
     starts = []
@@ -247,7 +256,9 @@ def test_the_windows_start_past_what_the_imatrix_read(
     from qtool.engine.model.hf import tokenizer
     from qtool.engine.model.tokens import leading_ids
 
-    ids = leading_ids(tokenizer(TINY_LM, "the model", None), default_text().content, 4096)
-    first = starts[0].windows[0]
-    offset = 512 if read == 300 else 0
-    assert first == ids[offset : offset + 256]
+    ids = leading_ids(tokenizer(TINY_LM, "the model", None), default_text().content, 1 << 21)
+    full = [ids[s : s + 256] for s in range(0, len(ids) - 255, 256)]
+    offset = 2 if read == 300 else 0  # in windows of 256
+    taken = [full.index(w, offset) for w in starts[0].windows]
+    assert len(taken) == 8 and taken == sorted(taken) and taken[0] >= offset
+    assert taken[-1] - taken[0] > len(full) // 2  # spread over the text, not its first windows

@@ -1,6 +1,8 @@
 """Issue 32's proof on a real model: size against measured KL for uniform specs, `--target-sqnr`,
-`--target-size` and `--target-kl` (compressed-tensors), and llama.cpp's Q4_K_M mix against
-`--target-size` at its exact size (GGUF), each with the predicted KL next to the measured one.
+`--target-size` and `--target-kl` (compressed-tensors); llama.cpp's mixes (Q8_0 to Q2_K) and
+`--target-size` at Q3_K_M's, Q4_K_M's and Q5_K_M's sizes (GGUF); uniform int4 g64 against
+`--target-size` at its size in the qtool format, which allocates the tied embedding (the
+compressed-tensors export keeps it float); each with the predicted KL next to the measured one.
 Run by hand (not in CI: it needs the model, an imatrix with sensitivities and saved logits):
 
     qtool calibrate MODEL -o IMATRIX --sensitivity --sensitivity-tokens 512 --ctx 512 --tokens 4096
@@ -21,7 +23,9 @@ rebuilds allocation.json and table.md from what the workdir holds.
 
 Every step is a qtool command (printed before it runs); each run's quantize JSON and each
 eval's JSON are kept in the workdir, so an interrupted run resumes; allocation.json collects
-the figures. Sizes are quantize's `totals.bytes_out` (the tensor payload). The predicted KL of
+the figures. Sizes are quantize's `totals.bytes_out` (the tensor payload; in the qtool format
+the codes plus the sidecar's qparams, what --target-size counts). qtool eval reads every format's
+output directly (a GGUF and a qtool-format directory too). The predicted KL of
 every run with the imatrix is the file's joint fit of S = sum over the tensors with an alpha of
 alpha x r, r = 10^(-weighted SQNR / 10) from quantize's own rows (the allocation's r: the same
 weighted error); for an allocation it equals the plan's `sum_alpha_r`.
@@ -42,9 +46,6 @@ from qtool.formats.gguf.names import gguf_names
 from qtool.formats.imatrix import read_imatrix_file
 from qtool.formats.imatrix.sensitivity import Sensitivities, read_sensitivities
 
-CT = ["--format", "compressed-tensors"]
-GGUF = ["--format", "gguf"]
-
 
 @dataclass
 class Run:
@@ -52,7 +53,7 @@ class Run:
     family: str  # uniform, target-sqnr, target-size, target-kl, gguf-mix, gguf-target-size
     flags: list[str] | Callable[[dict[str, Any]], list[str]]
     imatrix: bool = True
-    gguf: bool = False
+    fmt: str = "compressed-tensors"  # --format: compressed-tensors, qtool or gguf
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,12 +72,24 @@ def runs(ladder: Path | None) -> list[Run]:
     return [
         Run("int4 g64 mse", "uniform", ["--dtype", "int4", "--group-size", "64", "--range", "mse"]),
         Run("--target-size = int4 g64", "target-size", size_of("int4 g64 mse", lad)),
-        Run("Q4_K_M", "gguf-mix", ["--dtype", "Q4_K_M"], imatrix=False, gguf=True),
-        Run("Q4_K_M --imatrix", "gguf-mix", ["--dtype", "Q4_K_M"], gguf=True),
+        Run("Q4_K_M", "gguf-mix", ["--dtype", "Q4_K_M"], imatrix=False, fmt="gguf"),
+        Run("Q4_K_M --imatrix", "gguf-mix", ["--dtype", "Q4_K_M"], fmt="gguf"),
         Run("--target-size = Q4_K_M", "gguf-target-size", size_of("Q4_K_M"), imatrix=False,
-            gguf=True),
+            fmt="gguf"),
         Run("--target-size = Q4_K_M --imatrix", "gguf-target-size", size_of("Q4_K_M"),
-            gguf=True),
+            fmt="gguf"),
+        # the qtool format allocates the tied embedding (compressed-tensors keeps it float)
+        Run("int4 g64 mse (qtool)", "uniform", ["--dtype", "int4", "--group-size", "64",
+                                                "--range", "mse"], fmt="qtool"),  # fmt: skip
+        Run("--target-size = int4 g64 (qtool)", "target-size",
+            size_of("int4 g64 mse (qtool)", lad), fmt="qtool"),
+        # llama.cpp's mixes (qtool writes them byte-identical to llama-quantize's), the imatrix
+        *(Run(f"{t} --imatrix", "gguf-mix", ["--dtype", t], fmt="gguf")
+          for t in ("Q8_0", "Q6_K", "Q5_K_M", "Q3_K_M", "Q2_K")),
+        Run("--target-size = Q3_K_M --imatrix", "gguf-target-size", size_of("Q3_K_M --imatrix"),
+            fmt="gguf"),
+        Run("--target-size = Q5_K_M --imatrix", "gguf-target-size", size_of("Q5_K_M --imatrix"),
+            fmt="gguf"),
         Run("--target-kl 0.3", "target-kl", ["--target-kl", "0.3", *lad]),
         Run("--target-kl 0.15", "target-kl", ["--target-kl", "0.15", *lad]),
         Run("--target-kl 0.45", "target-kl", ["--target-kl", "0.45", *lad]),
@@ -111,15 +124,15 @@ def slug(name: str) -> str:
 
 
 def quantize(args: Any, r: Run, done: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-    out = args.workdir / (slug(r.name) + (".gguf" if r.gguf else ""))
+    out = args.workdir / (slug(r.name) + (".gguf" if r.fmt == "gguf" else ""))
     saved = args.workdir / f"{slug(r.name)}.quantize.json"
     if not saved.exists():
         flags = r.flags(done) if callable(r.flags) else r.flags
         target = r.family.startswith("target-") or r.family == "gguf-target-size"
         imx = ["--imatrix", str(args.sens if target else args.imatrix)] if r.imatrix else []
-        how = GGUF if r.gguf else CT
-        text = run([args.qtool, "quantize", str(args.model), *how, *flags, *imx, "-o", str(out),
-                    "--threads", str(args.threads), "--json", "--force"])  # fmt: skip
+        text = run([args.qtool, "quantize", str(args.model), "--format", r.fmt, *flags, *imx,
+                    "-o", str(out), "--threads", str(args.threads), "--json",
+                    "--force"])  # fmt: skip
         saved.write_text(text)
     return out, json.loads(saved.read_text())
 
@@ -172,7 +185,7 @@ def record(r: Run, doc: dict[str, Any], sens: Sensitivities | None) -> dict[str,
     keys = ("target", "predicted_loss", "loss", "sum_alpha_r", "by_spec", "measured_kl")
     return {
         "family": r.family,
-        "format": "gguf" if r.gguf else "compressed-tensors",
+        "format": r.fmt,
         "imatrix": r.imatrix,
         "bytes": doc["totals"]["bytes_out"],
         "sum_alpha_r": s,
@@ -257,7 +270,8 @@ def table(runs: dict[str, Any]) -> str:
     for name, v in runs.items():
         m = v.get("measured", {})
         pred = "-" if v["predicted_kl"] is None else f"{v['predicted_kl']:.3f}"
-        cells = [name, "GGUF" if v["format"] == "gguf" else "c-t", f"{v['bytes']:,}", pred]
+        fmt = {"gguf": "GGUF", "qtool": "qtool"}.get(v["format"], "c-t")
+        cells = [name, fmt, f"{v['bytes']:,}", pred]
         cells += [f"{m[t]['kl']:.4f}" if t in m else "-" for t in texts]
         cells += [f"{m[t]['top1']:.1%}" if t in m else "-" for t in texts]
         lines.append("| " + " | ".join(cells) + " |")

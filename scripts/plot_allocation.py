@@ -1,6 +1,8 @@
 """Draw docs/images/allocation.png from scripts/allocation_table.py's JSON: size against measured
-KL (uniform specs, --target-sqnr, --target-size, --target-kl, GGUF), one colour per eval text,
-and predicted against measured KL. Needs matplotlib (the optional `plot` extra).
+KL (uniform specs, --target-sqnr, --target-size, --target-kl in compressed-tensors; llama.cpp's
+mixes and --target-size in GGUF; uniform and --target-size in the qtool format, which allocates
+the tied embedding), one colour per eval text, and predicted against measured KL. Needs
+matplotlib (the optional `plot` extra).
 
     python scripts/plot_allocation.py docs/images/allocation.json docs/images/allocation.png
 """
@@ -12,15 +14,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-MARKERS = {
-    "uniform": ("o", "uniform int4/int8 (imatrix)"),
-    "target-sqnr": ("^", "--target-sqnr"),
-    "target-size": ("s", "--target-size"),
-    "target-kl": ("D", "--target-kl"),
-    "gguf-mix": ("v", "GGUF Q4_K_M"),
-    "gguf-target-size": ("P", "GGUF --target-size"),
-    "by-hand": ("X", "--target-size, int8 embedding (by hand)"),
+MARKERS = {  # (family, format): marker, label
+    ("uniform", "compressed-tensors"): ("o", "c-t uniform int4/int8"),
+    ("target-sqnr", "compressed-tensors"): ("^", "c-t --target-sqnr"),
+    ("target-size", "compressed-tensors"): ("s", "c-t --target-size"),
+    ("target-kl", "compressed-tensors"): ("D", "c-t --target-kl"),
+    ("by-hand", "compressed-tensors"): ("X", "c-t --target-size, int8 embedding (by hand)"),
+    ("gguf-mix", "gguf"): ("v", "GGUF llama.cpp mixes"),
+    ("gguf-target-size", "gguf"): ("P", "GGUF --target-size"),
+    ("uniform", "qtool"): ("h", "qtool format int4 g64"),
+    ("target-size", "qtool"): ("*", "qtool format --target-size"),
 }
+LINES = {"uniform", "gguf-mix"}  # families drawn as a curve through their points
 COLOURS = ("tab:blue", "tab:orange", "tab:green")
 MIB = 1 << 20
 
@@ -40,9 +45,9 @@ def main() -> None:
     texts = sorted({t for r in runs.values() for t in r.get("measured", {})})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.2))
     for colour, text in zip(COLOURS, texts, strict=False):
-        for family, (marker, label) in MARKERS.items():
+        for (family, fmt), (marker, label) in MARKERS.items():
             for imatrix in (True, False):
-                mine = [r for r in runs.values() if r["family"] == family
+                mine = [r for r in runs.values() if r["family"] == family and r["format"] == fmt
                         and r["imatrix"] is imatrix and text in r.get("measured", {})]  # fmt: skip
                 if not mine:
                     continue
@@ -51,8 +56,9 @@ def main() -> None:
                 fill = colour if imatrix else "none"
                 left.semilogy([r["bytes"] / MIB for r in mine],
                               [r["measured"][text]["kl"] for r in mine],
-                              marker + ("-" if family == "uniform" else ""), color=colour,
-                              mfc=fill, label=name, ms=6, lw=0.8)  # fmt: skip
+                              marker + ("-" if family in LINES else ""), color=colour,
+                              mfc=fill, label=name, ms=9 if fmt == "qtool" else 6,
+                              lw=0.8)  # fmt: skip
                 with_pred = [r for r in mine if r.get("predicted_kl")]
                 right.loglog([r["predicted_kl"] for r in with_pred],
                              [r["measured"][text]["kl"] for r in with_pred], marker,

@@ -46,8 +46,8 @@ MEASURE_TOKENS = 2048
 """Tokens a measurement scores (4 windows of 512): each solve of a --target-kl run costs one
 pass of the quantized model over them (and the float model's once)."""
 TEXT_TOKENS = 1 << 21
-"""The most of the text tokenized to spread the windows over (the default text is about 10 %
-of it for SmolLM2's tokenizer)."""
+"""The most of the text tokenized to spread the windows over (the default text is 240,390
+tokens for SmolLM2's tokenizer, 3.9 s to tokenize at one thread)."""
 
 Restore = Callable[[str], torch.Tensor | None]
 """Checkpoint name -> the tensor as the plan's output restores it (None: as the checkpoint

@@ -36,6 +36,7 @@ from qtool.engine.model.hf import has_tokenizer
 from qtool.engine.model.models import empty_model, float_parts
 from qtool.engine.model.text import windows
 from qtool.engine.model.tokens import check_vocabulary, leading_ids
+from qtool.errors import QtoolError
 from qtool.eval_results import CAUSAL_LM
 from qtool.formats.base import FloatReader
 from qtool.formats.imatrix.naming import GGUF_ARCHS
@@ -90,7 +91,7 @@ def cannot_run(directory: Path | None) -> str | None:
         return "the input directory has no config.json"
     try:
         _, config = float_source(directory, MODEL)
-    except Exception:  # its refusal is the writing pass's to make, in its own words
+    except QtoolError:  # a refusal of the input is the writing pass's to make, in its words
         return "its config.json describes no model qtool can run"
     kind, architecture = kind_of(config)
     if kind != CAUSAL_LM or str(config.get("model_type")) not in GGUF_ARCHS:

@@ -54,36 +54,63 @@ def check_shapes(
     config: dict[str, Any], shapes: Sequence[tuple[str, tuple[int, ...]]], path: Path
 ) -> None:
     """config.json against the tensors (Hugging Face names, torch shapes): as many blocks as
-    num_hidden_layers, and each projection's rows and columns as the head counts and sizes
-    give them."""
+    num_hidden_layers, and every tensor of the Llama family (embedding, projections, biases,
+    norms, head) of the rank and sizes the config gives it: GGUF loaders take the sizes from
+    the config and refuse a tensor that differs."""
     blocks = {int(m.group(1)) for name, _ in shapes if (m := _BLOCK.match(name))}
     n = config["num_hidden_layers"]
     if blocks != set(range(n)):
         held = f"blocks {min(blocks)} to {max(blocks)} ({len(blocks)})" if blocks else "no blocks"
         raise InputError(path, f"num_hidden_layers is {n}, expected the checkpoint's block "
                          f"count: its tensors hold {held}")  # fmt: skip
-    hidden, dim = config["hidden_size"], head_dim(config)
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    rows = {
-        "self_attn.q_proj.weight": ("num_attention_heads x head_dim", heads * dim),
-        "self_attn.k_proj.weight": ("num_key_value_heads x head_dim", kv * dim),
-        "self_attn.v_proj.weight": ("num_key_value_heads x head_dim", kv * dim),
-        "mlp.gate_proj.weight": ("intermediate_size", config.get("intermediate_size")),
-        "mlp.up_proj.weight": ("intermediate_size", config.get("intermediate_size")),
-    }
+    expected = _expected_shapes(config)
     for name, shape in shapes:
         suffix = name.split(".", 3)[-1] if _BLOCK.match(name) else name
-        if suffix in rows and shape and len(shape) == 2:
-            what, want = rows[suffix]
-            if want is not None and shape[0] != want:
-                raise InputError(path, f"{what} is {want:,}, expected {name}'s "
-                                 f"{shape[0]:,} rows")  # fmt: skip
-            if shape[1] != hidden:
-                raise InputError(path, f"hidden_size is {hidden:,}, expected {name}'s "
-                                 f"{shape[1]:,} columns")  # fmt: skip
+        if suffix in expected:
+            _check_shape(name, shape, expected[suffix], path)
+    dim = head_dim(config)
     if dim % 2:  # rotary embeddings rotate pairs (and the converter permutes q/k by them)
         raise InputError(path, f"head_dim is {dim}, expected an even number (rotary pairs)")
+
+
+_Dim = tuple[str, int | None]  # the config's name for a size, and the size (None: not given)
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[_Dim, ...]]:
+    """Each tensor's shape as the config gives it, by name (a block's without its prefix)."""
+    heads, dim = config["num_attention_heads"], head_dim(config)
+    kv = config.get("num_key_value_heads") or heads
+    hidden: _Dim = ("hidden_size", config["hidden_size"])
+    vocab: _Dim = ("vocab_size", config["vocab_size"])
+    q: _Dim = ("num_attention_heads x head_dim", heads * dim)
+    kv_rows: _Dim = ("num_key_value_heads x head_dim", kv * dim)
+    ff: _Dim = ("intermediate_size", config.get("intermediate_size"))
+    return {
+        "model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.weight": (kv_rows, hidden), "self_attn.k_proj.bias": (kv_rows,),
+        "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.v_proj.bias": (kv_rows,),
+        "self_attn.o_proj.weight": (hidden, q), "self_attn.o_proj.bias": (hidden,),
+        "mlp.gate_proj.weight": (ff, hidden), "mlp.gate_proj.bias": (ff,),
+        "mlp.up_proj.weight": (ff, hidden), "mlp.up_proj.bias": (ff,),
+        "mlp.down_proj.weight": (hidden, ff), "mlp.down_proj.bias": (hidden,),
+    }  # fmt: skip
+
+
+def _check_shape(name: str, shape: tuple[int, ...], want: tuple[_Dim, ...], path: Path) -> None:
+    """`name`'s shape against the config's `want`: its rank, then each size the config gives."""
+    if len(shape) != len(want):
+        sizes = ", ".join(f"{value:,}" if value is not None else key for key, value in want)
+        keys = ", ".join(key for key, _ in want)
+        raise InputError(path, f"{name} is {list(shape)}, expected [{sizes}] ({keys}): not "
+                         "the tensor this config describes")  # fmt: skip
+    axes = ("rows", "columns") if len(want) == 2 else ("values",)
+    for size, (key, value), axis in zip(shape, want, axes, strict=True):
+        if value is not None and size != value:
+            raise InputError(path, f"{key} is {value:,}, expected {name}'s {size:,} "
+                             f"{axis}")  # fmt: skip
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:

@@ -163,8 +163,16 @@ def read_files(src: Path) -> list[Path]:
 
 def _needed_bytes(src: Path) -> int:
     """At least the free space the run takes beside its output: the float copy (the size of
-    the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much)."""
-    weights = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much).
+    Each weights file is sized on a descriptor opened as checked_model opens it, never by a
+    stat through its path: a dangling, looping or outward link is refused as checked_model
+    refuses it, not an internal error or the size of a file outside the directory."""
+    weights = 0
+    with contextlib.closing(InputDir(src)) as within:
+        for name in within.names():
+            if name.endswith(".safetensors"):
+                with within.open(name) as f:
+                    weights += os.fstat(f.fileno()).st_size
     return 2 * weights
 
 

@@ -115,3 +115,36 @@ def test_the_private_copy_changes_no_byte(tmp_path: Path, invoke: Invoke) -> Non
                           "-o", str(out))  # fmt: skip
     assert code == 0, err
     assert out.read_bytes() == direct.read_bytes()
+
+
+# An extra weights file that is a link qtool does not follow: what the one line says of it.
+LINKS = {
+    "out": ("{huge}", "a symlink to"),  # a 1 TiB sparse file: its size was the free space asked
+    "dangling": ("/nonexistent", "a symlink to"),
+    "loop": ("extra.safetensors", "a chain of more than"),
+    "missing beside": ("other.safetensors", "no such file"),
+}
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("kind", LINKS)
+def test_a_weights_link_is_refused_before_anything_follows_it(
+    tmp_path: Path, invoke: Invoke, kind: str, dtype: str
+) -> None:
+    """A quantized type sized the weights for its free-space check with a stat through each
+    path, before the private copy's checks: a dangling or looping link was an internal error,
+    a link out a claim of the target's size in free space. Every type refuses the link first."""
+    src = _model(tmp_path / "m")
+    huge = tmp_path / "huge.safetensors"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 40)
+    target, said = LINKS[kind]
+    (src / "extra.safetensors").symlink_to(target.format(huge=huge))
+    out = tmp_path / "o.gguf"
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", dtype,
+                               "-o", str(out))  # fmt: skip
+    assert code == 1, err
+    assert stdout == "" and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{src / 'extra.safetensors'}:" in err and said in err, err
+    assert "internal error" not in err and "free" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huge.safetensors", "m"]

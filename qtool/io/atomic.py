@@ -9,6 +9,13 @@ touched. A SIGKILL can leave temp files; they never look like output, and the ne
 directory removes those that no live run holds: every temp is locked (flock) from its creation
 until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
 
+A rename replaces an existing file only where the run's preflight had `force`; elsewhere it is
+renameat2(RENAME_NOREPLACE) (or link() + unlink()), so a file that appeared at an output name
+meanwhile (another run, another program) is kept, and the commit fails and takes back the
+renames it had made. Temps are created, renamed and removed through a descriptor of their
+directory opened when the first was made there; the commit first checks that the output's
+directory path still leads to that directory.
+
 `preflight` is the one check every output of every command passes before anything is written.
 """
 
@@ -25,12 +32,13 @@ import signal
 import stat
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
 from qtool.errors import OutputError, UsageError
-from qtool.io import tempdirs
+from qtool.io import renames, tempdirs
 from qtool.io.mounts import is_mount_point
 from qtool.io.safeopen import file_kind
 
@@ -40,12 +48,22 @@ STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are
 FileId = tuple[int, int]  # (st_dev, st_ino): what a file is, whatever path names it
 
 
+@dataclass(frozen=True)
+class _Temp:
+    """A temp file by its directory's descriptor (opened when the first temp there was made) and
+    its name: removing or renaming it never follows a path that was moved or swapped meanwhile."""
+
+    dir_fd: int
+    name: str
+
+
 class OutputSet:
     """Context manager collecting temp files; `commit()` renames them, leaving aborts clean."""
 
     def __init__(self) -> None:
-        self._files: list[tuple[Path, Path, BinaryIO, bool]] = []  # (temp, final, handle, last)
-        self._temps: list[Path] = []  # every temp name, listed before it is created
+        self._files: list[tuple[_Temp, Path, BinaryIO, bool]] = []  # (temp, final, handle, last)
+        self._temps: list[_Temp] = []  # every temp, listed before it is created
+        self._dirs: dict[Path, int] = {}  # each final's directory, opened once
         self._committed = False
 
     def __enter__(self) -> OutputSet:
@@ -63,11 +81,15 @@ class OutputSet:
     def create(self, final: Path, *, last: bool = False) -> BinaryIO:
         """Open a new locked temp file that will become `final` on commit (after the others if
         last)."""
+        dir_fd = self._dir_fd(final)
         while True:
-            temp = final.parent / f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            temp = _Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}")
             self._temps.append(temp)  # first: a signal right after the open still removes it
             try:
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+                fd = os.open(
+                    temp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666,
+                    dir_fd=dir_fd,
+                )  # fmt: skip
             except OSError as err:
                 self._temps.pop()
                 raise OutputError(
@@ -80,9 +102,24 @@ class OutputSet:
         self._files.append((temp, final, handle, last))
         return handle
 
+    def _dir_fd(self, final: Path) -> int:
+        if (fd := self._dirs.get(final.parent)) is not None:
+            return fd
+        try:
+            fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as err:
+            raise OutputError(
+                final, f"cannot create a file in {final.parent}: {describe_os_error(err)}"
+            ) from err
+        self._dirs[final.parent] = fd
+        return fd
+
     def commit(self) -> None:
         """fsync every file, rename each into place in order, fsync the directories. Each temp
-        stays locked until it is renamed, so no other run's cleanup can take it."""
+        stays locked until it is renamed, so no other run's cleanup can take it. A final name
+        is replaced only where a preflight with `force` allowed it; elsewhere the rename
+        refuses atomically to replace what appeared since the checks, and the renames this
+        commit made before are taken back."""
         for _temp, final, handle, _last in self._files:
             try:
                 handle.flush()
@@ -90,39 +127,141 @@ class OutputSet:
             except OSError as err:
                 raise OutputError(final, f"cannot write: {describe_os_error(err)}") from err
         ordered = sorted(self._files, key=lambda f: f[3])  # stable: creation order, last ones last
-        for _, final, _, _ in ordered:
-            _refuse_special(final)  # appeared since the preflight: replace nothing but files
+        replaceable = {final: _place_key(final) in _MAY_REPLACE for _, final, _, _ in ordered}
         for temp, final, _, _ in ordered:
+            _refuse_special(final)  # appeared since the preflight: replace nothing but files
+            _refuse_moved(temp.dir_fd, final)
+            if not replaceable[final] and _exists_at(temp.dir_fd, final.name):
+                raise _appeared(final)
+        placed: list[tuple[_Temp, Path, BinaryIO]] = []  # renamed without replacing anything
+        for temp, final, handle, _ in ordered:
             try:
-                os.replace(temp, final)
+                if replaceable[final]:
+                    os.replace(temp.name, final.name, src_dir_fd=temp.dir_fd,
+                               dst_dir_fd=temp.dir_fd)  # fmt: skip
+                else:
+                    _rename_noreplace(temp.dir_fd, temp.name, final.name)
+                    placed.append((temp, final, handle))
             except OSError as err:
+                _withdraw(placed)
+                if isinstance(err, FileExistsError):
+                    raise _appeared(final) from err
                 raise OutputError(
                     final, f"cannot rename into place: {describe_os_error(err)}"
                 ) from err
         self._committed = True
+        for final in replaceable:
+            _MAY_REPLACE.discard(_place_key(final))  # --force counts for one commit
         for _, _, handle, _ in self._files:
             with contextlib.suppress(OSError):
                 handle.close()
-        for directory in {final.parent for _, final, _, _ in self._files}:
-            _fsync_dir(directory)
+        for fd in self._dirs.values():
+            with contextlib.suppress(OSError):
+                os.fsync(fd)
+        self._close_dirs()
 
     def abort(self) -> None:
         for temp in self._temps:
             with contextlib.suppress(OSError):
-                temp.unlink()
+                os.unlink(temp.name, dir_fd=temp.dir_fd)
         for _, _, handle, _ in self._files:
             with contextlib.suppress(OSError):
                 handle.close()
         self._files.clear()
         self._temps.clear()
+        self._close_dirs()
+
+    def _close_dirs(self) -> None:
+        for fd in self._dirs.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._dirs.clear()
 
 
-def _lock_own_temp(fd: int, temp: Path) -> bool:
+# Outputs a preflight with `force` allowed to replace, by (directory, name); a later preflight
+# without it takes that back, and a commit uses it once. Every other final name a commit
+# renames onto must still be free.
+_MAY_REPLACE: set[tuple[object, str]] = set()
+
+
+def _place_key(path: Path) -> tuple[object, str]:
+    return (file_id(path.parent) or os.path.abspath(path.parent), path.name)
+
+
+def _appeared(final: Path) -> OutputError:
+    return OutputError(
+        final,
+        "appeared while this run was writing; nothing was replaced and this run's output was "
+        "not kept: run again to replace it",
+        hint="force",
+    )
+
+
+def _refuse_moved(dir_fd: int, final: Path) -> None:
+    """The temps were made in the directory `final.parent` named then; if that path now leads
+    elsewhere (the directory moved, or swapped for a link), the output would not be where the
+    user looks for it."""
+    try:
+        same = os.path.samestat(os.stat(final.parent), os.fstat(dir_fd))
+    except OSError:
+        same = False
+    if not same:
+        raise OutputError(
+            final,
+            f"its directory {final.parent} was moved or replaced while this run wrote into it; "
+            "nothing was written: run again",
+        )
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV)
+
+
+def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
+    """Rename file `old` to `new` in `dir_fd` unless `new` exists (FileExistsError): with
+    renameat2(RENAME_NOREPLACE), else link() then unlink(), which fails on an existing name
+    too. Where neither works (a filesystem without hard links), the check just before
+    os.replace is all there is: a file created in between is replaced."""
+    if renames.renameat2(dir_fd, old, new, renames.RENAME_NOREPLACE):
+        return
+    try:
+        os.link(old, new, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        if err.errno not in _NO_LINKS:
+            raise
+        if _exists_at(dir_fd, new):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), new) from err
+        os.replace(old, new, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    os.unlink(old, dir_fd=dir_fd)
+
+
+def _withdraw(placed: Sequence[tuple[_Temp, Path, BinaryIO]]) -> None:
+    """Remove the outputs a failed commit had already renamed into place (each replaced
+    nothing), so none of the set is left: each only if that name still holds our file."""
+    for temp, final, handle in placed:
+        with contextlib.suppress(OSError):
+            st = os.stat(final.name, dir_fd=temp.dir_fd, follow_symlinks=False)
+            if os.path.samestat(st, os.fstat(handle.fileno())):
+                os.unlink(final.name, dir_fd=temp.dir_fd)
+
+
+def _lock_own_temp(fd: int, temp: _Temp) -> bool:
     """Lock a fresh temp; False (and the fd closed) if a cleanup removed it before the lock."""
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a cleanup that is unlinking it
     try:
-        same = os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False))
+        st = os.stat(temp.name, dir_fd=temp.dir_fd, follow_symlinks=False)
+        same = os.path.samestat(os.fstat(fd), st)
     except OSError:
         same = False
     if not same:
@@ -244,15 +383,6 @@ def _probe_locks(directory: Path) -> bool:
             os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def describe_os_error(err: OSError) -> str:
     """What an OS error means for an output, with what to do about it."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -283,13 +413,18 @@ def preflight(
     """Before anything is written: refuse outputs that collide with each other, that are a
     protected file (an input, its sidecar or a companion: compared by device and inode), that
     exist without `force`, that are anything but a regular file, or whose directory is missing,
-    read-only or (for the first output) short of `needed_bytes`."""
+    read-only or (for the first output) short of `needed_bytes`. With `force` the commit of
+    these outputs may replace what it finds there; without it, it replaces nothing."""
     guarded = {i: p for p in protected if (i := file_id(p)) is not None}
+    for out in outputs:
+        _MAY_REPLACE.discard(_place_key(out))
     _refuse_collisions(outputs)
     for out in outputs:
         _check_output(out, guarded, force)
     if outputs and needed_bytes:
         _check_space(outputs[0], needed_bytes)
+    if force:  # what the commit may replace: anything else it finds there appeared meanwhile
+        _MAY_REPLACE.update(_place_key(out) for out in outputs)
 
 
 def _check_output(out: Path, guarded: dict[FileId, Path], force: bool) -> None:

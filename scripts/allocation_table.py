@@ -90,6 +90,8 @@ def runs(ladder: Path | None) -> list[Run]:
             fmt="gguf"),
         Run("--target-size = Q5_K_M --imatrix", "gguf-target-size", size_of("Q5_K_M --imatrix"),
             fmt="gguf"),
+        Run("--target-size = Q2_K --imatrix", "gguf-target-size", size_of("Q2_K --imatrix"),
+            fmt="gguf"),
         Run("--target-kl 0.3", "target-kl", ["--target-kl", "0.3", *lad]),
         Run("--target-kl 0.15", "target-kl", ["--target-kl", "0.15", *lad]),
         Run("--target-kl 0.45", "target-kl", ["--target-kl", "0.45", *lad]),

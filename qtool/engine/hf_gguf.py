@@ -155,24 +155,31 @@ def read_files(src: Path) -> list[Path]:
     tokenizer files, chat templates), links resolved by preflight's device-and-inode check: no
     output may replace one (a weight file linked from elsewhere is the user's weights)."""
     templates = src / "additional_chat_templates"
-    found = [src, *(p for p in src.iterdir() if not p.is_dir())]
+    found = [p for p in src.iterdir() if not p.is_dir()]
     if templates.is_dir():
         found += [p for p in templates.iterdir() if not p.is_dir()]
-    return protected_paths(found)
+    return [src, *protected_paths(found)]  # a file's belongings (a sidecar), not a directory's
 
 
 def _needed_bytes(src: Path) -> int:
     """At least the free space the run takes beside its output: the float copy (the size of
     the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much).
     Each weights file is sized on a descriptor opened as checked_model opens it, never by a
-    stat through its path: a dangling, looping or outward link is refused as checked_model
-    refuses it, not an internal error or the size of a file outside the directory."""
+    stat through its path: a dangling, looping or outward link counts nothing here (not an
+    internal error, nor the size of a file outside the directory), and checked_model refuses
+    it once the outputs are checked."""
     weights = 0
     with contextlib.closing(InputDir(src)) as within:
         for name in within.names():
             if name.endswith(".safetensors"):
-                with within.open(name) as f:
-                    weights += os.fstat(f.fileno()).st_size
+                try:
+                    fd = within.open_fd(name)
+                except (Refused, FileNotFoundError):
+                    continue
+                try:
+                    weights += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
     return 2 * weights
 
 

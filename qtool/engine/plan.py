@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -388,7 +389,12 @@ def output_tag(options: QuantizeOptions) -> str:
 
 def default_quantized_path(src: Path, dtype: str, suffix: str = ".safetensors") -> Path:
     """`model.safetensors` -> `model.int8.safetensors` beside it (`model-F16.gguf` ->
-    `model-F16.Q4_K.gguf` with suffix .gguf)."""
+    `model-F16.Q4_K.gguf` with suffix .gguf). A path that does not end in a name (`.`, `..`,
+    `m/..`) is the directory it names: `cd m && quantize .` writes `m.int8...` beside `m`."""
+    if src.name in ("", ".."):
+        src = Path(os.path.abspath(src))  # lexical, as the shell's `..` is
+        if not src.name:  # the root: nothing beside it, so the name inside it (refused there)
+            src = src / "model"
     return src.with_name(f"{src.stem}.{dtype}{suffix}")
 
 

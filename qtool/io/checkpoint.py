@@ -12,6 +12,7 @@ scan of the zip directory that refuses compressed members (zip bombs); only tens
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import weakref
@@ -19,12 +20,13 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, UnsafeInputError
+from qtool.io.filestamp import FileStamp, fstamp, stamp
 from qtool.io.readbuffer import ReadBuffer
 from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
@@ -64,7 +66,7 @@ class Checkpoint:
     _fd: int = -1  # the open file, for safetensors; closed by close() or when garbage collected
     _data_start: int = 0
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    _stat: tuple[int, int] = (0, 0)
+    _stat: FileStamp = (0, 0, 0, 0, 0)  # filestamp.stamp at open, what check_unchanged compares
     _by_name: dict[str, TensorEntry] = field(default_factory=dict)
 
     @property
@@ -157,9 +159,10 @@ class Checkpoint:
 
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn): the
-        descriptor read from is checked, not whatever the path names now."""
-        st = os.fstat(self._fd) if self._fd >= 0 else os.stat(self.path)
-        if (st.st_size, st.st_mtime_ns) != self._stat:
+        descriptor read from is checked, not whatever the path names now (a pickle, read whole
+        when it was opened, has no descriptor left: its path is checked)."""
+        now = fstamp(self._fd) if self._fd >= 0 else stamp(os.stat(self.path))
+        if now != self._stat:
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:
@@ -333,7 +336,7 @@ def _adopted(path: Path, f: BinaryIO, header: Header) -> Checkpoint:
         header.tensors,
         header.metadata,
         _data_start=header.data_start,
-        _stat=(st.st_size, st.st_mtime_ns),
+        _stat=stamp(st),
     )
     ckpt.adopt(os.dup(f.fileno()))
     return ckpt
@@ -347,9 +350,22 @@ def _open_pickle(path: Path, kind: str) -> Checkpoint:
             "weights_only loader has known code-execution holes); upgrade torch or convert the "
             "file to safetensors with a trusted tool",
         )
-    if kind == "zip":
-        _check_zip(path)
-    loaded = _load_pickle(path)
+    # One open file for the zip check and torch.load: the path could name another file (a
+    # zip bomb renamed over it) by the time torch opened it again.
+    with open_regular(path) as f:
+        fd = f.fileno()
+        opened = fstamp(fd)
+        if os.pread(fd, 4, 0).startswith((b"PK\x03\x04", b"PK\x05\x06")):
+            try:  # the content decides, as it does for torch.load
+                _check_zip(path, f)
+            except InputError:
+                _check_same(path, fd, opened)  # not damaged: changed while checked
+                raise
+            watched = io.BufferedReader(_Watched(fd, path, opened))
+            loaded = _load_pickle(path, watched, fd, opened)
+        else:
+            loaded = _load_pickle(path, f, fd, opened)
+        _check_same(path, fd, opened)
     state, skipped = _state_dict(path, loaded)
     entries, offset = [], 0
     for name, t in state.items():
@@ -359,10 +375,43 @@ def _open_pickle(path: Path, kind: str) -> Checkpoint:
         nbytes = t.numel() * DTYPE_BITS[dtype] // 8
         entries.append(TensorEntry(name, dtype, tuple(t.shape), offset, offset + nbytes))
         offset += nbytes
-    st = os.stat(path)
-    return Checkpoint(
-        path, tuple(entries), None, skipped, _tensors=state, _stat=(st.st_size, st.st_mtime_ns)
-    )
+    return Checkpoint(path, tuple(entries), None, skipped, _tensors=state, _stat=opened)
+
+
+def _check_same(path: Path, fd: int, opened: FileStamp) -> None:
+    if fstamp(fd) != opened:
+        raise InputError(path, "the file changed while qtool was reading it; run again")
+
+
+class _Watched(io.RawIOBase):
+    """The zip `fd` as torch.load reads it: each read is checked against the stamp the zip check
+    saw, so bytes rewritten in place after the check (compressed members, a zip bomb) are
+    refused before torch decompresses them (a write moves the ctime before its data lands)."""
+
+    def __init__(self, fd: int, path: Path, opened: FileStamp) -> None:
+        super().__init__()
+        self._fd, self._path, self._opened, self._pos = fd, path, opened, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._opened[2]}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = os.preadv(self._fd, [view], self._pos)
+        _check_same(self._path, self._fd, self._opened)
+        self._pos += n
+        return n
 
 
 def torch_version() -> tuple[int, int]:
@@ -370,10 +419,11 @@ def torch_version() -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
-def _check_zip(path: Path) -> None:
-    """Refuse compressed or oversized members before torch decompresses anything."""
+def _check_zip(path: Path, f: BinaryIO) -> None:
+    """Refuse compressed or oversized members of the open zip `f` before torch decompresses
+    anything."""
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(f) as zf:
             infos = zf.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as err:
         raise InputError(
@@ -387,7 +437,7 @@ def _check_zip(path: Path) -> None:
             "this is a TorchScript archive (torch.jit.save), not a state dict; "
             "save model.state_dict() with torch.save instead",
         )
-    size = os.path.getsize(path)
+    size = os.fstat(f.fileno()).st_size
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED:
             raise UnsafeInputError(
@@ -408,13 +458,14 @@ def _is_torchscript_member(name: str) -> bool:
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def _load_pickle(path: Path) -> object:
-    """The pickle's objects, its tensors read into memory qtool owns: never mapped (mmap=True
-    kept the zip's storages mapped, and a file truncated under the run killed it with SIGBUS
-    when a tensor was read)."""
+def _load_pickle(path: Path, f: BinaryIO, fd: int, opened: FileStamp) -> object:
+    """The pickle's objects from `f` (`path` open as `fd`, stamped `opened`), its tensors read
+    into memory qtool owns: never mapped (mmap=True kept the zip's storages mapped, and a file
+    truncated under the run killed it with SIGBUS when a tensor was read)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=False)
     except Exception as err:  # the unpickler raises anything on corrupt input (pytorch#127525)
+        _check_same(path, fd, opened)  # a file changed under the load is not corrupt
         text = str(err)
         if "Weights only load failed" in text or "Unsupported" in text:
             found = _GLOBAL_RE.search(text)
@@ -424,6 +475,11 @@ def _load_pickle(path: Path) -> object:
                 f"refused: the pickle asks for{what}, which a plain state dict never needs "
                 "(nothing was run); export the weights as safetensors with a trusted tool",
             ) from None
+        if isinstance(err, MemoryError) or "can't allocate memory" in text:
+            raise InputError(
+                path, f"a torch pickle is read whole, and its {opened[2]:,} bytes do not fit "
+                "in the memory qtool may use; free memory or raise the limit",
+            ) from None  # fmt: skip
         if "TorchScript" in text:
             raise InputError(
                 path, "TorchScript archives are not supported; save a state_dict"

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from qtool.gguf_types import GGML_TYPES
+from qtool.io.filestamp import FileStamp
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.stformat import Header, TensorEntry
@@ -46,9 +47,9 @@ def as_float_header(header: Header) -> Header:
     return Header(listed, header.metadata, header.data_start)
 
 
-def open_gguf_data(path: Path) -> tuple[Header, int, tuple[int, int]]:
+def open_gguf_data(path: Path) -> tuple[Header, int, FileStamp]:
     """The GGUF file at `path` opened for io.checkpoint.Checkpoint: its header as a stformat
-    Header, a descriptor of its own (the caller closes it) and its (size, mtime_ns) when
+    Header, a descriptor of its own (the caller closes it) and its filestamp.stamp when
     opened; InputError naming it when it is not a valid GGUF file."""
     with GGUFFile(path) as f:
         return as_header(f.header), os.dup(f.fileno()), f.opened_stat

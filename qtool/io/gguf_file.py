@@ -25,6 +25,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.errors import InputError
+from qtool.io.filestamp import FileStamp, fstamp, stamp
 from qtool.io.gguf_header import GGUFHeaderError, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
@@ -56,7 +57,7 @@ class GGUFFile:
         self._file = open_regular(self.path) if file is None else file
         try:
             st = os.fstat(self._file.fileno())
-            self._stat = (st.st_size, st.st_mtime_ns)
+            self._stat = stamp(st)
             if st.st_size == 0:
                 raise InputError(self.path, "not a valid GGUF file: it is empty")
             self.header: GGUFHeader = self._parse(st.st_size)
@@ -151,8 +152,8 @@ class GGUFFile:
         return self._file.fileno()
 
     @property
-    def opened_stat(self) -> tuple[int, int]:
-        """(size, mtime_ns) of the file when it was opened, what check_unchanged compares."""
+    def opened_stat(self) -> FileStamp:
+        """The file's filestamp.stamp when it was opened, what check_unchanged compares."""
         return self._stat
 
     def check_unchanged(self) -> None:
@@ -160,8 +161,7 @@ class GGUFFile:
         descriptor read from is checked, not whatever the path names now."""
         if self._file.closed:
             return
-        st = os.fstat(self._file.fileno())
-        if (st.st_size, st.st_mtime_ns) != self._stat:
+        if fstamp(self._file.fileno()) != self._stat:
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:

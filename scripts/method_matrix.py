@@ -347,7 +347,7 @@ def table(recs: list[dict[str, Any]]) -> str:
             if e is None:
                 row += ["-", "-"]
                 continue
-            cell = f"{e['kl']:.3f} ({e['ppl']:.1f})"
+            cell = f"{e['kl']:.{4 if e['kl'] < 0.01 else 3}f} ({e['ppl']:.1f})"
             b = None if base is None or r is base else base["eval"].get(label)
             if b is not None:
                 cell += f" {100 * (e['kl'] / b['kl'] - 1):+.0f}%"

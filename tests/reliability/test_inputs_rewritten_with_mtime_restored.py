@@ -1,8 +1,8 @@
 """A file rewritten in place while qtool reads it, by a writer that puts its mtime back
 (`os.utime`, `touch -r`, `rsync -t`, `tar x`), is refused: `check_unchanged` compared only the
 size and the mtime, so the same size and the old mtime passed and the run wrote an output from
-torn values with exit 0. Every reader's check (safetensors, GGUF, torch pickles: io/filestamp.py)
-now compares the ctime too, which no user can set, and the device and inode (a file renamed
+torn values with exit 0. Every reader's check (safetensors, GGUF, torch pickles, imatrices:
+io/filestamp.py) now compares the ctime too, which no user can set, and the device and inode (a file renamed
 over the path of a pickle, read whole through its path).
 
 The writers here wait, if they must, for the clock to tick past the file's last change: a change
@@ -20,13 +20,16 @@ import numpy as np
 import pytest
 import torch
 
+import qtool.formats.imatrix as imatrix_format
 from qtool.errors import InputError
+from qtool.formats.imatrix import dat as dat_format
 from qtool.gguf_types import ValueType
 from qtool.io.checkpoint import open_checkpoint
 from qtool.io.gguf_file import GGUFFile
 from qtool.io.gguf_layout import GGUFValue
 from qtool.io.gguf_write import write_gguf
 from tests.outputs import ERROR_LINE, checkpoint, leftovers
+from tests.reliability.test_imatrix_hostile import ONE, TAIL, dat, gguf_file, good
 
 
 def rewrite_keeping_mtime(path: Path, data: bytes) -> None:
@@ -144,3 +147,29 @@ def test_quantize_refuses_input_rewritten_with_mtime_restored(tmp_path: Path) ->
     assert proc.stdout == b"" and ERROR_LINE.match(err), err
     assert str(src) in err and "changed while" in err, err
     assert list(out.iterdir()) == [] and leftovers(out) == []
+
+
+@pytest.mark.parametrize("kind", ["gguf", "dat"])
+def test_imatrix_rewritten_with_mtime_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Rewritten once parsed, before the file is hashed and checked (the .dat reader's own
+    check, after its last entry, too)."""
+    if kind == "gguf":
+        path = gguf_file(tmp_path / "m.gguf", good())
+        module, name = imatrix_format, "read_gguf_from"
+    else:
+        path = tmp_path / "m.dat"
+        path.write_bytes(dat([ONE], TAIL))
+        module, name = dat_format, "_trailer"
+    real = getattr(module, name)
+
+    def then_rewrite(*args: object) -> object:
+        out = real(*args)
+        data = path.read_bytes()
+        rewrite_keeping_mtime(path, data[:-8] + bytes(8))
+        return out
+
+    monkeypatch.setattr(module, name, then_rewrite)
+    with pytest.raises(InputError, match="changed while qtool was reading it"):
+        imatrix_format.read_imatrix_file(path)

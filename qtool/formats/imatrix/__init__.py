@@ -22,6 +22,7 @@ from pathlib import Path
 from qtool.errors import InputError
 from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
 from qtool.formats.imatrix.ggufimatrix import read_gguf_from, write_gguf_imatrix
+from qtool.io.filestamp import stamp
 from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix
@@ -68,7 +69,7 @@ def read_imatrix_file(
             imatrix, meta = read_dat(path, dat_chunk_size, twin), {}
         sha = _sha256(fd, st.st_size) if digest else ""
         now = os.fstat(fd)
-        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
             raise InputError(path, "the file changed while qtool was reading it; run again")
     return ImatrixFile(imatrix, meta, sha)
 

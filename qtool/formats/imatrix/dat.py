@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.errors import InputError
+from qtool.io.filestamp import stamp
 from qtool.io.gguf_header import MAX_NAME_BYTES
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import MAX_CHUNK_SIZE, ImportanceMatrix, MatrixStats
@@ -81,7 +82,7 @@ def read_dat(
         raw = [_entry(cur, i) for i in range(n)]
         datasets = _trailer(cur)
         now = os.fstat(f.fileno())
-        if (now.st_size, now.st_mtime_ns) != (size, st.st_mtime_ns):
+        if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
             raise InputError(path, "the file changed while qtool was reading it; run again")
     entries: dict[str, MatrixStats] = {}
     for name, ncall, values in raw:

@@ -22,6 +22,8 @@ Anything else is refused, naming what.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib
 import math
 from collections.abc import Iterator
@@ -437,13 +439,16 @@ def export_float(
         if check_values:
             narrowed = [t for t in tensors if t.type == "F16" and t.source != "F16"]
             for t, values in _values(narrowed):
-                tensor_data(t, values, arch, config)
+                with _memory(t):
+                    tensor_data(t, values, arch, config)
         return Converted(layout, sources)
     assert outputs is not None
     writer = GGUFStreamWriter(outputs.create(out), header, layout)
     try:
         for t, values in _values(tensors):
-            writer.write(tensor_data(t, values, arch, config))
+            with _memory(t):  # the cast's copy (and q/k's permuted one)
+                written = tensor_data(t, values, arch, config)
+            writer.write(written)
         if extra is not None:
             writer.write(extra.numpy())
         writer.finish()
@@ -502,7 +507,8 @@ def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
                                      "one checked); run again once nothing is writing it",
                                      t.hf)  # fmt: skip
                 try:
-                    values = ckpt.tensor(entry, buffer)
+                    with _memory(t):
+                        values = ckpt.tensor(entry, buffer)
                 except OSError as err:  # EIO: the input's, not the output's (export's except)
                     raise InputError(file, f"cannot read it: {err.strerror or err}",
                                      t.hf) from None  # fmt: skip
@@ -510,3 +516,23 @@ def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
             ckpt.check_unchanged()  # rewritten in place while read: the values may be torn
         finally:
             ckpt.close()
+
+
+@contextlib.contextmanager
+def _memory(t: HFTensor) -> Iterator[None]:
+    """A tensor too large for the memory this process may use (ulimit -v, a container's
+    limit): its buffer, or the cast's copy, not allocated. An InputError naming the file and
+    the tensor and what to do, as the GGUF reader says it; not "cannot read it" (the file is
+    fine) nor an internal error."""
+    try:
+        yield
+    except (MemoryError, OSError, RuntimeError) as err:
+        if isinstance(err, OSError) and err.errno != errno.ENOMEM:
+            raise
+        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
+            raise  # torch's allocator says so in a RuntimeError
+        nbytes = math.prod(t.shape) * _ITEM_BYTES[t.source]
+        raise InputError(
+            t.file, f"its {t.source} data of {nbytes:,} bytes does not fit in the memory qtool "
+            "may use; free memory or raise the limit", t.hf,
+        ) from None  # fmt: skip

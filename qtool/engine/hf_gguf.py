@@ -316,16 +316,18 @@ def checked_model(src: Path) -> Iterator[Path]:
     only what qtool checked, and a file swapped or linked out after the check is never read.
     Errors naming the copy name the file in `src`."""
     with contextlib.closing(InputDir(src)) as within, private_dir("export") as private:
-        fds: list[int] = []
+        fds: dict[str, int] = {}
+        seen: dict[str, tuple[int, int]] = {}  # each weights file's size and time when opened
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
         try:
             with _setting_up(private):
                 _fill(within, scratch, fds)
+            seen = {name: _stamp(fd) for name, fd in fds.items()}
             yield scratch
         except QtoolError as err:
-            raise _named_in(err, scratch, src) from None
+            raise _named_in(_changed(err, scratch, fds, seen), scratch, src) from None
         finally:
-            for fd in fds:
+            for fd in fds.values():
                 os.close(fd)
 
 
@@ -343,8 +345,9 @@ def _setting_up(private: Path) -> Iterator[None]:
         ) from None  # fmt: skip
 
 
-def _fill(within: InputDir, scratch: Path, fds: list[int]) -> None:
-    """The private copy of checked_model in `scratch`, the weights' descriptors into `fds`."""
+def _fill(within: InputDir, scratch: Path, fds: dict[str, int]) -> None:
+    """The private copy of checked_model in `scratch`, the weights' descriptors into `fds`
+    (by name)."""
     scratch.mkdir(mode=0o700)  # named as the model: gguf-py's Metadata names it so
     total = _copy(within, READ_FILES, scratch, 0)
     found = within.lstat(TEMPLATES)  # a regular file of that name: gguf-py skips it
@@ -362,8 +365,8 @@ def _fill(within: InputDir, scratch: Path, fds: list[int]) -> None:
     for name in within.names():
         if name.endswith(".safetensors"):
             with within.open(name) as f:  # InputError: a link out, a FIFO, ...
-                fds.append(os.dup(f.fileno()))
-            os.symlink(_fd_path(fds[-1]), scratch / name)
+                fds[name] = os.dup(f.fileno())
+            os.symlink(_fd_path(fds[name]), scratch / name)
 
 
 def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total: int) -> int:
@@ -397,6 +400,32 @@ def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total:
 def _fd_path(fd: int) -> str:
     """A path that opens the file of this process's descriptor `fd` (Linux: /proc/self/fd)."""
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def _stamp(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
+
+
+def _changed(
+    err: QtoolError, scratch: Path, fds: dict[str, int], seen: dict[str, tuple[int, int]]
+) -> QtoolError:
+    """An input error about a weights file that changed since checked_model opened it (its
+    size or time): a file appended to or rewritten under the run reads as malformed ("trailing
+    bytes not covered by the header") where the cause is the change, and running again is
+    what to do."""
+    where = Path(err.path) if err.path is not None else None
+    if not isinstance(err, InputError) or where is None or where.parent != scratch:
+        return err
+    if "changed while" in err.message:  # the reader saw the change: its words say more
+        return err
+    name = where.name
+    if name not in seen or _stamp(fds[name]) == seen[name]:
+        return err
+    (before, _), (now, _) = seen[name], _stamp(fds[name])
+    how = f"its size went from {before:,} to {now:,} bytes" if now != before else "rewritten"
+    return InputError(err.path, f"changed while qtool was reading it ({how}); run again once "
+                      "nothing is writing it", err.tensor)  # fmt: skip
 
 
 def _named_in(err: QtoolError, scratch: Path, src: Path) -> QtoolError:

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,60 @@ def test_read_error_names_the_input(
     assert str(src / "model.safetensors") in err and "Input/output error" in err, err
     assert TENSOR.search(err) and "cannot write" not in err, err
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def _append(weights: Path) -> None:
+    with open(weights, "ab") as f:
+        f.write(b"XXXXXXXX")
+
+
+def _scribble(weights: Path) -> None:  # the same size, the header's length field overwritten
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 8)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [(_append, "its size went from "), (_scribble, "(rewritten)")],
+    ids=["appended", "rewritten"],
+)
+def test_weights_changed_before_the_header_is_read(
+    tmp_path: Path, invoke: Invoke, monkeypatch: pytest.MonkeyPatch, dtype: str,
+    change: Callable[[Path], None], said: str,
+) -> None:  # fmt: skip
+    """Appended to (or rewritten) after qtool opened it, before its header was parsed: the
+    header no longer fits the file ("8 trailing bytes not covered by the header", "not a valid
+    safetensors file"), which blamed an input that was valid when the run began. Said to have
+    changed while read, naming the user's file."""
+    from qtool.formats.gguf import hf_export, hf_vocab
+
+    src = write_model(tmp_path / "m", "llama")
+    monkeypatch.setattr(hf_vocab, "pre_tokenizer", lambda directory: "gpt-2")
+    weights = src / "model.safetensors"
+    read_config = hf_export.read_config
+
+    def changing(directory: Path) -> object:
+        change(weights)
+        return read_config(directory)
+
+    monkeypatch.setattr(hf_export, "read_config", changing)
+    out = tmp_path / "m.gguf"
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", dtype,
+                               "-o", str(out))  # fmt: skip
+    assert code == 1 and stdout == "" and ERROR_LINE.match(err), err
+    assert f"{weights}: changed while qtool was reading it" in err and said in err, err
+    assert "run again" in err and "not a valid" not in err, err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_weights_invalid_from_the_start_are_not_said_to_change(
+    tmp_path: Path, invoke: Invoke
+) -> None:
+    """The same trailing bytes before the run began: the file is what is wrong."""
+    src = write_model(tmp_path / "m", "llama")
+    _append(src / "model.safetensors")
+    code, _, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", "Q8_0",
+                          "-o", str(tmp_path / "m.gguf"))  # fmt: skip
+    assert code == 1 and "trailing bytes not covered by the header" in err, err
+    assert "changed while" not in err, err

@@ -2,8 +2,8 @@
 (`os.utime`, `touch -r`, `rsync -t`, `tar x`), is refused: `check_unchanged` compared only the
 size and the mtime, so the same size and the old mtime passed and the run wrote an output from
 torn values with exit 0. Every reader's check (safetensors, GGUF, torch pickles, imatrices:
-io/filestamp.py) now compares the ctime too, which no user can set, and the device and inode (a file renamed
-over the path of a pickle, read whole through its path).
+io/filestamp.py) now compares the ctime too, which no user can set, and the device and inode (a
+file renamed over the path of a pickle, read whole through its path).
 
 The writers here wait, if they must, for the clock to tick past the file's last change: a change
 within one tick of the file system's clock is invisible to any stat."""

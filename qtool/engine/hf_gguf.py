@@ -15,6 +15,7 @@ through the directory's descriptor, as docs/reliability.md's "Reading a model di
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import stat
@@ -75,11 +76,12 @@ def quantize_hf(
         return write_float(src, out, options, run)
     target = quantized_output(src, out, output_label(options), entry(options.format).suffix)
     refuse_nesting(target, [src])  # a new file in the model's directory changes the model
-    needed = _needed_bytes(src)
+    needed, data = _weights_bytes(src)
     protected = [*read_files(src), *options.input_files]
     for p in run.also:  # a new file in the model's directory changes the model
         refuse_nesting(p, [src])
     preflight([target, *run.also], protected, force=run.force, needed_bytes=needed)
+    _within_file_size_limit(data // 2, target)
     convert = entry(options.format.value).convert
     assert convert is not None  # converts() said so
     if run.mode is Mode.PLAN and hasattr(os, "memfd_create"):
@@ -161,14 +163,15 @@ def read_files(src: Path) -> list[Path]:
     return [src, *protected_paths(found)]  # a file's belongings (a sidecar), not a directory's
 
 
-def _needed_bytes(src: Path) -> int:
+def _weights_bytes(src: Path) -> tuple[int, int]:
     """At least the free space the run takes beside its output: the float copy (the size of
-    the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much).
+    the checkpoint's weights; 1-D tensors in F32 add little) and the output (at most as much);
+    and the bytes of the weights' data (the files less their headers).
     Each weights file is sized on a descriptor opened as checked_model opens it, never by a
     stat through its path: a dangling, looping or outward link counts nothing here (not an
     internal error, nor the size of a file outside the directory), and checked_model refuses
     it once the outputs are checked."""
-    weights = 0
+    weights = data = 0
     with contextlib.closing(InputDir(src)) as within:
         for name in within.names():
             if name.endswith(".safetensors"):
@@ -177,10 +180,26 @@ def _needed_bytes(src: Path) -> int:
                 except (Refused, FileNotFoundError):
                     continue
                 try:
-                    weights += os.fstat(fd).st_size
+                    size = os.fstat(fd).st_size
+                    header = int.from_bytes(os.pread(fd, 8, 0), "little") if size >= 8 else size
                 finally:
                     os.close(fd)
-    return 2 * weights
+                weights += size
+                data += max(0, size - 8 - header)
+    return 2 * weights, data
+
+
+def _within_file_size_limit(least: int, target: Path) -> None:
+    """The float copy (at least `least` bytes: half the weights' data, an F32 checkpoint's
+    F16 copy) refused before any work when it is over this process's file-size limit, as a
+    float type's output is refused; it failed once that many bytes were written."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and least > limit:
+        raise OutputError(
+            os.path.abspath(target.parent), f"qtool's temporary float GGUF of the input (at "
+            f"least {least:,} bytes) is larger than this process's file-size limit "
+            f"({limit:,} bytes, ulimit -f), so it cannot be written; raise the limit",
+        )  # fmt: skip
 
 
 def _named_for_user(err: QtoolError, scratch_file: Path, src: Path) -> QtoolError:
@@ -338,10 +357,16 @@ def _setting_up(private: Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if err.errno == errno.EFBIG and limit != resource.RLIM_INFINITY:
+            what = f"a tokenizer file is over this process's file-size limit ({limit:,} bytes, "
+            todo = "ulimit -f); raise the limit"
+        else:
+            what = "free space there or set TMPDIR to another directory, "
+            todo = "or raise the open-file limit (ulimit -n)"
         raise OutputError(
             None, f"cannot make the private copy of the model in {private.parent}: "
-            f"{err.strerror or err}; free space there or set TMPDIR to another directory, "
-            "or raise the open-file limit (ulimit -n)",
+            f"{err.strerror or err}; {what}{todo}",
         ) from None  # fmt: skip
 
 
@@ -388,12 +413,8 @@ def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total:
                              f"{MAX_TOKENIZER_TOTAL:,} bytes together; refusing to read "
                              "them")  # fmt: skip
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            with os.fdopen(os.open(to / name, flags, 0o600), "wb") as f:
-                f.write(data)
-        except OSError as err:
-            raise OutputError(None, f"cannot copy the model's tokenizer files to a private "
-                              f"temporary directory: {err.strerror or err}") from None  # fmt: skip
+        with os.fdopen(os.open(to / name, flags, 0o600), "wb") as f:  # OSError: _setting_up's
+            f.write(data)
     return total
 
 

@@ -5,6 +5,7 @@ too large ..."), naming the output's folder; exit 1, nothing left behind."""
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -30,21 +31,61 @@ def _limit_file_size(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_file_size_limit_on_the_float_copy_names_the_output_folder(tmp_path: Path) -> None:
+def _data_bytes(weights: Path) -> int:
+    """A safetensors file's data: its size less its header."""
+    with open(weights, "rb") as f:
+        return weights.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+
+
+@pytest.mark.parametrize("up_front", [True, False], ids=["under half the data", "just over"])
+def test_file_size_limit_on_the_float_copy_names_the_output_folder(
+    tmp_path: Path, up_front: bool
+) -> None:
+    """A limit under half the weights' data (the least an F16 copy of F32 weights holds) is
+    refused before any work, as a float type's output is; one the copy passes only while
+    written fails there. Both name the output's folder and the limit's cause."""
     src = write_model(tmp_path / "m", "llama")
+    least = _data_bytes(src / "model.safetensors") // 2  # the F16 copy of the F32 weights
+    limit = least - 1 if up_front else least + 1
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     proc = subprocess.run(
         [sys.executable, "-c", RUN, "quantize", str(src), "--format", "gguf",
          "--dtype", "Q8_0", "-o", str(out_dir / "o.gguf")],
         capture_output=True, text=True, timeout=300,
-        preexec_fn=lambda: _limit_file_size(100_000),  # the F16 copy is ~200 KB
+        preexec_fn=lambda: _limit_file_size(limit),
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == "" and "internal error" not in proc.stderr
     assert proc.stderr.startswith(f"qtool: error: {out_dir}: "), proc.stderr
-    assert "cannot write: file too large" in proc.stderr
+    if up_front:
+        assert f"at least {least:,} bytes" in proc.stderr, proc.stderr
+        assert f"file-size limit ({limit:,} bytes, ulimit -f)" in proc.stderr, proc.stderr
+    else:
+        assert "cannot write: file too large" in proc.stderr, proc.stderr
     assert list(out_dir.iterdir()) == []
+
+
+def test_file_size_limit_on_the_private_copy_names_where_and_the_limit(tmp_path: Path) -> None:
+    """The tokenizer files copied into TMPDIR over a ulimit -f: "cannot copy the model's
+    tokenizer files to a private temporary directory: File too large" named neither the
+    directory nor the limit."""
+    src = write_model(tmp_path / "m", "llama")
+    private = tmp_path / "tmp"
+    private.mkdir()
+    limit = 1000  # under tokenizer.json's size, over config.json's
+    assert (src / "tokenizer.json").stat().st_size > limit
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN, "quantize", str(src), "--format", "gguf",
+         "--dtype", "F16", "-o", str(tmp_path / "o.gguf")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(private)},
+        preexec_fn=lambda: _limit_file_size(limit),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"private copy of the model in {private}:" in proc.stderr, proc.stderr
+    assert "file-size limit (1,000 bytes, ulimit -f); raise the limit" in proc.stderr
+    assert list(private.iterdir()) == [] and not (tmp_path / "o.gguf").exists()
 
 
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0"])

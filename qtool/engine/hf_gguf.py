@@ -337,13 +337,18 @@ def checked_model(src: Path) -> Iterator[Path]:
     with contextlib.closing(InputDir(src)) as within, private_dir("export") as private:
         fds: dict[str, int] = {}
         seen: dict[str, tuple[int, int]] = {}  # each weights file's size and time when opened
+        made: list[str] = []
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
         try:
             with _setting_up(private):
                 _fill(within, scratch, fds)
             seen = {name: _stamp(fd) for name, fd in fds.items()}
+            made = os.listdir(scratch)
             yield scratch
-        except QtoolError as err:
+        except (QtoolError, OSError) as err:
+            _still_there(scratch, made)
+            if not isinstance(err, QtoolError):
+                raise
             raise _named_in(_changed(err, scratch, fds, seen), scratch, src) from None
         finally:
             for fd in fds.values():
@@ -421,6 +426,19 @@ def _copy(within: InputDir, names: tuple[str, ...] | list[str], to: Path, total:
 def _fd_path(fd: int) -> str:
     """A path that opens the file of this process's descriptor `fd` (Linux: /proc/self/fd)."""
     return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def _still_there(scratch: Path, made: list[str]) -> None:
+    """OutputError when a file of the private copy is gone (a TMPDIR cleaner removed it while
+    the run read it): what the run then fails on ('no tokenizer.json', a missing weights file)
+    is not the model directory's fault."""
+    gone = [name for name in made if not os.path.lexists(scratch / name)]
+    if gone:
+        raise OutputError(
+            None, f"qtool's private copy of the model in {scratch.parent.parent} vanished while "
+            f"the run read it ({gone[0]} was removed, by a cleaner of that directory?); run "
+            "again, or set TMPDIR to a directory nothing cleans",
+        )  # fmt: skip
 
 
 def _stamp(fd: int) -> tuple[int, int]:

@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -215,3 +216,35 @@ def test_weights_invalid_from_the_start_are_not_said_to_change(
                           "-o", str(tmp_path / "m.gguf"))  # fmt: skip
     assert code == 1 and "trailing bytes not covered by the header" in err, err
     assert "changed while" not in err, err
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+def test_private_copy_removed_under_the_run_is_not_the_inputs_fault(
+    tmp_path: Path, invoke: Invoke, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """The private copy in TMPDIR removed while the run reads it (a cleaner of that
+    directory): it read 'm: no tokenizer.json or tokenizer.model' or a missing config.json,
+    blaming an intact model directory. Said to have vanished, naming TMPDIR."""
+    import shutil
+
+    from qtool.formats.gguf import hf_export
+
+    src = write_model(tmp_path / "m", "llama")
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
+    read_config = hf_export.read_config
+
+    def removing(directory: Path) -> object:
+        shutil.rmtree(directory.parent)  # the run's whole private directory
+        return read_config(directory)
+
+    monkeypatch.setattr(hf_export, "read_config", removing)
+    out = tmp_path / "m.gguf"
+    code, stdout, err = invoke("quantize", str(src), "--format", "gguf", "--dtype", dtype,
+                               "-o", str(out))  # fmt: skip
+    assert code == 1 and stdout == "" and ERROR_LINE.match(err), err
+    assert f"private copy of the model in {private} vanished" in err, err
+    assert str(src) not in err and "internal error" not in err, err
+    assert not out.exists() and leftovers(tmp_path) == []

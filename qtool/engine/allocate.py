@@ -107,6 +107,13 @@ def allocate(plan: ModelPlan, data: Measured) -> ModelPlan:
                 hint="sensitivity",
             )  # fmt: skip
         found = None  # a size target: relative error, alpha = 1, as without sensitivities
+    if found is not None and target.kind == "kl" and not any(alpha.values()):
+        raise InputError(
+            where, "its sensitivities say nothing: every alpha of the tensors the target decides "
+            "is 0, so every plan predicts KL 0; calibrate this model with sensitivities again, "
+            "or aim at a size",
+            hint="sensitivity",
+        )  # fmt: skip
     # a tensor the file has no alpha for has no KL cost to weigh: kept float, outside the plan
     unmeasured = set() if found is None else _without_alpha(plan, alpha, data.fmt)
     _refuse_unmeasured_statistics(data, unmeasured)
@@ -201,7 +208,7 @@ def _within_kl(
     directory = data.shards.source.directory
     assert directory is not None
     rounds: list[tuple[int, float, float]] = []
-    floor = sum(min(c.r for c in item.candidates) for item in items)  # the least loss any plan has
+    errors = _items(measured, {}, data.fmt)  # r unweighted: alpha 0 makes every loss equal
     with plan_kl.PlanKL(directory, data.run.device, metadata) as meter:
         for solves in range(1, MAX_SOLVES + 1):
             picks = _picks(measured, chosen, data.fmt)
@@ -218,7 +225,7 @@ def _within_kl(
                                  f"{kl} (not finite)")  # fmt: skip
             if kl <= target.value:
                 return chosen, KlCheck(kl, solves, meter.held.describe(), tuple(rounds))
-            if chosen.loss <= floor:  # nothing left to buy: what is over is what no rule decides
+            if _least_error(chosen, errors):  # nothing left to buy: the KL is the rules' tensors
                 raise UsageError(
                     None, f"no plan reaches KL {target.value:g}: with every tensor the target "
                     f"decides at its least error the model measures {kl:.4g} on "
@@ -235,6 +242,17 @@ def _within_kl(
             bound = tightened(target.value, bound, predicted, kl)
             chosen = solver.within_loss(items, found.sum_within(bound))
     raise AssertionError("unreachable")
+
+
+def _least_error(chosen: solver.Plan, errors: Sequence[solver.TensorLadder]) -> bool:
+    """Whether every item of `chosen` has its least error (`errors`: the items unweighted by
+    alpha, in its order): compared by error, not by alpha x error, which is 0 for every
+    candidate of a tensor whose alpha is 0 and so least at the cheapest one."""
+    for picked, item in zip(chosen.chosen, errors, strict=True):
+        least = min(c.r for c in item.candidates)
+        if next(c.r for c in item.candidates if c.label == picked.label) > least:
+            return False
+    return True
 
 
 def _solves(n: int) -> str:

@@ -193,15 +193,17 @@ class PlanKL:
 def held_out(tokenizer: Any, hf_config: Any, imatrix: dict[str, GGUFValue]) -> HeldOut:
     """Windows of calibrate's default text past those the imatrix read (its qtool.datasets.*
     say whether it read this text and how many tokens), of the imatrix's chunk size (at most
-    the model's max_position_embeddings), cut as qtool eval cuts a text: MEASURE_TOKENS of
-    them, spread evenly over the rest of the text (the text runs module by module: the windows
-    right after the imatrix's measured 5-14 % apart from those it read on SmolLM2)."""
+    the model's max_position_embeddings and MEASURE_TOKENS: both sizes are the input's to
+    claim), cut as qtool eval cuts a text: MEASURE_TOKENS of them, spread evenly over the rest
+    of the text (the text runs module by module: the windows right after the imatrix's
+    measured 5-14 % apart from those it read on SmolLM2)."""
     text = default_text()
     chunk = _int(imatrix.get("imatrix.chunk_size"))
     limit = getattr(hf_config, "max_position_embeddings", None)
     ctx = chunk if chunk and chunk > 1 else 512
     if isinstance(limit, int) and limit >= 2:
         ctx = min(ctx, limit)
+    ctx = min(ctx, MEASURE_TOKENS)  # both come from input files: a window is never longer
     skipped = _tokens_read(imatrix, text.info.sha256)
     start = -(-skipped // ctx) * ctx  # the first window boundary past them
     ids = leading_ids(tokenizer, text.content, TEXT_TOKENS)
@@ -210,7 +212,8 @@ def held_out(tokenizer: Any, hf_config: Any, imatrix: dict[str, GGUFValue]) -> H
     if held:
         return HeldOut(text.source, spread(held, max(1, MEASURE_TOKENS // ctx)), skipped)
     every = [ids[s:e] for s, e in spans if e - s == ctx] or [ids[s:e] for s, e in spans]
-    return HeldOut(text.source, spread(every, max(1, MEASURE_TOKENS // ctx)), skipped, True)
+    in_sample = skipped > 0  # else the text is shorter than one window: nothing was read
+    return HeldOut(text.source, spread(every, max(1, MEASURE_TOKENS // ctx)), skipped, in_sample)
 
 
 def spread(items: list[list[int]], count: int) -> list[list[int]]:

@@ -262,3 +262,74 @@ def test_the_windows_start_past_what_the_imatrix_read(
     taken = [full.index(w, offset) for w in starts[0].windows]
     assert len(taken) == 8 and taken == sorted(taken) and taken[0] >= offset
     assert taken[-1] - taken[0] > len(full) // 2  # spread over the text, not its first windows
+
+
+@pytest.mark.parametrize(
+    ("chunk", "positions", "length"),
+    [(2**31 - 1, 10**9, plan_kl.MEASURE_TOKENS), (2**31 - 1, None, plan_kl.MEASURE_TOKENS),
+     (4096, 10**9, plan_kl.MEASURE_TOKENS), (256, 10**9, 256), (4096, 128, 128)],
+    ids=["both-huge", "no-limit", "chunk-over", "chunk-under", "positions-under"],
+)  # fmt: skip
+def test_a_window_is_never_longer_than_the_measured_tokens(
+    tmp_path: Path, chunk: int, positions: int | None, length: int
+) -> None:
+    """The window length is the input's to claim (the imatrix's chunk size, the config's
+    max_position_embeddings), so it is capped at MEASURE_TOKENS: a chunk size of 2^31 - 1 with
+    max_position_embeddings 1e9 made one window of the whole default text (901,438 tokens),
+    its attention out of memory. The measurement scores at most MEASURE_TOKENS positions."""
+    from types import SimpleNamespace
+
+    from qtool.engine.model.hf import tokenizer
+    from qtool.formats.imatrix import read_imatrix_file
+
+    entries = {"blk.0.attn_q.weight": MatrixStats(np.ones((1, 64), np.float32), np.array([3]))}
+    write_imatrix(tmp_path / "c.gguf", ImportanceMatrix(entries, chunk, 1, ("t.txt",)))
+    metadata = read_imatrix_file(tmp_path / "c.gguf").metadata
+    config = SimpleNamespace(max_position_embeddings=positions)
+    held = plan_kl.held_out(tokenizer(TINY_LM, "the model", None), config, metadata)
+    assert {len(w) for w in held.windows} == {length}
+    assert len(held.windows) >= plan_kl.MEASURE_TOKENS // length
+    assert held.tokens <= plan_kl.MEASURE_TOKENS
+    assert not held.in_sample and "not held out" not in held.describe()
+
+
+def _alphas(path: Path, alpha: Any) -> Path:
+    """_imatrix's file with alpha `alpha(name)` for each tensor (the tied table included)."""
+    entries = {
+        f"blk.{b}.{k}.weight": MatrixStats(np.full((1, w), 3.0, np.float32), np.array([3]))
+        for b in range(2)
+        for k, w in KINDS.items()
+    }
+    alphas = {name: alpha(name) for name in [*entries, "token_embd.weight"]}
+    extra = sensitivity_keys(Sensitivities(alphas, "test", 100, None))
+    write_imatrix(path, ImportanceMatrix(entries, 512, 1, ("t.txt",)), extra)
+    return path
+
+
+def test_sensitivities_that_are_all_zero_are_refused(invoke: Invoke, tmp_path: Path) -> None:
+    """Every alpha 0: every plan predicts KL 0, so the target decides nothing (the cheapest plan
+    was measured and reported as 'every tensor at its least error'): one line naming the
+    file, exit 1, nothing written."""
+    imatrix = _alphas(tmp_path / "z.gguf", lambda _: 0.0)
+    code, out, err = invoke("quantize", str(TINY_LM), "--target-kl", "0.005", "--imatrix",
+                            str(imatrix), "-o", str(tmp_path / "o"))  # fmt: skip
+    said = " ".join(err.split())
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(imatrix) in said and "its sensitivities say nothing" in said
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_plan_is_at_its_least_error_only_by_its_errors(
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor whose alpha is 0 costs the prediction nothing at any spec, so the plan stores it
+    at its cheapest: that is not its least error, and a plan over the target with such tensors
+    is not one 'with every tensor the target decides at its least error' (the test compared
+    alpha x error, 0 for them whatever they are stored as)."""
+    monkeypatch.setattr(sensitivity, "MAX_SOLVES", 1)
+    imatrix = _alphas(tmp_path / "p.gguf", lambda n: 0.0 if "ffn" in n else 1e3)
+    code, out, err = invoke("quantize", str(TINY_LM), "--target-kl", "1e-6", "--imatrix",
+                            str(imatrix), "-o", str(tmp_path / "o"))  # fmt: skip
+    said = " ".join(err.split())
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "at its least error" not in said and "no plan reached KL 1e-06 in 1 solve" in said

@@ -9,12 +9,12 @@ touched. A SIGKILL can leave temp files; they never look like output, and the ne
 directory removes those that no live run holds: every temp is locked (flock) from its creation
 until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
 
-A rename replaces an existing file only where the run's preflight had `force`; elsewhere it is
-renameat2(RENAME_NOREPLACE) (or link() + unlink()), so a file that appeared at an output name
-meanwhile (another run, another program) is kept, and the commit fails and takes back the
-renames it had made. Temps are created, renamed and removed through a descriptor of their
-directory opened when the first was made there; the commit first checks that the output's
-directory path still leads to that directory.
+Where the run's preflight had no `force`, the rename is renameat2(RENAME_NOREPLACE) (or link()
++ unlink()): a file that appeared at an output name meanwhile (another run, another program) is
+kept, and the commit fails and takes back the renames it had made. With `force` (or for a name
+no preflight checked) it is os.replace. Temps are created, renamed and removed through a
+descriptor of their directory opened when the first was made there; the commit first checks
+that the output's directory path still leads to that directory.
 
 `preflight` is the one check every output of every command passes before anything is written.
 """
@@ -64,6 +64,7 @@ class OutputSet:
         self._files: list[tuple[_Temp, Path, BinaryIO, bool]] = []  # (temp, final, handle, last)
         self._temps: list[_Temp] = []  # every temp, listed before it is created
         self._dirs: dict[Path, int] = {}  # each final's directory, opened once
+        self._keep_free: set[Path] = set()  # finals whose preflight had no force
         self._committed = False
 
     def __enter__(self) -> OutputSet:
@@ -82,6 +83,10 @@ class OutputSet:
         """Open a new locked temp file that will become `final` on commit (after the others if
         last)."""
         dir_fd = self._dir_fd(final)
+        key = _place_key(final)
+        if key in _KEEP_FREE:  # checked free without force: this set's commit keeps it free
+            _KEEP_FREE.discard(key)
+            self._keep_free.add(final)
         while True:
             temp = _Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}")
             self._temps.append(temp)  # first: a signal right after the open still removes it
@@ -116,10 +121,9 @@ class OutputSet:
 
     def commit(self) -> None:
         """fsync every file, rename each into place in order, fsync the directories. Each temp
-        stays locked until it is renamed, so no other run's cleanup can take it. A final name
-        is replaced only where a preflight with `force` allowed it; elsewhere the rename
-        refuses atomically to replace what appeared since the checks, and the renames this
-        commit made before are taken back."""
+        stays locked until it is renamed, so no other run's cleanup can take it. Where the
+        preflight had no `force`, the rename refuses atomically to replace what appeared since
+        (OutputError naming it) and the renames this commit made before are taken back."""
         for _temp, final, handle, _last in self._files:
             try:
                 handle.flush()
@@ -127,7 +131,7 @@ class OutputSet:
             except OSError as err:
                 raise OutputError(final, f"cannot write: {describe_os_error(err)}") from err
         ordered = sorted(self._files, key=lambda f: f[3])  # stable: creation order, last ones last
-        replaceable = {final: _place_key(final) in _MAY_REPLACE for _, final, _, _ in ordered}
+        replaceable = {final: final not in self._keep_free for _, final, _, _ in ordered}
         for temp, final, _, _ in ordered:
             _refuse_special(final)  # appeared since the preflight: replace nothing but files
             _refuse_moved(temp.dir_fd, final)
@@ -150,8 +154,6 @@ class OutputSet:
                     final, f"cannot rename into place: {describe_os_error(err)}"
                 ) from err
         self._committed = True
-        for final in replaceable:
-            _MAY_REPLACE.discard(_place_key(final))  # --force counts for one commit
         for _, _, handle, _ in self._files:
             with contextlib.suppress(OSError):
                 handle.close()
@@ -178,10 +180,11 @@ class OutputSet:
         self._dirs.clear()
 
 
-# Outputs a preflight with `force` allowed to replace, by (directory, name); a later preflight
-# without it takes that back, and a commit uses it once. Every other final name a commit
-# renames onto must still be free.
-_MAY_REPLACE: set[tuple[object, str]] = set()
+# Outputs whose preflight found their name free and had no `force`, by (directory, name): the
+# OutputSet that creates one takes it, and its commit must find that name still free. A
+# preflight with `force` takes it back; a name no preflight reserved (a library caller, a
+# scratch file) is replaced at the commit, as os.replace does.
+_KEEP_FREE: set[tuple[object, str]] = set()
 
 
 def _place_key(path: Path) -> tuple[object, str]:
@@ -413,18 +416,17 @@ def preflight(
     """Before anything is written: refuse outputs that collide with each other, that are a
     protected file (an input, its sidecar or a companion: compared by device and inode), that
     exist without `force`, that are anything but a regular file, or whose directory is missing,
-    read-only or (for the first output) short of `needed_bytes`. With `force` the commit of
-    these outputs may replace what it finds there; without it, it replaces nothing."""
+    read-only or (for the first output) short of `needed_bytes`. Without `force`, the commit
+    of these outputs replaces nothing (whatever appeared there meanwhile)."""
     guarded = {i: p for p in protected if (i := file_id(p)) is not None}
-    for out in outputs:
-        _MAY_REPLACE.discard(_place_key(out))
+    _KEEP_FREE.difference_update(_place_key(out) for out in outputs)
     _refuse_collisions(outputs)
     for out in outputs:
         _check_output(out, guarded, force)
     if outputs and needed_bytes:
         _check_space(outputs[0], needed_bytes)
-    if force:  # what the commit may replace: anything else it finds there appeared meanwhile
-        _MAY_REPLACE.update(_place_key(out) for out in outputs)
+    if not force:  # anything the commit finds there appeared meanwhile: never replaced
+        _KEEP_FREE.update(_place_key(out) for out in outputs)
 
 
 def _check_output(out: Path, guarded: dict[FileId, Path], force: bool) -> None:

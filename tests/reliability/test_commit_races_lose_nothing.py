@@ -124,9 +124,12 @@ def test_force_of_an_earlier_run_does_not_carry_over(
 
 
 def test_two_sets_committing_one_name_one_wins(tmp_path: Path) -> None:
+    """Two runs in one process, each checked (name free) and writing before either commits."""
     final = tmp_path / "a.bin"
     with OutputSet() as first, OutputSet() as second:
+        atomic.preflight([final], [], force=False)
         first.create(final).write(b"first")
+        atomic.preflight([final], [], force=False)
         second.create(final).write(b"second")
         first.commit()
         with pytest.raises(OutputError, match="appeared while this run was writing"):
@@ -138,8 +141,9 @@ _RACER = """
 import sys, time
 from pathlib import Path
 from qtool.errors import OutputError
-from qtool.io.atomic import OutputSet
+from qtool.io.atomic import OutputSet, preflight
 final, me = Path(sys.argv[1]), sys.argv[2]
+preflight([final], [], force=False)
 with OutputSet() as outputs:
     outputs.create(final).write(me.encode())
     (final.parent / f"ready-{me}").touch()
@@ -227,29 +231,35 @@ def test_no_replace_rename_where_hard_links_are_refused(
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
+    new, late = tmp_path / "new.bin", tmp_path / "late.bin"
+    atomic.preflight([new, late], [], force=False)
     with OutputSet() as outputs:
-        outputs.create(tmp_path / "new.bin").write(b"new")
+        outputs.create(new).write(b"new")
         outputs.commit()
-    assert (tmp_path / "new.bin").read_bytes() == b"new"
     with OutputSet() as outputs:
-        outputs.create(tmp_path / "new.bin").write(b"again")
+        outputs.create(late).write(b"ours")
+        late.write_bytes(THEIRS)
         with pytest.raises(OutputError, match="appeared while this run was writing"):
             outputs.commit()
-    assert (tmp_path / "new.bin").read_bytes() == b"new"
+    assert new.read_bytes() == b"new" and late.read_bytes() == THEIRS
     assert leftovers(tmp_path) == []
 
 
-def test_preflight_with_force_lets_that_output_be_replaced(tmp_path: Path) -> None:
-    """What --force allows reaches the commit through preflight, for that output only."""
-    allowed, other = tmp_path / "a.bin", tmp_path / "b.bin"
-    for p in (allowed, other):
-        p.write_bytes(b"old")
-    atomic.preflight([allowed], [], force=True)
-    with OutputSet() as outputs:
-        outputs.create(allowed).write(b"new")
-        outputs.commit()
-    with OutputSet() as outputs:
-        outputs.create(other).write(b"new")
-        with pytest.raises(OutputError):
-            outputs.commit()
-    assert allowed.read_bytes() == b"new" and other.read_bytes() == b"old"
+def test_a_commit_replaces_only_what_its_preflight_allows(tmp_path: Path) -> None:
+    """Without force the preflight keeps the name free for the commit; with force, or for a
+    name no preflight checked (a library caller rewriting its own file, e.g.
+    scripts/make_sample_weights.py), the commit replaces what is there."""
+    kept, forced, unchecked = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+    atomic.preflight([kept], [], force=False)
+    atomic.preflight([forced], [], force=True)
+    for final in (kept, forced, unchecked):
+        with OutputSet() as outputs:
+            outputs.create(final).write(b"new")
+            final.write_bytes(b"old")
+            if final is kept:
+                with pytest.raises(OutputError):
+                    outputs.commit()
+            else:
+                outputs.commit()
+    assert [p.read_bytes() for p in (kept, forced, unchecked)] == [b"old", b"new", b"new"]
+    assert leftovers(tmp_path) == []

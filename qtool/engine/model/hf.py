@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
+import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,15 +48,38 @@ TOKENIZER_WANTED = "tokenizer.json, tokenizer.model, vocab.txt or vocab.json"
 def transformers_module() -> ModuleType:
     """transformers, or a QtoolError saying which extra installs it."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only: never the network
+    private = _private_inductor_cache()
     try:
         import transformers
+
+        if private is not None:
+            import torch._dynamo  # noqa: F401  (what makes the directory: within its window)
     except ImportError:
         raise QtoolError(
             None,
             f"qtool eval runs the models with transformers, which is not installed; install "
             f"the interop extra: {INTEROP}",
         ) from None
+    finally:
+        if private is not None:  # made by the import, used by nothing after (nothing compiles)
+            shutil.rmtree(private, ignore_errors=True)
     return transformers
+
+
+def _private_inductor_cache() -> str | None:
+    """TORCHINDUCTOR_CACHE_DIR (unless the user set it, or transformers is imported) a new
+    private directory, which the caller removes once torch._dynamo is imported (None: none
+    made): transformers imports torch._dynamo, which makes $TMPDIR/torchinductor_<user> at
+    import, a name anyone may plant first (a file there failed the run blaming config.json;
+    a link was followed into another directory)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ or "torch._dynamo" in sys.modules:
+        return None
+    try:
+        private = tempfile.mkdtemp(prefix="qtool-inductor-")  # O_EXCL, mode 0700
+    except OSError:
+        return None  # no writable temp directory: torch's own attempt says so
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = private
+    return private
 
 
 @contextlib.contextmanager

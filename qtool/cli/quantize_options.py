@@ -500,7 +500,9 @@ def allocation_target(
         if value is None:
             continue
         if not (value > 0 and value < float("inf")):
-            raise typer.BadParameter(f"must be above 0, not {value}", param_hint=f"--target-{kind}")
+            raise typer.BadParameter(
+                f"must be a finite number above 0, not {value}", param_hint=f"--target-{kind}"
+            )
         if kind == "bpw" and value > (most := api.AllocationTarget.MAX_BPW):
             raise typer.BadParameter(
                 f"is at most {most:g} (float64 kept: no plan stores more), not {value:g}",

@@ -318,6 +318,19 @@ def _kept_by_allocation(summary: QuantizeSummary, options: QuantizeOptions) -> s
     )
 
 
+def _kl_not_measured(summary: QuantizeSummary) -> str | None:
+    """The warning for a --target-kl plan written unmeasured (the input cannot be run): its KL
+    is the prediction's, the target unchecked."""
+    plan = summary.allocation
+    if plan is None or plan.target != "kl" or plan.measured_kl == plan.measured_kl:
+        return None  # not a KL target, or measured (NaN: not)
+    why = plan.measured_on.removeprefix("not measured: ")
+    return (
+        f"--target-kl {plan.target_value:g} was not checked: {why}, so the plan written is "
+        f"the one predicted at KL {plan.loss:.4g}, not measured"
+    )
+
+
 def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
     """One stderr line for globs and rules that select nothing, for runs that quantize
     nothing, and for a budget that decided nothing."""
@@ -343,6 +356,9 @@ def _warn(summary: QuantizeSummary, options: QuantizeOptions) -> None:
             else f"0 of {len(summary.rows)} tensors selected for quantization; see the kept "
             f"reasons and check {flags}"
         )
+    unchecked = _kl_not_measured(summary)
+    if unchecked is not None:
+        report.print_warning(unchecked)
     if summary.budget_sizes is not None and len(set(summary.budget_sizes)) == 1:
         target = options.allocation
         flag = "--target-sqnr" if target is None else f"--target-{target.kind}"

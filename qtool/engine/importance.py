@@ -98,23 +98,31 @@ class Importance:
     def check(self, plans: Iterable[TensorPlan]) -> list[str]:
         """InputError for an entry that does not fit its quantized tensor or weighs it all 0;
         the run's notes on the quantized tensors without an entry and the entries unused."""
+        plans = list(plans)
+        for plan in plans:
+            stats = self.stats.get(plan.entry.name)
+            if plan.spec is None or stats is None:
+                continue
+            problem = _misfit(stats, plan.entry.shape, (self.flat or {}).get(plan.entry.name))
+            if problem is not None:
+                raise InputError(self.path, problem, plan.entry.name)
+            _refuse_weightless(self.path, plan.entry.name, stats)
+        return self.notes(plans)
+
+    def notes(self, plans: Iterable[TensorPlan]) -> list[str]:
+        """The notes on the tensors `plans` quantize that have no entry, and the entries
+        unused: given the final plans, as the check's plans may quantize a tensor that an
+        allocation then keeps float (one without an alpha)."""
         missing: list[str] = []
         quantized = 0
         for plan in plans:
             if plan.spec is None:
                 continue
             quantized += 1
-            stats = self.stats.get(plan.entry.name)
-            if stats is None:
-                # llama.cpp's imatrix never has the embedding (a row lookup, no matmul) and may
-                # lack the head (tied to it): their absence is every imatrix's, not a mismatch
-                if not embedding_or_head(plan.entry.name):
-                    missing.append(plan.entry.name)
-                continue
-            problem = _misfit(stats, plan.entry.shape, (self.flat or {}).get(plan.entry.name))
-            if problem is not None:
-                raise InputError(self.path, problem, plan.entry.name)
-            _refuse_weightless(self.path, plan.entry.name, stats)
+            # llama.cpp's imatrix never has the embedding (a row lookup, no matmul) and may
+            # lack the head (tied to it): their absence is every imatrix's, not a mismatch
+            if plan.entry.name not in self.stats and not embedding_or_head(plan.entry.name):
+                missing.append(plan.entry.name)
         notes = []
         if missing:
             notes.append(

@@ -65,9 +65,13 @@ class Kernels:
             if p.spec is not None and batch.layout(p) is None
         ])  # fmt: skip
 
-    def notes(self) -> list[str]:
-        """What the kernel choice has to say about the run (a much faster path not taken)."""
-        return [*self.importance_notes, *select.notes()]
+    def notes(self, plans: Collection[TensorPlan] | None = None) -> list[str]:
+        """What the imatrix's match to the tensors `plans` (the final plans) quantize and the
+        kernel choice have to say about the run (a much faster path not taken)."""
+        matched = self.importance_notes
+        if self.importance is not None and plans is not None:
+            matched = tuple(self.importance.notes(plans))
+        return [*matched, *select.notes()]
 
     def weights(self, plan: TensorPlan) -> ColumnWeights | None:
         """The importance matrix's column weights for a quantized tensor (None: none)."""

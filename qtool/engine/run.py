@@ -361,7 +361,7 @@ def _summary(job: Job, done: Done, started: float, tied: frozenset[str]) -> Quan
             *done.notes,
             *warnings,
             *job.fmt.warnings(plans),
-            *(job.kernels.notes() if job.kernels else []),
+            *(job.kernels.notes(plans) if job.kernels else []),
         ],
         budget_sizes=_budget_sizes(job, plans),
         budget_reference=entry(job.fmt.name).budget_reference,

@@ -261,7 +261,7 @@ def _allocation_json(plan: AllocationPlan) -> dict[str, object]:
         "kept_without_alpha": plan.kept_without_alpha,
         "measured_kl": (
             {
-                "kl": json_number(plan.measured_kl),
+                "kl": None if math.isnan(plan.measured_kl) else json_number(plan.measured_kl),
                 "solves": plan.solves,
                 "on": plan.measured_on,
                 "rounds": [

@@ -166,7 +166,8 @@ def test_an_input_qtool_cannot_run_keeps_the_prediction_and_says_so(
     invoke: Invoke, tmp_path: Path
 ) -> None:
     """tiny-llama has no tokenizer: the plan is the predicted one, its KL not measured, and
-    the note and the JSON say why (no figure passes for a measurement)."""
+    a warning on stderr, the note and the JSON say why (the JSON's KL null: no figure passes
+    for a measurement; it was the string "NaN", and stderr was empty)."""
     entries = {
         f"blk.{b}.{k}.weight": MatrixStats(np.full((1, w), 3.0, np.float32), np.array([3]))
         for b in range(2)
@@ -178,10 +179,12 @@ def test_an_input_qtool_cannot_run_keeps_the_prediction_and_says_so(
     code, out, err = invoke("quantize", str(SAMPLES / "tiny-llama"), "--target-kl", "0.01",
                             "--imatrix", str(tmp_path / "s.gguf"), "-o", str(tmp_path / "o"),
                             "--json")  # fmt: skip
-    assert code == 0, err
+    assert code == 0 and len(err.strip().splitlines()) == 1, err
+    warning = "--target-kl 0.01 was not checked: the input directory has no tokenizer"
+    assert warning in " ".join(err.split())
     doc = json.loads(out)
     measured = doc["allocation"]["measured_kl"]
-    assert measured["kl"] == "NaN" and measured["rounds"] == []
+    assert measured["kl"] is None and measured["rounds"] == []
     assert measured["on"] == "not measured: the input directory has no tokenizer"
     note = next(n for n in doc["notes"] if n.startswith("allocation ("))
     assert "KL not measured: the input directory has no tokenizer (1 solve), predicted" in note
@@ -333,3 +336,27 @@ def test_a_plan_is_at_its_least_error_only_by_its_errors(
     said = " ".join(err.split())
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "at its least error" not in said and "no plan reached KL 1e-06 in 1 solve" in said
+
+
+def test_tensors_an_allocation_keeps_float_are_not_said_quantized_without_the_imatrix(
+    invoke: Invoke, tmp_path: Path
+) -> None:
+    """An imatrix of block 0 alone: block 1's 7 Linears have no entry and no alpha, so the
+    allocation keeps them float; the warning on tensors without an entry is counted on the
+    plan written, not on the plan before the allocation ('7 of 15 quantized tensors have no
+    entry ... and were quantized without it', of tensors it wrote float)."""
+    entries = {
+        f"blk.0.{k}.weight": MatrixStats(np.full((1, w), 3.0, np.float32), np.array([3]))
+        for k, w in KINDS.items()
+    }
+    alphas = dict.fromkeys(entries, 0.05) | {"token_embd.weight": 0.05}
+    write_imatrix(tmp_path / "b0.gguf", ImportanceMatrix(entries, 512, 1, ("t.txt",)),
+                  sensitivity_keys(Sensitivities(alphas, "test", 100, None)))  # fmt: skip
+    code, out, err = invoke("quantize", str(TINY_LM), "--target-kl", "0.01", "--imatrix",
+                            str(tmp_path / "b0.gguf"), "-o", str(tmp_path / "o"),
+                            "--json")  # fmt: skip
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)["tensors"]}
+    block1 = [r for n, r in rows.items() if ".layers.1." in n and n.endswith("proj.weight")]
+    assert len(block1) == 7 and not any(r["quantized"] for r in block1)
+    assert "have no entry" not in err, err

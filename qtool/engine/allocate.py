@@ -240,7 +240,10 @@ def _within_kl(
                     hint="target",
                 )  # fmt: skip
             bound = tightened(target.value, bound, predicted, kl)
-            chosen = solver.within_loss(items, found.sum_within(bound))
+            try:
+                chosen = solver.within_loss(items, found.sum_within(bound))
+            except solver.Infeasible as floor:  # tightened below what the ladder reaches:
+                chosen = solver.within_loss(items, floor.least * (1 + 1e-12))  # its least
     raise AssertionError("unreachable")
 
 

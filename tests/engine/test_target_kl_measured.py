@@ -121,6 +121,22 @@ def test_a_plan_measured_over_the_target_is_solved_again_until_within(
     assert len(floats) == counted.calls + 1  # the planned stream each time, the float once
 
 
+def test_a_bound_tightened_below_the_ladder_measures_its_least_error_plan(
+    invoke: Invoke, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-solve whose tightened bound lies below the least the ladder can predict takes the
+    ladder's least-error plan and measures it, rather than refusing with the user's target
+    ('no plan reaches predicted KL 0.005: the least the ladder reaches is ...', which the first
+    plan contradicts): here that plan measures within, and is written. (tiny-lm's default
+    ladder keeps float as its least error, a floor of 0; a ladder without float has a floor
+    above 0 that a tightened bound can cross: the bound is forced under it.)"""
+    monkeypatch.setattr(sensitivity, "tightened", lambda *a: -1.0)
+    doc = _quantize(invoke, tmp_path, "0.005", "o")
+    measured = doc["allocation"]["measured_kl"]
+    assert measured["solves"] == 2 and measured["kl"] <= 0.005
+    assert measured["rounds"][1]["predicted"] < measured["rounds"][0]["predicted"]
+
+
 def test_two_runs_write_the_same_bytes(invoke: Invoke, tmp_path: Path) -> None:
     """The loop is deterministic: the same inputs give the same solves and the same output."""
     docs = [_quantize(invoke, tmp_path, "0.005", name) for name in ("a", "b")]

@@ -43,3 +43,17 @@ def test_a_planted_torch_cache_name_neither_fails_the_run_nor_is_used(
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert (tmp_path / "o").is_dir()
     assert [p.name for p in temp.iterdir()] == [name.name]  # nothing of the run's left behind
+
+
+def test_the_private_cache_name_is_not_left_in_the_environment(tmp_path: Path) -> None:
+    """Once its directory is removed, TORCHINDUCTOR_CACHE_DIR no longer names it: a later
+    torch.compile in the same process (a library caller), or a child process, would make the
+    directory again under a name others have seen in $TMPDIR."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env |= {"TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    code = ("import os; from qtool.engine.model.hf import transformers_module; "
+            "transformers_module(); print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"

@@ -63,11 +63,13 @@ def transformers_module() -> ModuleType:
     finally:
         if private is not None:  # made by the import, used by nothing after (nothing compiles)
             shutil.rmtree(private, ignore_errors=True)
+            if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == private:  # no later use or child
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # re-making a name others have seen
     return transformers
 
 
 def _private_inductor_cache() -> str | None:
-    """TORCHINDUCTOR_CACHE_DIR (unless the user set it, or transformers is imported) a new
+    """TORCHINDUCTOR_CACHE_DIR (unless the user set it, or torch._dynamo is imported) a new
     private directory, which the caller removes once torch._dynamo is imported (None: none
     made): transformers imports torch._dynamo, which makes $TMPDIR/torchinductor_<user> at
     import, a name anyone may plant first (a file there failed the run blaming config.json;

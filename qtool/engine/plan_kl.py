@@ -234,8 +234,8 @@ def _tokens_read(imatrix: dict[str, GGUFValue], sha256: str) -> int:
     names = list(shas.value) if isinstance(shas.value, (tuple, list, np.ndarray)) else []
     tokens = list(counts.value) if isinstance(counts.value, (tuple, list, np.ndarray)) else []
     for name, count in zip(names, tokens, strict=False):
-        if name == sha256:
-            return max(0, int(count))
+        if name == sha256:  # a count that is no integer (NaN, a string) records nothing
+            return max(0, int(count)) if isinstance(count, (int, np.integer)) else 0
     return 0
 
 

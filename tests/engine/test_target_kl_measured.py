@@ -376,3 +376,17 @@ def test_tensors_an_allocation_keeps_float_are_not_said_quantized_without_the_im
     block1 = [r for n, r in rows.items() if ".layers.1." in n and n.endswith("proj.weight")]
     assert len(block1) == 7 and not any(r["quantized"] for r in block1)
     assert "have no entry" not in err, err
+
+
+@pytest.mark.parametrize("count", [float("nan"), "many", 1.5])
+def test_an_imatrix_token_count_that_is_no_integer_records_nothing(count: object) -> None:
+    """qtool.datasets.tokens comes from the imatrix file: a NaN, a string or a fraction there
+    is no count of tokens read (0), never an internal error (int(nan) raised ValueError)."""
+    from qtool.gguf_types import ValueType
+    from qtool.io.gguf_layout import GGUFValue
+
+    fields = {
+        "qtool.datasets.sha256": GGUFValue(ValueType.ARRAY, ("abc",), ValueType.STRING),
+        "qtool.datasets.tokens": GGUFValue(ValueType.ARRAY, (count,), ValueType.FLOAT32),
+    }
+    assert plan_kl._tokens_read(fields, "abc") == 0

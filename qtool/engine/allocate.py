@@ -212,7 +212,7 @@ def _within_kl(
     with plan_kl.PlanKL(directory, data.run.device, metadata) as meter:
         for solves in range(1, MAX_SOLVES + 1):
             picks = _picks(measured, chosen, data.fmt)
-            restore = _restorer(plan, data, measured, picks)
+            restore = _Restorer(plan, data, measured, picks)
             kl = meter.measure(restore)
             missing = restore.quantized - meter.placed
             if missing:
@@ -302,9 +302,6 @@ class _Restorer:
             return kernels.restored_rows(result, spec, 0, x.shape[0], x).clone()
         finally:
             ckpt.release(trial.entry)
-
-
-_restorer = _Restorer
 
 
 def summary_line(target: solver.Target, plan: AllocationPlan) -> str:

@@ -36,6 +36,7 @@ from qtool.engine.source import protected_paths
 from qtool.errors import InputError, OutputError, QtoolError, UsageError
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
+from qtool.io.filestamp import FileStamp, fstamp
 from qtool.io.gguf_layout import GGUFHeader
 from qtool.io.outcheck import refuse_nesting
 from qtool.io.safeopen import InputDir, Refused, read_limited
@@ -336,13 +337,13 @@ def checked_model(src: Path) -> Iterator[Path]:
     Errors naming the copy name the file in `src`."""
     with contextlib.closing(InputDir(src)) as within, private_dir("export") as private:
         fds: dict[str, int] = {}
-        seen: dict[str, tuple[int, int]] = {}  # each weights file's size and time when opened
+        seen: dict[str, FileStamp] = {}  # each weights file's stamp when opened
         made: list[str] = []
         scratch = private / (src.name or Path(os.path.abspath(src)).name or "model")
         try:
             with _setting_up(private):
                 _fill(within, scratch, fds)
-            seen = {name: _stamp(fd) for name, fd in fds.items()}
+            seen = {name: fstamp(fd) for name, fd in fds.items()}
             made = os.listdir(scratch)
             yield scratch
         except (QtoolError, OSError) as err:
@@ -441,16 +442,11 @@ def _still_there(scratch: Path, made: list[str]) -> None:
         )  # fmt: skip
 
 
-def _stamp(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_size, st.st_mtime_ns
-
-
 def _changed(
-    err: QtoolError, scratch: Path, fds: dict[str, int], seen: dict[str, tuple[int, int]]
+    err: QtoolError, scratch: Path, fds: dict[str, int], seen: dict[str, FileStamp]
 ) -> QtoolError:
     """An input error about a weights file that changed since checked_model opened it (its
-    size or time): a file appended to or rewritten under the run reads as malformed ("trailing
+    filestamp: size, times, inode): a file appended to or rewritten under the run reads as malformed ("trailing
     bytes not covered by the header") where the cause is the change, and running again is
     what to do."""
     where = Path(err.path) if err.path is not None else None
@@ -459,9 +455,9 @@ def _changed(
     if "changed while" in err.message:  # the reader saw the change: its words say more
         return err
     name = where.name
-    if name not in seen or _stamp(fds[name]) == seen[name]:
+    if name not in seen or (now_stamp := fstamp(fds[name])) == seen[name]:
         return err
-    (before, _), (now, _) = seen[name], _stamp(fds[name])
+    before, now = seen[name][2], now_stamp[2]  # the sizes
     how = f"its size went from {before:,} to {now:,} bytes" if now != before else "rewritten"
     return InputError(err.path, f"changed while qtool was reading it ({how}); run again once "
                       "nothing is writing it", err.tensor)  # fmt: skip

@@ -23,7 +23,6 @@ Anything else is refused, naming what.
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import math
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from qtool.errors import InputError, NumericError, OutputError, UsageError
 from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
 from qtool.formats.gguf.hf_vocab import CONVERTER, INSTALL_TOKENIZERS, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
-from qtool.formats.gguf.reader import INSTALL_GGUF
+from qtool.formats.gguf.reader import INSTALL_GGUF, out_of_memory
 from qtool.gguf_types import GGML_TYPES, ValueType
 from qtool.io.atomic import OutputSet, describe_os_error
 from qtool.io.checkpoint import open_safetensors
@@ -518,21 +517,10 @@ def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
             ckpt.close()
 
 
-@contextlib.contextmanager
-def _memory(t: HFTensor) -> Iterator[None]:
+def _memory(t: HFTensor) -> contextlib.AbstractContextManager[None]:
     """A tensor too large for the memory this process may use (ulimit -v, a container's
     limit): its buffer, or the cast's copy, not allocated. An InputError naming the file and
     the tensor and what to do, as the GGUF reader says it; not "cannot read it" (the file is
     fine) nor an internal error."""
-    try:
-        yield
-    except (MemoryError, OSError, RuntimeError) as err:
-        if isinstance(err, OSError) and err.errno != errno.ENOMEM:
-            raise
-        if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
-            raise  # torch's allocator says so in a RuntimeError
-        nbytes = math.prod(t.shape) * _ITEM_BYTES[t.source]
-        raise InputError(
-            t.file, f"its {t.source} data of {nbytes:,} bytes does not fit in the memory qtool "
-            "may use; free memory or raise the limit", t.hf,
-        ) from None  # fmt: skip
+    nbytes = math.prod(t.shape) * _ITEM_BYTES[t.source]
+    return out_of_memory(t.file, f"its {t.source} data of {nbytes:,} bytes", t.hf)

@@ -192,10 +192,18 @@ class GGUFFloatReader:
         self.close()
 
 
-@contextlib.contextmanager
-def _memory(path: Path, info: GGUFTensorInfo) -> Iterator[None]:
+def _memory(path: Path, info: GGUFTensorInfo) -> contextlib.AbstractContextManager[None]:
     """A tensor too large for the memory this process may use (a limit, or a sparse file that
     declares more than it holds): an InputError naming the file and the tensor."""
+    what = f"its {info.type.name} data of {info.nbytes:,} bytes ({info.numel:,} values)"
+    return out_of_memory(path, what, info.name)
+
+
+@contextlib.contextmanager
+def out_of_memory(path: Path | str, what: str, tensor: str) -> Iterator[None]:
+    """An allocation the memory this process may use refuses (MemoryError, mmap's ENOMEM,
+    torch's allocator's RuntimeError) as an InputError naming the file and the tensor: `what`
+    does not fit, free memory or raise the limit. Any other error passes through."""
     try:
         yield
     except (MemoryError, OSError, RuntimeError) as err:
@@ -204,9 +212,8 @@ def _memory(path: Path, info: GGUFTensorInfo) -> Iterator[None]:
         if isinstance(err, RuntimeError) and "can't allocate memory" not in str(err):
             raise  # torch's allocator says so in a RuntimeError
         raise InputError(
-            path, f"its {info.type.name} data of {info.nbytes:,} bytes ({info.numel:,} values) "
-            "does not fit in the memory qtool may use; free memory or raise the limit",
-            info.name,
+            path, f"{what} does not fit in the memory qtool may use; free memory or raise the "
+            "limit", tensor,
         ) from None  # fmt: skip
 
 

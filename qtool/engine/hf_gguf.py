@@ -446,9 +446,9 @@ def _changed(
     err: QtoolError, scratch: Path, fds: dict[str, int], seen: dict[str, FileStamp]
 ) -> QtoolError:
     """An input error about a weights file that changed since checked_model opened it (its
-    filestamp: size, times, inode): a file appended to or rewritten under the run reads as malformed ("trailing
-    bytes not covered by the header") where the cause is the change, and running again is
-    what to do."""
+    filestamp: size, times, inode): a file appended to or rewritten under the run reads as
+    malformed ("trailing bytes not covered by the header") where the cause is the change, and
+    running again is what to do."""
     where = Path(err.path) if err.path is not None else None
     if not isinstance(err, InputError) or where is None or where.parent != scratch:
         return err

@@ -78,6 +78,9 @@ def runs(ladder: Path | None) -> list[Run]:
             fmt="gguf"),
         Run("--target-size = Q4_K_M --imatrix", "gguf-target-size", size_of("Q4_K_M"),
             fmt="gguf"),
+        # the imatrix plans, the codes unweighted: against the mix without one
+        Run("--target-size = Q4_K_M --imatrix-use plan", "gguf-target-size",
+            size_of("Q4_K_M", ["--imatrix-use", "plan"]), fmt="gguf"),
         # the qtool format allocates the tied embedding (compressed-tensors keeps it float)
         Run("int4 g64 mse (qtool)", "uniform", ["--dtype", "int4", "--group-size", "64",
                                                 "--range", "mse"], fmt="qtool"),  # fmt: skip

@@ -53,6 +53,8 @@ from qtool.cli.quantize_options import (
     FormatOpt,
     GroupFallbackOpt,
     ImatrixOpt,
+    ImatrixUse,
+    ImatrixUseOpt,
     IncludeOpt,
     InputArg,
     KeepNonfiniteOpt,
@@ -70,6 +72,7 @@ from qtool.cli.quantize_options import (
     check_format_options,
     check_format_spec,
     check_imatrix,
+    check_imatrix_use,
     check_plan_files,
     gguf_cli_spec,
     quantize_mode,
@@ -127,6 +130,7 @@ def quantize(
     device: DeviceOpt = Device.AUTO,
     keep_nonfinite: KeepNonfiniteOpt = False,
     imatrix: ImatrixOpt = None,
+    imatrix_use: ImatrixUseOpt = ImatrixUse.ALL,
     method: MethodOpt = None,
     text: CalibTextOpt = None,
     tokens: CalibTokensOpt = None,
@@ -176,12 +180,14 @@ def quantize(
     gguf, minmax = fmt == FormatName.GGUF.value, range_method is RangeMethod.MINMAX
     check_imatrix(imatrix, target_sqnr is not None, method is not None, gguf=gguf,
                   minmax=minmax and target is None, recipe=recipe is not None)  # fmt: skip
+    check_imatrix_use(imatrix_use, imatrix, target)
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip
         options = dataclasses.replace(options, calibration=calibrated, allocation=target,
                                       save_recipe=save_recipe,
-                                      save_tensor_types=tensor_type_file)  # fmt: skip
+                                      save_tensor_types=tensor_type_file,
+                                      imatrix_codes=imatrix_use is ImatrixUse.ALL)  # fmt: skip
         if options.budgeted:
             warn_budget_overrides(
                 ctx, options, "--target-sqnr" if target is None else f"--target-{target.kind}"

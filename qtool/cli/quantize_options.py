@@ -4,6 +4,7 @@ gates, the report) are in cli/options.py."""
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -249,6 +250,24 @@ ImatrixOpt = Annotated[
         "the table adds the weighted SQNR.",
         metavar="FILE",
         show_default=False,
+        rich_help_panel=HOW,
+    ),
+]
+
+
+class ImatrixUse(str, Enum):
+    ALL = "all"
+    PLAN = "plan"
+
+
+ImatrixUseOpt = Annotated[
+    ImatrixUse,
+    typer.Option(
+        "--imatrix-use",
+        help="all: --imatrix weighs the codes' search and, with an allocation target, the "
+        "plan; plan: it chooses each tensor's spec only (its statistics and sensitivities), "
+        "the codes are those of a run without it, as its --save-recipe reproduces alone.",
+        metavar="all|plan",
         rich_help_panel=HOW,
     ),
 ]
@@ -510,6 +529,23 @@ def allocation_target(
             )
         return api.AllocationTarget(kind, value)
     return None
+
+
+def check_imatrix_use(
+    use: ImatrixUse, imatrix: Path | None, target: api.AllocationTarget | None
+) -> None:
+    """--imatrix-use plan needs what it plans with (an --imatrix) and a plan to make."""
+    if use is ImatrixUse.ALL:
+        return
+    if imatrix is None:
+        raise typer.BadParameter("plans with an importance matrix: add --imatrix FILE",
+                                 param_hint="--imatrix-use")  # fmt: skip
+    if target is None:
+        raise typer.BadParameter(
+            "guides an allocation: give --target-size, --target-bpw or --target-kl (or drop "
+            "--imatrix-use plan: without a plan the imatrix would weigh nothing)",
+            param_hint="--imatrix-use",
+        )
 
 
 def check_plan_files(

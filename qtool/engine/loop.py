@@ -55,6 +55,7 @@ class Kernels:
     scales_in_weight_dtype: bool = False
     importance: Importance | None = None  # --imatrix: weighs the range search and the figures
     importance_notes: tuple[str, ...] = ()  # what matching it to the tensors has to say
+    weigh_codes: bool = True  # False (--imatrix-use plan): it weighs the figures, not the codes
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
         """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
@@ -74,10 +75,15 @@ class Kernels:
         return [*matched, *select.notes()]
 
     def weights(self, plan: TensorPlan) -> ColumnWeights | None:
-        """The importance matrix's column weights for a quantized tensor (None: none)."""
+        """The importance matrix's column weights for a quantized tensor (None: none): what
+        its error figures and the allocation's output errors are weighted by."""
         if self.importance is None or plan.spec is None:
             return None
         return self.importance.weights(plan.entry.name, plan.entry.shape)
+
+    def code_weights(self, plan: TensorPlan) -> ColumnWeights | None:
+        """The weights the quantizer's search takes (None where the imatrix only plans)."""
+        return self.weights(plan) if self.weigh_codes else None
 
 
 def write_shard(
@@ -164,7 +170,7 @@ def _results(
             if result is None:
                 result = quantize_one(
                     ckpt, plan, workspaces[k % 2], kernels.scales_in_weight_dtype, reader,
-                    weights=weights,
+                    weights=kernels.code_weights(plan),
                 )  # fmt: skip
             else:
                 reader.advance(name, nbytes)

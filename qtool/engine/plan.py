@@ -82,6 +82,7 @@ class QuantizeOptions:
     config: Path | None = None  # the model's config.json, for a single-file model export
     group_fallback: GroupFallback = GroupFallback.ERROR  # K not a multiple of G
     imatrix: Path | None = None  # an importance matrix weighing the range search (importance.py)
+    imatrix_codes: bool = True  # False: the imatrix guides only an allocation, the codes unweighted
     calibration: Calibration | None = None  # a calibrated method (engine/methods), its data
 
     def __post_init__(self) -> None:

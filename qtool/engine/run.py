@@ -80,7 +80,8 @@ def quantize(
         )
     source = open_source(src, options.config, requantize=requantize)
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
-    fmt = _format(options, source, imatrix[1].as_dict() if imatrix is not None else None)
+    weighed = imatrix if options.imatrix_codes else None  # the outputs say what weighed codes
+    fmt = _format(options, source, weighed[1].as_dict() if weighed is not None else None)
     _check_ladder(options)
     target = _target(source, src, out, options, fmt)
     threads = ExitStack()  # torch's count given back to an in-process caller at the end
@@ -335,7 +336,8 @@ def _with_importance(
     notes = tuple(importance.check(plan.plans))
     if job.kernels is None:
         return job
-    kernels = replace(job.kernels, importance=importance, importance_notes=notes)
+    kernels = replace(job.kernels, importance=importance, importance_notes=notes,
+                      weigh_codes=options.imatrix_codes)  # fmt: skip
     return replace(job, kernels=kernels)
 
 
@@ -373,9 +375,18 @@ def _summary(job: Job, done: Done, started: float, tied: frozenset[str]) -> Quan
         allocation=allocation,
         remarks=[
             *([] if allocation is None else [_allocation_line(job, allocation)]),
+            *_plan_only(job),
             *tied_notes(plans, tied, measured),
         ],
     )
+
+
+def _plan_only(job: Job) -> list[str]:
+    kernels = job.kernels
+    if kernels is None or kernels.importance is None or kernels.weigh_codes:
+        return []
+    return ["the imatrix chose each tensor's spec only: the codes are unweighted, those of a "
+            "run without it (the table's weighted SQNR still weighs them by it)"]  # fmt: skip
 
 
 def _allocation_line(job: Job, allocation: AllocationPlan) -> str:
@@ -396,7 +407,8 @@ def _provenance(job: Job) -> dict[str, object] | None:
     kernels = job.kernels
     if kernels is None or kernels.importance is None:
         return None
-    return kernels.importance.provenance.as_dict()
+    provenance = kernels.importance.provenance.as_dict()
+    return provenance if kernels.weigh_codes else {**provenance, "use": "plan"}
 
 
 def _budget_sizes(job: Job, plans: Sequence[TensorPlan]) -> tuple[int, int] | None:

@@ -576,7 +576,7 @@ def recipe_text(
     elif imatrix is not None:
         lines += [
             f"# Planned with --imatrix {_comment_safe(imatrix.name)} --imatrix-use plan: the codes",
-            "# are unweighted, so this recipe alone (no --imatrix) writes the same bytes.",
+            "# are unweighted, so this recipe alone (no --imatrix) writes the same tensors.",
         ]
     lines.append("")
     for p in plans:

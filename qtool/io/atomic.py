@@ -144,7 +144,8 @@ class OutputSet:
                     os.replace(temp.name, final.name, src_dir_fd=temp.dir_fd,
                                dst_dir_fd=temp.dir_fd)  # fmt: skip
                 else:
-                    _rename_noreplace(temp.dir_fd, temp.name, final.name)
+                    ours = os.fstat(handle.fileno())
+                    _rename_noreplace(temp.dir_fd, temp.name, final.name, ours)
                     placed.append((temp, final, handle))
             except OSError as err:
                 _withdraw(placed)
@@ -227,17 +228,25 @@ def _exists_at(dir_fd: int, name: str) -> bool:
 _NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV)
 
 
-def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
-    """Rename file `old` to `new` in `dir_fd` unless `new` exists (FileExistsError): with
-    renameat2(RENAME_NOREPLACE), else link() then unlink(), which fails on an existing name
-    too. Where neither works (a filesystem without hard links), the check just before
-    os.replace is all there is: a file created in between is replaced."""
-    if renames.renameat2(dir_fd, old, new, renames.RENAME_NOREPLACE):
+def _rename_noreplace(dir_fd: int, old: str, new: str, ours: os.stat_result) -> None:
+    """Rename file `old` (whose stat is `ours`) to `new` in `dir_fd` unless `new` exists
+    (FileExistsError): with renameat2(RENAME_NOREPLACE), else link() then unlink(), which fails
+    on an existing name too. Where neither works (a filesystem without hard links), the check
+    just before os.replace is all there is: a file created in between is replaced. An EEXIST
+    for a name that holds our own file is our call's success: NFS retransmits a rename or
+    link() whose reply was lost, and the server answers the retry with EEXIST."""
+    try:
+        if renames.renameat2(dir_fd, old, new, renames.RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        if not _holds(dir_fd, new, ours):
+            raise
         return
     try:
         os.link(old, new, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:
-        raise
+        if not _holds(dir_fd, new, ours):
+            raise
     except OSError as err:
         if err.errno not in _NO_LINKS:
             raise
@@ -245,7 +254,17 @@ def _rename_noreplace(dir_fd: int, old: str, new: str) -> None:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), new) from err
         os.replace(old, new, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         return
-    os.unlink(old, dir_fd=dir_fd)
+    with contextlib.suppress(FileNotFoundError):  # (a retried unlink whose first one worked)
+        os.unlink(old, dir_fd=dir_fd)
+
+
+def _holds(dir_fd: int, name: str, ours: os.stat_result) -> bool:
+    """Whether `name` in `dir_fd` is the file `ours` is the stat of (not a link to it)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return os.path.samestat(st, ours)
 
 
 def _withdraw(placed: Sequence[tuple[_Temp, Path, BinaryIO]]) -> None:

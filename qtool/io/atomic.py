@@ -111,7 +111,7 @@ class OutputSet:
         if (fd := self._dirs.get(final.parent)) is not None:
             return fd
         try:
-            fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = _open_dir(final.parent)
         except OSError as err:
             raise OutputError(
                 final, f"cannot create a file in {final.parent}: {describe_os_error(err)}"
@@ -186,6 +186,19 @@ class OutputSet:
 # preflight with `force` takes it back; a name no preflight reserved (a library caller, a
 # scratch file) is replaced at the commit, as os.replace does.
 _KEEP_FREE: set[tuple[object, str]] = set()
+
+
+def _open_dir(directory: Path) -> int:
+    """A descriptor of `directory` for the *at() calls. A directory one may write into and
+    search but not read (mode 0333, 1733: a drop box) cannot be opened O_RDONLY; O_PATH needs
+    no permission on it and serves openat, renameat2, linkat, unlinkat and fstat alike (not
+    fsync: such a directory's entries are not fsynced)."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except PermissionError:
+        if not hasattr(os, "O_PATH"):
+            raise
+        return os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def _place_key(path: Path) -> tuple[object, str]:

@@ -12,6 +12,8 @@ ACTIVATIONS_IN_MEMORY)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -197,11 +199,23 @@ def spilled(
     try:
         with tempfile.TemporaryFile(dir=directory, prefix=".qtool-activations-") as f:
             f.truncate(nbytes)  # the map keeps its own descriptor: the file lives while it does
+            _reserve(f.fileno(), nbytes)
             mapped = np.memmap(f, dtype=np.float32, mode="r+", shape=(windows, 1, ctx, width))
     except OSError as err:
         raise OutputError(directory, "cannot keep the activations of the calibration windows: "
                           f"{describe_os_error(err)}") from None  # fmt: skip
     return list(torch.from_numpy(mapped))
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's blocks now: a mapped page the disk has no room for is a SIGBUS at
+    its first touch (the process killed, no message), where posix_fallocate's ENOSPC is an
+    error. A filesystem that cannot reserve (EOPNOTSUPP) keeps the sparse file."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
 
 
 def _advance(progress: Progress | None, what: str, x: torch.Tensor) -> None:

@@ -19,13 +19,15 @@ and the block goes on with those rounded values."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qtool.calibration import Calibration, Guard
+from qtool.engine.methods import replay
 from qtool.engine.methods.gptq import STREAMS, Chosen, HessianProbe, Target, output_change, restored
 from qtool.engine.methods.guard import change, describe, describe_figures, judge, rounded
 from qtool.engine.model.hooks import Hooks
@@ -104,6 +106,8 @@ class AwqProbe(Hooks):
         self.kwargs: dict[str, Any] = {}
         self.means: dict[str, awq.AbsMean] = {}
         self.done = 0  # windows whose outputs are kept
+        self.ran: dict[str, replay.Ran] | None = None  # the order the block's modules run in
+        self.recorded: dict[tuple[str, Group], replay.Recorded] = {}
 
     def _attach(self) -> list[Any]:
         modules = dict(self.block.named_modules())
@@ -135,15 +139,45 @@ class AwqProbe(Hooks):
 
         return hook
 
-    def error(self, stream: str) -> float:
-        """The block's output error (sum of squares against the float outputs) on `stream`."""
+    def error(self, stream: str, group: Group | None = None) -> float:
+        """The block's output error (sum of squares against the float outputs) on `stream`;
+        with the `group` whose Linears alone change between calls, the modules before them are
+        replayed from the first call's outputs (engine/methods/replay.py: the same bits)."""
         start = sum(len(self.inputs[s]) for s in STREAMS[: STREAMS.index(stream)])
         total = 0.0
         for k, x in enumerate(self.inputs[stream]):
-            y = self.block(x, **self.kwargs)
+            with self._forward(stream, group, k):
+                y = self.block(x, **self.kwargs)
             y = y[0] if isinstance(y, tuple) else y
             total += float((y.float() - self.outputs[start + k]).square().sum(dtype=torch.float64))
         return total
+
+    @contextmanager
+    def _forward(self, stream: str, group: Group | None, window: int) -> Iterator[None]:
+        """The context of one window's forward: replaying or recording `group`'s fixed modules,
+        or, on the first forward of all, learning the order the block's modules run in."""
+        if group is None:
+            yield
+            return
+        if self.ran is None:
+            ran: dict[str, replay.Ran] = {}
+            with replay.execution(self.block, ran):
+                yield
+            self.ran = ran
+            return
+        key = (stream, group)
+        if key not in self.recorded:
+            windows = len(self.inputs[stream])
+            names = replay.fixed_modules(self.block, self.ran, group.linears, windows)
+            self.recorded[key] = replay.Recorded(self.block, names)
+        recorded = self.recorded[key]
+        with recorded.replaying(window) if recorded.has(window) else recorded.record(window):
+            yield
+
+    def forget(self, group: Group) -> None:
+        """Drop `group`'s records (a fold changes the modules before its Linears)."""
+        for key in [k for k in self.recorded if k[1] == group]:
+            del self.recorded[key]
 
 
 class AwqPolicy:
@@ -198,6 +232,7 @@ class AwqPolicy:
                     notes.setdefault(n, rounded(METHOD, why))
                 continue
             note, changed = self._balance(prefix, group, modules, probe)
+            probe.forget(group)
             for n in group.linears:
                 notes[n] = note
             if group.previous in changed:  # its output rows carry the next group's scales
@@ -256,7 +291,7 @@ class AwqPolicy:
             for m, w in zip(linears, originals, strict=True):
                 m.weight.copy_(awq.quantized_scaled(w, s, spec, scale_dtype))
             try:
-                return probe.error(stream)
+                return probe.error(stream, group)
             finally:
                 for m, w in zip(linears, originals, strict=True):
                     m.weight.copy_(w)

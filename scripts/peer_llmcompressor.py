@@ -2,13 +2,14 @@
 exactly the token windows a `qtool quantize --method` run used (scripts/method_windows.py),
 written as a compressed-tensors directory that `qtool eval` reads.
 
-Usage: python scripts/peer_llmcompressor.py MODEL_DIR WINDOWS.json OUT_DIR [--awq]
+Usage: python scripts/peer_llmcompressor.py MODEL_DIR WINDOWS.json OUT_DIR [--awq] [--asym]
                                             [--streams fit,held] [--samples N]
 Runs in llm-compressor's own environment (docs/calibration.md, "The peer on the same windows":
 llm-compressor 0.14 installed with --no-deps beside qtool's torch and transformers), not in
 qtool's. `--streams`: which of the windows' streams calibrate it (default fit,held: every
 calibration window qtool's run took; fit alone is what qtool's solve saw). `--samples`: the
-first N windows only (AWQ's search is slow). Symmetric int4, groups of 64, act-order by
+first N windows only (AWQ's search is slow). `--asym`: affine int4 (llm-compressor's
+`symmetric=False`, a zero point per group). Symmetric int4, groups of 64, act-order by
 decreasing diag H with static groups (qtool's layout: no g_idx), dampening 0.01, lm_head
 ignored. By hand only.
 """
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("windows", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--awq", action="store_true")
+    parser.add_argument("--asym", action="store_true")
     parser.add_argument("--streams", default="fit,held")
     parser.add_argument("--samples", type=int, default=None)
     args = parser.parse_args()
@@ -44,7 +46,7 @@ def main() -> None:
     ids = ids[: args.samples] if args.samples else ids
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(w) for w in ids]})
     weights = QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=64
+        num_bits=4, type="int", symmetric=not args.asym, strategy="group", group_size=64
     )
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     recipe: Any

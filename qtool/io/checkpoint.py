@@ -26,7 +26,7 @@ import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import InputError, UnsafeInputError
-from qtool.io.filestamp import FileStamp, fstamp, stamp
+from qtool.io.filestamp import FileStamp, ReadLog, fstamp, stamp
 from qtool.io.readbuffer import ReadBuffer
 from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
@@ -68,6 +68,7 @@ class Checkpoint:
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _stat: FileStamp = (0, 0, 0, 0, 0)  # filestamp.stamp at open, what check_unchanged compares
     _by_name: dict[str, TensorEntry] = field(default_factory=dict)
+    _log: ReadLog | None = None  # what was read through _fd, for check_unchanged
 
     @property
     def descriptor(self) -> int | None:
@@ -151,6 +152,8 @@ class Checkpoint:
                     entry.name,
                 )
             done += n
+        if self._log is not None:
+            self._log.note(start, view)
         return buf
 
     def release(self, entry: TensorEntry) -> None:
@@ -159,11 +162,20 @@ class Checkpoint:
 
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn): the
-        descriptor read from is checked, not whatever the path names now (a pickle, read whole
-        when it was opened, has no descriptor left: its path is checked)."""
-        now = fstamp(self._fd) if self._fd >= 0 else stamp(os.stat(self.path))
-        if now != self._stat:
-            raise InputError(self.path, "the file changed while qtool was reading it; run again")
+        descriptor read from is checked (filestamp.ReadLog: a change of its status alone passes
+        once what was read reads the same again). A pickle was read whole, and checked, when it
+        was opened: its path is checked to still name that file, at its size and mtime (not the
+        ctime: what moves it alone changes no byte the run holds)."""
+        if self._log is not None and self._fd >= 0:
+            if not self._log.unchanged(self._fd, self.path):
+                raise InputError(self.path, CHANGED)
+        elif self._tensors:
+            try:
+                now = stamp(os.stat(self.path))
+            except OSError:
+                raise InputError(self.path, CHANGED) from None
+            if now[:4] != self._stat[:4]:
+                raise InputError(self.path, CHANGED)
 
     def close(self) -> None:
         """Let go of the file (tensors already read stay valid: they own their memory)."""
@@ -173,9 +185,28 @@ class Checkpoint:
             self._fd = -1
 
     def adopt(self, fd: int) -> None:
-        """Read tensors from the open descriptor `fd` (closed with the checkpoint)."""
+        """Read tensors from the open descriptor `fd` (closed with the checkpoint), the file
+        `_stat` stamps; its header's bytes are the first span of the log check_unchanged
+        re-reads (the tensors' offsets and dtypes come from them)."""
         self._fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
+        self._log = ReadLog(self._stat)
+        head = _pread_all(fd, self._data_start)
+        if len(head) < self._data_start or fstamp(fd) != self._stat:
+            raise InputError(self.path, CHANGED)  # the bytes read are not the file stamped
+        self._log.note(0, head)
+
+
+CHANGED = "the file changed while qtool was reading it; run again"
+
+
+def _pread_all(fd: int, n: int) -> bytes:
+    """The file's first `n` bytes (fewer: it is shorter)."""
+    parts, done = [], 0
+    while done < n and (part := os.pread(fd, n - done, done)):
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 READ_GAP = 1 << 16  # bytes between two tensors read along with them rather than a second pread
@@ -380,7 +411,7 @@ def _open_pickle(path: Path, kind: str) -> Checkpoint:
 
 def _check_same(path: Path, fd: int, opened: FileStamp) -> None:
     if fstamp(fd) != opened:
-        raise InputError(path, "the file changed while qtool was reading it; run again")
+        raise InputError(path, CHANGED)
 
 
 class _Watched(io.RawIOBase):

@@ -25,7 +25,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.errors import InputError
-from qtool.io.filestamp import FileStamp, fstamp, stamp
+from qtool.io.filestamp import FileStamp, ReadLog, stamp
 from qtool.io.gguf_header import GGUFHeaderError, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
@@ -58,6 +58,7 @@ class GGUFFile:
         try:
             st = os.fstat(self._file.fileno())
             self._stat = stamp(st)
+            self._log = ReadLog(self._stat)  # every span read, for check_unchanged
             if st.st_size == 0:
                 raise InputError(self.path, "not a valid GGUF file: it is empty")
             self.header: GGUFHeader = self._parse(st.st_size)
@@ -109,6 +110,7 @@ class GGUFFile:
                     "run again once nothing is writing it",
                 )
             done += got
+        self._log.note(start, buf.data)
         return buf
 
     def tensor_bytes(self, info: GGUFTensorInfo) -> np.ndarray:
@@ -158,10 +160,11 @@ class GGUFFile:
 
     def check_unchanged(self) -> None:
         """Fail if the file was modified while it was being read (its data may be torn): the
-        descriptor read from is checked, not whatever the path names now."""
+        descriptor read from is checked, not whatever the path names now (filestamp.ReadLog: a
+        change of its status alone passes once what was read reads the same again)."""
         if self._file.closed:
             return
-        if fstamp(self._file.fileno()) != self._stat:
+        if not self._log.unchanged(self._file.fileno(), self.path):
             raise InputError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:

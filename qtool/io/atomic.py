@@ -123,7 +123,10 @@ class OutputSet:
         """fsync every file, rename each into place in order, fsync the directories. Each temp
         stays locked until it is renamed, so no other run's cleanup can take it. Where the
         preflight had no `force`, the rename refuses atomically to replace what appeared since
-        (OutputError naming it) and the renames this commit made before are taken back."""
+        (OutputError naming it). When any rename fails, the renames this commit made before are
+        taken back: a member that replaced nothing is removed, one that replaced a file puts
+        that file back (kept under a second name, a hard link, until the commit is done; on a
+        filesystem without hard links it cannot be, and the member is left in its place)."""
         for _temp, final, handle, _last in self._files:
             try:
                 handle.flush()
@@ -137,23 +140,32 @@ class OutputSet:
             _refuse_moved(temp.dir_fd, final)
             if not replaceable[final] and _exists_at(temp.dir_fd, final.name):
                 raise _appeared(final)
-        placed: list[tuple[_Temp, Path, BinaryIO]] = []  # renamed without replacing anything
-        for temp, final, handle, _ in ordered:
-            try:
+        placed: list[_Placed] = []  # each member from the moment its rename is attempted
+        current = ordered[0][1] if ordered else Path()
+        try:
+            for temp, final, handle, _ in ordered:
+                current = final
+                aside, there = (None, False)
+                if replaceable[final]:
+                    aside, there = _keep_aside(temp.dir_fd, final.name)
+                placed.append(_Placed(temp, final, handle, aside, there and aside is None))
                 if replaceable[final]:
                     os.replace(temp.name, final.name, src_dir_fd=temp.dir_fd,
                                dst_dir_fd=temp.dir_fd)  # fmt: skip
                 else:
                     ours = os.fstat(handle.fileno())
                     _rename_noreplace(temp.dir_fd, temp.name, final.name, ours)
-                    placed.append((temp, final, handle))
-            except OSError as err:
-                _withdraw(placed)
-                if isinstance(err, FileExistsError):
-                    raise _appeared(final) from err
+        except BaseException as err:
+            _withdraw(placed)
+            if isinstance(err, FileExistsError):
+                raise _appeared(current) from err
+            if isinstance(err, OSError):
                 raise OutputError(
-                    final, f"cannot rename into place: {describe_os_error(err)}"
+                    current, f"cannot rename into place: {describe_os_error(err)}"
                 ) from err
+            raise
+        for member in placed:
+            member.drop_aside()
         self._committed = True
         for _, _, handle, _ in self._files:
             with contextlib.suppress(OSError):
@@ -296,14 +308,83 @@ def _holds(dir_fd: int, name: str, ours: os.stat_result) -> bool:
     return os.path.samestat(st, ours)
 
 
-def _withdraw(placed: Sequence[tuple[_Temp, Path, BinaryIO]]) -> None:
-    """Remove the outputs a failed commit had already renamed into place (each replaced
-    nothing), so none of the set is left: each only if that name still holds our file."""
-    for temp, final, handle in placed:
-        with contextlib.suppress(OSError):
-            st = os.stat(final.name, dir_fd=temp.dir_fd, follow_symlinks=False)
-            if os.path.samestat(st, os.fstat(handle.fileno())):
-                os.unlink(final.name, dir_fd=temp.dir_fd)
+@dataclass
+class _Placed:
+    """A member of a commit whose rename was attempted, and the second name (a hard link,
+    locked where it can be: no cleanup takes it) of the file its final name held before."""
+
+    temp: _Temp
+    final: Path
+    handle: BinaryIO
+    aside: _Aside | None
+    unkept: bool  # it replaced a file that could not be kept aside (no hard links)
+
+    def drop_aside(self) -> None:
+        if self.aside is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.aside.name, dir_fd=self.temp.dir_fd)
+            self.aside.release()
+            self.aside = None
+
+
+@dataclass
+class _Aside:
+    name: str
+    lock_fd: int | None
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _keep_aside(dir_fd: int, name: str) -> tuple[_Aside | None, bool]:
+    """A second name, in the temp pattern (a killed run's is removed by the next run), for the
+    file at `name` that os.replace is about to replace (None when nothing is there or this
+    filesystem has no hard links), and whether anything is there. The file is locked first
+    where it can be opened, so another run's cleanup leaves the second name alone (a symlink
+    cannot be opened, nor cleaned)."""
+    lock_fd: int | None = None
+    with contextlib.suppress(OSError):
+        lock_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                          dir_fd=dir_fd)  # fmt: skip
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    aside = _Aside(f".{name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}", lock_fd)
+    try:
+        os.link(name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as err:
+        aside.release()
+        if isinstance(err, FileNotFoundError):
+            return None, False
+        if err.errno in _NO_LINKS:
+            return None, _exists_at(dir_fd, name)
+        raise
+    return aside, True
+
+
+def _withdraw(placed: Sequence[_Placed]) -> None:
+    """Take back the renames of a failed commit, last first, so none of the set is left: where
+    a final name still holds our file, the file it replaced is put back (or, if it replaced
+    nothing, the name removed; one that replaced what could not be kept aside stays: removing
+    it would lose both)."""
+    for member in reversed(placed):
+        dir_fd, name = member.temp.dir_fd, member.final.name
+        try:
+            ours = os.path.samestat(os.stat(name, dir_fd=dir_fd, follow_symlinks=False),
+                                    os.fstat(member.handle.fileno()))  # fmt: skip
+        except OSError:
+            ours = False
+        try:
+            if ours and member.aside is None and not member.unkept:
+                os.unlink(name, dir_fd=dir_fd)
+            elif ours and member.aside is not None:
+                os.replace(member.aside.name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError:  # what it replaced stays under its second name (a temp's: a rare loss)
+            if member.aside is not None:
+                member.aside.release()
+            continue
+        member.drop_aside()  # (gone if put back; else the final name still holds that file)
 
 
 def _lock_own_temp(fd: int, temp: _Temp) -> bool:

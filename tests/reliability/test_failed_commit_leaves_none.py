@@ -1,0 +1,119 @@
+"""A commit that fails at any rename leaves none of its set in place, whichever way each member
+was renamed: the no-replace ones (names checked free without --force) are removed, and so are
+the members renamed with os.replace (--force, or names no preflight checked) that replaced
+nothing; one that replaced a file puts that file back. A set mixing the two kinds used to
+leave its os.replace'd members in place (the file they replaced gone) while the commit said
+nothing of the set was kept. Without hard links the replaced file cannot be kept aside: the
+member stays, as the commit's docstring says."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from qtool.errors import OutputError
+from qtool.io import atomic, renames
+from qtool.io.atomic import OutputSet
+from tests.outputs import leftovers
+
+THEIRS = b"written by someone else meanwhile"
+
+
+def _fail_the_last_rename(mp: pytest.MonkeyPatch, how: str) -> None:
+    """The set's last (no-replace) rename fails: a file appears right before it, or EIO."""
+    real = renames.renameat2
+
+    def renameat2(dir_fd: int, old: str, new: str, flags: int) -> bool:
+        if new == "last.bin":
+            if how == "eio":
+                raise OSError(errno.EIO, os.strerror(errno.EIO), new)
+            fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
+            os.write(fd, THEIRS)
+            os.close(fd)
+        return real(dir_fd, old, new, flags)
+
+    mp.setattr(renames, "renameat2", renameat2)
+
+
+@pytest.mark.parametrize("how", ["appeared", "eio"])
+@pytest.mark.parametrize("before", [b"the user's old file", None])
+@pytest.mark.parametrize("kind", ["force", "unchecked"])
+def test_an_os_replaced_member_is_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, before: bytes | None, kind: str
+) -> None:
+    first, last = tmp_path / "first.bin", tmp_path / "last.bin"
+    if before is not None:
+        first.write_bytes(before)
+    if kind == "force":
+        atomic.preflight([first], [], force=True)
+    atomic.preflight([last], [], force=False)
+    _fail_the_last_rename(monkeypatch, how)
+    with OutputSet() as outputs:
+        outputs.create(first).write(b"new first")
+        outputs.create(last, last=True).write(b"new last")
+        with pytest.raises(OutputError) as refused:
+            outputs.commit()
+    assert str(last) in str(refused.value)
+    assert (first.read_bytes() if first.exists() else None) == before
+    assert (last.read_bytes() if last.exists() else None) == (THEIRS if how == "appeared" else None)
+    assert leftovers(tmp_path) == []
+    if before is not None:
+        assert first.stat().st_nlink == 1  # its second name, kept during the commit, is gone
+
+
+def test_a_successful_commit_over_a_file_keeps_no_second_name(tmp_path: Path) -> None:
+    final = tmp_path / "a.bin"
+    final.write_bytes(b"old")
+    atomic.preflight([final], [], force=True)
+    with OutputSet() as outputs:
+        outputs.create(final).write(b"new")
+        outputs.commit()
+    assert final.read_bytes() == b"new" and final.stat().st_nlink == 1
+    assert os.listdir(tmp_path) == ["a.bin"]
+
+
+def test_without_hard_links_a_replaced_file_cannot_be_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As documented: the member that replaced a file stays (the rest is withdrawn)."""
+    first, last = tmp_path / "first.bin", tmp_path / "last.bin"
+    first.write_bytes(b"old")
+    atomic.preflight([first], [], force=True)
+    atomic.preflight([last], [], force=False)
+
+    def no_links(*args: object, **kw: object) -> None:
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    _fail_the_last_rename(monkeypatch, "eio")
+    monkeypatch.setattr(os, "link", no_links)
+    with OutputSet() as outputs:
+        outputs.create(first).write(b"new first")
+        outputs.create(last, last=True).write(b"new last")
+        with pytest.raises(OutputError):
+            outputs.commit()
+    assert first.read_bytes() == b"new first" and not last.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failure_keeping_the_replaced_file_aside_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error making the second name (before anything is renamed) names that output."""
+    first, last = tmp_path / "first.bin", tmp_path / "last.bin"
+    first.write_bytes(b"old")
+    atomic.preflight([first, last], [], force=True)
+
+    def eio(*args: object, **kw: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "link", eio)
+    with OutputSet() as outputs:
+        outputs.create(first).write(b"new first")
+        outputs.create(last, last=True).write(b"new last")
+        with pytest.raises(OutputError, match=f"^{first}: cannot rename into place"):
+            outputs.commit()
+    assert first.read_bytes() == b"old" and not last.exists()
+    assert leftovers(tmp_path) == []

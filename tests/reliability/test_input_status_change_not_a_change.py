@@ -5,7 +5,8 @@ ctime, which `check_unchanged` compared with the rest of the stamp, so a long ru
 is the mark of a rewrite whose writer put the mtime back too, so it is accepted only once every
 span the reader read reads the same again (io/filestamp.py ReadLog); a rewrite of bytes already
 read is still refused (tests/reliability/test_inputs_rewritten_with_mtime_restored.py), the
-path must still name the file read, and each reader re-reads at most MAX_RECHECKS times."""
+path must still name the file read, and each reader re-reads at most MAX_RECHECKS times. An
+imatrix, small and read whole before any use, is read once more instead."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
+import qtool.formats.imatrix as imatrix_format
 from qtool.errors import InputError
+from qtool.formats.imatrix import dat as dat_format
 from qtool.gguf_types import ValueType
 from qtool.io import checkpoint as checkpoint_module
 from qtool.io.checkpoint import Checkpoint, open_checkpoint
@@ -29,6 +32,7 @@ from qtool.io.gguf_layout import GGUFValue
 from qtool.io.gguf_write import write_gguf
 from tests.conftest import Invoke
 from tests.outputs import ERROR_LINE, checkpoint, leftovers, snapshot
+from tests.reliability.test_imatrix_hostile import ONE, TAIL, dat, gguf_file, good
 from tests.reliability.test_inputs_rewritten_with_mtime_restored import rewrite_keeping_mtime
 
 Act = Callable[[Path], None]
@@ -273,3 +277,50 @@ def test_cli_refusal_after_too_many_status_changes_is_one_line(
     assert code == 1 and stdout == "" and ERROR_LINE.match(err), err
     assert str(src) in err and "changed while qtool was reading it" in err
     assert list(out.iterdir()) == [] and leftovers(out) == []
+
+
+def _imatrix(tmp_path: Path, kind: str) -> tuple[Path, object, str]:
+    """An imatrix file and the function its read calls once parsed (before the hash)."""
+    if kind == "gguf":
+        return gguf_file(tmp_path / "m.gguf", good()), imatrix_format, "read_gguf_from"
+    path = tmp_path / "m.dat"
+    path.write_bytes(dat([ONE], TAIL))
+    return path, dat_format, "_trailer"
+
+
+@pytest.mark.parametrize("act", ACTS.values(), ids=ACTS.keys())
+@pytest.mark.parametrize("kind", ["gguf", "dat"])
+def test_imatrix_read_again_after_a_status_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, act: Act
+) -> None:
+    """Read once more, whole (it is small and read before any use): the same statistics and
+    SHA-256 as a calm read, after two reads; a change during each read is still refused."""
+    path, module, name = _imatrix(tmp_path, kind)
+    calm = imatrix_format.read_imatrix_file(path)
+    real, calls = getattr(module, name), []
+
+    def then_change(*args: object) -> object:
+        out = real(*args)
+        calls.append(None)
+        if len(calls) == 1:
+            status_change(path, act)
+        return out
+
+    monkeypatch.setattr(module, name, then_change)
+    got = imatrix_format.read_imatrix_file(path)
+    assert len(calls) == 2 and got.sha256 == calm.sha256
+    assert got.imatrix.entries.keys() == calm.imatrix.entries.keys()
+    for key, stats in got.imatrix.entries.items():
+        assert np.array_equal(stats.sums, calm.imatrix.entries[key].sums)
+    calls.clear()
+
+    def always(*args: object) -> object:
+        out = real(*args)
+        calls.append(None)
+        status_change(path, act)
+        return out
+
+    monkeypatch.setattr(module, name, always)
+    with pytest.raises(InputError, match="changed while qtool was reading it"):
+        imatrix_format.read_imatrix_file(path)
+    assert len(calls) == 2  # one read again, no more

@@ -55,10 +55,40 @@ def read_imatrix_file(
 ) -> ImatrixFile:
     """read_imatrix through one open descriptor, with the file's metadata and (`digest`) the
     SHA-256 of the same bytes, hashed after the parse (a file that is no imatrix is refused
-    before it is hashed whole) and refused if the file changed in between."""
+    before it is hashed whole) and refused if the file changed in between. A change of its
+    status alone (chmod, a hard link, the atime put back: the ctime moved, nothing else) has
+    it read once more, whole, and that read is used only if nothing changed during it (if it
+    fails, the change is what is reported: the file may have been rewritten under the first)."""
+    opened: list[os.stat_result] = []
+    try:
+        return _read_imatrix_once(path, dat_chunk_size, digest, opened)
+    except InputError as err:
+        if not (opened and "changed while" in err.message and _status_moved(path, opened[0])):
+            raise
+        first = err
+    try:
+        return _read_imatrix_once(path, dat_chunk_size, digest, [])
+    except InputError:
+        raise first from None
+
+
+def _status_moved(path: Path, opened: os.stat_result) -> bool:
+    """Whether `path` is the file stamped `opened`, of its size and mtime, its ctime moved."""
+    try:
+        now = stamp(os.stat(path))
+    except OSError:
+        return False
+    return now[:4] == stamp(opened)[:4] and now != stamp(opened)
+
+
+def _read_imatrix_once(
+    path: Path, dat_chunk_size: int, digest: bool, opened: list[os.stat_result]
+) -> ImatrixFile:
+    """read_imatrix_file's one read (the file's stat at open appended to `opened`)."""
     with open_regular(path) as f:
         fd = f.fileno()
         st = os.fstat(fd)
+        opened.append(st)
         magic = os.pread(fd, 4, 0)
         if not magic:
             raise InputError(path, "is empty; give an importance matrix written by llama-imatrix")

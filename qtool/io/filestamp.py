@@ -56,14 +56,16 @@ class ReadLog:
 
     def unchanged(self, fd: int, path: Path) -> bool:
         """Whether the file open as `fd` still holds every byte read, through a status-only
-        change too: the device, inode, size and mtime as at open, the path naming the file, and
+        change too: the device, inode, size and mtime as at open, the path naming the file (and
+        the file still having a name: a path through /proc/self/fd names it deleted), and
         each span's CRC the same when re-read (with no change while re-read). A file whose
         ctime moved again after MAX_RECHECKS such checks counts as changed."""
-        now = fstamp(fd)
+        st = os.fstat(fd)
+        now = stamp(st)
         if now == self.stamp or self._differs:
             return not self._differs
-        if now[:4] != self.stamp[:4] or self.rechecks >= MAX_RECHECKS:
-            return False
+        if now[:4] != self.stamp[:4] or self.rechecks >= MAX_RECHECKS or st.st_nlink == 0:
+            return False  # no link left: deleted or renamed over, even read through /proc
         try:
             named = os.stat(path)
         except OSError:

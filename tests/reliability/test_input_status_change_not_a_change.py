@@ -198,20 +198,24 @@ def test_header_rewritten_with_mtime_restored_is_refused(
         ckpt.check_unchanged()
 
 
-@pytest.mark.parametrize("how", ["renamed over", "deleted"])
+@pytest.mark.parametrize("how", ["renamed over", "deleted", "deleted, read through its fd"])
 def test_path_no_longer_naming_the_file_is_refused(tmp_path: Path, how: str) -> None:
     """Removing the file's name moves only its ctime (its link count) too: the values read are
-    whole, but the path no longer names them, so this stays a change."""
+    whole, but the path no longer names them, so this stays a change (also where the path is
+    /proc/self/fd/N, as quantize HF_DIR --format gguf reads the weights, which still opens)."""
     src = _safetensors(tmp_path)
-    ckpt = open_checkpoint(src)
+    held = os.open(src, os.O_RDONLY)
+    fd_path = Path(f"/proc/self/fd/{held}")
+    ckpt = open_checkpoint(fd_path if how.endswith("fd") else src)
     ckpt.tensor(ckpt.entries[0])
-    if how == "deleted":
+    if how.startswith("deleted"):
         src.unlink()
     else:
         shutil.copy2(src, tmp_path / "copy")
         os.replace(tmp_path / "copy", src)
     with pytest.raises(InputError, match="changed while qtool was reading it"):
         ckpt.check_unchanged()
+    os.close(held)
 
 
 def test_each_status_change_costs_one_re_read_and_no_more_than_max_rechecks(

@@ -118,6 +118,40 @@ def test_the_records_stay_within_their_bound(monkeypatch: pytest.MonkeyPatch) ->
     assert replay.fixed_modules(layer, ran, down, 2 * whole // top + 1) == ()
 
 
+class _InPlace(torch.nn.Module):
+    """A block whose code changes a module's output in place after using it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.lin = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        y = self.lin(h)
+        h.add_(1.0)
+        return y + h
+
+
+def test_a_record_changed_in_place_is_never_replayed() -> None:
+    """The stubs return the recorded tensors themselves: a forward that changes one in place
+    ends the replay, and every later forward still gives the whole forward's result."""
+    torch.manual_seed(0)
+    block, x = _InPlace(), torch.randn(4, 8)
+    with torch.no_grad():
+        want = block(x)
+        ran: dict[str, replay.Ran] = {}
+        with replay.execution(block, ran):
+            block(x)
+        recorded = replay.Recorded(block, replay.fixed_modules(block, ran, ("lin",), 1))
+        assert recorded.names == ("pre",)
+        for _ in range(3):
+            context = recorded.replaying(0) if recorded.has(0) else recorded.record(0)
+            with context:
+                got = block(x)
+            assert torch.equal(got, want)
+    assert recorded.names == ()
+
+
 def test_a_whole_run_writes_the_same_bytes_with_and_without_replay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -103,11 +103,15 @@ def _fixed(ran: Ran, first: int) -> bool:
 
 class Recorded:
     """The outputs of `names` (modules of `block`) on each window, recorded by one forward of
-    the window (`record`) and replayed by `replaying` in its later ones."""
+    the window (`record`) and replayed by `replaying` in its later ones. The tensors are the
+    modules' own, not copies (a copy per call cost more than the replay saved); a forward that
+    changes one in place (its version counter moves) ends the replay for good, so a changed
+    record is never replayed."""
 
     def __init__(self, block: torch.nn.Module, names: Sequence[str]) -> None:
         self.block, self.names = block, tuple(names)
         self.outputs: dict[int, dict[str, Any]] = {}
+        self.versions: dict[int, dict[str, list[int]]] = {}
 
     def has(self, window: int) -> bool:
         return window in self.outputs
@@ -116,11 +120,13 @@ class Recorded:
     def record(self, window: int) -> Iterator[None]:
         """Keep the outputs of `window`'s forward."""
         kept: dict[str, Any] = {}
+        versions: dict[str, list[int]] = {}
         modules = dict(self.block.named_modules())
 
         def keep(name: str) -> Callable[..., None]:
             def hook(module: Any, args: Any, output: Any) -> None:
-                kept[name] = _detached(output)
+                kept[name] = output
+                versions[name] = _versions(output)  # as returned, before any later change
 
             return hook
 
@@ -131,11 +137,13 @@ class Recorded:
             for handle in handles:
                 handle.remove()
         self.outputs[window] = kept
+        self.versions[window] = versions
+        self._check(window)
 
     @contextmanager
     def replaying(self, window: int) -> Iterator[None]:
         """The block with each recorded module swapped for a stub returning its output on
-        `window` (a copy: a later in-place operation cannot change the record)."""
+        `window`."""
         swapped = []
         for name in self.names:
             parent_name, _, child = name.rpartition(".")
@@ -147,6 +155,14 @@ class Recorded:
         finally:
             for parent, child, module in swapped:
                 setattr(parent, child, module)
+        self._check(window)
+
+    def _check(self, window: int) -> None:
+        """End the replay if the forward just run changed a record in place (or did not run
+        one of the modules)."""
+        now = {name: _versions(output) for name, output in self.outputs[window].items()}
+        if now != self.versions[window] or len(now) != len(self.names):  # changed, or not run
+            self.names, self.outputs, self.versions = (), {}, {}
 
 
 class _Stub(torch.nn.Module):
@@ -155,21 +171,16 @@ class _Stub(torch.nn.Module):
         self.output = output
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _map(self.output, torch.Tensor.clone)
+        return self.output
 
 
-def _detached(output: Any) -> Any:
-    return _map(output, lambda t: t.detach().clone())
-
-
-def _map(value: Any, f: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in `value` (in-place operations move them)."""
     if isinstance(value, torch.Tensor):
-        return f(value)
-    if isinstance(value, tuple):
-        return tuple(_map(v, f) for v in value)
-    if isinstance(value, list):
-        return [_map(v, f) for v in value]
-    return value
+        return [value._version]
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _versions(item)]
+    return []
 
 
 def _nbytes(value: Any) -> int | None:

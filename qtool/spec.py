@@ -481,6 +481,17 @@ class GroupFallback(str, enum.Enum):
     KEEP = "keep"
 
 
+class ImatrixUse(str, enum.Enum):
+    """What an importance matrix given to quantize weighs.
+
+    all:  the codes' search (range search, GGUF types' quant_weights) and an allocation's plan
+    plan: an allocation's plan only (each tensor's spec); the codes are a run's without it
+    """
+
+    ALL = "all"
+    PLAN = "plan"
+
+
 class Device(str, enum.Enum):
     """Where the kernels run: auto picks CUDA when it is available, else the CPU."""
 

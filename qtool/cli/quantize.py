@@ -53,7 +53,6 @@ from qtool.cli.quantize_options import (
     FormatOpt,
     GroupFallbackOpt,
     ImatrixOpt,
-    ImatrixUse,
     ImatrixUseOpt,
     IncludeOpt,
     InputArg,
@@ -84,6 +83,7 @@ from qtool.spec import (
     Device,
     FormatName,
     GroupFallback,
+    ImatrixUse,
     RangeMethod,
     Scheme,
     StorageDtype,
@@ -184,10 +184,10 @@ def quantize(
     with user_errors(as_json) as run:
         options = _options(spec, include, exclude, keep_nonfinite, fmt, config, group_fallback,
                            recipe, target_sqnr, imatrix)  # fmt: skip
+        weighs = imatrix_use is ImatrixUse.ALL
         options = dataclasses.replace(options, calibration=calibrated, allocation=target,
-                                      save_recipe=save_recipe,
-                                      save_tensor_types=tensor_type_file,
-                                      imatrix_codes=imatrix_use is ImatrixUse.ALL)  # fmt: skip
+                                      save_recipe=save_recipe, save_tensor_types=tensor_type_file,
+                                      imatrix_weighs_codes=weighs)  # fmt: skip
         if options.budgeted:
             warn_budget_overrides(
                 ctx, options, "--target-sqnr" if target is None else f"--target-{target.kind}"

@@ -4,7 +4,6 @@ gates, the report) are in cli/options.py."""
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -20,6 +19,7 @@ from qtool.spec import (
     Codec,
     Device,
     GroupFallback,
+    ImatrixUse,
     RangeMethod,
     Scheme,
     SpecPatch,
@@ -253,11 +253,6 @@ ImatrixOpt = Annotated[
         rich_help_panel=HOW,
     ),
 ]
-
-
-class ImatrixUse(str, Enum):
-    ALL = "all"
-    PLAN = "plan"
 
 
 ImatrixUseOpt = Annotated[

@@ -296,7 +296,7 @@ class _Restorer:
         assert spec is not None
         ckpt = self.data.shards.checkpoint(shard)
         result = quantize_one(ckpt, trial, self.workspace, run.scales_in_weight_dtype,
-                              weights=run.code_weights(trial))  # fmt: skip
+                              weights=run.weights_for_codes(run.weights(trial)))  # fmt: skip
         x = ckpt.tensor(trial.entry)
         try:
             return kernels.restored_rows(result, spec, 0, x.shape[0], x).clone()
@@ -439,7 +439,9 @@ def _relative_error(
     trial = TensorPlan(plan.entry, plan.decision.then(Quantize(spec), plan.decision.origin))
     weights = run.weights(trial)
     try:
-        result = quantize_one(ckpt, trial, workspace, weight_dtype, weights=run.code_weights(trial))
+        result = quantize_one(
+            ckpt, trial, workspace, weight_dtype, weights=run.weights_for_codes(weights)
+        )
     except GridOverflow:
         return None
     if weights is not None:
@@ -558,7 +560,7 @@ def recipe_text(
     plans: Sequence[TensorPlan],
     target: solver.Target,
     imatrix: Path | None = None,
-    weighed_codes: bool = True,
+    weighs_codes: bool = True,
 ) -> str:
     """A recipe (TOML) whose rules pin each tensor the allocation decided to its spec (or keep
     it): quantize --recipe FILE with the same input and format writes the same plan (with an
@@ -568,7 +570,7 @@ def recipe_text(
         "# quantize INPUT --recipe THIS_FILE with the same --format (GGUF: any --dtype, which",
         "# the rules override) writes the same plan.",
     ]
-    if imatrix is not None and weighed_codes:
+    if imatrix is not None and weighs_codes:
         lines += [
             f"# Made with --imatrix {_comment_safe(imatrix.name)}: the same bytes need that",
             "# --imatrix again (it weighs each spec's range search; the rules pin only the specs).",
@@ -695,7 +697,8 @@ def save_plan(plans: Sequence[TensorPlan], options: QuantizeOptions, fmt: Output
     assert options.allocation is not None
     texts: list[tuple[Path, str]] = []
     if options.save_recipe is not None:
-        recipe = recipe_text(plans, options.allocation, options.imatrix, options.imatrix_codes)
+        weighs = options.imatrix_weighs_codes
+        recipe = recipe_text(plans, options.allocation, options.imatrix, weighs)
         texts.append((options.save_recipe, recipe))
     if options.save_tensor_types is not None:
         texts.append((options.save_tensor_types, tensor_type_text(plans, gguf_names(plans, fmt))))

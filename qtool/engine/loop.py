@@ -55,7 +55,7 @@ class Kernels:
     scales_in_weight_dtype: bool = False
     importance: Importance | None = None  # --imatrix: weighs the range search and the figures
     importance_notes: tuple[str, ...] = ()  # what matching it to the tensors has to say
-    weigh_codes: bool = True  # False (--imatrix-use plan): it weighs the figures, not the codes
+    weighs_codes: bool = True  # False (--imatrix-use plan): it weighs the figures, not the codes
 
     def expect(self, plans: Collection[TensorPlan]) -> None:
         """Tell the kernel choice what this run quantizes one tensor at a time (tiny tensors
@@ -81,9 +81,10 @@ class Kernels:
             return None
         return self.importance.weights(plan.entry.name, plan.entry.shape)
 
-    def code_weights(self, plan: TensorPlan) -> ColumnWeights | None:
-        """The weights the quantizer's search takes (None where the imatrix only plans)."""
-        return self.weights(plan) if self.weigh_codes else None
+    def weights_for_codes(self, weights: ColumnWeights | None) -> ColumnWeights | None:
+        """What of a tensor's `weights` the quantizer's search takes (None where the imatrix
+        only plans)."""
+        return weights if self.weighs_codes else None
 
 
 def write_shard(
@@ -170,7 +171,7 @@ def _results(
             if result is None:
                 result = quantize_one(
                     ckpt, plan, workspaces[k % 2], kernels.scales_in_weight_dtype, reader,
-                    weights=kernels.code_weights(plan),
+                    weights=kernels.weights_for_codes(weights),
                 )  # fmt: skip
             else:
                 reader.advance(name, nbytes)

@@ -44,7 +44,7 @@ from qtool.engine.decision import (
     TensorPlan,
 )
 from qtool.engine.sizes import Stored
-from qtool.errors import InputError, RecipeError
+from qtool.errors import InputError, RecipeError, UsageError
 from qtool.formats.base import Choice, OutputFormat
 from qtool.formats.registry import refuses
 from qtool.io.atomic import resolve_output
@@ -82,13 +82,18 @@ class QuantizeOptions:
     config: Path | None = None  # the model's config.json, for a single-file model export
     group_fallback: GroupFallback = GroupFallback.ERROR  # K not a multiple of G
     imatrix: Path | None = None  # an importance matrix weighing the range search (importance.py)
-    imatrix_codes: bool = True  # False: the imatrix guides only an allocation, the codes unweighted
+    imatrix_weighs_codes: bool = True  # False: it guides only an allocation, the codes unweighted
     calibration: Calibration | None = None  # a calibrated method (engine/methods), its data
 
     def __post_init__(self) -> None:
         # the names as plain strings too ("compressed-tensors"), as a library caller writes them
         object.__setattr__(self, "format", FormatName(self.format))
         object.__setattr__(self, "group_fallback", GroupFallback(self.group_fallback))
+        if not self.imatrix_weighs_codes and (self.imatrix is None or self.allocation is None):
+            raise UsageError(
+                None, "an imatrix that weighs no code only guides an allocation: give the "
+                "imatrix and a size, bpw or KL target", hint="imatrix-use",
+            )  # fmt: skip
 
     @functools.cached_property
     def rules(self) -> tuple[Rule, ...]:

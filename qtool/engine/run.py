@@ -80,8 +80,8 @@ def quantize(
         )
     source = open_source(src, options.config, requantize=requantize)
     imatrix = read_importance(options.imatrix) if options.imatrix is not None else None
-    weighed = imatrix if options.imatrix_codes else None  # the outputs say what weighed codes
-    fmt = _format(options, source, weighed[1].as_dict() if weighed is not None else None)
+    weighing = imatrix if options.imatrix_weighs_codes else None  # the outputs record only it
+    fmt = _format(options, source, weighing[1].as_dict() if weighing is not None else None)
     _check_ladder(options)
     target = _target(source, src, out, options, fmt)
     threads = ExitStack()  # torch's count given back to an in-process caller at the end
@@ -337,7 +337,7 @@ def _with_importance(
     if job.kernels is None:
         return job
     kernels = replace(job.kernels, importance=importance, importance_notes=notes,
-                      weigh_codes=options.imatrix_codes)  # fmt: skip
+                      weighs_codes=options.imatrix_weighs_codes)  # fmt: skip
     return replace(job, kernels=kernels)
 
 
@@ -383,7 +383,7 @@ def _summary(job: Job, done: Done, started: float, tied: frozenset[str]) -> Quan
 
 def _plan_only(job: Job) -> list[str]:
     kernels = job.kernels
-    if kernels is None or kernels.importance is None or kernels.weigh_codes:
+    if kernels is None or kernels.importance is None or kernels.weighs_codes:
         return []
     return ["the imatrix chose each tensor's spec only: the codes are unweighted, those of a "
             "run without it (the table's weighted SQNR still weighs them by it)"]  # fmt: skip
@@ -408,7 +408,7 @@ def _provenance(job: Job) -> dict[str, object] | None:
     if kernels is None or kernels.importance is None:
         return None
     provenance = kernels.importance.provenance.as_dict()
-    return provenance if kernels.weigh_codes else {**provenance, "use": "plan"}
+    return provenance if kernels.weighs_codes else {**provenance, "use": "plan"}
 
 
 def _budget_sizes(job: Job, plans: Sequence[TensorPlan]) -> tuple[int, int] | None:

@@ -126,6 +126,7 @@ def test_the_plan_follows_the_sensitivities(invoke: Invoke, tmp_path: Path) -> N
         doc = _run(invoke, str(TINY / "tiny-llama"), "--target-size", "56KiB", "--imatrix",
                    str(imatrix), "--imatrix-use", "plan", "-o", str(tmp_path / label))  # fmt: skip
         row = next(t for t in doc["tensors"] if t["name"] == name)
+        # the reason names the candidate's bytes as written, codes and qparams (bytes_out: codes)
         found = re.search(r"(\d+) bytes$", row["decided_by"]["reason"])
         assert found is not None
         spent[label] = int(found.group(1))
@@ -148,3 +149,16 @@ def test_misuse_is_one_line(invoke: Invoke, tmp_path: Path, args: list[str], say
     assert code == 2 and out == "", err
     assert says in " ".join(err.split())
     assert not (tmp_path / "o").exists()
+
+
+def test_a_library_caller_gets_the_same_refusal(tmp_path: Path) -> None:
+    """QuantizeOptions itself refuses an imatrix that weighs no code without a plan to guide
+    (the CLI's check is not the only one)."""
+    from qtool.engine.plan import QuantizeOptions
+    from qtool.errors import UsageError
+
+    imatrix = _imatrix(tmp_path / "s.gguf", None)
+    with pytest.raises(UsageError, match="only guides an allocation"):
+        QuantizeOptions(imatrix=imatrix, imatrix_weighs_codes=False)
+    with pytest.raises(UsageError, match="only guides an allocation"):
+        QuantizeOptions(imatrix_weighs_codes=False)

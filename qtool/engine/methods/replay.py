@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 REPLAY_BYTES = 96 << 20
-"""The most a group's recorded outputs may hold over one stream's windows (SmolLM2 at 28 fit
-windows of 512 records about 11 MB per window for its down projection's group: 310 MB, over
-this; the block's own children, the attention's output and the norm's, 2.4 MB per window)."""
+"""The most one group's records may hold over one stream's windows (SmolLM2 at 28 fit windows
+of 512 records about 11 MB per window for its down projection's group: 310 MB, over this; the
+block's own children, the attention's output and the norms', 3.5 MB per window). A group's
+search records its fit windows, then its held-out and check windows while their records are
+still kept: at most 3 x REPLAY_BYTES, dropped when the group is done."""
 
 
 @dataclass(frozen=True)

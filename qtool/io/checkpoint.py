@@ -186,8 +186,9 @@ class Checkpoint:
 
     def adopt(self, fd: int) -> None:
         """Read tensors from the open descriptor `fd` (closed with the checkpoint), the file
-        `_stat` stamps; its header's bytes are the first span of the log check_unchanged
-        re-reads (the tensors' offsets and dtypes come from them)."""
+        `_stat` stamped before its header was parsed; the header's bytes are the first span of
+        the log check_unchanged re-reads (the tensors' offsets and dtypes come from them): the
+        file must be unchanged since the stamp, so they are the bytes parsed."""
         self._fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
         self._log = ReadLog(self._stat)
@@ -259,8 +260,8 @@ def open_checkpoint(path: Path, within: InputDir | None = None) -> Checkpoint:
         return ckpt
     if kind == "zip":
         _refuse_foreign_zip(path)
-    if kind == "safetensors":
-        return _open_safetensors(path, header)
+    if kind == "safetensors":  # its header parsed again from the file the data is read from
+        return _open_safetensors(path)
     if path.suffix not in PICKLE_SUFFIXES:
         raise InputError(
             path,
@@ -328,24 +329,23 @@ def _check_regular_file(path: Path) -> None:
 def open_safetensors(path: Path) -> Checkpoint:
     """A .safetensors file opened as one, whatever its content now (never sniffed as a pickle
     or GGUF: for a caller that checked it was safetensors and reads it again)."""
-    return _open_safetensors(path, None)
+    return _open_safetensors(path)
 
 
-def _open_safetensors(path: Path, header: Header | None) -> Checkpoint:
-    try:
-        header = header or read_header(path)
-    except HeaderError as err:
-        raise InputError(path, not_safetensors_message(path, err)) from None
-    except OSError as err:
-        raise InputError(path, f"cannot read: {err.strerror}") from None
+def _open_safetensors(path: Path) -> Checkpoint:
     with open_regular(path) as f:
-        return _adopted(path, f, header)
+        try:
+            return _adopted(path, f)
+        except HeaderError as err:
+            raise InputError(path, not_safetensors_message(path, err)) from None
+        except OSError as err:
+            raise InputError(path, f"cannot read: {err.strerror}") from None
 
 
 def _open_within(path: Path, within: InputDir) -> Checkpoint:
     with within.open(path.name) as f:
         try:
-            header = read_header_file(f)
+            return _adopted(path, f)
         except HeaderError as err:
             f.seek(0)
             what = describe_head(f.read(64))
@@ -354,12 +354,15 @@ def _open_within(path: Path, within: InputDir) -> Checkpoint:
             raise InputError(path, message) from None
         except OSError as err:
             raise InputError(path, f"cannot read: {err.strerror}") from None
-        return _adopted(path, f, header)
 
 
-def _adopted(path: Path, f: BinaryIO, header: Header) -> Checkpoint:
-    """A safetensors Checkpoint reading through (a duplicate of) the open file `f`."""
+def _adopted(path: Path, f: BinaryIO) -> Checkpoint:
+    """A safetensors Checkpoint reading through (a duplicate of) the open file `f`, its header
+    parsed through `f` once the stamp check_unchanged compares was taken (a header parsed from
+    another open of the path, or before the stamp, could be another file's: its offsets would
+    read one tensor's bytes as another's, and no later check would see it)."""
     st = os.fstat(f.fileno())
+    header = read_header_file(f)
     if st.st_size != header.data_start + header.data_bytes:
         raise InputError(path, "changed while reading (its size moved); run again")
     ckpt = Checkpoint(

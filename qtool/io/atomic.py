@@ -156,13 +156,13 @@ class OutputSet:
                     ours = os.fstat(handle.fileno())
                     _rename_noreplace(temp.dir_fd, temp.name, final.name, ours)
         except BaseException as err:
-            _withdraw(placed)
+            kept = _withdraw(placed)
             if isinstance(err, FileExistsError):
-                raise _appeared(current) from err
+                raise _saying_kept(_appeared(current), kept) from err
             if isinstance(err, OSError):
-                raise OutputError(
+                raise _saying_kept(OutputError(
                     current, f"cannot rename into place: {describe_os_error(err)}"
-                ) from err
+                ), kept) from err  # fmt: skip
             raise
         for member in placed:
             member.drop_aside()
@@ -363,11 +363,14 @@ def _keep_aside(dir_fd: int, name: str) -> tuple[_Aside | None, bool]:
     return aside, True
 
 
-def _withdraw(placed: Sequence[_Placed]) -> None:
+def _withdraw(placed: Sequence[_Placed]) -> list[str]:
     """Take back the renames of a failed commit, last first, so none of the set is left: where
     a final name still holds our file, the file it replaced is put back (or, if it replaced
     nothing, the name removed; one that replaced what could not be kept aside stays: removing
-    it would lose both)."""
+    it would lose both). A replaced file that cannot be put back is kept under a name outside
+    the temp pattern (no cleanup removes it); returned: where each such file is, for the
+    error."""
+    kept: list[str] = []
     for member in reversed(placed):
         dir_fd, name = member.temp.dir_fd, member.final.name
         try:
@@ -380,11 +383,43 @@ def _withdraw(placed: Sequence[_Placed]) -> None:
                 os.unlink(name, dir_fd=dir_fd)
             elif ours and member.aside is not None:
                 os.replace(member.aside.name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except OSError:  # what it replaced stays under its second name (a temp's: a rare loss)
+        except OSError:
             if member.aside is not None:
-                member.aside.release()
+                kept.append(f"{member.final.name}'s previous file could not be put back and is "
+                            f"kept as {member.final.parent / _keep_outside(member)}")  # fmt: skip
             continue
         member.drop_aside()  # (gone if put back; else the final name still holds that file)
+    return kept
+
+
+def _keep_outside(member: _Placed) -> str:
+    """The name the replaced file of `member` is kept under once it cannot be put back:
+    `NAME.qtool-kept-<UTC time>`, which no cleanup takes (its second name is a temp's, which
+    the next run's cleanup would remove), or that second name where even this rename fails."""
+    assert member.aside is not None
+    dir_fd, aside = member.temp.dir_fd, member.aside.name
+    when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    try:
+        ours = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
+        for n in range(100):
+            name = f"{member.final.name}.qtool-kept-{when}" + (f"-{n}" if n else "")
+            with contextlib.suppress(FileExistsError):
+                _rename_noreplace(dir_fd, aside, name, ours)
+                aside = name
+                break
+    except OSError:
+        pass
+    member.aside.release()
+    member.aside = None
+    return aside
+
+
+def _saying_kept(error: OutputError, kept: list[str]) -> OutputError:
+    """`error`, its message naming where the files a withdrawn commit could not put back are."""
+    if kept:
+        error.message = "; ".join([error.message, *kept])
+        error.args = (error.message,)
+    return error
 
 
 def _lock_own_temp(fd: int, temp: _Temp) -> bool:

@@ -117,3 +117,38 @@ def test_a_failure_keeping_the_replaced_file_aside_changes_nothing(
             outputs.commit()
     assert first.read_bytes() == b"old" and not last.exists()
     assert leftovers(tmp_path) == []
+
+
+def test_a_replaced_file_that_cannot_be_put_back_is_kept_outside_any_cleanup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A withdrawn commit that cannot put a replaced file back (the rename fails) leaves it under
+    a name no cleanup takes, and the error says where: it was left under its second name, a
+    temp's, which the next run's cleanup deleted (the user's only copy)."""
+    first, last = tmp_path / "first.bin", tmp_path / "last.bin"
+    first.write_bytes(b"the user's old file")
+    atomic.preflight([first], [], force=True)
+    atomic.preflight([last], [], force=False)
+    _fail_the_last_rename(monkeypatch, "eio")
+    real, calls = os.replace, []
+
+    def replace(src: str, dst: str, **kw: object) -> None:
+        calls.append(dst)
+        if dst == "first.bin" and len(calls) > 1:  # the second: putting the old file back
+            raise OSError(errno.EIO, os.strerror(errno.EIO), dst)
+        real(src, dst, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "replace", replace)
+    with OutputSet() as outputs:
+        outputs.create(first).write(b"new first")
+        outputs.create(last, last=True).write(b"new last")
+        with pytest.raises(OutputError) as refused:
+            outputs.commit()
+    monkeypatch.undo()
+    atomic.remove_stale_temps(tmp_path)  # the next run in that directory
+    kept = [p for p in tmp_path.iterdir() if p.read_bytes() == b"the user's old file"]
+    assert len(kept) == 1, sorted(os.listdir(tmp_path))
+    message = str(refused.value)
+    assert "\n" not in message and f"kept as {kept[0]}" in message, message
+    assert kept[0].name.startswith("first.bin.qtool-kept-")
+    assert leftovers(tmp_path) == []

@@ -125,8 +125,8 @@ class OutputSet:
         preflight had no `force`, the rename refuses atomically to replace what appeared since
         (OutputError naming it). When any rename fails, the renames this commit made before are
         taken back: a member that replaced nothing is removed, one that replaced a file puts
-        that file back (kept under a second name, a hard link, until the commit is done; on a
-        filesystem without hard links it cannot be, and the member is left in its place)."""
+        that file back (kept under a second name, a hard link, until the commit is done; where
+        no hard link can be made it cannot be, and the member is left in its place)."""
         for _temp, final, handle, _last in self._files:
             try:
                 handle.flush()
@@ -341,26 +341,39 @@ class _Aside:
 
 def _keep_aside(dir_fd: int, name: str) -> tuple[_Aside | None, bool]:
     """A second name, in the temp pattern (a killed run's is removed by the next run), for the
-    file at `name` that os.replace is about to replace (None when nothing is there or this
-    filesystem has no hard links), and whether anything is there. The file is locked first
-    where it can be opened, so another run's cleanup leaves the second name alone (a symlink
-    cannot be opened, nor cleaned)."""
-    lock_fd: int | None = None
-    with contextlib.suppress(OSError):
-        lock_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                          dir_fd=dir_fd)  # fmt: skip
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    aside = _Aside(f".{name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}", lock_fd)
+    file at `name` that os.replace is about to replace (None when nothing is there or no hard
+    link can be made: the replace goes on, as a plain os.replace would, and the file cannot be
+    put back), and whether anything is there. The file is locked first where it can be opened
+    and locked (a symlink cannot be opened, nor cleaned; where locks are refused the second
+    name is unlocked), so another run's cleanup leaves the second name alone."""
+    aside = _Aside(f".{name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}", _lock(dir_fd, name))
     try:
         os.link(name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as err:
         aside.release()
         if isinstance(err, FileNotFoundError):
             return None, False
-        if err.errno in _NO_LINKS:
+        try:
             return None, _exists_at(dir_fd, name)
-        raise
+        except OSError:
+            return None, True  # unknown: taken as there, so a withdrawal never removes it
     return aside, True
+
+
+def _lock(dir_fd: int, name: str) -> int | None:
+    """A descriptor of the file `name` holding its lock (flock), or None where it cannot be
+    opened or locked."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)  # fmt: skip
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _withdraw(placed: Sequence[_Placed]) -> list[str]:

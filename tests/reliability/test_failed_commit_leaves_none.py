@@ -98,25 +98,57 @@ def test_without_hard_links_a_replaced_file_cannot_be_put_back(
     assert leftovers(tmp_path) == []
 
 
-def test_a_failure_keeping_the_replaced_file_aside_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("fails", [False, True], ids=["commit", "then-a-rename-fails"])
+def test_a_failure_keeping_the_replaced_file_aside_is_no_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: bool
 ) -> None:
-    """An I/O error making the second name (before anything is renamed) names that output."""
+    """Any error making the second name (EIO here, not only "no hard links") leaves the replace
+    to go on as a plain os.replace would: it failed the commit of a --force run. The replaced
+    file cannot then be put back: if a later rename fails, that member stays, complete, and the
+    rest is withdrawn (as without hard links)."""
     first, last = tmp_path / "first.bin", tmp_path / "last.bin"
     first.write_bytes(b"old")
-    atomic.preflight([first, last], [], force=True)
+    atomic.preflight([first], [], force=True)
+    atomic.preflight([last], [], force=not fails)
 
     def eio(*args: object, **kw: object) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "link", eio)
+    if fails:
+        _fail_the_last_rename(monkeypatch, "eio")
     with OutputSet() as outputs:
         outputs.create(first).write(b"new first")
         outputs.create(last, last=True).write(b"new last")
-        with pytest.raises(OutputError, match=f"^{first}: cannot rename into place"):
+        if fails:
+            with pytest.raises(OutputError, match=f"^{last}: cannot rename into place"):
+                outputs.commit()
+        else:
             outputs.commit()
-    assert first.read_bytes() == b"old" and not last.exists()
+    assert first.read_bytes() == b"new first"
+    assert (last.read_bytes() if last.exists() else None) == (None if fails else b"new last")
     assert leftovers(tmp_path) == []
+
+
+def test_a_second_name_that_cannot_be_locked_holds_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where flock is refused the second name is unlocked, as documented, and no descriptor of
+    it is kept open (one was, unlocked, while the docstring said it was locked)."""
+    (tmp_path / "a.bin").write_bytes(b"old")
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(atomic.fcntl, "flock", no_locks)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        aside, there = atomic._keep_aside(dir_fd, "a.bin")
+        assert there and aside is not None and aside.lock_fd is None
+        assert (tmp_path / aside.name).read_bytes() == b"old"
+        os.unlink(aside.name, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def test_a_replaced_file_that_cannot_be_put_back_is_kept_outside_any_cleanup(

@@ -210,9 +210,14 @@ def spilled(
 def _reserve(fd: int, nbytes: int) -> None:
     """Allocate the file's blocks now: a mapped page the disk has no room for is a SIGBUS at
     its first touch (the process killed, no message), where posix_fallocate's ENOSPC is an
-    error. A filesystem that cannot reserve (EOPNOTSUPP) keeps the sparse file."""
+    error. Where a filesystem cannot reserve, glibc writes a byte per block instead (the same
+    reservation, slower); the file stays sparse, with that risk, only without posix_fallocate
+    (macOS, Windows) or where the C library passes the kernel's refusal on (musl: EOPNOTSUPP)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        return
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        fallocate(fd, 0, nbytes)
     except OSError as err:
         if err.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise

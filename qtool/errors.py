@@ -46,6 +46,10 @@ class InputError(QtoolError):
     code = "bad_input"
 
 
+class ChangedError(InputError):
+    """The input changed while qtool read it (what was read may be torn): run again."""
+
+
 class UnsafeInputError(InputError):
     """The input asks for something a weights file never needs (code in a pickle, a zip bomb)."""
 

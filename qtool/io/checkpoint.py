@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
-from qtool.errors import InputError, UnsafeInputError
+from qtool.errors import ChangedError, InputError, UnsafeInputError
 from qtool.io.filestamp import FileStamp, ReadLog, fstamp, stamp
 from qtool.io.readbuffer import ReadBuffer
 from qtool.io.safeopen import InputDir, open_regular
@@ -145,7 +145,7 @@ class Checkpoint:
         while done < entry.nbytes:
             n = os.preadv(self._fd, [view[done:]], start + done)
             if n == 0:
-                raise InputError(
+                raise ChangedError(
                     self.path,
                     f"changed while reading (ended {entry.nbytes - done:,} bytes early); "
                     "run again once nothing is writing it",
@@ -168,14 +168,14 @@ class Checkpoint:
         ctime: what moves it alone changes no byte the run holds)."""
         if self._log is not None and self._fd >= 0:
             if not self._log.unchanged(self._fd, self.path):
-                raise InputError(self.path, CHANGED)
+                raise ChangedError(self.path, CHANGED)
         elif self._tensors:
             try:
                 now = stamp(os.stat(self.path))
             except OSError:
-                raise InputError(self.path, CHANGED) from None
+                raise ChangedError(self.path, CHANGED) from None
             if now[:4] != self._stat[:4]:
-                raise InputError(self.path, CHANGED)
+                raise ChangedError(self.path, CHANGED)
 
     def close(self) -> None:
         """Let go of the file (tensors already read stay valid: they own their memory)."""
@@ -194,7 +194,7 @@ class Checkpoint:
         self._log = ReadLog(self._stat)
         head = _pread_all(fd, self._data_start)
         if len(head) < self._data_start or fstamp(fd) != self._stat:
-            raise InputError(self.path, CHANGED)  # the bytes read are not the file stamped
+            raise ChangedError(self.path, CHANGED)  # the bytes read are not the file stamped
         self._log.note(0, head)
 
 
@@ -364,7 +364,7 @@ def _adopted(path: Path, f: BinaryIO) -> Checkpoint:
     st = os.fstat(f.fileno())
     header = read_header_file(f)
     if st.st_size != header.data_start + header.data_bytes:
-        raise InputError(path, "changed while reading (its size moved); run again")
+        raise ChangedError(path, "changed while reading (its size moved); run again")
     ckpt = Checkpoint(
         path,
         header.tensors,
@@ -414,7 +414,7 @@ def _open_pickle(path: Path, kind: str) -> Checkpoint:
 
 def _check_same(path: Path, fd: int, opened: FileStamp) -> None:
     if fstamp(fd) != opened:
-        raise InputError(path, CHANGED)
+        raise ChangedError(path, CHANGED)
 
 
 class _Watched(io.RawIOBase):

@@ -24,7 +24,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from qtool.errors import InputError
+from qtool.errors import ChangedError, InputError
 from qtool.io.filestamp import FileStamp, ReadLog, stamp
 from qtool.io.gguf_header import GGUFHeaderError, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
@@ -104,7 +104,7 @@ class GGUFFile:
         while done < n:
             got = os.preadv(self._file.fileno(), [view[done:]], start + done)
             if got == 0:
-                raise InputError(
+                raise ChangedError(
                     self.path,
                     f"changed while reading {what} (ended {n - done:,} bytes early); "
                     "run again once nothing is writing it",
@@ -165,7 +165,7 @@ class GGUFFile:
         if self._file.closed:
             return
         if not self._log.unchanged(self._file.fileno(), self.path):
-            raise InputError(self.path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(self.path, "the file changed while qtool was reading it; run again")
 
     def close(self) -> None:
         """Let go of the file (arrays already read stay valid: they own their memory)."""

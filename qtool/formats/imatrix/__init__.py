@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from qtool.errors import InputError
+from qtool.errors import ChangedError, InputError
 from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
 from qtool.formats.imatrix.ggufimatrix import read_gguf_from, write_gguf_imatrix
 from qtool.io.filestamp import stamp
@@ -62,8 +62,8 @@ def read_imatrix_file(
     opened: list[os.stat_result] = []
     try:
         return _read_imatrix_once(path, dat_chunk_size, digest, opened)
-    except InputError as err:
-        if not (opened and "changed while" in err.message and _status_moved(path, opened[0])):
+    except ChangedError as err:
+        if not (opened and _status_moved(path, opened[0])):
             raise
         first = err
     try:
@@ -100,7 +100,7 @@ def _read_imatrix_once(
         sha = _sha256(fd, st.st_size) if digest else ""
         now = os.fstat(fd)
         if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
-            raise InputError(path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(path, "the file changed while qtool was reading it; run again")
     return ImatrixFile(imatrix, meta, sha)
 
 

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from qtool.errors import InputError
+from qtool.errors import ChangedError, InputError
 from qtool.io.filestamp import stamp
 from qtool.io.gguf_header import MAX_NAME_BYTES
 from qtool.io.safeopen import open_regular
@@ -50,7 +50,7 @@ class _Cursor:
         while len(data) < n:
             more = os.pread(self.fd, n - len(data), self.pos + len(data))
             if not more:
-                raise InputError(self.path, f"changed while reading {what}; run again once "
+                raise ChangedError(self.path, f"changed while reading {what}; run again once "
                                  "nothing is writing it")  # fmt: skip
             data += more
         self.pos += n
@@ -83,7 +83,7 @@ def read_dat(
         datasets = _trailer(cur)
         now = os.fstat(f.fileno())
         if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
-            raise InputError(path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(path, "the file changed while qtool was reading it; run again")
     entries: dict[str, MatrixStats] = {}
     for name, ncall, values in raw:
         if name in entries:

@@ -17,7 +17,7 @@ import os
 import re
 import weakref
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,6 +36,7 @@ from qtool.io.stformat import (
     describe_head,
     describe_non_checkpoint,
     not_safetensors_message,
+    parse_header,
     read_header,
     read_header_file,
 )
@@ -184,17 +185,24 @@ class Checkpoint:
             self._closer()
             self._fd = -1
 
-    def adopt(self, fd: int) -> None:
+    def adopt(self, fd: int, parse: Callable[[bytes], Header | None]) -> None:
         """Read tensors from the open descriptor `fd` (closed with the checkpoint), the file
-        `_stat` stamped before its header was parsed; the header's bytes are the first span of
-        the log check_unchanged re-reads (the tensors' offsets and dtypes come from them): the
-        file must be unchanged since the stamp, so they are the bytes parsed."""
+        `_stat` stamped before its header was parsed; `parse(head)`: the header the file's
+        first bytes give (None: none). Those bytes are the first span of the log
+        check_unchanged re-reads (the tensors' offsets and dtypes come from them), so they must
+        be the header's: the file unchanged since the stamp, or, where only its ctime moved (a
+        chmod, or a rewrite with the mtime put back: the ReadLog tells them apart later), the
+        bytes parsed again to the same header."""
         self._fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
         self._log = ReadLog(self._stat)
         head = _pread_all(fd, self._data_start)
-        if len(head) < self._data_start or fstamp(fd) != self._stat:
+        now = fstamp(fd)
+        if len(head) < self._data_start or now[:4] != self._stat[:4]:
             raise ChangedError(self.path, CHANGED)  # the bytes read are not the file stamped
+        if now != self._stat and parse(head) != Header(self.entries, self.metadata,
+                                                       self._data_start):  # fmt: skip
+            raise ChangedError(self.path, CHANGED)
         self._log.note(0, head)
 
 
@@ -256,7 +264,7 @@ def open_checkpoint(path: Path, within: InputDir | None = None) -> Checkpoint:
 
         gguf, fd, stat = open_gguf_data(path)
         ckpt = Checkpoint(path, gguf.tensors, None, _data_start=gguf.data_start, _stat=stat)
-        ckpt.adopt(fd)
+        ckpt.adopt(fd, lambda head: _gguf_header(head, stat[2]))
         return ckpt
     if kind == "zip":
         _refuse_foreign_zip(path)
@@ -372,8 +380,26 @@ def _adopted(path: Path, f: BinaryIO) -> Checkpoint:
         _data_start=header.data_start,
         _stat=stamp(st),
     )
-    ckpt.adopt(os.dup(f.fileno()))
+    ckpt.adopt(os.dup(f.fileno()), lambda head: _safetensors_header(head, st.st_size))
     return ckpt
+
+
+def _safetensors_header(head: bytes, size: int) -> Header | None:
+    try:
+        return parse_header(head[8:], size)
+    except HeaderError:
+        return None
+
+
+def _gguf_header(head: bytes, size: int) -> Header | None:
+    from qtool.io.gguf_checkpoint import as_header
+    from qtool.io.gguf_header import GGUFHeaderError, NeedMore
+    from qtool.io.gguf_header import parse_header as parse_gguf
+
+    try:
+        return as_header(parse_gguf(memoryview(head), size))
+    except (GGUFHeaderError, NeedMore):
+        return None
 
 
 def _open_pickle(path: Path, kind: str) -> Checkpoint:

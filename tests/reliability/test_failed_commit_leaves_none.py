@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qtool.errors import OutputError
-from qtool.io import atomic, renames
+from qtool.io import atomic, commit, renames
 from qtool.io.atomic import OutputSet
 from tests.outputs import leftovers
 
@@ -140,10 +140,10 @@ def test_a_second_name_that_cannot_be_locked_holds_no_descriptor(
     def no_locks(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(atomic.fcntl, "flock", no_locks)
+    monkeypatch.setattr(commit.fcntl, "flock", no_locks)
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        aside, there = atomic._keep_aside(dir_fd, "a.bin")
+        aside, there = commit.keep_aside(dir_fd, "a.bin")
         assert there and aside is not None and aside.lock_fd is None
         assert (tmp_path / aside.name).read_bytes() == b"old"
         os.unlink(aside.name, dir_fd=dir_fd)

@@ -33,7 +33,7 @@ from qtool.engine.requantize import scratch_beside
 from qtool.engine.run import output_label
 from qtool.engine.run import quantize as quantize_float
 from qtool.engine.source import protected_paths
-from qtool.errors import InputError, OutputError, QtoolError, UsageError
+from qtool.errors import ChangedError, InputError, OutputError, QtoolError, UsageError
 from qtool.formats.registry import entry
 from qtool.io.atomic import OutputSet, preflight
 from qtool.io.filestamp import FileStamp, fstamp
@@ -452,7 +452,7 @@ def _changed(
     where = Path(err.path) if err.path is not None else None
     if not isinstance(err, InputError) or where is None or where.parent != scratch:
         return err
-    if "changed while" in err.message:  # the reader saw the change: its words say more
+    if isinstance(err, ChangedError):  # the reader saw the change: its words say more
         return err
     name = where.name
     if name not in seen or (now_stamp := fstamp(fds[name])) == seen[name]:

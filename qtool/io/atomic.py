@@ -328,7 +328,9 @@ def _remove_if_stale(path: Path, locks_work: bool) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return False
-        if not locks_work and time.time() - st.st_mtime < STALE_AGE_S:
+        # the later of mtime and ctime: a commit's second name of a replaced file (a hard
+        # link) keeps that file's old mtime, while its ctime is the link's
+        if not locks_work and time.time() - max(st.st_mtime, st.st_ctime) < STALE_AGE_S:
             return False
         if locks_work and not _try_lock(fd):
             return False  # held by a live run

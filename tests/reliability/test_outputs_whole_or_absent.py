@@ -194,12 +194,22 @@ def test_where_locks_are_not_enforced_only_old_temps_are_removed(
     from qtool.io import atomic
 
     monkeypatch.setattr(atomic, "_locks_enforced", lambda directory: False)
+    # a commit's second name of the file it replaces, linked a moment ago: its mtime is the old
+    # file's (3 days), its ctime the link's: not stale
+    aside = tmp_path / f".q.qparams.safetensors.qtool-tmp-{_dead_pid()}-00000003"
+    aside.write_bytes(b"x")
+    days_ago = time.time() - 3 * 86400
+    os.utime(aside, (days_ago, days_ago))
+    assert remove_stale_temps(tmp_path) == 0 and aside.exists()
+    aside.unlink()
+    # no test can age a ctime: the clock moves a day on instead; `young` is written then
     young = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-00000001"
     old = tmp_path / f".q.safetensors.qtool-tmp-{_dead_pid()}-00000002"
     for p in (young, old):
         p.write_bytes(b"x")
-    past = time.time() - atomic.STALE_AGE_S - 60
-    os.utime(old, (past, past))
+    later = time.time() + atomic.STALE_AGE_S + 60
+    os.utime(young, (later, later))
+    monkeypatch.setattr(time, "time", lambda: later)
     assert remove_stale_temps(tmp_path) == 1
     assert young.exists() and not old.exists()
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qtool.errors import InputError, NumericError, OutputError, UsageError
+from qtool.errors import ChangedError, InputError, NumericError, OutputError, UsageError
 from qtool.formats.gguf.hf_config import check_config, check_shapes, head_dim, rope_parameters
 from qtool.formats.gguf.hf_vocab import CONVERTER, INSTALL_TOKENIZERS, add_vocab
 from qtool.formats.gguf.names import MAX_BLOCKS, gguf_names
@@ -502,7 +502,7 @@ def _values(tensors: list[HFTensor]) -> Iterator[tuple[HFTensor, torch.Tensor]]:
             for t in items:
                 entry = entries.get(t.hf)
                 if entry is None or (entry.shape, entry.dtype) != (t.shape, t.source):
-                    raise InputError(file, "changed while reading (its header differs from the "
+                    raise ChangedError(file, "changed while reading (its header differs from the "
                                      "one checked); run again once nothing is writing it",
                                      t.hf)  # fmt: skip
                 try:

@@ -26,7 +26,7 @@ import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import ChangedError, InputError, UnsafeInputError
-from qtool.io.filestamp import FileStamp, ReadLog, fstamp, stamp
+from qtool.io.filestamp import FileStamp, ReadLog, changed_message, fstamp, stamp
 from qtool.io.readbuffer import ReadBuffer
 from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
@@ -169,7 +169,7 @@ class Checkpoint:
         ctime: what moves it alone changes no byte the run holds)."""
         if self._log is not None and self._fd >= 0:
             if not self._log.unchanged(self._fd, self.path):
-                raise ChangedError(self.path, CHANGED)
+                raise ChangedError(self.path, changed_message(self._log))
         elif self._tensors:
             try:
                 now = stamp(os.stat(self.path))

@@ -34,6 +34,19 @@ def fstamp(fd: int) -> FileStamp:
 # A ctime-only change costs one re-read of every span read so far; more changes than this in
 # one run are refused (at most this many extra passes over the file, whatever touches it).
 MAX_RECHECKS = 4
+KEPT_CHANGING = (
+    f"its status (permissions, owner, links or times) changed more than {MAX_RECHECKS} times "
+    "while qtool read it; run again once nothing is changing it"
+)
+
+
+def changed_message(log: ReadLog) -> str:
+    """The one line for a file `log` found changed: a rewrite, or a status that kept changing."""
+    if log.kept_changing:
+        return KEPT_CHANGING
+    return "the file changed while qtool was reading it; run again"
+
+
 RECHECK_BLOCK = 1 << 20  # bytes re-read at a time
 
 
@@ -47,6 +60,7 @@ class ReadLog:
         self.reread = 0  # bytes re-read by them
         self._spans: dict[tuple[int, int], int] = {}
         self._differs = False
+        self.kept_changing = False  # refused for its status changing past MAX_RECHECKS alone
 
     def note(self, offset: int, data: bytes | memoryview) -> None:
         """`data` was read at `offset` (before it is used: its CRC is of what the reader got)."""
@@ -64,8 +78,11 @@ class ReadLog:
         now = stamp(st)
         if now == self.stamp or self._differs:
             return not self._differs
-        if now[:4] != self.stamp[:4] or self.rechecks >= MAX_RECHECKS or st.st_nlink == 0:
+        if now[:4] != self.stamp[:4] or st.st_nlink == 0:
             return False  # no link left: deleted or renamed over, even read through /proc
+        if self.rechecks >= MAX_RECHECKS:
+            self.kept_changing = True
+            return False
         try:
             named = os.stat(path)
         except OSError:

@@ -25,7 +25,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.errors import ChangedError, InputError
-from qtool.io.filestamp import FileStamp, ReadLog, stamp
+from qtool.io.filestamp import FileStamp, ReadLog, changed_message, stamp
 from qtool.io.gguf_header import GGUFHeaderError, parse_header
 from qtool.io.gguf_layout import GGUFHeader, GGUFTensorInfo
 from qtool.io.safeopen import open_regular
@@ -165,7 +165,7 @@ class GGUFFile:
         if self._file.closed:
             return
         if not self._log.unchanged(self._file.fileno(), self.path):
-            raise ChangedError(self.path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(self.path, changed_message(self._log))
 
     def close(self) -> None:
         """Let go of the file (arrays already read stay valid: they own their memory)."""

@@ -75,6 +75,12 @@ class DirTransaction:
         parent = self.out.parent
         try:
             self._parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except PermissionError as err:
+            if os.access(parent, os.W_OK | os.X_OK):  # a drop box: writable, not readable
+                raise OutputError(self.out, f"cannot read {parent}, which a directory output "
+                                  "needs (it may be written into, not listed); write the "
+                                  "directory elsewhere with -o") from err  # fmt: skip
+            raise OutputError(self.out, f"cannot open {parent}: {describe_os_error(err)}") from err
         except OSError as err:
             raise OutputError(self.out, f"cannot open {parent}: {describe_os_error(err)}") from err
         remove_stale_temps(parent)

@@ -41,3 +41,27 @@ def test_quantize_into_a_write_only_directory(
     for name in ("q.safetensors", sidecar_path(Path("q.safetensors")).name):
         assert (box / name).read_bytes() == (plain / name).read_bytes()
     assert leftovers(box) == [] and len(os.listdir(box)) == 2
+
+
+def test_a_directory_output_into_a_write_only_directory_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory output (a sharded checkpoint, compressed-tensors) builds beside its final
+    name and lists it: in a drop box it is refused before any work, saying the directory
+    cannot be read, not that it is not writable (which it is)."""
+    src = Path(__file__).resolve().parents[2] / "sample_weights" / "sharded-mlp"
+    box = tmp_path / "box"
+    box.mkdir()
+    real_open = os.open
+
+    def write_only(path: object, flags: int, *args: object, **kw: object) -> int:
+        ours = isinstance(path, (str, Path)) and os.path.abspath(path) == str(box)
+        if ours and not flags & (os.O_PATH | os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", write_only)
+    code, stdout, err = run_qtool("quantize", str(src), "-o", str(box / "out"))
+    assert code == 1 and stdout == "", err
+    assert f"cannot read {box}" in err and "write the directory elsewhere" in " ".join(err.split())
+    assert os.listdir(box) == []

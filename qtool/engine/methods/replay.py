@@ -187,7 +187,7 @@ def _versions(value: Any) -> list[int]:
 
 def _nbytes(value: Any) -> int | None:
     """The bytes of an output made of tensors, tuples, lists and None; None for any other
-    value (a stub could not copy it, so its module is not replayed)."""
+    value (whose changes the version counters would not show: its module is not replayed)."""
     if value is None:
         return 0
     if isinstance(value, torch.Tensor):

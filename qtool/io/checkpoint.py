@@ -26,7 +26,7 @@ import torch
 
 from qtool.dtypes import DTYPE_BITS, DTYPES
 from qtool.errors import ChangedError, InputError, UnsafeInputError
-from qtool.io.filestamp import FileStamp, ReadLog, changed_message, fstamp, stamp
+from qtool.io.filestamp import CHANGED, FileStamp, ReadLog, changed_message, fstamp, stamp
 from qtool.io.readbuffer import ReadBuffer
 from qtool.io.safeopen import InputDir, open_regular
 from qtool.io.stformat import (
@@ -204,9 +204,6 @@ class Checkpoint:
                                                        self._data_start):  # fmt: skip
             raise ChangedError(self.path, CHANGED)
         self._log.note(0, head)
-
-
-CHANGED = "the file changed while qtool was reading it; run again"
 
 
 def _pread_all(fd: int, n: int) -> bytes:

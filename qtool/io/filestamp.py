@@ -34,6 +34,7 @@ def fstamp(fd: int) -> FileStamp:
 # A ctime-only change costs one re-read of every span read so far; more changes than this in
 # one run are refused (at most this many extra passes over the file, whatever touches it).
 MAX_RECHECKS = 4
+CHANGED = "the file changed while qtool was reading it; run again"
 KEPT_CHANGING = (
     f"its status (permissions, owner, links or times) changed more than {MAX_RECHECKS} times "
     "while qtool read it; run again once nothing is changing it"
@@ -44,7 +45,7 @@ def changed_message(log: ReadLog) -> str:
     """The one line for a file `log` found changed: a rewrite, or a status that kept changing."""
     if log.kept_changing:
         return KEPT_CHANGING
-    return "the file changed while qtool was reading it; run again"
+    return CHANGED
 
 
 RECHECK_BLOCK = 1 << 20  # bytes re-read at a time

@@ -22,7 +22,7 @@ from pathlib import Path
 from qtool.errors import ChangedError, InputError
 from qtool.formats.imatrix.dat import DAT_CHUNK_SIZE, read_dat
 from qtool.formats.imatrix.ggufimatrix import read_gguf_from, write_gguf_imatrix
-from qtool.io.filestamp import stamp
+from qtool.io.filestamp import CHANGED, stamp
 from qtool.io.gguf_layout import GGUFValue
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import ImportanceMatrix
@@ -100,7 +100,7 @@ def _read_imatrix_once(
         sha = _sha256(fd, st.st_size) if digest else ""
         now = os.fstat(fd)
         if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
-            raise ChangedError(path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(path, CHANGED)
     return ImatrixFile(imatrix, meta, sha)
 
 

@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from qtool.errors import ChangedError, InputError
-from qtool.io.filestamp import stamp
+from qtool.io.filestamp import CHANGED, stamp
 from qtool.io.gguf_header import MAX_NAME_BYTES
 from qtool.io.safeopen import open_regular
 from qtool.numerics.imatrix import MAX_CHUNK_SIZE, ImportanceMatrix, MatrixStats
@@ -83,7 +83,7 @@ def read_dat(
         datasets = _trailer(cur)
         now = os.fstat(f.fileno())
         if stamp(now) != stamp(st):  # ctime too: a writer can put the mtime back
-            raise ChangedError(path, "the file changed while qtool was reading it; run again")
+            raise ChangedError(path, CHANGED)
     entries: dict[str, MatrixStats] = {}
     for name, ncall, values in raw:
         if name in entries:

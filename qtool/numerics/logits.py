@@ -188,7 +188,8 @@ def kl_divergence(logp_ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """KL(ref || other) per row, in nats: sum_v p_ref (log p_ref - log p_other); a token the
     reference gives probability 0 contributes 0, one only the other rules out gives +inf."""
     p_ref = logp_ref.exp()
-    terms = torch.where(p_ref > 0, p_ref * (logp_ref - logp), 0.0)
+    terms = (logp_ref - logp).mul_(p_ref)  # in place: two [rows, V] temporaries, not four
+    terms.masked_fill_(p_ref.gt(0).logical_not_(), 0.0)  # NaN from 0 x -inf included
     return terms.sum(dim=-1)
 
 

@@ -1,14 +1,15 @@
 """engine/model/head_kl.window_kl, the one norm + head + log-softmax + KL loop of calibration's
 model KL and sensitivity passes: it equals the KL computed over the whole window at once, for
-every stream with its own head, over windows that are not a multiple of the chunk, and never
-puts more than HEAD_ROWS positions through the head at a time (its memory bound)."""
+every stream with its own head, over windows that are not a multiple of the chunk, with heads
+wider than a slab and stored narrower than float32, and never puts more than HEAD_ROWS
+positions through the head at a time (its memory bound)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qtool.engine.model.head_kl import HEAD_ROWS, window_kl
+from qtool.engine.model.head_kl import HEAD_ROWS, VOCAB_SLAB, window_kl
 from qtool.numerics.logits import kl_divergence
 
 
@@ -45,3 +46,19 @@ def test_window_kl_bounds_the_rows_through_the_head() -> None:
     x = torch.randn(1, 200, 8)
     window_kl(norm, x, torch.randn(30, 8), [(x, torch.randn(30, 8))] * 3, 199)
     assert norm.most == HEAD_ROWS
+
+
+def test_a_bfloat16_head_in_slabs_gives_the_float32_heads_bits() -> None:
+    """A head wider than VOCAB_SLAB (not a multiple of it), kept in bfloat16: each slab widened
+    to float32 is exact, so every sum is the float32 head's to the bit, and the whole window's."""
+    torch.manual_seed(1)
+    hidden, vocab, scored = 24, 2 * VOCAB_SLAB + 7, HEAD_ROWS + 3
+    narrow = torch.randn(vocab, hidden).to(torch.bfloat16)
+    ref = torch.randn(1, scored + 1, hidden)
+    streams = [(ref + 0.1 * torch.randn_like(ref), narrow)]
+    wide = narrow.float()
+    got = window_kl(Norm(hidden), ref, narrow, streams, scored)
+    assert got == window_kl(Norm(hidden), ref, wide, [(streams[0][0], wide)], scored)
+    base = torch.log_softmax(ref[0, :scored] * Norm(hidden).scale @ wide.T, dim=-1)
+    logp = torch.log_softmax(streams[0][0][0, :scored] * Norm(hidden).scale @ wide.T, dim=-1)
+    assert got[0] == pytest.approx(float(kl_divergence(base, logp).double().sum()), rel=1e-5)

@@ -335,3 +335,12 @@ def test_log_ratio_and_dp_match_llama_perplexitys_definitions() -> None:
 def test_distribution_p999_matches_numpy() -> None:
     values = torch.rand(5003, generator=torch.Generator().manual_seed(6)) ** 4
     assert distribution(values).p999 == pytest.approx(np.percentile(values.double().numpy(), 99.9))
+
+
+def test_a_token_the_reference_rules_out_contributes_nothing() -> None:
+    """p = (1, 0): KL(p || q) = ln(1 / q_0) whatever q gives the token p rules out, and 0 where
+    q rules it out too (0 x -inf is taken as 0, not NaN)."""
+    lf = torch.tensor([[0.0, -math.inf], [0.0, -math.inf]])
+    lq = torch.tensor([[0.5, 0.5], [0.0, -math.inf]]).log_softmax(dim=-1)
+    got = kl_divergence(lf, lq)
+    assert got[0].item() == pytest.approx(math.log(2)) and got[1].item() == 0.0

@@ -145,7 +145,7 @@ def _run(
 def _head(
     model: Any, reader: FloatReader, device: torch.device, path: Any
 ) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The final norm (loaded into the model's own module) and the head's weight, float32:
+    """The final norm (loaded into the model's own module) and the head's weight:
     `lm_head.weight`, or with tied embeddings the input embeddings' weight."""
     base, _, layers_name = block_list(model, path)
     prefix = layers_name.rsplit(".", 1)[0] + "." if "." in layers_name else ""
@@ -158,6 +158,10 @@ def _head(
     name = "lm_head.weight" if "lm_head.weight" in names else f"{embeddings}.weight"
     if name not in names:
         raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
-    head = reader.values(name).to(device=device, dtype=torch.float32, copy=True)
+    stored = reader.values(name)
+    # as stored where float32 holds it exactly: window_kl widens a slab at a time (SmolLM2's
+    # bfloat16 head: 54 MiB held, not 108)
+    exact = stored.is_floating_point() and stored.element_size() <= 4
+    head = stored.to(device=device, dtype=stored.dtype if exact else torch.float32, copy=True)
     reader.release(name)
     return norm, head

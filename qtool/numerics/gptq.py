@@ -166,6 +166,7 @@ def gptq_quantize(
     if factor is None:
         return _rounded(weight, spec, scale_dtype, Fallback.NOT_POSITIVE_DEFINITE)
     u, used = factor
+    del hessian, factor  # a caller that handed it over has its memory back for the loop
     solver = _Solver(w, spec, rtn, order, scale_dtype, dynamic_groups, compute_dtype)
     del w
     codes = solver.run(u, block_size)

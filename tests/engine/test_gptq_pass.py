@@ -386,7 +386,8 @@ def test_no_held_out_rows_is_no_verdict_and_rounds_to_nearest(
     spill = Spill(tmp_path)
     try:
         policy = method.GptqPolicy({}, Calibration(guard=guard), spill, False)
-        _, _, chosen = policy._choose(w, method.Target(SPEC, torch.float32), fit, None, fit)
+        hessians = {"fit": fit, "held": None, "check": fit}
+        _, _, chosen = policy._choose(w, method.Target(SPEC, torch.float32), hessians)
     finally:
         spill.close()
     assert chosen.method == kept, chosen

@@ -172,28 +172,26 @@ class GptqPolicy:
         self.rounded.clear()  # the last block's, if nothing took them
         for local, linear in probe.linears.items():
             name = f"{prefix}{local}.weight"
-            fit, held, check = (probe.take(local, stream) for stream in STREAMS)
-            if fit is None:  # never called on the calibration windows: left to the loop
+            hessians = {stream: probe.take(local, stream) for stream in STREAMS}
+            if hessians["fit"] is None:  # never called on the calibration windows: left to the loop
                 continue
             target = self.targets[name]
-            result, weight, chosen = self._choose(linear.weight.detach(), target, fit, held, check)
-            del fit, held, check  # the next Linear's solve has their memory
+            result, weight, chosen = self._choose(linear.weight.detach(), target, hessians)
+            del hessians  # the next Linear's solve has their memory
             self.spill.put(name, target.spec, result)
             linear.weight.data.copy_(weight)
             self.chosen[name] = chosen
-            if self._rtn is not None:
-                self.rounded[name], self._rtn = self._rtn, None
+            if self._rtn is not None:  # held as stored until the rounding stream widens it
+                self.rounded[name], self._rtn = self._rtn.to(target.dtype), None
             del result, weight
             return_freed_memory()  # one Linear's solve resident at a time, not the block's
 
     def _choose(
-        self,
-        weight: torch.Tensor,
-        target: Target,
-        fit: torch.Tensor,
-        held: torch.Tensor | None,
-        check: torch.Tensor | None,
+        self, weight: torch.Tensor, target: Target, hessians: dict[str, torch.Tensor | None]
     ) -> tuple[kernels.QuantizedTensor, torch.Tensor, Chosen]:
+        """`hessians` by stream; the fit one is handed over to the solve, which lets it go once
+        factorised (the column loop and the guard run without it)."""
+        held, check = hessians["held"], hessians["check"]
         spec, dtype = target.spec, target.dtype
         scale_dtype = dtype if self.scales_in_weight_dtype else torch.float32
         original = weight.to(dtype)  # the stored values (float32 holds them exactly)
@@ -207,7 +205,7 @@ class GptqPolicy:
         if why is not None:
             return rtn, rtn_weight, Chosen("rtn", rounded(METHOD, why))
         solved = gptq.gptq_quantize(
-            weight.float(), fit, spec, scale_dtype=scale_dtype,
+            weight.float(), hessians.pop("fit"), spec, scale_dtype=scale_dtype,
             dynamic_groups=self.calibration.dynamic_groups,
         )  # fmt: skip
         if solved.fallback is not None:

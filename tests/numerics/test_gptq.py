@@ -434,3 +434,26 @@ def test_an_inverse_overflowing_float32_tries_the_larger_dampening(
     got = gptq_quantize(w, _hessian(_inputs(256, 64, seed=22)), spec)
     assert got.fallback is None and len(calls) == 2
     assert got.damp == pytest.approx(0.1)
+
+
+def test_a_hessian_handed_over_is_let_go_before_the_column_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller that keeps no reference (methods/gptq.GptqPolicy) gets the Hessian's memory
+    back once it is factorised: the column loop and what follows run without it."""
+    import weakref
+
+    alive: list[bool] = []
+    run = gptq_module._Solver.run
+
+    def spy(self: Any, u: torch.Tensor, block_size: int) -> torch.Tensor:
+        alive.append(handed() is not None)
+        return run(self, u, block_size)
+
+    monkeypatch.setattr(gptq_module._Solver, "run", spy)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    box = [(2.0 / 64) * (x.T @ x)]
+    handed = weakref.ref(box[0])
+    spec = _spec((Scheme.SYM, StorageDtype.INT4), PerGroup(8))
+    gptq_quantize(_weight(4, 16, 0), box.pop(), spec)
+    assert alive == [False]

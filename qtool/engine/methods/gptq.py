@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -205,7 +205,7 @@ class GptqPolicy:
         if why is not None:
             return rtn, rtn_weight, Chosen("rtn", rounded(METHOD, why))
         solved = gptq.gptq_quantize(
-            weight.float(), hessians.pop("fit"), spec, scale_dtype=scale_dtype,
+            weight.float(), cast(torch.Tensor, hessians.pop("fit")), spec, scale_dtype=scale_dtype,
             dynamic_groups=self.calibration.dynamic_groups,
         )  # fmt: skip
         if solved.fallback is not None:

@@ -115,7 +115,8 @@ class ModelStreams:
         windows: Mapping[str, Sequence[list[int]]],
     ) -> tuple[ModelKL, ...]:
         """Each stream's mean KL(float || chosen) and KL(float || rounding) per scored token,
-        through the float final norm and head (read from the checkpoint here)."""
+        through the float final norm and head (read from the checkpoint here). Called once:
+        the streams are let go at its end."""
         return_freed_memory()  # the pass's last block and its fit windows, freed on its return
         norm, head = _head(model, reader, device, path)
         out = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qtool.engine.model.head_kl import HEAD_ROWS, VOCAB_SLAB, window_kl
+from qtool.engine.model import head_kl
+from qtool.engine.model.head_kl import HEAD_ROWS, KL_ROWS, VOCAB_SLAB, window_kl
 from qtool.numerics.logits import kl_divergence
 
 
@@ -62,3 +63,18 @@ def test_a_bfloat16_head_in_slabs_gives_the_float32_heads_bits() -> None:
     base = torch.log_softmax(ref[0, :scored] * Norm(hidden).scale @ wide.T, dim=-1)
     logp = torch.log_softmax(streams[0][0][0, :scored] * Norm(hidden).scale @ wide.T, dim=-1)
     assert got[0] == pytest.approx(float(kl_divergence(base, logp).double().sum()), rel=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [50, VOCAB_SLAB + 3, 2 * VOCAB_SLAB + 3, 3 * VOCAB_SLAB - 5])
+@pytest.mark.parametrize("rows", [1, 3, KL_ROWS + 3, HEAD_ROWS])
+def test_logits_have_the_bits_of_the_whole_heads_products(vocab: int, rows: int) -> None:
+    """The products in slabs, two row blocks at once, are the whole float32 head's products of
+    KL_ROWS rows bit for bit (what window_kl computed before it had slabs), for vocabularies
+    with a remainder of a few rows and blocks of a few rows, where MKL's narrow products round
+    another way (a claim about this machine's kernels: this test is what checks it)."""
+    torch.manual_seed(vocab + rows)
+    hidden, narrow = torch.randn(rows, 576), (torch.randn(vocab, 576) * 0.05).to(torch.bfloat16)
+    whole = narrow.float()
+    want = torch.cat([hidden[c : c + KL_ROWS] @ whole.T for c in range(0, rows, KL_ROWS)])
+    assert torch.equal(head_kl._logits(hidden, narrow), want)
+    assert torch.equal(head_kl._logits(hidden, whole), want)

@@ -167,8 +167,9 @@ def _head(
         raise InputError(path, "the checkpoint lacks this weight, which the model needs", name)
     stored = reader.values(name)
     # on the CPU as stored where float32 holds it exactly: window_kl widens a slab at a time
-    # (SmolLM2's bfloat16 head: 54 MiB held, not 108)
+    # (SmolLM2's bfloat16 head: 54 MiB held, not 108); the values were read for this call, and
+    # are only read here, so they are not copied again
     exact = device.type == "cpu" and stored.is_floating_point() and stored.element_size() <= 4
-    head = stored.to(device=device, dtype=stored.dtype if exact else torch.float32, copy=True)
+    head = stored.to(device=device, dtype=stored.dtype if exact else torch.float32)
     reader.release(name)
     return norm, head

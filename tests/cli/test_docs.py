@@ -29,6 +29,7 @@ from tests.docs_examples import (
     problems_with_fences,
     refreshed,
     run,
+    same_line,
     shown,
     steps,
     workspace,
@@ -84,6 +85,26 @@ def test_the_tour_does_not_collide_with_make_demo() -> None:
 
 
 Edits = dict[int, tuple[int, list[str]]]  # first shown line -> (lines it replaces, new lines)
+
+
+@pytest.mark.parametrize(
+    ("shown_line", "printed", "same"),
+    [
+        ("mean KL 0.00494913 is above 0.001", "mean KL 0.00494914 is above 0.001", True),
+        ("mean KL 0.00494913 is above 0.001", "mean KL 0.00494912 is above 0.001", True),
+        ("mean KL 0.00494913 is above 0.001", "mean KL 0.00494915 is above 0.001", False),
+        ("mean KL 0.00494913 is above 0.001", "mean KL 0.0049491 is above 0.001", False),
+        ("mean KL 0.00494913 is above 0.001", "mean KL 0.00494914 is below 0.001", False),
+        ("KL 1.23e-05", "KL 1.24e-05", True),
+        ("KL 1.23e-05", "KL 1.23e-06", False),
+        ("top-1 94.3 %", "top-1 94.2 %", True),
+        ("wrote 12 tensors", "wrote 13 tensors", False),  # counts are exact
+    ],
+)
+def test_a_figure_may_round_the_other_way_in_its_last_digit(
+    shown_line: str, printed: str, same: bool
+) -> None:
+    assert same_line(shown_line, printed) is same
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,plot,interop,fast]'
+	$(BIN)/python -m pip install --quiet --no-cache-dir --upgrade pip
+	$(BIN)/python -m pip install --quiet --no-cache-dir -c constraints.txt -e '.[dev,plot,interop,fast]'
 	touch $(STAMP)
 
 demo: $(STAMP)

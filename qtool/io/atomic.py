@@ -8,6 +8,8 @@ refers to is already in place. On any exception every temp file is removed and n
 touched. A SIGKILL can leave temp files; they never look like output, and the next run in that
 directory removes those that no live run holds: every temp is locked (flock) from its creation
 until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
+A file a `force` commit replaces keeps a second name until the commit is done; after a kill the
+next run puts it back when the commit was cut short (remove_stale_temps).
 
 Where the run's preflight had no `force`, the rename is renameat2(RENAME_NOREPLACE) (or link()
 + unlink()): a file that appeared at an output name meanwhile (another run, another program) is
@@ -39,6 +41,7 @@ from typing import BinaryIO
 from qtool.errors import OutputError, UsageError
 from qtool.io import tempdirs
 from qtool.io.commit import (
+    ASIDE_RE,
     Placed,
     Temp,
     exists_at,
@@ -65,6 +68,9 @@ class OutputSet:
         self._dirs: dict[Path, int] = {}  # each final's directory, opened once
         self._keep_free: set[Path] = set()  # finals whose preflight had no force
         self._committed = False
+        # in every temp's and second name's name: a cleanup after a kill tells this set's from
+        # another run's, so it knows whether this set's commit was cut short (remove_stale_temps)
+        self._token = secrets.token_hex(4)
 
     def __enter__(self) -> OutputSet:
         return self
@@ -86,8 +92,9 @@ class OutputSet:
         if key in _KEEP_FREE:  # checked free without force: this set's commit keeps it free
             _KEEP_FREE.discard(key)
             self._keep_free.add(final)
+        token = self._token
         while True:
-            temp = Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+            temp = Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{token}")
             self._temps.append(temp)  # first: a signal right after the open still removes it
             try:
                 fd = os.open(
@@ -102,6 +109,7 @@ class OutputSet:
             if _lock_own_temp(fd, temp):
                 break
             self._temps.pop()  # a cleanup took it before the lock: the name is gone, retry
+            token = secrets.token_hex(4)
         handle = os.fdopen(fd, "wb")
         self._files.append((temp, final, handle, last))
         return handle
@@ -146,7 +154,7 @@ class OutputSet:
                 current = final
                 aside, there = (None, False)
                 if replaceable[final]:
-                    aside, there = keep_aside(temp.dir_fd, final.name)
+                    aside, there = keep_aside(temp.dir_fd, final.name, self._token)
                 placed.append(Placed(temp, final, handle, aside, there and aside is None))
                 if replaceable[final]:
                     os.replace(temp.name, final.name, src_dir_fd=temp.dir_fd,
@@ -287,8 +295,9 @@ def remove_stale_temps(directory: Path) -> int:
     A temp is stale when its lock can be taken: a live run, in any PID namespace, holds the lock
     of each of its temps until the commit (of its temp directory until its end). Where locks are
     not enforced (some network filesystems), only temps untouched for STALE_AGE_S are removed
-    (see tempdirs.py)."""
-    names = _temp_names(directory)
+    (see tempdirs.py). A killed commit's second name of a file it replaced is put back when the
+    commit was cut short (see _settle_aside), so it is seen before the temps."""
+    names = sorted(_temp_names(directory), key=lambda n: ASIDE_RE.match(n) is None)
     if not names:
         return 0
     locks_work = _locks_enforced(directory)
@@ -301,6 +310,8 @@ def remove_stale_temps(directory: Path) -> int:
                     gone = tempdirs.remove_if_dead(
                         fd, name, locks_work=locks_work, max_age=STALE_AGE_S
                     )
+                elif ASIDE_RE.match(name):
+                    gone = _settle_aside(directory, name, names, locks_work)
                 else:
                     gone = bool(_TEMP_RE.match(name)) and _remove_if_stale(
                         directory / name, locks_work
@@ -320,28 +331,80 @@ def _temp_names(directory: Path) -> list[str]:
 
 
 def _remove_if_stale(path: Path, locks_work: bool) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    fd = _open_if_stale(path, locks_work)
+    if fd is None:
         return False
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        # the later of mtime and ctime: a commit's second name of a replaced file (a hard
-        # link) keeps that file's old mtime, while its ctime is the link's
-        if not locks_work and time.time() - max(st.st_mtime, st.st_ctime) < STALE_AGE_S:
-            return False
-        if locks_work and not _try_lock(fd):
-            return False  # held by a live run
-        if not os.path.samestat(st, os.stat(path, follow_symlinks=False)):
-            return False
         os.unlink(path)  # before the lock is dropped: a racing creator sees its temp gone
         return True
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _settle_aside(directory: Path, name: str, names: Sequence[str], locks_work: bool) -> bool:
+    """A killed run's second name of a file its commit replaced: put back over the final name
+    when the same set left a temp beside it that is not renamed yet (the commit was cut short
+    between the renames: without this, an old quantized file would stay beside the new sidecar
+    and its own would be lost), removed when none is left (the run died after its renames).
+    Left alone while any temp of that set is held by a live run."""
+    match = ASIDE_RE.match(name)
+    assert match is not None
+    final, path, run = directory / match[1], directory / name, f".qtool-tmp-{match[2]}"
+    fd = _open_if_stale(path, locks_work)
+    if fd is None:
+        return False
+    try:
+        left = [n for n in names if n.endswith(run)]
+        if not all(_is_stale(directory / n, locks_work) for n in left):
+            return False  # the run is alive (its second name could not be locked) or raced
+        cut_short = bool(left)
+        try:
+            replaced = not os.path.samestat(os.fstat(fd), os.stat(final, follow_symlinks=False))
+        except FileNotFoundError:
+            replaced = True
+        if cut_short and replaced:
+            os.replace(path, final)
+        else:
+            os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _open_if_stale(path: Path, locks_work: bool) -> int | None:
+    """A descriptor of `path` when it is a regular file no live run holds: its lock taken (held
+    until the descriptor is closed), or, where locks are not enforced, untouched for
+    STALE_AGE_S; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        # the later of mtime and ctime: a commit's second name of a replaced file (a hard
+        # link) keeps that file's old mtime, while its ctime is the link's
+        if (
+            stat.S_ISREG(st.st_mode)
+            and (locks_work or time.time() - max(st.st_mtime, st.st_ctime) >= STALE_AGE_S)
+            and (not locks_work or _try_lock(fd))
+            and os.path.samestat(st, os.stat(path, follow_symlinks=False))
+        ):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _is_stale(path: Path, locks_work: bool) -> bool:
+    fd = _open_if_stale(path, locks_work)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
 
 
 def _try_lock(fd: int) -> bool:

@@ -12,7 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
-import secrets
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,14 +113,23 @@ class _Aside:
             self.lock_fd = None
 
 
-def keep_aside(dir_fd: int, name: str) -> tuple[_Aside | None, bool]:
-    """A second name, in the temp pattern (a killed run's is removed by the next run), for the
-    file at `name` that os.replace is about to replace (None when nothing is there or no hard
-    link can be made: the replace goes on, as a plain os.replace would, and the file cannot be
-    put back), and whether anything is there. The file is locked first where it can be opened
-    and locked (a symlink cannot be opened, nor cleaned; where locks are refused the second
-    name is unlocked), so another run's cleanup leaves the second name alone."""
-    aside = _Aside(f".{name}.qtool-tmp-{os.getpid()}-{secrets.token_hex(4)}", _lock(dir_fd, name))
+def aside_name(name: str, token: str) -> str:
+    """The second name of the file at `name` that a commit of the set `token` replaces: a
+    killed run's is put back or removed by the next run (atomic.remove_stale_temps)."""
+    return f".{name}.qtool-old-{os.getpid()}-{token}"
+
+
+ASIDE_RE = re.compile(r"^\.(.+)\.qtool-old-(\d+-[0-9a-f]+)$")  # (final name, pid-token)
+
+
+def keep_aside(dir_fd: int, name: str, token: str) -> tuple[_Aside | None, bool]:
+    """A second name (aside_name) for the file at `name` that os.replace is about to replace
+    (None when nothing is there or no hard link can be made: the replace goes on, as a plain
+    os.replace would, and the file cannot be put back), and whether anything is there. The file
+    is locked first where it can be opened and locked (a symlink cannot be opened, nor cleaned;
+    where locks are refused the second name is unlocked), so another run's cleanup leaves the
+    second name alone."""
+    aside = _Aside(aside_name(name, token), _lock(dir_fd, name))
     try:
         os.link(name, aside.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError as err:
@@ -154,8 +163,8 @@ def withdraw(placed: Sequence[Placed]) -> list[str]:
     """Take back the renames of a failed commit, last first, so none of the set is left: where
     a final name still holds our file, the file it replaced is put back (or, if it replaced
     nothing, the name removed; one that replaced what could not be kept aside stays: removing
-    it would lose both). A replaced file that cannot be put back is kept under a name outside
-    the temp pattern (no cleanup removes it); returned: where each such file is, for the
+    it would lose both). A replaced file that cannot be put back is kept under a name no
+    cleanup takes; returned: where each such file is, for the
     error."""
     kept: list[str] = []
     for member in reversed(placed):
@@ -181,8 +190,9 @@ def withdraw(placed: Sequence[Placed]) -> list[str]:
 
 def _keep_outside(member: Placed) -> str:
     """The name the replaced file of `member` is kept under once it cannot be put back:
-    `NAME.qtool-kept-<UTC time>`, which no cleanup takes (its second name is a temp's, which
-    the next run's cleanup would remove), or that second name where even this rename fails."""
+    `NAME.qtool-kept-<UTC time>`, which no cleanup takes (the next run's cleanup would remove
+    its second name, or put it back over what is by then a newer file), or that second name
+    where even this rename fails."""
     assert member.aside is not None
     dir_fd, aside = member.temp.dir_fd, member.aside.name
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

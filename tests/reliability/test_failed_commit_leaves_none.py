@@ -143,7 +143,7 @@ def test_a_second_name_that_cannot_be_locked_holds_no_descriptor(
     monkeypatch.setattr(commit.fcntl, "flock", no_locks)
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        aside, there = commit.keep_aside(dir_fd, "a.bin")
+        aside, there = commit.keep_aside(dir_fd, "a.bin", "00aa")
         assert there and aside is not None and aside.lock_fd is None
         assert (tmp_path / aside.name).read_bytes() == b"old"
         os.unlink(aside.name, dir_fd=dir_fd)

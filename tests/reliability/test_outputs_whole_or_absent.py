@@ -196,7 +196,7 @@ def test_where_locks_are_not_enforced_only_old_temps_are_removed(
     monkeypatch.setattr(atomic, "_locks_enforced", lambda directory: False)
     # a commit's second name of the file it replaces, linked a moment ago: its mtime is the old
     # file's (3 days), its ctime the link's: not stale
-    aside = tmp_path / f".q.qparams.safetensors.qtool-tmp-{_dead_pid()}-00000003"
+    aside = tmp_path / f".q.qparams.safetensors.qtool-old-{_dead_pid()}-00000003"
     aside.write_bytes(b"x")
     days_ago = time.time() - 3 * 86400
     os.utime(aside, (days_ago, days_ago))

@@ -1,0 +1,112 @@
+"""A `--force` run killed inside its commit loses neither pair: the next run in that directory
+puts the replaced files back when the kill cut the commit short (the old quantized file beside
+its own sidecar again), and drops them when every rename had happened (the new pair stays).
+Each kill is a SIGKILL of a real `qtool quantize` at one system call of the commit."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qtool.formats.qtool.manifest import sidecar_path
+from qtool.formats.qtool.reader import QtoolReader
+from qtool.io.atomic import remove_stale_temps
+from tests.outputs import checkpoint, leftovers
+
+pytestmark = pytest.mark.slow  # every test spawns and kills processes
+
+# A child qtool that SIGKILLs itself at one call of the commit (argv[1]), then runs argv[2:].
+CHILD = r"""
+import os, signal, sys
+point = sys.argv[1]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+def hook(name, when, before=False):
+    real = getattr(os, name)
+    def hooked(*args, **kwargs):
+        if before and when(*args):
+            die()
+        result = real(*args, **kwargs)
+        if when(*args):
+            die()
+        return result
+    setattr(os, name, hooked)
+if point == "sidecar-renamed":  # the sidecar in place, the quantized file not yet
+    hook("replace", lambda src, dst, **kw: dst == "q.qparams.safetensors")
+elif point == "quantized-kept-aside":  # ... and the old quantized file given its second name
+    hook("link", lambda src, dst, **kw: dst.startswith(".q.safetensors.qtool-old-"))
+elif point == "both-renamed":  # every rename done, the second names not yet dropped
+    hook("unlink", lambda name, **kw: ".qtool-old-" in name, before=True)
+from qtool.cli import main
+sys.argv = ["qtool", *sys.argv[2:]]
+main()
+"""
+
+
+def _quantize(src: Path, out: Path, *extra: str, point: str | None = None) -> int:
+    argv = ["quantize", str(src), "-o", str(out), *extra]
+    cmd = [sys.executable, "-c", CHILD, point, *argv] if point else [
+        sys.executable, "-m", "qtool", *argv]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, timeout=600).returncode
+
+
+def _pair(out: Path) -> tuple[bytes, bytes]:
+    return out.read_bytes(), sidecar_path(out).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("point", "survivor"),
+    [("sidecar-renamed", "old"), ("quantized-kept-aside", "old"), ("both-renamed", "new")],
+)
+def test_a_commit_killed_at_each_step_leaves_one_whole_pair(
+    tmp_path: Path, point: str, survivor: str
+) -> None:
+    src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
+    checkpoint(src, tensors=2)
+    assert _quantize(src, out, "--scheme", "asym", "--force") == 0
+    new = _pair(out)
+    assert _quantize(src, out, "--scheme", "sym", "--force") == 0
+    old = _pair(out)
+    assert old != new
+    assert _quantize(src, out, "--scheme", "asym", "--force", point=point) == -9
+    assert leftovers(tmp_path)  # the kill left what only the next run can settle
+
+    # the next run writing into the directory (another output) settles it
+    assert _quantize(src, tmp_path / "other.safetensors") == 0
+    assert leftovers(tmp_path) == []
+    assert _pair(out) == (old if survivor == "old" else new)
+    QtoolReader(out).close()  # the pair belongs together
+
+
+def test_a_second_name_beside_a_live_runs_temp_is_left_alone(tmp_path: Path) -> None:
+    """A second name nobody could lock (the replaced file was unreadable) while the set's temp
+    is held: the run is alive and may still put the file back itself."""
+    (tmp_path / "q.safetensors").write_bytes(b"new")
+    aside = tmp_path / ".q.safetensors.qtool-old-1-00aa"
+    aside.write_bytes(b"old")
+    temp = tmp_path / ".q.qparams.safetensors.qtool-tmp-1-00aa"
+    temp.write_bytes(b"partial")
+    fd = os.open(temp, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the live run's lock
+        assert remove_stale_temps(tmp_path) == 0
+        assert aside.read_bytes() == b"old" and temp.exists()
+    finally:
+        os.close(fd)
+    assert remove_stale_temps(tmp_path) == 2  # once it is dead: put back, temp removed
+    assert (tmp_path / "q.safetensors").read_bytes() == b"old"
+    assert leftovers(tmp_path) == []
+
+
+def test_another_runs_temp_does_not_make_a_done_commit_look_cut_short(tmp_path: Path) -> None:
+    (tmp_path / "q.safetensors").write_bytes(b"new")
+    (tmp_path / ".q.safetensors.qtool-old-1-00aa").write_bytes(b"old")
+    (tmp_path / ".q.qparams.safetensors.qtool-tmp-1-00bb").write_bytes(b"partial")  # not its set
+    assert remove_stale_temps(tmp_path) == 2
+    assert (tmp_path / "q.safetensors").read_bytes() == b"new"
+    assert leftovers(tmp_path) == []

@@ -9,7 +9,8 @@ touched. A SIGKILL can leave temp files; they never look like output, and the ne
 directory removes those that no live run holds: every temp is locked (flock) from its creation
 until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
 A file a `force` commit replaces keeps a second name until the commit is done; after a kill the
-next run puts it back when the commit was cut short (remove_stale_temps).
+next run keeps it as `<name>.qtool-kept-<time>` when the commit was cut short
+(remove_stale_temps).
 
 Where the run's preflight had no `force`, the rename is renameat2(RENAME_NOREPLACE) (or link()
 + unlink()): a file that appeared at an output name meanwhile (another run, another program) is
@@ -45,6 +46,7 @@ from qtool.io.commit import (
     Placed,
     Temp,
     exists_at,
+    keep_as_kept,
     keep_aside,
     rename_noreplace,
     saying_kept,
@@ -53,7 +55,7 @@ from qtool.io.commit import (
 from qtool.io.mounts import is_mount_point
 from qtool.io.safeopen import file_kind
 
-_TEMP_RE = re.compile(r"^\..+\.qtool-tmp-(\d+)-[0-9a-f]+$")
+_TEMP_RE = re.compile(r"\..+\.qtool-tmp-(\d+)-[0-9a-f]+\Z", re.DOTALL)  # names may hold \n
 STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are removed
 
 FileId = tuple[int, int]  # (st_dev, st_ino): what a file is, whatever path names it
@@ -92,9 +94,8 @@ class OutputSet:
         if key in _KEEP_FREE:  # checked free without force: this set's commit keeps it free
             _KEEP_FREE.discard(key)
             self._keep_free.add(final)
-        token = self._token
         while True:
-            temp = Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{token}")
+            temp = Temp(dir_fd, f".{final.name}.qtool-tmp-{os.getpid()}-{self._token}")
             self._temps.append(temp)  # first: a signal right after the open still removes it
             try:
                 fd = os.open(
@@ -109,7 +110,6 @@ class OutputSet:
             if _lock_own_temp(fd, temp):
                 break
             self._temps.pop()  # a cleanup took it before the lock: the name is gone, retry
-            token = secrets.token_hex(4)
         handle = os.fdopen(fd, "wb")
         self._files.append((temp, final, handle, last))
         return handle
@@ -295,7 +295,7 @@ def remove_stale_temps(directory: Path) -> int:
     A temp is stale when its lock can be taken: a live run, in any PID namespace, holds the lock
     of each of its temps until the commit (of its temp directory until its end). Where locks are
     not enforced (some network filesystems), only temps untouched for STALE_AGE_S are removed
-    (see tempdirs.py). A killed commit's second name of a file it replaced is put back when the
+    (see tempdirs.py). A killed commit's second name of a file it replaced is kept when the
     commit was cut short (see _settle_aside), so it is seen before the temps."""
     names = sorted(_temp_names(directory), key=lambda n: ASIDE_RE.match(n) is None)
     if not names:
@@ -311,7 +311,7 @@ def remove_stale_temps(directory: Path) -> int:
                         fd, name, locks_work=locks_work, max_age=STALE_AGE_S
                     )
                 elif ASIDE_RE.match(name):
-                    gone = _settle_aside(directory, name, names, locks_work)
+                    gone = _settle_aside(fd, directory, name, names, locks_work)
                 else:
                     gone = bool(_TEMP_RE.match(name)) and _remove_if_stale(
                         directory / name, locks_work
@@ -343,31 +343,35 @@ def _remove_if_stale(path: Path, locks_work: bool) -> bool:
         os.close(fd)
 
 
-def _settle_aside(directory: Path, name: str, names: Sequence[str], locks_work: bool) -> bool:
-    """A killed run's second name of a file its commit replaced: put back over the final name
-    when the same set left a temp beside it that is not renamed yet (the commit was cut short
-    between the renames: without this, an old quantized file would stay beside the new sidecar
-    and its own would be lost), removed when none is left (the run died after its renames).
-    Left alone while any temp of that set is held by a live run."""
+def _settle_aside(dir_fd: int, directory: Path, name: str, names: Sequence[str],
+                  locks_work: bool) -> bool:  # fmt: skip
+    """A killed run's second name of a file its commit replaced. Removed when the set left no
+    temp (the run died after its renames: its files are in place) or the final name holds
+    that very file; kept as `NAME.qtool-kept-<time>` when a temp of the set is left (the
+    commit was cut short: the old quantized file's own sidecar, say, which the new one
+    replaced). Never renamed over the final name: what is there by now (a newer run's file, a
+    name another user planted) is not known to be the killed run's. Left alone while any temp
+    of that set is held by a live run."""
     match = ASIDE_RE.match(name)
     assert match is not None
-    final, path, run = directory / match[1], directory / name, f".qtool-tmp-{match[2]}"
-    fd = _open_if_stale(path, locks_work)
+    run = f".qtool-tmp-{match[2]}"
+    fd = _open_if_stale(directory / name, locks_work)
     if fd is None:
         return False
     try:
         left = [n for n in names if n.endswith(run)]
         if not all(_is_stale(directory / n, locks_work) for n in left):
             return False  # the run is alive (its second name could not be locked) or raced
-        cut_short = bool(left)
         try:
-            replaced = not os.path.samestat(os.fstat(fd), os.stat(final, follow_symlinks=False))
+            in_place = os.path.samestat(
+                os.fstat(fd), os.stat(match[1], dir_fd=dir_fd, follow_symlinks=False)
+            )
         except FileNotFoundError:
-            replaced = True
-        if cut_short and replaced:
-            os.replace(path, final)
+            in_place = False
+        if left and not in_place:
+            keep_as_kept(dir_fd, name, match[1])
         else:
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False

@@ -115,11 +115,11 @@ class _Aside:
 
 def aside_name(name: str, token: str) -> str:
     """The second name of the file at `name` that a commit of the set `token` replaces: a
-    killed run's is put back or removed by the next run (atomic.remove_stale_temps)."""
+    killed run's is kept or removed by the next run (atomic.remove_stale_temps)."""
     return f".{name}.qtool-old-{os.getpid()}-{token}"
 
 
-ASIDE_RE = re.compile(r"^\.(.+)\.qtool-old-(\d+-[0-9a-f]+)$")  # (final name, pid-token)
+ASIDE_RE = re.compile(r"\.(.+)\.qtool-old-(\d+-[0-9a-f]+)\Z", re.DOTALL)  # (final, pid-token)
 
 
 def keep_aside(dir_fd: int, name: str, token: str) -> tuple[_Aside | None, bool]:
@@ -189,25 +189,30 @@ def withdraw(placed: Sequence[Placed]) -> list[str]:
 
 
 def _keep_outside(member: Placed) -> str:
-    """The name the replaced file of `member` is kept under once it cannot be put back:
-    `NAME.qtool-kept-<UTC time>`, which no cleanup takes (the next run's cleanup would remove
-    its second name, or put it back over what is by then a newer file), or that second name
-    where even this rename fails."""
+    """The name the replaced file of `member` is kept under once it cannot be put back
+    (keep_as_kept)."""
     assert member.aside is not None
-    dir_fd, aside = member.temp.dir_fd, member.aside.name
+    kept = keep_as_kept(member.temp.dir_fd, member.aside.name, member.final.name)
+    member.aside.release()
+    member.aside = None
+    return kept
+
+
+def keep_as_kept(dir_fd: int, aside: str, final_name: str) -> str:
+    """Rename the second name `aside` of a replaced file to `NAME.qtool-kept-<UTC time>`, which
+    no cleanup takes and nothing is renamed over (the next run's cleanup would remove a second
+    name left as it is); returns the name the file has after it (`aside` where even this
+    rename fails)."""
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     try:
         ours = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
         for n in range(100):
-            name = f"{member.final.name}.qtool-kept-{when}" + (f"-{n}" if n else "")
+            name = f"{final_name}.qtool-kept-{when}" + (f"-{n}" if n else "")
             with contextlib.suppress(FileExistsError):
                 rename_noreplace(dir_fd, aside, name, ours)
-                aside = name
-                break
+                return name
     except OSError:
         pass
-    member.aside.release()
-    member.aside = None
     return aside
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from qtool.io import renames
 
-TEMP_DIR_RE = re.compile(r"^\.(.+)\.qtool-(tmp|old)-(\d+)-[0-9a-f]+$")
+TEMP_DIR_RE = re.compile(r"\.(.+)\.qtool-(tmp|old)-(\d+)-[0-9a-f]+\Z", re.DOTALL)
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)  # what a held lock answers
 
 

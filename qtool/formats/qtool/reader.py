@@ -4,6 +4,8 @@ place that dequantizes through a sidecar: dequantize, compare and plots all read
 
 from __future__ import annotations
 
+import contextlib
+import glob
 from pathlib import Path
 
 import torch
@@ -171,8 +173,19 @@ def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkp
         raise SidecarError(
             side_path,
             f"does not belong to {src.name} (binding digest mismatch: from another run or "
-            "file, or one of the two was edited); re-run quantize to produce a matching pair",
+            "file, or one of the two was edited); re-run quantize to produce a matching pair"
+            + _kept_hint(side_path),
         )
+
+
+def _kept_hint(side_path: Path) -> str:
+    """Where a sidecar that a killed `--force` run replaced was kept (io/atomic.py), if any."""
+    with contextlib.suppress(OSError):
+        kept = sorted(side_path.parent.glob(glob.escape(side_path.name) + ".qtool-kept-*"))
+        if kept:
+            return (f", or, if {kept[-1].name} beside it is the sidecar a killed --force run "
+                    f"replaced, move it back to {side_path.name}")  # fmt: skip
+    return ""
 
 
 def _check_pair(

@@ -1,7 +1,9 @@
-"""A `--force` run killed inside its commit loses neither pair: the next run in that directory
-puts the replaced files back when the kill cut the commit short (the old quantized file beside
-its own sidecar again), and drops them when every rename had happened (the new pair stays).
-Each kill is a SIGKILL of a real `qtool quantize` at one system call of the commit."""
+"""A `--force` run killed inside its commit loses neither pair: when the kill cut the commit
+short (the new sidecar in place, the old quantized file not yet replaced), the next run in that
+directory keeps the old sidecar as `q.qparams.safetensors.qtool-kept-<time>` (moved back, the old
+pair reads again) instead of removing it as a temp; when every rename had happened, the second
+names go and the new pair stays. Nothing is ever renamed over a final name by a cleanup. Each
+kill is a SIGKILL of a real `qtool quantize` at one system call of the commit."""
 
 from __future__ import annotations
 
@@ -59,12 +61,17 @@ def _pair(out: Path) -> tuple[bytes, bytes]:
     return out.read_bytes(), sidecar_path(out).read_bytes()
 
 
+def _kept(directory: Path) -> dict[str, bytes]:
+    return {p.name.split(".qtool-kept-")[0]: p.read_bytes()
+            for p in directory.iterdir() if ".qtool-kept-" in p.name}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("point", "survivor"),
-    [("sidecar-renamed", "old"), ("quantized-kept-aside", "old"), ("both-renamed", "new")],
+    ("point", "cut_short"),
+    [("sidecar-renamed", True), ("quantized-kept-aside", True), ("both-renamed", False)],
 )
-def test_a_commit_killed_at_each_step_leaves_one_whole_pair(
-    tmp_path: Path, point: str, survivor: str
+def test_a_commit_killed_at_each_step_loses_neither_pair(
+    tmp_path: Path, point: str, cut_short: bool
 ) -> None:
     src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
     checkpoint(src, tensors=2)
@@ -79,8 +86,22 @@ def test_a_commit_killed_at_each_step_leaves_one_whole_pair(
     # the next run writing into the directory (another output) settles it
     assert _quantize(src, tmp_path / "other.safetensors") == 0
     assert leftovers(tmp_path) == []
-    assert _pair(out) == (old if survivor == "old" else new)
-    QtoolReader(out).close()  # the pair belongs together
+    if not cut_short:
+        assert _pair(out) == new and _kept(tmp_path) == {}
+        QtoolReader(out).close()
+        return
+    assert _pair(out) == (old[0], new[1])  # as the kill left them
+    assert _kept(tmp_path) == {sidecar_path(out).name: old[1]}
+    (kept,) = tmp_path.glob("*.qtool-kept-*")
+    argv = ["dequantize", str(out), "-o", str(tmp_path / "d.safetensors")]
+    refused = subprocess.run([sys.executable, "-m", "qtool", *argv], capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert f"if {kept.name} beside it is the sidecar a killed --force run replaced" in (
+        refused.stderr
+    )
+    kept.replace(sidecar_path(out))  # what the docs tell a user to do
+    assert _pair(out) == old
+    QtoolReader(out).close()  # the old pair, whole
 
 
 def test_a_second_name_beside_a_live_runs_temp_is_left_alone(tmp_path: Path) -> None:
@@ -98,8 +119,9 @@ def test_a_second_name_beside_a_live_runs_temp_is_left_alone(tmp_path: Path) -> 
         assert aside.read_bytes() == b"old" and temp.exists()
     finally:
         os.close(fd)
-    assert remove_stale_temps(tmp_path) == 2  # once it is dead: put back, temp removed
-    assert (tmp_path / "q.safetensors").read_bytes() == b"old"
+    assert remove_stale_temps(tmp_path) == 2  # once it is dead: kept, temp removed
+    assert (tmp_path / "q.safetensors").read_bytes() == b"new"
+    assert _kept(tmp_path) == {"q.safetensors": b"old"}
     assert leftovers(tmp_path) == []
 
 
@@ -108,5 +130,32 @@ def test_another_runs_temp_does_not_make_a_done_commit_look_cut_short(tmp_path: 
     (tmp_path / ".q.safetensors.qtool-old-1-00aa").write_bytes(b"old")
     (tmp_path / ".q.qparams.safetensors.qtool-tmp-1-00bb").write_bytes(b"partial")  # not its set
     assert remove_stale_temps(tmp_path) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["q.safetensors"]
     assert (tmp_path / "q.safetensors").read_bytes() == b"new"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the planted names another owner (root only)")
+def test_names_planted_by_another_user_never_replace_a_file(tmp_path: Path) -> None:
+    """In a shared sticky directory anyone may create a second name and a temp of a made-up
+    set, or copy the set of another user's leftover temp: root's cleanup never renames over
+    the file at the final name (at worst the planted file is kept under a kept name)."""
+    tmp_path.chmod(0o1777)
+    (tmp_path / "q.safetensors").write_bytes(b"mine")
+    planted = [tmp_path / ".q.safetensors.qtool-old-1-00aa",
+               tmp_path / ".q.qparams.safetensors.qtool-tmp-1-00aa"]  # fmt: skip
+    for p in planted:
+        p.write_bytes(b"theirs")
+        os.chown(p, 65534, 65534)
+    remove_stale_temps(tmp_path)
+    assert (tmp_path / "q.safetensors").read_bytes() == b"mine"
     assert leftovers(tmp_path) == []
+
+
+def test_a_second_name_whose_name_holds_a_newline_is_settled(tmp_path: Path) -> None:
+    final = tmp_path / "q\n.safetensors"
+    final.write_bytes(b"new")
+    (tmp_path / ".q\n.safetensors.qtool-old-1-00aa").write_bytes(b"old")
+    (tmp_path / ".q\n.qparams.safetensors.qtool-tmp-1-00aa").write_bytes(b"partial")
+    assert remove_stale_temps(tmp_path) == 2
+    assert final.read_bytes() == b"new"
+    assert _kept(tmp_path) == {"q\n.safetensors": b"old"}

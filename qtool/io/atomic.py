@@ -55,7 +55,7 @@ from qtool.io.commit import (
 from qtool.io.mounts import is_mount_point
 from qtool.io.safeopen import file_kind
 
-_TEMP_RE = re.compile(r"\..+\.qtool-tmp-(\d+)-[0-9a-f]+\Z", re.DOTALL)  # names may hold \n
+_TEMP_RE = re.compile(r"\..+\.qtool-tmp-(\d+-[0-9a-f]+)\Z", re.DOTALL)  # names may hold \n
 STALE_AGE_S = 24 * 3600  # where locks are not enforced, only temps this old are removed
 
 FileId = tuple[int, int]  # (st_dev, st_ino): what a file is, whatever path names it
@@ -296,7 +296,9 @@ def remove_stale_temps(directory: Path) -> int:
     of each of its temps until the commit (of its temp directory until its end). Where locks are
     not enforced (some network filesystems), only temps untouched for STALE_AGE_S are removed
     (see tempdirs.py). A killed commit's second name of a file it replaced is kept when the
-    commit was cut short (see _settle_aside), so it is seen before the temps."""
+    commit was cut short (see _settle_aside), so it is seen before the temps, and a temp is
+    left while a second name of its set is still there (locked by someone, or not renamable):
+    its presence is what says the commit was cut short."""
     names = sorted(_temp_names(directory), key=lambda n: ASIDE_RE.match(n) is None)
     if not names:
         return 0
@@ -313,13 +315,25 @@ def remove_stale_temps(directory: Path) -> int:
                 elif ASIDE_RE.match(name):
                     gone = _settle_aside(fd, directory, name, names, locks_work)
                 else:
-                    gone = bool(_TEMP_RE.match(name)) and _remove_if_stale(
-                        directory / name, locks_work
+                    temp = _TEMP_RE.match(name)
+                    gone = (
+                        temp is not None
+                        and not _set_has_aside(fd, names, temp[1])
+                        and _remove_if_stale(directory / name, locks_work)
                     )
                 removed += gone
         finally:
             os.close(fd)
     return removed
+
+
+def _set_has_aside(dir_fd: int, names: Sequence[str], pid_token: str) -> bool:
+    """Whether a second name of the output set `pid_token` is still in the directory."""
+    for name in names:
+        match = ASIDE_RE.match(name)
+        if match and match[2] == pid_token and tempdirs.lstat_at(dir_fd, name) is not None:
+            return True
+    return False
 
 
 def _temp_names(directory: Path) -> list[str]:
@@ -369,9 +383,8 @@ def _settle_aside(dir_fd: int, directory: Path, name: str, names: Sequence[str],
         except FileNotFoundError:
             in_place = False
         if left and not in_place:
-            keep_as_kept(dir_fd, name, match[1])
-        else:
-            os.unlink(name, dir_fd=dir_fd)
+            return keep_as_kept(dir_fd, name, match[1]) != name  # else tried again next run
+        os.unlink(name, dir_fd=dir_fd)
         return True
     except OSError:
         return False
@@ -384,6 +397,8 @@ def _open_if_stale(path: Path, locks_work: bool) -> int | None:
     until the descriptor is closed), or, where locks are not enforced, untouched for
     STALE_AGE_S; else None."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None  # never opened: a device node planted under a temp's name
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None

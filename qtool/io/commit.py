@@ -13,6 +13,7 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -200,14 +201,13 @@ def _keep_outside(member: Placed) -> str:
 
 def keep_as_kept(dir_fd: int, aside: str, final_name: str) -> str:
     """Rename the second name `aside` of a replaced file to `NAME.qtool-kept-<UTC time>`, which
-    no cleanup takes and nothing is renamed over (the next run's cleanup would remove a second
-    name left as it is); returns the name the file has after it (`aside` where even this
-    rename fails)."""
+    no cleanup takes and nothing is renamed over; returns the name the file has after it
+    (`aside` where even this rename fails, a name too long for the filesystem say)."""
     when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     try:
         ours = os.stat(aside, dir_fd=dir_fd, follow_symlinks=False)
-        for n in range(100):
-            name = f"{final_name}.qtool-kept-{when}" + (f"-{n}" if n else "")
+        for n in range(100):  # a random suffix: names planted ahead cannot use up the tries
+            name = f"{final_name}.qtool-kept-{when}" + (f"-{secrets.token_hex(4)}" if n else "")
             with contextlib.suppress(FileExistsError):
                 rename_noreplace(dir_fd, aside, name, ours)
                 return name

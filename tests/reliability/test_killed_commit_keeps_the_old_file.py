@@ -159,3 +159,50 @@ def test_a_second_name_whose_name_holds_a_newline_is_settled(tmp_path: Path) -> 
     assert remove_stale_temps(tmp_path) == 2
     assert final.read_bytes() == b"new"
     assert _kept(tmp_path) == {"q\n.safetensors": b"old"}
+
+
+def test_a_temp_stays_while_its_sets_second_name_cannot_be_settled(tmp_path: Path) -> None:
+    """Someone holds a lock on the second name (any reader can): the temp that says the commit
+    was cut short stays too, so the next run still keeps the file instead of removing it."""
+    (tmp_path / "q.qparams.safetensors").write_bytes(b"new")
+    aside = tmp_path / ".q.qparams.safetensors.qtool-old-1-00aa"
+    aside.write_bytes(b"old")
+    temp = tmp_path / ".q.safetensors.qtool-tmp-1-00aa"
+    temp.write_bytes(b"whole")
+    fd = os.open(aside, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert remove_stale_temps(tmp_path) == 0
+        assert aside.exists() and temp.exists()
+    finally:
+        os.close(fd)
+    assert remove_stale_temps(tmp_path) == 2
+    assert _kept(tmp_path) == {"q.qparams.safetensors": b"old"}
+    assert leftovers(tmp_path) == []
+
+
+def test_a_second_name_that_cannot_be_kept_is_never_removed(tmp_path: Path) -> None:
+    """A final name so long that its kept name is over NAME_MAX (255 bytes) while its second
+    name fits: both names stay, run after run, rather than the file being lost."""
+    final = "q" * 230
+    aside = tmp_path / f".{final}.qtool-old-1-00aa"
+    aside.write_bytes(b"old")
+    (tmp_path / final).write_bytes(b"new")
+    temp = tmp_path / ".q.safetensors.qtool-tmp-1-00aa"
+    temp.write_bytes(b"whole")
+    for _ in range(2):
+        assert remove_stale_temps(tmp_path) == 0
+        assert aside.read_bytes() == b"old" and temp.exists()
+
+
+def test_the_hint_names_only_a_kept_name_qtool_gives(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.safetensors", tmp_path / "q.safetensors"
+    checkpoint(src, tensors=1)
+    assert _quantize(src, out) == 0
+    assert _quantize(src, tmp_path / "r.safetensors", "--scheme", "asym") == 0
+    sidecar_path(out).write_bytes(sidecar_path(tmp_path / "r.safetensors").read_bytes())
+    (tmp_path / "q.qparams.safetensors.qtool-kept-zz").write_bytes(b"planted")
+    argv = ["dequantize", str(out), "-o", str(tmp_path / "d.safetensors")]
+    refused = subprocess.run([sys.executable, "-m", "qtool", *argv], capture_output=True, text=True)
+    assert refused.returncode == 1 and "does not belong" in refused.stderr
+    assert "qtool-kept" not in refused.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import re
 from pathlib import Path
 
 import torch
@@ -178,12 +179,22 @@ def _check_binding(src: Path, ckpt: Checkpoint, side_path: Path, sidecar: Checkp
         )
 
 
+_KEPT = re.compile(r"\.qtool-kept-\d{8}T\d{6}Z(-[0-9a-f]{8})?")
+
+
 def _kept_hint(side_path: Path) -> str:
-    """Where a sidecar that a killed `--force` run replaced was kept (io/atomic.py), if any."""
+    """Where a sidecar that a killed `--force` run replaced was kept (io/commit.keep_as_kept),
+    if any: the newest such name beside it owned by the sidecar's owner (not a name another
+    user planted in a shared directory)."""
     with contextlib.suppress(OSError):
-        kept = sorted(side_path.parent.glob(glob.escape(side_path.name) + ".qtool-kept-*"))
+        owner = side_path.stat().st_uid
+        kept = sorted(
+            p.name
+            for p in side_path.parent.glob(glob.escape(side_path.name) + ".qtool-kept-*")
+            if _KEPT.fullmatch(p.name, len(side_path.name)) and p.lstat().st_uid == owner
+        )
         if kept:
-            return (f", or, if {kept[-1].name} beside it is the sidecar a killed --force run "
+            return (f", or, if {kept[-1]} beside it is the sidecar a killed --force run "
                     f"replaced, move it back to {side_path.name}")  # fmt: skip
     return ""
 

@@ -165,8 +165,7 @@ def withdraw(placed: Sequence[Placed]) -> list[str]:
     a final name still holds our file, the file it replaced is put back (or, if it replaced
     nothing, the name removed; one that replaced what could not be kept aside stays: removing
     it would lose both). A replaced file that cannot be put back is kept under a name no
-    cleanup takes; returned: where each such file is, for the
-    error."""
+    cleanup takes; returned: where each such file is, for the error."""
     kept: list[str] = []
     for member in reversed(placed):
         dir_fd, name = member.temp.dir_fd, member.final.name

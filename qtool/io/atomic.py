@@ -6,8 +6,9 @@ fsynced. Files created with `last=True` (the file a user opens: the quantized fi
 are renamed after all the others, so whenever one exists under its final name, everything it
 refers to is already in place. On any exception every temp file is removed and no final name is
 touched. A SIGKILL can leave temp files; they never look like output, and the next run in that
-directory removes those that no live run holds: every temp is locked (flock) from its creation
-until after its rename, and the kernel drops the lock of a dead process in any PID namespace.
+directory removes those that no live run holds (remove_stale_temps): every temp is locked (flock)
+from its creation until after its rename, and the kernel drops the lock of a dead process in any
+PID namespace.
 A file a `force` commit replaces keeps a second name until the commit is done; after a kill the
 next run keeps it as `<name>.qtool-kept-<time>` when the commit was cut short
 (remove_stale_temps).
@@ -290,7 +291,8 @@ def write_file(final: Path, data: bytes) -> None:
 
 def remove_stale_temps(directory: Path) -> int:
     """Delete the temp files and temp directories left in `directory` by qtool runs that were
-    killed (an old export a killed `--force` had moved aside is put back); return the count.
+    killed (an old export a killed `--force` had moved aside is put back, a file a cut-short
+    commit replaced is kept); return how many names were settled.
 
     A temp is stale when its lock can be taken: a live run, in any PID namespace, holds the lock
     of each of its temps until the commit (of its temp directory until its end). Where locks are
@@ -328,11 +330,14 @@ def remove_stale_temps(directory: Path) -> int:
 
 
 def _set_has_aside(dir_fd: int, names: Sequence[str], pid_token: str) -> bool:
-    """Whether a second name of the output set `pid_token` is still in the directory."""
+    """Whether a second name of the output set `pid_token` is still in the directory (a
+    regular file: one of a replaced symlink is never settled, and must not hold the temps)."""
     for name in names:
         match = ASIDE_RE.match(name)
-        if match and match[2] == pid_token and tempdirs.lstat_at(dir_fd, name) is not None:
-            return True
+        if match and match[2] == pid_token:
+            st = tempdirs.lstat_at(dir_fd, name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return True
     return False
 
 

@@ -206,3 +206,14 @@ def test_the_hint_names_only_a_kept_name_qtool_gives(tmp_path: Path) -> None:
     refused = subprocess.run([sys.executable, "-m", "qtool", *argv], capture_output=True, text=True)
     assert refused.returncode == 1 and "does not belong" in refused.stderr
     assert "qtool-kept" not in refused.stderr
+
+
+def test_a_replaced_symlinks_second_name_does_not_hold_the_temps(tmp_path: Path) -> None:
+    """An output name that was a symlink: its second name is a link to the symlink, which no
+    cleanup opens; the set's temp (maybe gigabytes) is still removed."""
+    (tmp_path / "q.safetensors").write_bytes(b"new")
+    os.symlink("elsewhere", tmp_path / ".q.qparams.safetensors.qtool-old-1-00aa")
+    temp = tmp_path / ".q.safetensors.qtool-tmp-1-00aa"
+    temp.write_bytes(b"whole")
+    assert remove_stale_temps(tmp_path) == 1
+    assert not temp.exists()

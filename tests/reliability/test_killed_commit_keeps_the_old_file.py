@@ -7,10 +7,12 @@ kill is a SIGKILL of a real `qtool quantize` at one system call of the commit.""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -104,21 +106,35 @@ def test_a_commit_killed_at_each_step_loses_neither_pair(
     QtoolReader(out).close()  # the old pair, whole
 
 
+def _cut_short(directory: Path, final: str, other: str) -> tuple[Path, Path]:
+    """What the set 1-00aa's commit leaves when killed after replacing `final` (b"new" there)
+    and before renaming `other`: `final`'s second name (b"old") and `other`'s temp."""
+    (directory / final).write_bytes(b"new")
+    aside = directory / f".{final}.qtool-old-1-00aa"
+    aside.write_bytes(b"old")
+    temp = directory / f".{other}.qtool-tmp-1-00aa"
+    temp.write_bytes(b"whole")
+    return aside, temp
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """`path`'s lock held, as a live run (or any reader) can."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def test_a_second_name_beside_a_live_runs_temp_is_left_alone(tmp_path: Path) -> None:
     """A second name nobody could lock (the replaced file was unreadable) while the set's temp
     is held: the run is alive and may still put the file back itself."""
-    (tmp_path / "q.safetensors").write_bytes(b"new")
-    aside = tmp_path / ".q.safetensors.qtool-old-1-00aa"
-    aside.write_bytes(b"old")
-    temp = tmp_path / ".q.qparams.safetensors.qtool-tmp-1-00aa"
-    temp.write_bytes(b"partial")
-    fd = os.open(temp, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # the live run's lock
+    aside, temp = _cut_short(tmp_path, "q.safetensors", "q.qparams.safetensors")
+    with _locked(temp):  # the live run's lock
         assert remove_stale_temps(tmp_path) == 0
         assert aside.read_bytes() == b"old" and temp.exists()
-    finally:
-        os.close(fd)
     assert remove_stale_temps(tmp_path) == 2  # once it is dead: kept, temp removed
     assert (tmp_path / "q.safetensors").read_bytes() == b"new"
     assert _kept(tmp_path) == {"q.safetensors": b"old"}
@@ -152,30 +168,19 @@ def test_names_planted_by_another_user_never_replace_a_file(tmp_path: Path) -> N
 
 
 def test_a_second_name_whose_name_holds_a_newline_is_settled(tmp_path: Path) -> None:
-    final = tmp_path / "q\n.safetensors"
-    final.write_bytes(b"new")
-    (tmp_path / ".q\n.safetensors.qtool-old-1-00aa").write_bytes(b"old")
-    (tmp_path / ".q\n.qparams.safetensors.qtool-tmp-1-00aa").write_bytes(b"partial")
+    _cut_short(tmp_path, "q\n.safetensors", "q\n.qparams.safetensors")
     assert remove_stale_temps(tmp_path) == 2
-    assert final.read_bytes() == b"new"
+    assert (tmp_path / "q\n.safetensors").read_bytes() == b"new"
     assert _kept(tmp_path) == {"q\n.safetensors": b"old"}
 
 
 def test_a_temp_stays_while_its_sets_second_name_cannot_be_settled(tmp_path: Path) -> None:
     """Someone holds a lock on the second name (any reader can): the temp that says the commit
     was cut short stays too, so the next run still keeps the file instead of removing it."""
-    (tmp_path / "q.qparams.safetensors").write_bytes(b"new")
-    aside = tmp_path / ".q.qparams.safetensors.qtool-old-1-00aa"
-    aside.write_bytes(b"old")
-    temp = tmp_path / ".q.safetensors.qtool-tmp-1-00aa"
-    temp.write_bytes(b"whole")
-    fd = os.open(aside, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    aside, temp = _cut_short(tmp_path, "q.qparams.safetensors", "q.safetensors")
+    with _locked(aside):
         assert remove_stale_temps(tmp_path) == 0
         assert aside.exists() and temp.exists()
-    finally:
-        os.close(fd)
     assert remove_stale_temps(tmp_path) == 2
     assert _kept(tmp_path) == {"q.qparams.safetensors": b"old"}
     assert leftovers(tmp_path) == []
